@@ -1,0 +1,79 @@
+"""The ``spmd-rl`` command line (typer). User errors exit with code 2 and name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from spmd_rl.config.errors import ConfigError
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.plan import render
+from spmd_rl.config.rules import check
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="SPMD RL post-training: validate, plan, train, eval.")
+
+ConfigArg = typer.Argument(..., help="YAML config file.", show_default=False)
+OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. actor.lr=1e-5 rollout.n=8.", show_default=False)
+WorldOpt = typer.Option(None, "--world-size", help="World size to validate for (default: parallel.nnodes x nproc_per_node).")
+NprocOpt = typer.Option(None, "--nproc-per-node", help="Ranks per node (default: parallel.nproc_per_node).")
+
+
+def _fail(exc: ConfigError) -> None:
+    typer.echo(f"INVALID {exc}", err=True)
+    raise typer.Exit(code=exc.exit_code)
+
+
+def _checked(config: Path, overrides: list[str] | None, world: int | None, nproc: int | None):
+    try:
+        cfg = load_config(config, overrides or [])
+        lay, violations = check(cfg, world, nproc)
+        if violations:
+            raise ConfigError(violations, str(config))
+    except ConfigError as exc:
+        _fail(exc)
+    return cfg, lay
+
+
+@app.command()
+def validate(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    world_size: Optional[int] = WorldOpt,
+    nproc_per_node: Optional[int] = NprocOpt,
+) -> None:
+    """Check types and every cross-field rule; print each violation on one line. Exit 0 valid, 2 invalid."""
+    cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
+    typer.echo(
+        f"OK {config}: world {lay.world} ({lay.nnodes} node(s) x {lay.nproc_per_node}), "
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}, gen dp={lay.gen.dp} tp={lay.gen.tp}, "
+        f"{cfg.algorithm.name} G={cfg.data.global_batch_size} N={cfg.rollout.n}"
+    )
+
+
+@app.command()
+def plan(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    world_size: Optional[int] = WorldOpt,
+    nproc_per_node: Optional[int] = NprocOpt,
+    bandwidth_gbps: float = typer.Option(
+        0.29296875, "--bandwidth-gbps", help="Inter-node link bandwidth in GB/s (1 GB = 1024^3 B); default 300 MB/s as in the paper."
+    ),
+) -> None:
+    """Print both layouts rank by rank, per-rank memory, redundant memory R (Eq. 3) and TCV (Eqs. 2, 4)."""
+    if bandwidth_gbps <= 0:
+        typer.echo("INVALID --bandwidth-gbps must be > 0", err=True)
+        raise typer.Exit(code=2)
+    cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
+    typer.echo(render(cfg, ModelArch.from_folder(cfg.model.path), lay, bandwidth_gbps))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

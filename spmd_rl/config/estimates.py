@@ -1,0 +1,82 @@
+"""Closed-form estimates printed by ``spmd-rl plan``: per-rank memory of both engine states,
+the paper's redundant memory R (Eq. 3) and the sample-flow volumes TCV (Eqs. 2 and 4).
+
+Units follow the paper: 1 GB = 1024**3 bytes, 1 MB = 1024**2 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_rl.config.layout import Layouts
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.schema import Config
+
+GB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def tcv_centralized(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int) -> float:
+    """Paper Eq. (2): TCV = G x N x B x (2PL + 3n x SL + 8M) / 1024^3  [GB] through one buffer."""
+    return G * N * B * (2 * PL + 3 * n * SL + 8 * M) / GB
+
+
+def tcv_per_warehouse(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, C: int, S: int) -> float:
+    """Paper Eq. (4): TCV = G x N x B x [2PL + 3n x SL + 8(C+1)M] / S / 1024^3  [GB] per warehouse,
+    with C controllers and S warehouses."""
+    return G * N * B * (2 * PL + 3 * n * SL + 8 * (C + 1) * M) / S / GB
+
+
+def dispatch_seconds(tcv_gb: float, bandwidth_gb_s: float) -> float:
+    """Time to move ``tcv_gb`` over one link of ``bandwidth_gb_s`` (GB/s, 1 GB = 1024^3 B)."""
+    return tcv_gb / bandwidth_gb_s
+
+
+def redundant_memory(gdp: int, utp: int, tw_bytes: float, gep: int = 1, ew_bytes: float = 0.0) -> float:
+    """Paper Eq. (3): R = GDP x (TW/UTP + EW/GEP), the redundant bytes the naive resharding
+    keeps (TW: TP-split weights, EW: expert weights, GDP/GEP: generation DP/EP, UTP: update TP)."""
+    return gdp * (tw_bytes / utp + ew_bytes / gep)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds, by category."""
+
+    train_params: int
+    train_grads: int
+    train_optim: int
+    gen_weights: int
+    kv_cache: int
+    temp_buffer: int
+
+    @property
+    def train_state(self) -> int:
+        return self.train_params + self.train_grads + self.train_optim
+
+    def generation_peak(self, swap: bool) -> int:
+        """Peak during the generation stage: allgather-swap keeps only the generation weights,
+        the KV cache and one gather bucket on the device; the naive path keeps the training
+        state resident as well."""
+        return self.gen_weights + self.kv_cache + self.temp_buffer + (0 if swap else self.train_state)
+
+
+def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
+    """Per-rank bytes. FSDP2 shards every training tensor over dp_shard after TP has split the
+    TP-split ones; AdamW keeps two states per parameter in the master dtype. vLLM keeps the
+    TP slice of split tensors and a full copy of replicated ones."""
+    pb = DTYPE_BYTES[cfg.actor.param_dtype]
+    gb = DTYPE_BYTES[cfg.model.dtype]
+    train_numel = gen_numel = 0
+    for t in arch.tensors():
+        local = t.numel // lay.train.tp if t.tp_split else t.numel
+        train_numel += -(-local // lay.train.dp)
+        gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
+    temp = max(cfg.reshard.bucket_bytes, arch.largest_tensor_numel() * gb)
+    return RankMemory(
+        train_params=train_numel * pb,
+        train_grads=train_numel * pb,
+        train_optim=2 * train_numel * pb,
+        gen_weights=gen_numel * gb,
+        kv_cache=int(cfg.rollout.kv_cache_gib * GB),
+        temp_buffer=temp,
+    )

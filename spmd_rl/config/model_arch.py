@@ -1,0 +1,99 @@
+"""The parameter inventory of a decoder-only HF model, read from its ``config.json`` alone.
+
+Used by validation (head counts, max positions) and by the memory/resharding estimates: every
+tensor is listed with its element count and whether tensor parallelism splits it. Embedding
+and LM head are vocab-parallel (split); attention and MLP projections are column/row parallel
+(split, biases follow their weight); norms are replicated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    numel: int
+    tp_split: bool
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelArch":
+        model_type = cfg.get("model_type", "?")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_positions=int(cfg.get("max_position_embeddings", 0)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelArch":
+        return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor with HF names (layer tensors listed per layer)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        out = [Tensor("model.embed_tokens.weight", self.vocab_size * h, True)]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out += [
+                Tensor(p + "input_layernorm.weight", h, False),
+                Tensor(p + "self_attn.q_proj.weight", q * h, True),
+                Tensor(p + "self_attn.k_proj.weight", kv * h, True),
+                Tensor(p + "self_attn.v_proj.weight", kv * h, True),
+                Tensor(p + "self_attn.o_proj.weight", h * q, True),
+                Tensor(p + "post_attention_layernorm.weight", h, False),
+                Tensor(p + "mlp.gate_proj.weight", self.intermediate_size * h, True),
+                Tensor(p + "mlp.up_proj.weight", self.intermediate_size * h, True),
+                Tensor(p + "mlp.down_proj.weight", h * self.intermediate_size, True),
+            ]
+            if self.qkv_bias:
+                out += [Tensor(p + f"self_attn.{n}_proj.bias", s, True) for n, s in (("q", q), ("k", kv), ("v", kv))]
+            if self.qk_norm:
+                out += [Tensor(p + "self_attn.q_norm.weight", d, False), Tensor(p + "self_attn.k_norm.weight", d, False)]
+        out.append(Tensor("model.norm.weight", h, False))
+        if not self.tie_word_embeddings:
+            out.append(Tensor("lm_head.weight", self.vocab_size * h, True))
+        return out
+
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors())
+
+    def split_numel(self) -> int:
+        """Elements of tensors that TP splits (the paper's TW, in elements)."""
+        return sum(t.numel for t in self.tensors() if t.tp_split)
+
+    def largest_tensor_numel(self) -> int:
+        return max(t.numel for t in self.tensors())

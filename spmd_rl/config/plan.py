@@ -1,0 +1,91 @@
+"""Text of ``spmd-rl plan``: both layouts rank by rank, per-rank memory, R (Eq. 3), TCV (Eqs. 2/4)."""
+
+from __future__ import annotations
+
+from spmd_rl.config.estimates import (
+    DTYPE_BYTES,
+    GB,
+    dispatch_seconds,
+    rank_memory,
+    redundant_memory,
+    tcv_centralized,
+    tcv_per_warehouse,
+)
+from spmd_rl.config.layout import Layouts
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.schema import Config
+from spmd_rl.config.stages import flow_counts, stages_for, written_columns
+
+SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GB:10.3f} GiB"
+
+
+def layout_lines(lay: Layouts) -> list[str]:
+    lines = [
+        f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}; gen dp={lay.gen.dp} tp={lay.gen.tp}",
+        f"{'rank':>5} {'node':>5} {'train(dp,tp)':>13} {'gen(dp,tp)':>11}  roles",
+    ]
+    for r in range(lay.world):
+        tdp, ttp = lay.train.coords(r)
+        gdp, gtp = lay.gen.coords(r)
+        roles = []
+        if r == lay.train.dp_group_leader(tdp):
+            roles.append("train-DP-leader")
+        if r == lay.gen.dp_group_leader(gdp):
+            roles.append("gen-DP-leader")
+        if r % lay.nproc_per_node == 0:
+            roles.append("warehouse")
+        lines.append(f"{r:>5} {lay.node_of(r):>5} {f'({tdp},{ttp})':>13} {f'({gdp},{gtp})':>11}  {' '.join(roles)}")
+    return lines
+
+
+def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
+    mem = rank_memory(cfg, arch, lay)
+    gen_bytes = DTYPE_BYTES[cfg.model.dtype]
+    tw = arch.split_numel() * gen_bytes
+    r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp, tw)
+    return [
+        f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
+        f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
+        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW):",
+        f"  params {_gib(mem.train_params)}   grads {_gib(mem.train_grads)}   optimizer {_gib(mem.train_optim)}",
+        "per-rank generation state:",
+        f"  weights {_gib(mem.gen_weights)}   KV cache {_gib(mem.kv_cache)}   gather bucket {_gib(mem.temp_buffer)}",
+        "peak device memory in the generation stage:",
+        f"  naive resharding (training state resident) {_gib(mem.generation_peak(swap=False))}",
+        f"  allgather-swap (training state on host)    {_gib(mem.generation_peak(swap=True))}",
+        f"  saved per rank                             {_gib(mem.train_state)}",
+        "redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
+        f"  R = GDP x TW/UTP = {lay.gen.dp} x TW/{lay.train.tp} = {_gib(r_eq3).strip()}"
+        f"  (per device TW/UTP = {_gib(tw / lay.train.tp).strip()}); with allgather-swap R = 0",
+    ]
+
+
+def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
+    stages = stages_for(cfg)
+    n, m, c = flow_counts(stages)
+    G, N = cfg.data.global_batch_size, cfg.rollout.n
+    PL, SL, S = cfg.data.max_prompt_length, cfg.rollout.max_response_length, lay.nnodes
+    central = tcv_centralized(G, N, SCALAR_BYTES, PL, SL, n, m)
+    per_wh = tcv_per_warehouse(G, N, SCALAR_BYTES, PL, SL, n, m, c, S)
+    return [
+        f"stages (C = {c} controllers): {' -> '.join(s.name for s in stages)}",
+        f"columns: {', '.join(written_columns(stages))}  (n = {n} response-length items, M = {m} scalars incl. index)",
+        f"G={G} N={N} PL={PL} SL={SL} B={SCALAR_BYTES} S={S} warehouse(s)",
+        f"  centralized buffer TCV, Eq. (2):   {central:12.6f} GB   dispatch {dispatch_seconds(central, bandwidth_gb_s):10.3f} s",
+        f"  per warehouse TCV, Eq. (4):        {per_wh:12.6f} GB   dispatch {dispatch_seconds(per_wh, bandwidth_gb_s):10.3f} s",
+        f"  (at {bandwidth_gb_s:g} GB/s per link; warehouses serve in parallel; ratio {central / per_wh:.2f}x)",
+    ]
+
+
+def render(cfg: Config, arch: ModelArch, lay: Layouts, bandwidth_gb_s: float) -> str:
+    sections = (
+        ("Layouts", layout_lines(lay)),
+        ("Memory", memory_lines(cfg, arch, lay)),
+        ("Sample flow", flow_lines(cfg, lay, bandwidth_gb_s)),
+    )
+    return "\n".join(f"== {title} ==\n" + "\n".join(lines) + "\n" for title, lines in sections)

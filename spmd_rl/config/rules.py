@@ -1,0 +1,160 @@
+"""Cross-field validation: every rule that relates fields to each other, to the world size, to
+the model's config.json or to files on disk. ``check`` returns all violations at once and
+loads no weights and starts no process group.
+
+Paths are resolved against the current directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from spmd_rl.config.errors import Violation
+from spmd_rl.config.layout import Layouts, resolve_layouts
+from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
+from spmd_rl.config.schema import Config
+
+REGISTERED_RULES = ("exact_match", "math_verify")
+_ENDPOINT = re.compile(r"^(https?://)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+def _multiple(n: int, k: int) -> int:
+    """Smallest positive multiple of k that is >= n."""
+    return max(k, -(-n // k) * k)
+
+
+def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
+    out: list[Violation] = []
+    g, n = cfg.data.global_batch_size, cfg.rollout.n
+    tdp, gdp = lay.train.dp, lay.gen.dp
+    if g % gdp:
+        out.append(Violation("data.global_batch_size", g, f"not divisible by the generation DP size {gdp}", f"use a multiple of {gdp}, e.g. {_multiple(g, gdp)}"))
+    if (g * n) % tdp:
+        out.append(Violation("data.global_batch_size", g, f"G x N = {g * n} samples not divisible by the training DP size {tdp}", f"make G x rollout.n a multiple of {tdp}"))
+    mb = cfg.actor.mini_batch_size
+    if g % mb:
+        out.append(Violation("actor.mini_batch_size", mb, f"does not divide data.global_batch_size={g}", "use a divisor of the global batch size"))
+    elif (mb * n) % tdp:
+        out.append(Violation("actor.mini_batch_size", mb, f"mini-batch x N = {mb * n} samples not divisible by the training DP size {tdp}", f"make mini_batch_size x rollout.n a multiple of {tdp}"))
+    else:
+        per_rank = mb * n // tdp
+        for field, micro in (("actor.micro_batch_size", cfg.actor.micro_batch_size), ("ref.micro_batch_size", cfg.ref.micro_batch_size)):
+            if micro is not None and per_rank % micro:
+                out.append(Violation(field, micro, f"does not divide the {per_rank} samples each rank gets per mini-batch", f"use a divisor of {per_rank}"))
+    return out
+
+
+def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
+    folder = Path(cfg.model.path)
+    cfg_json = folder / "config.json"
+    if not cfg_json.is_file():
+        problem = "folder not found" if not folder.is_dir() else "has no config.json"
+        return [Violation("model.path", cfg.model.path, problem, "point it at a local HF model folder (build the tiny one with tools/make_tiny_model.py)")]
+    try:
+        arch = ModelArch.from_folder(folder)
+    except (KeyError, ValueError) as exc:
+        return [Violation("model.path", cfg.model.path, f"config.json lacks or mangles {exc}", "use a Qwen2/Qwen3/Llama config.json")]
+    out: list[Violation] = []
+    if arch.model_type not in SUPPORTED_TYPES:
+        out.append(Violation("model.path", cfg.model.path, f"model_type {arch.model_type!r} is not supported", f"use one of {', '.join(SUPPORTED_TYPES)}"))
+    for name, tp in (("train", lay.train.tp), ("gen", lay.gen.tp)):
+        for what, count in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), ("intermediate_size", arch.intermediate_size)):
+            if count % tp:
+                out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the model's {what}={count}", f"use a TP size dividing {count}"))
+    total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if arch.max_positions and total > arch.max_positions:
+        out.append(
+            Violation(
+                "rollout.max_response_length", cfg.rollout.max_response_length,
+                f"max_prompt_length + max_response_length = {total} exceeds the model's max_position_embeddings={arch.max_positions}",
+                f"keep the sum <= {arch.max_positions}",
+            )
+        )
+    tok = Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else None
+    if tok is not None and not tok.is_dir():
+        out.append(Violation("model.tokenizer_path", cfg.model.tokenizer_path, "folder not found", "point it at a tokenizer folder or leave it out"))
+    return out
+
+
+def _check_files(cfg: Config) -> list[Violation]:
+    out: list[Violation] = []
+    for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+        if path is None:
+            continue
+        p = Path(path)
+        if p.suffix not in (".jsonl", ".parquet"):
+            out.append(Violation(field, path, "unsupported file type", "use a .jsonl or .parquet file"))
+        elif not p.is_file():
+            out.append(Violation(field, path, "file not found", "check the path (relative paths start at the current directory)"))
+    return out
+
+
+def _check_reward(cfg: Config) -> list[Violation]:
+    r = cfg.reward
+    if r.kind == "model":
+        if r.model_path is None:
+            return [Violation("reward.model_path", None, "required when reward.kind is model", "set the reward-model folder or use kind: rule")]
+        if not (Path(r.model_path) / "config.json").is_file():
+            return [Violation("reward.model_path", r.model_path, "not a model folder with config.json", "point it at a local HF reward model")]
+        return []
+    if r.rule in REGISTERED_RULES:
+        return []
+    module, sep, func = r.rule.partition(":")
+    if not sep or not module or not func.isidentifier():
+        return [Violation("reward.rule", r.rule, "neither a registered rule nor module:function", f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score")]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return [Violation("reward.rule", r.rule, f"module {module!r} not importable", "put it on PYTHONPATH or fix the module name")]
+    return []
+
+
+def _check_algorithm(cfg: Config) -> list[Violation]:
+    a, out = cfg.algorithm, []
+    if a.name in ("grpo", "dapo"):
+        if cfg.rollout.n < 2:
+            out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} normalises rewards within a group of N responses; N=1 makes every advantage 0", "set rollout.n >= 2"))
+        if cfg.rollout.temperature == 0 and cfg.rollout.n > 1:
+            out.append(Violation("rollout.temperature", 0.0, "greedy sampling gives N identical responses and zero advantages", "set a temperature > 0, e.g. 1.0"))
+    if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
+        out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
+    if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
+        out.append(Violation("actor.clip_ratio_high", cfg.actor.clip_ratio_high, "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low", f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28"))
+    return out
+
+
+def _check_runtime(cfg: Config) -> list[Violation]:
+    out: list[Violation] = []
+    e = cfg.elastic
+    if e.min_nodes > e.max_nodes:
+        out.append(Violation("elastic.min_nodes", e.min_nodes, f"greater than elastic.max_nodes={e.max_nodes}", "make min_nodes <= max_nodes"))
+    elif not e.min_nodes <= cfg.parallel.nnodes <= e.max_nodes:
+        out.append(Violation("parallel.nnodes", cfg.parallel.nnodes, f"outside elastic range [{e.min_nodes}, {e.max_nodes}]", "widen elastic.min_nodes/max_nodes or change nnodes"))
+    if e.rdzv_backend == "etcd-v2" and not (e.rdzv_endpoint or cfg.metadata.endpoints):
+        out.append(Violation("elastic.rdzv_endpoint", None, "etcd-v2 rendezvous needs an etcd endpoint", "set elastic.rdzv_endpoint or metadata.endpoints"))
+    for i, ep in enumerate(cfg.metadata.endpoints):
+        if not _ENDPOINT.match(ep):
+            out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))
+    if cfg.dock.token is not None and len(cfg.dock.token) < 16:
+        out.append(Violation("dock.token", "<hidden>", "shorter than 16 characters", "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`"))
+    res = cfg.checkpoint.resume
+    if res not in ("auto", "never") and not Path(res).is_dir():
+        out.append(Violation("checkpoint.resume", res, "neither auto, never nor an existing checkpoint folder", "use auto, never or a checkpoint path"))
+    return out
+
+
+def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
+    """All cross-field violations of ``cfg`` for the given world size (default: the config's)."""
+    lay, out = resolve_layouts(cfg, world, nproc_per_node)
+    if not out:
+        out += _check_batches(cfg, lay)
+    out += _check_model(cfg, lay)
+    out += _check_files(cfg)
+    out += _check_reward(cfg)
+    out += _check_algorithm(cfg)
+    out += _check_runtime(cfg)
+    return lay, out

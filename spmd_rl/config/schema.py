@@ -1,0 +1,196 @@
+"""The configuration schema: one pydantic model per section, every field documented.
+
+A config is a YAML file plus dotted ``key=value`` overrides (see ``loader.py``). This module
+checks types and per-field ranges only; rules that relate fields to each other, to the world
+size or to files on disk live in ``rules.py`` so that all violations can be reported at once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Local Hugging Face model folder (config.json, safetensors, tokenizer). Never a hub id.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to `model.path`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Dtype of the generation weights and of the training compute (mixed precision)."
+    )
+
+
+class DataConfig(Section):
+    train_path: str = Field(description="Prompt dataset for training: .jsonl or .parquet.")
+    test_path: str | None = Field(None, description="Held-out prompts for `spmd-rl eval` and periodic evaluation.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    answer_column: str = Field("answer", description="Column holding the reference answer given to the reward.")
+    global_batch_size: int = Field(gt=0, description="G: prompts per iteration, over the whole cluster.")
+    max_prompt_length: int = Field(gt=0, description="PL: prompts longer than this (in tokens) are skipped with a warning.")
+    apply_chat_template: bool = Field(True, description="Wrap each prompt as a user message with the tokenizer's chat template.")
+    shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded by `trainer.seed`).")
+
+
+class RolloutConfig(Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine: in-process vLLM, or HF generate (debug).")
+    n: int = Field(gt=0, description="N: responses sampled per prompt.")
+    max_response_length: int = Field(gt=0, description="SL: maximum generated tokens per response.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV-cache size per generation rank in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, lt=1.0, description="Fraction of device memory vLLM may take on CUDA/NPU (weights + KV cache)."
+    )
+    enforce_eager: bool = Field(True, description="Disable graph capture in vLLM (faster start, slower decode).")
+
+
+class ActorConfig(Section):
+    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate of AdamW.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear LR warm-up.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    mini_batch_size: int = Field(gt=0, description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`.")
+    micro_batch_size: int = Field(gt=0, description="Samples per forward/backward on one rank (gradient accumulation unit).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over the iteration's samples in the update stage.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
+    clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip: ratio is clipped below at 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, gt=0.0, description="PPO clip: ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: > low).")
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, description="Dual-clip bound c for negative advantages; null disables dual clip.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient in the policy loss.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How per-token losses reduce to one scalar."
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")
+
+
+class RefConfig(Section):
+    micro_batch_size: int | None = Field(None, gt=0, description="Samples per reference forward; defaults to `actor.micro_batch_size`.")
+    offload_to_host: bool = Field(True, description="Keep reference weights in host memory between uses.")
+
+
+class RewardConfig(Section):
+    kind: Literal["rule", "model"] = Field("rule", description="Rule-based reward function, or a reward model.")
+    rule: str = Field(
+        "exact_match",
+        description="Registered rule name (exact_match, math_verify) or a user function as `module:function`.",
+    )
+    model_path: str | None = Field(None, description="Reward-model HF folder, required when `kind: model`.")
+    format_score: float = Field(0.0, description="Reward for a well-formed but wrong answer.")
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo", "ppo", "dapo"] = Field("grpo", description="RL algorithm.")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std (false = Dr.GRPO).")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient beta against the reference policy; 0 skips the reference pass.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 = log r, k2 = (log r)^2/2, k3 = r - 1 - log r (low variance).")
+    use_kl_loss: bool = Field(True, description="Put the KL term in the loss (GRPO); false subtracts it from the token rewards.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount for GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
+    critic_lr: float = Field(1e-5, gt=0.0, description="PPO: critic learning rate.")
+    value_clip: float = Field(0.5, gt=0.0, description="PPO: value-function clip range.")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop prompt groups whose rewards are all equal.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO: soft overlong punishment over the last this-many tokens of SL; 0 disables.")
+    overlong_penalty: float = Field(1.0, ge=0.0, description="DAPO: maximum overlong penalty.")
+
+
+class TrainLayout(Section):
+    dp_shard: int | None = Field(None, gt=0, description="FSDP shard degree; derived as world / tp when left out.")
+    tp: int = Field(1, gt=0, description="Tensor-parallel degree of the training engine.")
+
+
+class GenLayout(Section):
+    dp: int | None = Field(None, gt=0, description="Generation data-parallel degree; derived as world / tp when left out.")
+    tp: int = Field(1, gt=0, description="Tensor-parallel degree of the rollout engine.")
+
+
+class ParallelConfig(Section):
+    train: TrainLayout = Field(default_factory=TrainLayout, description="Training layout dp_shard x tp.")
+    gen: GenLayout = Field(default_factory=GenLayout, description="Generation layout dp x tp.")
+    nproc_per_node: int = Field(1, gt=0, description="Ranks per node (torchrun --nproc-per-node); one warehouse per node.")
+    nnodes: int = Field(1, gt=0, description="Nodes at the configured size; world = nnodes x nproc_per_node.")
+
+
+class DockConfig(Section):
+    mode: Literal["distributed", "centralized"] = Field(
+        "distributed", description="distributed: one warehouse per node, one controller per stage; centralized: everything via rank 0 (baseline)."
+    )
+    interface: str = Field("127.0.0.1", description="Address the warehouse servers bind to (a node's cluster interface).")
+    port: int = Field(29700, gt=1023, lt=65536, description="TCP port of each node's warehouse server.")
+    token: str | None = Field(None, description="Job token every dock request must carry; defaults to $SPMD_RL_JOB_TOKEN, generated by the launcher.")
+    bucket_bytes: int = Field(64 << 20, gt=0, description="Largest message a warehouse sends at once; bigger columns are chunked.")
+    get_timeout_s: float = Field(600.0, gt=0.0, description="How long a stage waits for its input columns before failing with what is missing.")
+
+
+class MetadataConfig(Section):
+    endpoints: list[str] = Field(default_factory=list, description="etcd v3 endpoints host:port; empty starts an embedded etcd on loopback.")
+    job: str = Field("spmd-rl", description="Key prefix /<job>/ of this run's metadata.")
+    retry_s: float = Field(30.0, gt=0.0, description="How long a rank retries a lost etcd before it exits non-zero.")
+
+
+class ReshardConfig(Section):
+    mode: Literal["allgather_swap", "naive"] = Field(
+        "allgather_swap", description="allgather_swap moves the training state to host during generation; naive keeps it resident."
+    )
+    bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the temporary full-tensor buffer of one gather bucket.")
+    prefetch: bool = Field(True, description="Start the host-to-device copy of the training state during the inference stages.")
+
+
+class CheckpointConfig(Section):
+    dir: str = Field("runs/checkpoints", description="Directory all nodes share; one sub-folder per saved iteration.")
+    interval: int = Field(10, ge=0, description="Save every this-many iterations; 0 saves only at the end.")
+    keep: int = Field(2, gt=0, description="Complete checkpoints kept; older ones are deleted after a save succeeds.")
+    resume: str = Field("auto", description="auto: latest complete checkpoint if any; never; or a checkpoint folder path.")
+
+
+class LoggingConfig(Section):
+    dir: str = Field("runs/logs", description="Where metrics.jsonl and TensorBoard events go.")
+    jsonl: bool = Field(True, description="Write one JSON line of metrics per iteration.")
+    tensorboard: bool = Field(False, description="Write TensorBoard scalars.")
+    progress: bool = Field(True, description="Show a rich progress bar on rank 0.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+
+class ElasticConfig(Section):
+    min_nodes: int = Field(1, gt=0, description="Smallest node count the job may shrink to (torchrun --nnodes MIN:MAX).")
+    max_nodes: int = Field(1, gt=0, description="Largest node count.")
+    max_restarts: int = Field(3, ge=0, description="torchrun --max-restarts.")
+    rdzv_backend: Literal["c10d", "etcd-v2"] = Field("c10d", description="c10d on one node; etcd-v2 survives losing any node.")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2).")
+    collective_timeout_s: float = Field(60.0, gt=0.0, description="Process-group timeout: a dead peer is noticed within this.")
+
+
+class TrainerConfig(Section):
+    iterations: int = Field(gt=0, description="RL iterations to run.")
+    seed: int = Field(0, description="Seed of data order, sampling and init.")
+    deterministic: bool = Field(False, description="Deterministic algorithms and sampling (for resume-equality tests).")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu, then cuda, then cpu.")
+    eval_interval: int = Field(0, ge=0, description="Greedy accuracy on `data.test_path` every this-many iterations; 0 disables.")
+
+
+class Config(Section):
+    """A whole run. Sections map one-to-one onto the packages that read them."""
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    actor: ActorConfig
+    ref: RefConfig = Field(default_factory=RefConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    dock: DockConfig = Field(default_factory=DockConfig)
+    metadata: MetadataConfig = Field(default_factory=MetadataConfig)
+    reshard: ReshardConfig = Field(default_factory=ReshardConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    trainer: TrainerConfig

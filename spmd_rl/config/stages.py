@@ -1,0 +1,90 @@
+"""The worker states (stages) of one iteration and the sample columns they read and write.
+
+This is the single description of the sample flow: the trainer runs these stages through the
+dock, and the estimates derive the paper's n (response-length items), M (scalars per sample)
+and C (controllers = stages) from it. A stage is present only when the config needs it:
+the reference pass only with a KL term, the old-log-prob pass only when the update is
+off-policy (several PPO epochs or several mini-batches per iteration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from spmd_rl.config.schema import Config
+
+ColumnKind = Literal["prompt", "response", "scalar"]
+
+COLUMNS: dict[str, ColumnKind] = {
+    "prompt_ids": "prompt",
+    "response_ids": "response",
+    "rollout_log_prob": "response",
+    "ref_log_prob": "response",
+    "old_log_prob": "response",
+    "values": "response",
+    "advantages": "response",
+    "returns": "response",
+    "prompt_length": "scalar",
+    "response_length": "scalar",
+    "reward": "scalar",
+}
+"""Every column a stage may write, by length class. The sample index is implicit (one scalar)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    group_granular: bool = False
+    """True when the stage needs all N samples of a prompt together (group advantages)."""
+
+
+def needs_reference(cfg: Config) -> bool:
+    return cfg.algorithm.kl_coef > 0
+
+
+def needs_old_log_prob(cfg: Config) -> bool:
+    """Off-policy update: the policy moves before the last mini-batch is consumed."""
+    return cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size
+
+
+def stages_for(cfg: Config) -> list[Stage]:
+    """The stage list of one iteration, in execution order."""
+    seq = ("prompt_ids", "response_ids")
+    out = [
+        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "prompt_length", "response_length")),
+        Stage("reward", seq + ("response_length",), ("reward",)),
+    ]
+    policy_inputs = seq + ("advantages",)
+    if needs_reference(cfg):
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",)))
+        policy_inputs += ("ref_log_prob",)
+    if needs_old_log_prob(cfg):
+        out.append(Stage("actor_logprob", seq, ("old_log_prob",)))
+        policy_inputs += ("old_log_prob",)
+    if cfg.algorithm.name == "ppo":
+        out.append(Stage("critic_value", seq, ("values",)))
+        out.append(Stage("advantage", ("reward", "values", "response_length"), ("advantages", "returns")))
+        out.append(Stage("critic_update", seq + ("values", "returns"), ()))
+    else:
+        out.append(Stage("advantage", ("reward", "response_length"), ("advantages",), group_granular=True))
+    out.append(Stage("actor_update", policy_inputs, ()))
+    return out
+
+
+def written_columns(stages: list[Stage]) -> list[str]:
+    cols: list[str] = ["prompt_ids"]
+    for s in stages:
+        cols += [c for c in s.outputs if c not in cols]
+    return cols
+
+
+def flow_counts(stages: list[Stage]) -> tuple[int, int, int]:
+    """(n, M, C) of the paper: response-length columns, scalars per sample (+1 for the index),
+    and controllers (one per stage)."""
+    cols = written_columns(stages)
+    n = sum(COLUMNS[c] == "response" for c in cols)
+    m = sum(COLUMNS[c] == "scalar" for c in cols) + 1
+    return n, m, len(stages)

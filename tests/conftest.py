@@ -1,0 +1,34 @@
+"""Shared fixtures: the tiny model folder (built by launch/setup.sh, or here on demand)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "assets" / "tiny-qwen2"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The warm-started tiny model + data; built with the setup's command when missing."""
+    if not (TINY / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(TINY)], check=True)
+    return TINY
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Run with the repository root as the current directory (configs use relative paths)."""
+    monkeypatch.chdir(REPO)
+    return REPO
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -1,0 +1,89 @@
+"""`spmd-rl validate`: the quickstart is valid; each broken config exits 2 naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from spmd_rl.cli import app
+
+runner = CliRunner()
+QUICK = "configs/quickstart.yaml"
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_quickstart_is_valid(in_repo, tiny_model):
+    res = run("validate", QUICK)
+    assert res.exit_code == 0, res.output
+    assert "train dp_shard=2 tp=1" in res.output
+
+
+def test_console_script_exit_codes(in_repo, tiny_model):
+    exe = [sys.executable, "-m", "spmd_rl.cli"]
+    ok = subprocess.run(exe + ["validate", QUICK], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(exe + ["validate", QUICK, "rollout.n=0"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "rollout.n=0" in bad.stderr
+
+
+BROKEN = [
+    # (overrides, world size, field that must be named)
+    (["rollout.n=0"], None, "rollout.n"),
+    (["actor.lr=fast"], None, "actor.lr"),
+    (["actor.lrr=1e-5"], None, "actor.lrr"),
+    (["algorithm.name=reinforce"], None, "algorithm.name"),
+    (["parallel.train.dp_shard=3"], None, "parallel.train.dp_shard"),
+    (["parallel.gen.tp=3"], None, "parallel.gen.tp"),
+    (["data.global_batch_size=15"], None, "data.global_batch_size"),
+    (["actor.mini_batch_size=5"], None, "actor.mini_batch_size"),
+    (["actor.micro_batch_size=48"], None, "actor.micro_batch_size"),
+    (["rollout.max_response_length=300"], None, "rollout.max_response_length"),
+    (["data.train_path=assets/nope.jsonl"], None, "data.train_path"),
+    (["model.path=assets/no-model"], None, "model.path"),
+    (["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"], 8, "parallel.train.tp"),
+    (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
+    (["reward.kind=model"], None, "reward.model_path"),
+    (["rollout.temperature=0"], None, "rollout.temperature"),
+    (["elastic.min_nodes=3"], None, "elastic.min_nodes"),
+    (["metadata.endpoints=[localhost]"], None, "metadata.endpoints.0"),
+    (["checkpoint.resume=/no/such/ckpt"], None, "checkpoint.resume"),
+    (["data.train_path=assets/tiny-qwen2/train.csv"], None, "data.train_path"),
+    (["dock.token=short"], None, "dock.token"),
+    (["model"], None, "model"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,field", BROKEN, ids=[b[2] + "|" + " ".join(b[0]) for b in BROKEN])
+def test_broken_config_names_field(in_repo, tiny_model, overrides, world, field):
+    args = ["validate", QUICK, *overrides] + (["--world-size", str(world), "--nproc-per-node", str(world)] if world else [])
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert f"{field}=" in res.output, res.output
+
+
+def test_all_violations_reported_at_once(in_repo, tiny_model):
+    res = run("validate", QUICK, "rollout.n=0", "actor.lr=-1", "data.test_path=assets/missing.jsonl")
+    assert res.exit_code == 2
+    # type errors stop before cross-field rules; both type errors appear together
+    assert "rollout.n=0" in res.output and "actor.lr=-1" in res.output
+    res = run("validate", QUICK, "data.global_batch_size=15", "data.test_path=assets/missing.jsonl", "rollout.temperature=0")
+    lines = [ln for ln in res.output.splitlines() if ln.strip().startswith("- ")]
+    assert {"data.global_batch_size", "data.test_path", "rollout.temperature"} <= {ln.split("=")[0][4:] for ln in lines}
+
+
+def test_missing_config_file_exit_2(in_repo):
+    res = run("validate", "configs/does-not-exist.yaml")
+    assert res.exit_code == 2 and "file not found" in res.output
+
+
+def test_world_size_changes_derived_layout(in_repo, tiny_model):
+    res = run("validate", QUICK, "parallel.train.dp_shard=null", "parallel.gen.dp=null", "--world-size", "4", "--nproc-per-node", "2")
+    assert res.exit_code == 0, res.output
+    assert "world 4 (2 node(s) x 2)" in res.output and "gen dp=4" in res.output

@@ -1,0 +1,56 @@
+"""The tiny model builder: a standard HF folder that transformers and vLLM load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import REPO, subprocess_env
+
+
+def test_builder_writes_loadable_folder(tmp_path):
+    out = tmp_path / "tiny"
+    subprocess.run(
+        [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--max-steps", "10", "--eval-every", "5", "--n-test", "50"],
+        check=True, capture_output=True,
+    )
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert 2e5 < sum(p.numel() for p in model.parameters()) < 5e6
+    text = tok.apply_chat_template([{"role": "user", "content": "12+5="}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n12+5=<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text  # byte-level: newlines survive the Qwen2 tokenizer class
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    train = [json.loads(l) for l in (out / "train.jsonl").read_text().splitlines()]
+    test = [json.loads(l) for l in (out / "test.jsonl").read_text().splitlines()]
+    assert len(test) == 50 and len(train) == 100 * 100 - 50
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    a, b = test[0]["prompt"].rstrip("=").split("+")
+    assert int(test[0]["answer"]) == int(a) + int(b)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] == model.config.vocab_size
+
+
+def test_warm_start_answers_some_but_not_most(tiny_model):
+    report = json.loads((tiny_model / "warmstart.json").read_text())
+    assert 0.1 <= report["test_accuracy"] <= 0.5, report
+
+
+@pytest.mark.slow
+def test_vllm_generates_like_hf(tiny_model):
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tests/helpers/vllm_one_prompt.py"), str(tiny_model), "36+31="],
+        capture_output=True, text=True, env=subprocess_env(), timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["vllm"], got
+    # HF pads after EOS; compare up to and including vLLM's EOS
+    assert got["hf"][: len(got["vllm"])] == got["vllm"], got
