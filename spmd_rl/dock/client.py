@@ -1,0 +1,238 @@
+"""The dock as every stage sees it: put / get / iteration start and commit.
+
+Distributed mode: a rank puts into its own node's warehouse (served by the node's local-rank-0
+process) and publishes one put-record in etcd; a stage's get waits for its inputs through its
+controller, takes its DP group's share of the split, and fetches each (column, index) from the
+warehouse that holds it. Centralized mode (the paper's replay-buffer baseline): rank 0 serves
+the only warehouse and every put and get goes through it.
+
+Within a DP group every TP rank computes the same split and fetches its own copy (no extra
+collective); see the issue note for the measurement behind this choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from spmd_rl.config.layout import Layout
+from spmd_rl.config.schema import DockConfig
+from spmd_rl.dock.columns import ColumnSpec
+from spmd_rl.dock.controller import StageController, read_records
+from spmd_rl.dock.errors import DockRequestError, DockTimeout
+from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.records import Locations, PutRecord
+from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where this process sits: global rank, node index, rank within the node."""
+
+    rank: int
+    world: int
+    node: int
+    local_rank: int
+    nproc_per_node: int
+
+
+@dataclass
+class DockBatch:
+    """A stage's share: sample indices (ascending) and per-column lists of per-sample tensors."""
+
+    indices: torch.Tensor
+    columns: dict[str, list[torch.Tensor]]
+    ragged: frozenset[str]
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    def padded(self, pad: Mapping[str, float | int] | None = None) -> TensorDict:
+        """TensorDict of batch size [B]: ragged columns right-padded to the longest sample (pad
+        value per column, default 0) with ``<name>_length``; fixed columns stacked."""
+        out: dict[str, torch.Tensor] = {"index": self.indices}
+        for name, values in self.columns.items():
+            if name in self.ragged:
+                lengths = torch.tensor([v.numel() for v in values], dtype=torch.int64)
+                out[name] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=(pad or {}).get(name, 0))
+                out[f"{name}_length"] = lengths
+            else:
+                out[name] = torch.stack(values) if values else torch.empty(0)
+        return TensorDict(out, batch_size=[len(self)])
+
+    def jagged(self, name: str) -> torch.Tensor:
+        """A ragged column as a jagged nested tensor."""
+        return torch.nested.nested_tensor(self.columns[name], layout=torch.jagged)
+
+
+def _as_samples(name: str, value: Any, n: int, spec: ColumnSpec) -> list[torch.Tensor]:
+    """Validate one column of a put against its spec and return per-sample tensors."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = list(value.unbind())
+    if spec.ragged:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in value):
+            raise DockRequestError(f"column {name!r} is ragged: pass a list (or nested tensor) of 1-D tensors, one per index")
+        samples = list(value)
+    else:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != spec.shape or value.dim() < 1:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise DockRequestError(f"column {name!r} must be a tensor of shape [B, {', '.join(map(str, spec.shape))}] (per-sample {spec.shape}), got {got}")
+        samples = list(value.unbind(0))
+    if len(samples) != n:
+        raise DockRequestError(f"column {name!r} has {len(samples)} samples for {n} indices")
+    bad = {str(v.dtype) for v in samples if v.dtype != spec.dtype}
+    if bad:
+        raise DockRequestError(f"column {name!r} must be {spec.dtype}, got {', '.join(sorted(bad))}: cast it before put")
+    return [v.detach().cpu() for v in samples]
+
+
+class TransferDock:
+    def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str):
+        self.cfg = cfg
+        self.meta = meta
+        self.specs = specs
+        self.peer = peer
+        self.token = token
+        self.centralized = cfg.mode == "centralized"
+        self.server: WarehouseServer | None = None
+        self._clients: dict[int, WarehouseClient] = {}
+        self._num_samples: dict[int, int] = {}
+        self._seq = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def home_node(self) -> int:
+        """The node whose warehouse takes this rank's puts."""
+        return 0 if self.centralized else self.peer.node
+
+    def serves_warehouse(self) -> bool:
+        return self.peer.rank == 0 if self.centralized else self.peer.local_rank == 0
+
+    def start(self) -> "TransferDock":
+        """Start this node's warehouse (if this rank serves it) and publish its address."""
+        if self.serves_warehouse():
+            port = self.cfg.port + self.peer.node if self.cfg.port else 0
+            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes).start()
+            self.meta.put(self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode())
+            log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
+        return self
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def _client(self, node: int) -> WarehouseClient:
+        if node not in self._clients:
+            key = self.meta.key("warehouses", node)
+            raw = self._wait_key(key)
+            self._clients[node] = WarehouseClient(json.loads(raw)["address"], self.token, timeout_s=self.cfg.get_timeout_s)
+        return self._clients[node]
+
+    def _wait_key(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.cfg.get_timeout_s
+        while (raw := self.meta.get(key)) is None:
+            if time.monotonic() > deadline:
+                raise DockTimeout(f"no warehouse registered at {key} after {self.cfg.get_timeout_s:.0f}s: is that node's local rank 0 running?")
+            time.sleep(0.02)
+        return raw
+
+    def begin_iteration(self, iteration: int, num_samples: int) -> None:
+        """Every rank declares the iteration's sample count G x N (indices 0..num_samples-1)."""
+        self._num_samples[iteration] = num_samples
+
+    def commit(self, iteration: int) -> None:
+        """Free the iteration: each warehouse owner drops its data, rank 0 deletes the metadata.
+        Call on every rank after all ranks finished reading (e.g. after a barrier)."""
+        if self.server is not None:
+            self._client(self.peer.node if not self.centralized else 0).drop(iteration)
+        if self.peer.rank == 0:
+            self.meta.delete_prefix(self.meta.key(iteration) + "/")
+        self._num_samples.pop(iteration, None)
+
+    # -- sample flow ----------------------------------------------------------------------------
+    def put(self, stage: str, iteration: int, data: Mapping[str, Any] | TensorDict, indices: Sequence[int] | torch.Tensor) -> None:
+        """Store columns for ``indices`` in this node's warehouse and publish the put-record.
+        Refused puts (unknown column, bad index, dtype/shape, duplicate) change nothing."""
+        idx = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
+        if iteration not in self._num_samples:
+            raise DockRequestError(f"iteration {iteration} not started: call begin_iteration({iteration}, num_samples) first")
+        limit = self._num_samples[iteration]
+        out_of_range = [i for i in idx if not 0 <= i < limit]
+        if out_of_range:
+            raise DockRequestError(f"indices {out_of_range[:8]} out of range [0, {limit}) for iteration {iteration}")
+        if len(set(idx)) != len(idx):
+            raise DockRequestError("indices of one put must be distinct")
+        items = data.items() if isinstance(data, Mapping) else data.items()
+        columns: dict[str, list[torch.Tensor]] = {}
+        for name, value in items:
+            if name not in self.specs:
+                raise DockRequestError(f"unknown column {name!r}; known columns: {', '.join(sorted(self.specs))}")
+            columns[name] = _as_samples(name, value, len(idx), self.specs[name])
+        loc = Locations.from_records(read_records(self.meta, iteration))
+        for name in columns:
+            dup = [i for i in idx if loc.has(name, i)]
+            if dup:
+                raise DockRequestError(f"column {name!r} already written for indices {dup[:8]} by {loc.writer[name][dup[0]]}: duplicate put")
+        ragged = {n: self.specs[n].ragged for n in columns}
+        client = self._client(self.home_node)
+        client.put(iteration, idx, columns, ragged)
+        record = PutRecord(stage, self.peer.rank, self.home_node, list(columns), idx,
+                           {n: [v.numel() for v in vals] for n, vals in columns.items() if ragged[n]})
+        self._seq += 1
+        try:
+            self.meta.put(self.meta.key(iteration, "puts", f"{self.peer.rank:06d}-{self._seq:08d}"), record.encode())
+        except Exception:
+            client.delete(iteration, idx, list(columns))
+            raise
+
+    def get(
+        self, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
+        group_size: int = 1, expected: Sequence[int] | None = None, timeout_s: float | None = None,
+    ) -> DockBatch:
+        """This rank's DP group's share of ``expected`` (default: all indices) once every index
+        has all ``columns``. ``layout`` is the stage's (dp, tp) layout over the world."""
+        unknown = [c for c in columns if c not in self.specs]
+        if unknown:
+            raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
+        if iteration not in self._num_samples:
+            raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
+        want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
+        group_nodes = [layout.dp_group_leader(g) // self.peer.nproc_per_node for g in range(layout.dp)]
+        ctl = StageController(self.meta, stage, self.specs)
+        plan = ctl.plan(iteration, columns, want, group_nodes, group_size, timeout_s or self.cfg.get_timeout_s)
+        mine = plan.groups[layout.coords(self.peer.rank)[0]]
+        fetched = self._fetch(iteration, mine, list(columns), plan.locations)
+        return DockBatch(torch.tensor(mine, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
+
+    def _fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in columns}
+        pos = {i: k for k, i in enumerate(indices)}
+        requests: dict[tuple[int, tuple[str, ...]], list[int]] = {}
+        for i in indices:
+            by_node: dict[int, list[str]] = {}
+            for c in columns:
+                by_node.setdefault(loc.node[c][i], []).append(c)
+            for node, cols in by_node.items():
+                requests.setdefault((node, tuple(cols)), []).append(i)
+        for (node, cols), idx in sorted(requests.items()):
+            got = self._client(node).get(iteration, idx, list(cols))
+            for c in cols:
+                for i, v in zip(idx, got[c]):
+                    out[c][pos[i]] = v
+        return out  # type: ignore[return-value]
+
+    def warehouse_stats(self) -> dict[str, Any] | None:
+        return self._client(self.home_node).stats() if self.server is not None else None

@@ -1,0 +1,38 @@
+"""Column declarations of the sample flow: dtype, ragged or fixed trailing shape, writer stage.
+
+Ragged columns (token sequences and per-token values) are stored unpadded, one 1-D tensor per
+sample; fixed columns store one tensor of ``shape`` per sample. Token ids are int32 (the
+paper's B = 4 bytes), per-token values float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmd_rl.config.stages import COLUMNS, Stage
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    name: str
+    dtype: torch.dtype
+    ragged: bool
+    writer: str
+    shape: tuple[int, ...] = ()
+    """Per-sample trailing shape of a fixed column; () for a scalar. Unused when ragged."""
+
+
+_DTYPES = {"prompt_ids": torch.int32, "response_ids": torch.int32, "prompt_length": torch.int32, "response_length": torch.int32}
+
+
+def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
+    """Specs of every column written by ``stages`` (prompt_ids is written by the data loader)."""
+    writers = {"prompt_ids": "data"}
+    for s in stages:
+        writers.update({c: s.name for c in s.outputs})
+    return {
+        name: ColumnSpec(name, _DTYPES.get(name, torch.float32), COLUMNS[name] != "scalar", writer)
+        for name, writer in writers.items()
+    }

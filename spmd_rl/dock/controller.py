@@ -1,0 +1,91 @@
+"""A stage's controller: from the put-records in etcd, wait until every expected index has all
+the stage's input columns, then split them over the stage's DP groups with :func:`assign`.
+
+Every DP-group leader of a stage embeds one and they all read the same records, so they agree
+without an arbiter. Group-granular stages (advantages over the N responses of a prompt) assign
+whole prompt groups: unit key = index // group_size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spmd_rl.dock.assign import Unit, assign
+from spmd_rl.dock.columns import ColumnSpec
+from spmd_rl.dock.errors import DockTimeout
+from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.records import Locations, PutRecord, describe
+
+
+@dataclass
+class Assignment:
+    groups: list[list[int]]
+    locations: Locations
+
+
+def read_records(meta: MetadataStore, iteration: int) -> list[PutRecord]:
+    return [PutRecord.decode(v) for _, v in meta.get_prefix(meta.key(iteration, "puts") + "/")]
+
+
+def missing_inputs(loc: Locations, columns: Sequence[str], expected: Sequence[int]) -> dict[str, list[int]]:
+    out = {}
+    for c in columns:
+        miss = [i for i in expected if not loc.has(c, i)]
+        if miss:
+            out[c] = miss
+    return out
+
+
+def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], group_size: int) -> list[Unit]:
+    """One unit per index (or per prompt group). Tokens: summed lengths of the ragged inputs
+    (1 when the stage reads only scalars). Node: where the first ragged input (else the first
+    input) of the unit's first index lives."""
+    ragged = [c for c in columns if c in loc.length]
+    home = ragged[0] if ragged else columns[0]
+    units: dict[int, list[int]] = {}
+    for i in expected:
+        key = i // group_size
+        tok = sum(loc.length[c][i] for c in ragged) if ragged else 1
+        if key in units:
+            units[key][0] += tok
+        else:
+            units[key] = [tok, loc.node[home][i]]
+    return [Unit(k, t, n) for k, (t, n) in units.items()]
+
+
+class StageController:
+    def __init__(self, meta: MetadataStore, stage: str, specs: dict[str, ColumnSpec], poll_s: float = 0.02):
+        self.meta = meta
+        self.stage = stage
+        self.specs = specs
+        self.poll_s = poll_s
+
+    def wait(self, iteration: int, columns: Sequence[str], expected: Sequence[int], timeout_s: float) -> Locations:
+        """Block until all ``columns`` exist for all ``expected`` indices; DockTimeout names the
+        missing indices and the stage that should have written them."""
+        deadline = time.monotonic() + timeout_s
+        delay = self.poll_s
+        while True:
+            loc = Locations.from_records(read_records(self.meta, iteration))
+            missing = missing_inputs(loc, columns, expected)
+            if not missing:
+                return loc
+            if time.monotonic() >= deadline:
+                lines = [f"column {c!r} (written by stage {self.specs[c].writer}): missing {describe(m)}" for c, m in missing.items()]
+                raise DockTimeout(f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; " + "; ".join(lines))
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def plan(
+        self, iteration: int, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int],
+        group_size: int = 1, timeout_s: float = 600.0,
+    ) -> Assignment:
+        loc = self.wait(iteration, columns, expected, timeout_s)
+        units = units_for(loc, columns, expected, group_size)
+        groups = assign(units, group_nodes)
+        if group_size > 1:
+            wanted = set(expected)
+            groups = [[i for k in keys for i in range(k * group_size, (k + 1) * group_size) if i in wanted] for keys in groups]
+        return Assignment(groups, loc)

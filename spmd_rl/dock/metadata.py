@@ -1,0 +1,108 @@
+"""Metadata store on the etcd v3 API, behind a small interface.
+
+Client: ``etcd3gw`` (etcd's v3 JSON gateway over HTTP). Chosen because ``etcd3`` 0.12 does not
+import with the protobuf this environment needs unless the slow pure-python protobuf is
+forced, and ``aetcd`` is asyncio-only while every caller here is synchronous. The interface is
+small so another client can replace it.
+
+Keys live under ``/<job>/``; per-iteration data under ``/<job>/<iteration>/``. Values are bytes
+(JSON from callers), never pickles. Every call retries a lost etcd with exponential backoff for
+``retry_s`` seconds and then raises :class:`DockUnavailable`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import requests
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
+
+from spmd_rl.dock.errors import DockUnavailable
+
+T = TypeVar("T")
+_TRANSIENT = (ConnectionFailedError, requests.ConnectionError, requests.Timeout, Etcd3Exception)
+
+
+class MetadataStore:
+    """put/get/prefix/delete/create(put-if-absent)/replace(CAS)/lease/watch over one job prefix."""
+
+    def __init__(self, endpoints: list[str], job: str, retry_s: float = 30.0, timeout_s: float = 5.0):
+        if not endpoints:
+            raise ValueError("metadata.endpoints is empty: start an embedded etcd first")
+        self.endpoints = list(endpoints)
+        self.job = job.strip("/")
+        self.retry_s = retry_s
+        self._timeout = timeout_s
+        self._local = threading.local()
+        self._current = 0
+
+    # -- connection ---------------------------------------------------------------------------
+    def _client(self) -> Etcd3Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            host, _, port = self.endpoints[self._current % len(self.endpoints)].rpartition(":")
+            client = Etcd3Client(host=host.removeprefix("http://"), port=int(port), timeout=self._timeout)
+            self._local.client = client
+        return client
+
+    def _call(self, op: Callable[[Etcd3Client], T]) -> T:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                return op(self._client())
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise DockUnavailable(f"etcd {self.endpoints} unreachable for {self.retry_s:.0f}s: {exc}") from exc
+                self._current += 1  # next endpoint
+                self._local.client = None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def key(self, *parts: object) -> str:
+        return "/" + "/".join([self.job, *(str(p) for p in parts)])
+
+    # -- operations -----------------------------------------------------------------------
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> None:
+        if ttl_s is None:
+            self._call(lambda c: c.put(key, value))
+        else:
+            self._call(lambda c: c.put(key, value, lease=c.lease(ttl_s)))
+
+    def get(self, key: str) -> bytes | None:
+        got = self._call(lambda c: c.get(key))
+        return got[0] if got else None
+
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        """All (key, value) under ``prefix``, sorted by key."""
+        got = self._call(lambda c: c.get_prefix(prefix, sort_order="ascend", sort_target="key"))
+        return [(meta["key"].decode(), value) for value, meta in got]
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call(lambda c: c.delete_prefix(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda c: c.delete(key))
+
+    def create(self, key: str, value: bytes) -> bool:
+        """Put only if the key does not exist; True when this call created it."""
+        return bool(self._call(lambda c: c.create(key, value)))
+
+    def replace(self, key: str, expected: bytes, new: bytes) -> bool:
+        """Compare-and-swap: set ``new`` only if the value is ``expected``."""
+        return bool(self._call(lambda c: c.replace(key, expected, new)))
+
+    def watch_prefix(self, prefix: str) -> tuple[Iterator[dict], Callable[[], None]]:
+        """(events, cancel): events are etcd3gw event dicts with ``kv`` and ``type``."""
+        return self._call(lambda c: c.watch_prefix(prefix))
+
+    def healthy(self) -> bool:
+        try:
+            self._client().status()
+            return True
+        except _TRANSIENT:
+            return False

@@ -1,0 +1,62 @@
+"""Properties of the controllers' assignment function (hypothesis)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spmd_rl.dock.assign import Unit, assign
+
+units_st = st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3)), min_size=0, max_size=120).map(
+    lambda xs: [Unit(k, t, n) for k, (t, n) in enumerate(xs)]
+)
+groups_st = st.lists(st.integers(0, 3), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(units_st, groups_st)
+def test_each_unit_exactly_once_and_sizes_within_one(units, group_nodes):
+    out = assign(units, group_nodes)
+    flat = [k for g in out for k in g]
+    assert sorted(flat) == sorted(u.key for u in units)
+    sizes = [len(g) for g in out]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(units_st, groups_st)
+def test_token_balance_within_one_longest_unit(units, group_nodes):
+    out = assign(units, group_nodes)
+    tokens = {u.key: u.tokens for u in units}
+    loads = [sum(tokens[k] for k in g) for g in out]
+    longest = max((u.tokens for u in units), default=0)
+    assert max(loads) - min(loads) <= longest
+
+
+@settings(max_examples=200, deadline=None)
+@given(units_st, groups_st, st.randoms(use_true_random=False))
+def test_same_result_whatever_the_order_controllers_saw(units, group_nodes, rnd):
+    shuffled = list(units)
+    rnd.shuffle(shuffled)
+    assert assign(units, group_nodes) == assign(shuffled, group_nodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(1, 300))
+def test_equal_units_stay_on_their_node(nodes, groups_per_node, per_group, tokens):
+    group_nodes = [n for n in range(nodes) for _ in range(groups_per_node)]
+    units = [Unit(k, tokens, k % nodes) for k in range(nodes * groups_per_node * per_group)]
+    random.Random(0).shuffle(units)
+    out = assign(units, group_nodes)
+    node_of = {u.key: u.node for u in units}
+    assert all(node_of[k] == group_nodes[g] for g, keys in enumerate(out) for k in keys)
+
+
+def test_locality_preferred_when_lengths_vary_a_little():
+    # two nodes, one group each; every unit local to node 0 or 1 in equal numbers
+    units = [Unit(k, 100 + (k % 3), k % 2) for k in range(40)]
+    out = assign(units, [0, 1])
+    local = sum(k % 2 == g for g, keys in enumerate(out) for k in keys)
+    assert local >= 30
