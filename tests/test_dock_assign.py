@@ -60,3 +60,14 @@ def test_locality_preferred_when_lengths_vary_a_little():
     out = assign(units, [0, 1])
     local = sum(k % 2 == g for g, keys in enumerate(out) for k in keys)
     assert local >= 30
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(1, 300))
+def test_equal_units_in_node_blocks_stay_local(nodes, groups_per_node, per_group, tokens):
+    """Writers put contiguous index blocks on their own node (the generation DP layout)."""
+    group_nodes = [n for n in range(nodes) for _ in range(groups_per_node)]
+    per_node = groups_per_node * per_group
+    units = [Unit(k, tokens, k // per_node) for k in range(nodes * per_node)]
+    out = assign(units, group_nodes)
+    assert all(k // per_node == group_nodes[g] for g, keys in enumerate(out) for k in keys)

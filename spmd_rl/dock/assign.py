@@ -5,13 +5,15 @@ no arbiter. Guarantees, with L the token count of the largest unit:
 
 - every unit goes to exactly one group; group sizes differ by at most one unit;
 - token balance: max group load - min group load <= L;
-- locality: a unit goes to a group on its own node whenever that keeps the balance bound.
+- locality: units go to a group on their own node whenever that keeps the balance bound.
 
-Units are taken in rounds of D (= number of groups) in order of decreasing tokens (ties by
-key). In a round, each unit first tries the least-loaded unused group on its node; if the
-round's result would break the bound, the round falls back to the sorted pairing (largest unit
-to least-loaded group), which keeps the bound: for loads l_i <= l_j and units x_i >= x_j,
-(l_i + x_i) - (l_j + x_j) <= x_i <= L and (l_j + x_j) - (l_i + x_i) <= l_j - l_i <= L.
+Units are dealt in rounds of D (= number of groups), one per group. A round visits the groups
+from least to most loaded and gives each the largest remaining unit of its own node (else the
+largest remaining unit). If that round would break the bound, its units are re-paired sorted:
+largest unit to least-loaded group. Sorted pairing keeps the bound whatever units the round
+holds: for loads l_i <= l_j and units x_i >= x_j, (l_i + x_i) - (l_j + x_j) <= x_i <= L and
+(l_j + x_j) - (l_i + x_i) <= l_j - l_i <= L. A last, partial round goes sorted to the
+least-loaded groups (same argument; groups left out keep loads >= the ones that receive).
 """
 
 from __future__ import annotations
@@ -27,16 +29,37 @@ class Unit:
     node: int
 
 
-def _local_first(chunk: list[Unit], groups: list[int], group_nodes: Sequence[int]) -> list[int]:
-    """For each unit of the round, the least-loaded remaining group on its node, else the
-    least-loaded remaining group (``groups`` is sorted by load)."""
-    free = list(groups)
-    picks = []
-    for u in chunk:
-        g = next((g for g in free if group_nodes[g] == u.node), free[0])
-        free.remove(g)
-        picks.append(g)
-    return picks
+class _Pool:
+    """Remaining units, largest first, overall and per node."""
+
+    def __init__(self, units: Sequence[Unit]):
+        self.order = sorted(units, key=lambda u: (-u.tokens, u.key))
+        self.by_node: dict[int, list[Unit]] = {}
+        for u in self.order:
+            self.by_node.setdefault(u.node, []).append(u)
+        self.taken: set[int] = set()
+        self._head = 0
+        self._node_head: dict[int, int] = dict.fromkeys(self.by_node, 0)
+
+    def __len__(self) -> int:
+        return len(self.order) - len(self.taken)
+
+    def _first(self, seq: list[Unit], start: int) -> int:
+        while start < len(seq) and seq[start].key in self.taken:
+            start += 1
+        return start
+
+    def take_largest(self, node: int | None = None) -> Unit:
+        """The largest remaining unit on ``node`` if it has one, else the largest overall."""
+        if node in self.by_node:
+            seq = self.by_node[node]
+            self._node_head[node] = i = self._first(seq, self._node_head[node])
+            if i < len(seq):
+                self.taken.add(seq[i].key)
+                return seq[i]
+        self._head = i = self._first(self.order, self._head)
+        self.taken.add(self.order[i].key)
+        return self.order[i]
 
 
 def assign(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[list[int]]:
@@ -46,20 +69,23 @@ def assign(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[list[int]]
         raise ValueError("no DP groups to assign to")
     if len({u.key for u in units}) != len(units):
         raise ValueError("unit keys must be unique")
-    order = sorted(units, key=lambda u: (-u.tokens, u.key))
-    bound = order[0].tokens if order else 0
+    pool = _Pool(units)
+    bound = pool.order[0].tokens if units else 0
     loads = [0] * d
     out: list[list[int]] = [[] for _ in range(d)]
-    for start in range(0, len(order), d):
-        chunk = order[start : start + d]
+    while len(pool):
         by_load = sorted(range(d), key=lambda g: (loads[g], g))
-        picks = _local_first(chunk, by_load, group_nodes)
-        trial = list(loads)
-        for u, g in zip(chunk, picks):
-            trial[g] += u.tokens
-        if max(trial) - min(trial) > bound:
-            picks = by_load[: len(chunk)]
-        for u, g in zip(chunk, picks):
+        if len(pool) >= d:
+            pairs = [(g, pool.take_largest(group_nodes[g])) for g in by_load]
+            trial = list(loads)
+            for g, u in pairs:
+                trial[g] += u.tokens
+            if max(trial) - min(trial) > bound:
+                chosen = sorted((u for _, u in pairs), key=lambda u: (-u.tokens, u.key))
+                pairs = list(zip(by_load, chosen))
+        else:
+            pairs = list(zip(by_load, [pool.take_largest() for _ in range(len(pool))]))
+        for g, u in pairs:
             loads[g] += u.tokens
             out[g].append(u.key)
     return [sorted(keys) for keys in out]

@@ -1,0 +1,29 @@
+"""The dispatch benchmark runs end to end (loopback, tiny sizes) and its warehouse byte counts
+follow the paper's Eqs. (2) and (4) exactly for the data part. Times are printed, not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spmd_rl.config.estimates import tcv_centralized, tcv_per_warehouse
+from tests.conftest import REPO, subprocess_env
+
+
+@pytest.mark.slow
+def test_bench_dispatch_bytes_follow_eq2_eq4(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--nodes", "2", "--G", "8", "--N", "2", "--PL", "16", "--SL", "32", "--json", str(out)]
+    res = subprocess.run([sys.executable, str(REPO / "tools/bench_dispatch.py"), *args],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ratio centralized / distributed" in res.stdout
+    results = json.loads(out.read_text())["results"]
+    gb = 1024**3
+    eq2 = tcv_centralized(8, 2, 4, 16, 32, 5, 3) * gb
+    eq4 = tcv_per_warehouse(8, 2, 4, 16, 32, 5, 3, C=0, S=2) * gb
+    assert list(results["centralized"]["warehouse_bytes"].values()) == [eq2]
+    assert list(results["distributed"]["warehouse_bytes"].values()) == [eq4, eq4]

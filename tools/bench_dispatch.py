@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Sample-flow dispatch benchmark: distributed transfer dock vs centralized buffer, same run.
+
+One iteration's sample flow with the traffic pattern behind the paper's Eq. (2): per sample the
+prompt (PL tokens) is written once and read once, each of n response-length items (SL) is
+written once and read twice, and M scalars are written once and read seven times, so one
+iteration moves G x N x B x (2PL + 3n x SL + 8M) bytes through the dock. S simulated nodes
+(one torchrun agent and one rank each): generation DP = S writes, training DP = S reads.
+
+Printed per mode: wall time of the dispatch (slowest rank), payload bytes through each
+warehouse (in + out) against Eq. (4) (distributed: total / S) or Eq. (2) (centralized: all of
+it through one), and the ratio centralized / distributed measured in this run.
+
+    python tools/bench_dispatch.py --nodes 4                      # loopback, no limit
+    sudo python tools/bench_dispatch.py --nodes 4 --netns --rate-mbs 50   # namespaces + tc tbf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+B = 4  # bytes per token id / float32 value, as in the paper
+SUBNET = "10.77.0"
+BRIDGE = "br-spmdrl"
+
+
+def flow_columns(n: int, m: int) -> tuple[list[str], list[str]]:
+    return [f"item{k}" for k in range(n)], [f"scalar{k}" for k in range(m)]
+
+
+# ----------------------------------------------------------------------------- worker (a rank)
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from spmd_rl.config.layout import Layout
+    from spmd_rl.config.schema import DockConfig
+    from spmd_rl.dock.client import Peer, TransferDock
+    from spmd_rl.dock.columns import ColumnSpec
+    from spmd_rl.dock.metadata import MetadataStore
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    G, N, PL, SL, n, m = (spec[k] for k in ("G", "N", "PL", "SL", "n", "M"))
+    items, scalars = flow_columns(n, m)
+    specs = {"prompt_ids": ColumnSpec("prompt_ids", torch.int32, True, "data")}
+    specs |= {c: ColumnSpec(c, torch.float32, True, "rollout") for c in items}
+    specs |= {c: ColumnSpec(c, torch.float32, False, "rollout") for c in scalars}
+    cfg = DockConfig(mode=spec["mode"], interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
+                     get_timeout_s=600, bucket_bytes=8 << 20)
+    meta = MetadataStore([spec["etcd"]], job=f"bench-{spec['mode']}-{spec['tag']}")
+    peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    dock = TransferDock(cfg, meta, specs, peer, spec["token"]).start()
+    lay = Layout(world, 1)
+    total = G * N
+    per = total // world
+    mine = list(range(rank * per, (rank + 1) * per))
+    g = torch.Generator().manual_seed(rank)
+    data = {"prompt_ids": [torch.randint(0, 1000, (PL,), generator=g, dtype=torch.int32) for _ in mine]}
+    data |= {c: [torch.randn(SL, generator=g) for _ in mine] for c in items}
+    data |= {c: torch.randn(len(mine), generator=g) for c in scalars}
+    dock.begin_iteration(0, total)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dock.put("rollout", 0, data, mine)
+    dock.get("reader_a", 0, ["prompt_ids", *items, *scalars], lay)
+    dock.get("reader_b", 0, [*items, *scalars], lay)
+    for k in range(5):
+        dock.get(f"reader_s{k}", 0, scalars, lay)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    st = dock.warehouse_stats() if dock.server is not None else None
+    row = torch.tensor([elapsed, st["bytes_in"] if st else -1, st["bytes_out"] if st else -1], dtype=torch.float64)
+    rows = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(rows, row)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps([r.tolist() for r in rows]))
+    dist.barrier()
+    dock.commit(0)
+    dock.close()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- network namespaces
+def sh(cmd: str) -> None:
+    subprocess.run(cmd, shell=True, check=True)
+
+
+def netns_up(nodes: int, rate_mbs: float) -> list[str]:
+    """One namespace per node on a bridge, tc tbf on both ends of each veth (ingress and egress
+    of the node limited to ``rate_mbs`` MB/s). Returns the node addresses."""
+    netns_down(nodes)
+    sh(f"ip link add {BRIDGE} type bridge && ip addr add {SUBNET}.1/24 dev {BRIDGE} && ip link set {BRIDGE} up")
+    rate = f"{int(rate_mbs * 8)}mbit"
+    addrs = []
+    for k in range(nodes):
+        ns, host, peer, ip = f"spmdrl{k}", f"vh{k}spmd", f"vn{k}spmd", f"{SUBNET}.{10 + k}"
+        sh(f"ip netns add {ns} && ip link add {host} type veth peer name {peer} && ip link set {peer} netns {ns}")
+        sh(f"ip link set {host} master {BRIDGE} && ip link set {host} up")
+        sh(f"ip netns exec {ns} ip addr add {ip}/24 dev {peer} && ip netns exec {ns} ip link set {peer} up && ip netns exec {ns} ip link set lo up")
+        sh(f"ip netns exec {ns} ip route add default via {SUBNET}.1")
+        for dev, prefix in ((peer, f"ip netns exec {ns} "), (host, "")):
+            sh(f"{prefix}tc qdisc add dev {dev} root tbf rate {rate} burst 256kb latency 100ms")
+        addrs.append(ip)
+    return addrs
+
+
+def netns_down(nodes: int) -> None:
+    for k in range(nodes):
+        subprocess.run(f"ip netns del spmdrl{k}", shell=True, stderr=subprocess.DEVNULL)
+        subprocess.run(f"ip link del vh{k}spmd", shell=True, stderr=subprocess.DEVNULL)
+    subprocess.run(f"ip link del {BRIDGE}", shell=True, stderr=subprocess.DEVNULL)
+
+
+# ----------------------------------------------------------------------------- driver
+def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: Path, tag: int) -> dict:
+    from spmd_rl.dock.etcd_server import free_port
+
+    out = tmp / f"{mode}.json"
+    spec = {"mode": mode, "etcd": etcd_endpoint, "out": str(out), "token": "bench-token-0123456789abcdef", "tag": tag,
+            "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M}
+    master = addrs[0] if addrs else "127.0.0.1"
+    port = free_port("127.0.0.1")
+    procs = []
+    for k in range(args.nodes):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", f"--node-rank={k}",
+               "--nproc-per-node=1", f"--master-addr={master}", f"--master-port={port}",
+               str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+        if addrs:
+            cmd = ["ip", "netns", "exec", f"spmdrl{k}"] + cmd
+            env["GLOO_SOCKET_IFNAME"] = f"vn{k}spmd"  # else gloo resolves the hostname to loopback
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{mode}{k}.log", "w")))
+    codes = [p.wait(timeout=args.timeout) for p in procs]
+    if any(codes):
+        raise SystemExit(f"{mode}: agents exited {codes}; logs in {tmp}")
+    rows = json.loads(out.read_text())
+    return {"time": max(r[0] for r in rows), "warehouse_bytes": {k: r[1] + r[2] for k, r in enumerate(rows) if r[1] >= 0}}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes (one rank each).")
+    ap.add_argument("--G", type=int, default=32)
+    ap.add_argument("--N", type=int, default=8)
+    ap.add_argument("--PL", type=int, default=256)
+    ap.add_argument("--SL", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=5, help="Response-length items per sample.")
+    ap.add_argument("--M", type=int, default=3, help="Scalars per sample.")
+    ap.add_argument("--modes", default="centralized,distributed")
+    ap.add_argument("--netns", action="store_true", help="One network namespace per node with tc tbf limits (root).")
+    ap.add_argument("--rate-mbs", type=float, default=50.0, help="Per-node link limit in MB/s with --netns.")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
+    args = ap.parse_args()
+    if (args.G * args.N) % args.nodes:
+        raise SystemExit("G x N must be divisible by --nodes")
+
+    from spmd_rl.config.estimates import tcv_centralized, tcv_per_warehouse
+    from spmd_rl.dock.etcd_server import EmbeddedEtcd
+
+    addrs = netns_up(args.nodes, args.rate_mbs) if args.netns else None
+    host = f"{SUBNET}.1" if addrs else "127.0.0.1"
+    try:
+        with EmbeddedEtcd(host=host) as etcd, tempfile.TemporaryDirectory() as tmp:
+            results = {m: run_mode(m, args, etcd.endpoint, addrs, Path(tmp), tag) for tag, m in enumerate(args.modes.split(","))}
+    finally:
+        if args.netns:
+            netns_down(args.nodes)
+
+    GB = 1024**3
+    c = 2 + 5  # controllers of this flow: writer + 7 reading stages (the paper's C)
+    eq2 = tcv_centralized(args.G, args.N, B, args.PL, args.SL, args.n, args.M) * GB
+    eq4 = tcv_per_warehouse(args.G, args.N, B, args.PL, args.SL, args.n, args.M, C=0, S=args.nodes) * GB
+    eq4_meta = tcv_per_warehouse(args.G, args.N, B, args.PL, args.SL, args.n, args.M, C=c, S=args.nodes) * GB
+    link = f"netns, {args.rate_mbs:g} MB/s per node link" if args.netns else "loopback, no limit"
+    print(f"G={args.G} N={args.N} PL={args.PL} SL={args.SL} n={args.n} M={args.M} S={args.nodes} ({link})")
+    print(f"Eq. (2) total {eq2 / 2**20:.2f} MiB; Eq. (4) per warehouse {eq4_meta / 2**20:.3f} MiB "
+          f"(data part {eq4 / 2**20:.3f} MiB; the 8(C+1)M metadata part goes to etcd here)")
+    for mode, r in results.items():
+        expect = eq4 if mode == "distributed" else eq2
+        full = eq4_meta if mode == "distributed" else eq2
+        per = ", ".join(f"node{k} {b / 2**20:.3f} MiB ({(b - expect) / expect * 100:+.2f}% data, {(b - full) / full * 100:+.2f}% full eq.)"
+                        for k, b in r["warehouse_bytes"].items())
+        print(f"  {mode:12s} dispatch {r['time']:8.3f} s   warehouses: {per}")
+    if {"centralized", "distributed"} <= results.keys():
+        ratio = results["centralized"]["time"] / results["distributed"]["time"]
+        print(f"  ratio centralized / distributed dispatch time: {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
