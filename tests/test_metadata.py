@@ -1,0 +1,97 @@
+"""The metadata store against a real etcd process: operations, lease expiry, watch, CAS,
+retry-then-fail when etcd is gone, and no orphaned etcd when its owner is killed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from spmd_rl.dock.errors import DockUnavailable
+from spmd_rl.dock.etcd_server import EmbeddedEtcd, pid_alive
+from spmd_rl.dock.metadata import MetadataStore
+from tests.conftest import subprocess_env
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as e:
+        yield e
+
+
+def test_operations(etcd):
+    m = MetadataStore([etcd.endpoint], job="meta-ops")
+    m.put(m.key(3, "puts", "a"), b"1")
+    m.put(m.key(3, "puts", "b"), b"2")
+    m.put(m.key(4, "puts", "c"), b"3")
+    assert m.get(m.key(3, "puts", "a")) == b"1" and m.get(m.key(9)) is None
+    assert m.get_prefix(m.key(3) + "/") == [("/meta-ops/3/puts/a", b"1"), ("/meta-ops/3/puts/b", b"2")]
+    assert m.create(m.key("x"), b"first") and not m.create(m.key("x"), b"second")
+    assert not m.replace(m.key("x"), b"wrong", b"new") and m.replace(m.key("x"), b"first", b"new")
+    assert m.get(m.key("x")) == b"new"
+    m.delete_prefix(m.key(3) + "/")
+    assert m.get_prefix(m.key(3) + "/") == [] and m.get(m.key(4, "puts", "c")) == b"3"
+
+
+def test_lease_expires(etcd):
+    m = MetadataStore([etcd.endpoint], job="meta-lease")
+    m.put(m.key("alive"), b"1", ttl_s=1)
+    assert m.get(m.key("alive")) == b"1"
+    deadline = time.monotonic() + 10
+    while m.get(m.key("alive")) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert m.get(m.key("alive")) is None
+
+
+def test_watch_sees_put(etcd):
+    m = MetadataStore([etcd.endpoint], job="meta-watch")
+    events, cancel = m.watch_prefix(m.key("w") + "/")
+    seen = []
+
+    def read():
+        for ev in events:
+            seen.append(ev)
+            break
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    m.put(m.key("w", "k"), b"v")
+    t.join(timeout=10)
+    cancel()
+    assert seen and seen[0]["kv"]["key"] == b"/meta-watch/w/k" and seen[0]["kv"]["value"] == b"v"
+
+
+def test_lost_etcd_retries_then_fails():
+    e = EmbeddedEtcd().start()
+    m = MetadataStore([e.endpoint], job="meta-lost", retry_s=1.0, timeout_s=0.5)
+    m.put(m.key("a"), b"1")
+    e.stop()
+    t0 = time.monotonic()
+    with pytest.raises(DockUnavailable, match="unreachable for 1s"):
+        m.get(m.key("a"))
+    assert time.monotonic() - t0 < 10
+
+
+def test_embedded_etcd_dies_with_killed_owner(tmp_path):
+    code = (
+        "import sys, time\n"
+        "from spmd_rl.dock.etcd_server import EmbeddedEtcd\n"
+        "e = EmbeddedEtcd().start()\n"
+        "print(e.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    etcd_pid = int(owner.stdout.readline())
+    assert pid_alive(etcd_pid)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(etcd_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # reaped by init or still a zombie for a moment: either way not serving
+    assert not pid_alive(etcd_pid) or open(f"/proc/{etcd_pid}/stat").read().split()[2] == "Z"
