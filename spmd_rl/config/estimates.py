@@ -61,14 +61,15 @@ class RankMemory:
 
 
 def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
-    """Per-rank bytes. FSDP2 shards every training tensor over dp_shard after TP has split the
-    TP-split ones; AdamW keeps two states per parameter in the master dtype. vLLM keeps the
-    TP slice of split tensors and a full copy of replicated ones."""
+    """Per-rank bytes. FSDP2 shards every training tensor over dp_shard after the training TP
+    plan has split attention/MLP projections (embeddings and norms stay whole); AdamW keeps two
+    states per parameter in the master dtype. vLLM keeps the TP slice of split tensors (its
+    embedding is vocab-parallel) and a full copy of replicated ones."""
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     gb = DTYPE_BYTES[cfg.model.dtype]
     train_numel = gen_numel = 0
     for t in arch.tensors():
-        local = t.numel // lay.train.tp if t.tp_split else t.numel
+        local = t.numel // lay.train.tp if t.train_tp_split else t.numel
         train_numel += -(-local // lay.train.dp)
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
     temp = max(cfg.reshard.bucket_bytes, arch.largest_tensor_numel() * gb)

@@ -20,6 +20,9 @@ class Tensor:
     name: str
     numel: int
     tp_split: bool
+    """Split by tensor parallelism in the generation engine (vLLM: vocab-parallel embedding too)."""
+    train_tp_split: bool = True
+    """Split by the training engine's TP plan (engines/parallelize.py replicates embeddings)."""
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,16 @@ class ModelArch:
         """Every parameter tensor with HF names (layer tensors listed per layer)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        out = [Tensor("model.embed_tokens.weight", self.vocab_size * h, True)]
+        out = [Tensor("model.embed_tokens.weight", self.vocab_size * h, True, train_tp_split=False)]
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             out += [
-                Tensor(p + "input_layernorm.weight", h, False),
+                Tensor(p + "input_layernorm.weight", h, False, False),
                 Tensor(p + "self_attn.q_proj.weight", q * h, True),
                 Tensor(p + "self_attn.k_proj.weight", kv * h, True),
                 Tensor(p + "self_attn.v_proj.weight", kv * h, True),
                 Tensor(p + "self_attn.o_proj.weight", h * q, True),
-                Tensor(p + "post_attention_layernorm.weight", h, False),
+                Tensor(p + "post_attention_layernorm.weight", h, False, False),
                 Tensor(p + "mlp.gate_proj.weight", self.intermediate_size * h, True),
                 Tensor(p + "mlp.up_proj.weight", self.intermediate_size * h, True),
                 Tensor(p + "mlp.down_proj.weight", h * self.intermediate_size, True),
@@ -82,10 +85,10 @@ class ModelArch:
             if self.qkv_bias:
                 out += [Tensor(p + f"self_attn.{n}_proj.bias", s, True) for n, s in (("q", q), ("k", kv), ("v", kv))]
             if self.qk_norm:
-                out += [Tensor(p + "self_attn.q_norm.weight", d, False), Tensor(p + "self_attn.k_norm.weight", d, False)]
-        out.append(Tensor("model.norm.weight", h, False))
+                out += [Tensor(p + "self_attn.q_norm.weight", d, False, False), Tensor(p + "self_attn.k_norm.weight", d, False, False)]
+        out.append(Tensor("model.norm.weight", h, False, False))
         if not self.tie_word_embeddings:
-            out.append(Tensor("lm_head.weight", self.vocab_size * h, True))
+            out.append(Tensor("lm_head.weight", self.vocab_size * h, True, train_tp_split=False))
         return out
 
     def num_params(self) -> int:

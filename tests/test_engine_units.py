@@ -1,0 +1,69 @@
+"""Engine pieces without a process group: log-prob gathering against a float64 reference,
+LR schedule formula, storage-level host swap, ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmd_rl.dist.accelerator import detect
+from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.schedule import lr_factor
+from spmd_rl.reshard.ledger import Ledger
+from spmd_rl.reshard.swap import HostSwap, resident_bytes
+
+
+def test_response_logprobs_match_float64_reference():
+    torch.manual_seed(0)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8])]
+    responses = [torch.tensor([1, 2]), torch.tensor([3, 4, 9])]
+    b = build_batch(prompts, responses, pad_id=0)
+    logits = torch.randn(2, b.input_ids.shape[1], 11)
+    lp, ent = response_logprobs(logits, b, with_entropy=True)
+    for k, (p, r) in enumerate(zip(prompts, responses)):
+        for j, tok in enumerate(r.tolist()):
+            row = logits[k, len(p) + j - 1].double()
+            ref = row[tok] - torch.logsumexp(row, 0)
+            assert abs(lp[k, j].item() - ref.item()) < 1e-6
+            probs = torch.softmax(row, 0)
+            assert abs(ent[k, j].item() - (-(probs * probs.log()).sum()).item()) < 1e-5
+        assert (lp[k, len(r):] == 0).all() and b.mask[k].sum() == len(r)
+    assert b.input_ids[0].tolist()[:5] == [5, 6, 7, 1, 2] and b.attention_mask.sum(1).tolist() == [5, 4]
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_factor(kind):
+    assert lr_factor(0, kind, 4, 20) == 0.25 and lr_factor(3, kind, 4, 20) == 1.0
+    end = {"constant": 1.0, "linear": 0.0, "cosine": 0.0}[kind]
+    assert lr_factor(20, kind, 4, 20) == pytest.approx(end, abs=1e-12)
+    mid = {"constant": 1.0, "linear": 0.5, "cosine": 0.5 * (1 + math.cos(math.pi * 0.5))}[kind]
+    assert lr_factor(12, kind, 4, 20) == pytest.approx(mid)
+
+
+def test_host_swap_round_trip_is_bit_exact_and_frees_storage():
+    acc = detect("cpu")
+    base = torch.randn(10, 4)
+    views = [base[:5], base[5:], torch.randn(3).to(torch.bfloat16), torch.tensor([float("nan"), -0.0, 1e-45])]
+    before = [v.clone() for v in views]
+    swap = HostSwap(acc)
+    swap.track(views)
+    assert swap.nbytes == 160 + 6 + 12  # one storage for both views of base
+    host_buffers = [h.data_ptr() for h in swap._host]
+    swap.offload()
+    assert resident_bytes(views) == 0
+    swap.reload()
+    for a, b in zip(views, before):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    swap.track(views)  # same sizes: host buffers are reused, not reallocated
+    assert [h.data_ptr() for h in swap._host] == host_buffers
+
+
+def test_ledger_peak_and_unknown_category():
+    led = Ledger()
+    led.record("a", train_params=10, temp=5)
+    led.record("b", gen_weights=7)
+    assert led.total("a") == 15 and led.peak() == 15 and "train_params" in led.table()
+    with pytest.raises(ValueError):
+        led.record("c", bogus=1)
