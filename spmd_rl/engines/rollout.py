@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.dist.accelerator import Accelerator
 
@@ -48,6 +49,7 @@ class RolloutEngine:
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.cfg = cfg
         self.acc = acc
+        self.tp = tp
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, enforce_eager=cfg.enforce_eager,
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=False, **kw)
 
@@ -96,6 +98,13 @@ class RolloutEngine:
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def weight_bytes(self) -> int:
+        """Bytes of this rank's generation weights. vLLM CPU moves linear weights into packed
+        GEMM closures (their parameters become empty), so on CPU the count comes from the
+        model's architecture: TP-split tensors / tp, replicated ones whole."""
+        if self.acc.kind == "cpu":
+            arch = ModelArch.from_dict(self.model.config.to_dict())
+            itemsize = torch.empty((), dtype=self.llm.llm_engine.model_config.dtype).element_size()
+            return sum(t.numel // self.tp if t.tp_split else t.numel for t in arch.tensors()) * itemsize
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def release_kv_cache(self) -> None:
