@@ -71,6 +71,64 @@ def plan(
     typer.echo(render(cfg, ModelArch.from_folder(cfg.model.path), lay, bandwidth_gbps))
 
 
+@app.command()
+def train(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    nproc_per_node: Optional[int] = NprocOpt,
+) -> None:
+    """Train on this node: validate, start the embedded etcd if no endpoints are configured,
+    run torchrun with `python -m spmd_rl.train`. Exit code is torchrun's (2: invalid config)."""
+    from spmd_rl.launcher.local import run_local
+
+    nproc = nproc_per_node or 0
+    cfg, lay = _checked(config, overrides, None if not nproc else nproc, nproc or None)
+    raise typer.Exit(code=run_local(config, list(overrides or []), cfg, lay.nproc_per_node))
+
+
+@app.command()
+def export(
+    checkpoint_dir: Path = typer.Argument(..., help="A checkpoint folder (iter_NNNNNN)."),
+    out: Path = typer.Option(..., "--out", help="Output HF folder."),
+) -> None:
+    """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer)."""
+    from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
+
+    if not is_checkpoint(checkpoint_dir):
+        typer.echo(f"INVALID {checkpoint_dir}: not a complete checkpoint (no trainer_state.json)", err=True)
+        raise typer.Exit(code=2)
+    typer.echo(f"wrote {export_ckpt(checkpoint_dir, out)}")
+
+
+@app.command(name="eval")
+def evaluate(
+    model: Path = typer.Argument(..., help="HF model folder or checkpoint folder."),
+    data: Path = typer.Option(..., "--data", help="Prompt file (.jsonl/.parquet) with prompt and answer columns."),
+    rule: str = typer.Option("exact_match", "--rule", help="Reward rule deciding correctness."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts."),
+    max_tokens: int = typer.Option(8, "--max-tokens", help="Greedy response length limit."),
+) -> None:
+    """Greedy accuracy through in-process vLLM; prints one JSON line."""
+    import json
+    import tempfile
+
+    from spmd_rl.trainer.export import export as export_ckpt, greedy_accuracy, is_checkpoint
+
+    if not data.is_file():
+        typer.echo(f"INVALID --data={data}: file not found", err=True)
+        raise typer.Exit(code=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        if is_checkpoint(model):
+            model_dir = export_ckpt(model, Path(tmp) / "hf")
+        elif (model / "config.json").is_file():
+            model_dir = model
+        else:
+            typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
+            raise typer.Exit(code=2)
+        result = greedy_accuracy(model_dir, data, rule, limit, max_tokens)
+    typer.echo(json.dumps(result | {"model": str(model)}))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,68 @@
+"""Prompt datasets: jsonl or parquet through ``datasets``, column mapping, chat template,
+tokenisation. Bad rows (missing column, empty prompt, prompt longer than
+``data.max_prompt_length`` tokens) are counted and skipped with a warning naming the row."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptSet:
+    prompt_ids: list[list[int]]
+    answers: list[str]
+    rows: list[int]
+    """Row number in the file of each kept prompt."""
+    skipped: dict[str, list[int]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    kind = "parquet" if str(path).endswith(".parquet") else "json"
+    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    return [dict(r) for r in ds]
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column: str, max_prompt_length: int,
+                 chat_template: bool = True) -> PromptSet:
+    out = PromptSet([], [], [])
+    for row_no, row in enumerate(load_rows(path)):
+        reason = None
+        if prompt_column not in row or row[prompt_column] is None:
+            reason = f"missing column {prompt_column!r}"
+        elif answer_column not in row or row[answer_column] is None:
+            reason = f"missing column {answer_column!r}"
+        elif not str(row[prompt_column]).strip():
+            reason = "empty prompt"
+        if reason is None:
+            ids = encode_prompt(tokenizer, str(row[prompt_column]), chat_template)
+            if len(ids) > max_prompt_length:
+                reason = f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
+        if reason is not None:
+            out.skipped.setdefault(reason, []).append(row_no)
+            continue
+        out.prompt_ids.append(ids)
+        out.answers.append(str(row[answer_column]))
+        out.rows.append(row_no)
+    for reason, rows in out.skipped.items():
+        log.warning("%s: skipped %d row(s) with %s, e.g. row %s", path, len(rows), reason, rows[:5])
+    if not out.prompt_ids:
+        raise ValueError(f"{path}: no usable prompt rows (skipped: {', '.join(f'{k}: {len(v)}' for k, v in out.skipped.items())})")
+    return out

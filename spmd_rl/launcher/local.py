@@ -1,0 +1,37 @@
+"""``spmd-rl train`` on one node: start the embedded etcd when ``metadata.endpoints`` is empty,
+create the job token, run torchrun for this node, stop etcd at exit (also on failure)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+from spmd_rl.config.schema import Config
+from spmd_rl.dock.etcd_server import EmbeddedEtcd
+
+
+def torchrun_command(config: Path, overrides: list[str], cfg: Config, nproc_per_node: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={nproc_per_node}", f"--max-restarts={cfg.elastic.max_restarts}",
+        "-m", "spmd_rl.train", str(config), *overrides,
+    ]
+
+
+def run_local(config: Path, overrides: list[str], cfg: Config, nproc_per_node: int) -> int:
+    env = dict(os.environ)
+    env.setdefault("SPMD_RL_JOB_TOKEN", cfg.dock.token or secrets.token_hex(16))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    etcd = None
+    try:
+        if not cfg.metadata.endpoints and "SPMD_RL_ETCD" not in env:
+            etcd = EmbeddedEtcd().start()
+            env["SPMD_RL_ETCD"] = etcd.endpoint
+            print(f"[spmd-rl] embedded etcd at {etcd.endpoint}", file=sys.stderr, flush=True)
+        return subprocess.call(torchrun_command(config, overrides, cfg, nproc_per_node), env=env)
+    finally:
+        if etcd is not None:
+            etcd.stop()

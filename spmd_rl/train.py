@@ -1,0 +1,135 @@
+"""The torchrun entry point: ``python -m spmd_rl.train CONFIG [key=value ...]``.
+
+Every rank runs this same program. It needs the job's etcd (``metadata.endpoints`` or
+``$SPMD_RL_ETCD``, set by ``spmd-rl train``) and job token (``dock.token`` or
+``$SPMD_RL_JOB_TOKEN``). Exit code 2 means a user error (config, data), printed as one line
+per problem.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from spmd_rl.config.errors import ConfigError, Violation
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.rules import check
+from spmd_rl.config.stages import needs_reference, stages_for
+from spmd_rl.data.prompts import load_prompts
+from spmd_rl.data.sampler import PromptSampler, SamplerState
+from spmd_rl.dist.accelerator import detect
+from spmd_rl.dist.mesh import build_meshes
+from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.train import TrainEngine
+from spmd_rl.reshard.allgather_swap import Resharder
+from spmd_rl.reshard.swap import HostSwap
+from spmd_rl.rewards import get_reward
+from spmd_rl.trainer import checkpoint
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.loop import train
+
+log = logging.getLogger("spmd_rl")
+
+
+def _peer() -> Peer:
+    npn = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    return Peer(rank, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_RANK", rank // npn)),
+                int(os.environ.get("LOCAL_RANK", 0)), npn)
+
+
+def _required(value: str | None, env: str, field: str, fix: str) -> str:
+    got = value or os.environ.get(env)
+    if not got:
+        raise ConfigError([Violation(field, value, f"not set and ${env} is empty", fix)])
+    return got
+
+
+def build(cfg, peer: Peer) -> tuple[Run, int]:
+    lay, violations = check(cfg, peer.world, peer.nproc_per_node)
+    if violations:
+        raise ConfigError(violations)
+    acc = detect(cfg.trainer.device, peer.local_rank)
+    acc.set_device()
+    dist.init_process_group(acc.backend, timeout=datetime.timedelta(seconds=cfg.elastic.collective_timeout_s))
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    endpoint = _required(",".join(cfg.metadata.endpoints), "SPMD_RL_ETCD", "metadata.endpoints",
+                         "launch with `spmd-rl train` (starts an embedded etcd) or set metadata.endpoints")
+    token = _required(cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token")
+    meta = MetadataStore(endpoint.split(","), cfg.metadata.job, cfg.metadata.retry_s)
+    if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
+        meta.delete_prefix(meta.key() + "/")
+    dist.barrier()
+    dock = TransferDock(cfg.dock, meta, columns_for(stages_for(cfg)), peer, token).start()
+    meshes = build_meshes(acc, lay)
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    prompts = load_prompts(cfg.data.train_path, tok, cfg.data.prompt_column, cfg.data.answer_column,
+                           cfg.data.max_prompt_length, cfg.data.apply_chat_template)
+    actor = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, total_steps=_total_steps(cfg))
+    ref, ref_swap = None, None
+    if needs_reference(cfg):
+        ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False)
+        ref_swap = HostSwap(acc)
+        ref_swap.track([p.to_local() if hasattr(p, "to_local") else p for p in ref.model.parameters()])
+        if cfg.ref.offload_to_host:
+            ref_swap.offload()
+    max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
+                            distributed=peer.world > 1)
+    resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype, int(cfg.rollout.kv_cache_gib * 1024**3))
+    sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.data.shuffle)
+    start = 0
+    resume = cfg.checkpoint.resume
+    folder = None if resume == "never" else checkpoint.latest(cfg.checkpoint.dir) if resume == "auto" else resume
+    if folder is not None:
+        state = checkpoint.read_state(folder)
+        actor.load(folder)
+        sampler.state = SamplerState(**state["sampler"])
+        checkpoint.set_rng_state(state["rng"])
+        start = int(state["iteration"])
+        if peer.rank == 0:
+            log.info("resumed from %s at iteration %d", folder, start)
+    run = Run(cfg, lay, peer, acc, dock, actor, ref, ref_swap, rollout, resharder, tok, prompts, sampler,
+              get_reward(cfg.reward.rule))
+    return run, start
+
+
+def _total_steps(cfg) -> int:
+    return cfg.trainer.iterations * cfg.actor.ppo_epochs * (cfg.data.global_batch_size // cfg.actor.mini_batch_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m spmd_rl.train CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    peer = _peer()
+    logging.basicConfig(level=logging.INFO if peer.rank == 0 else logging.WARNING,
+                        format=f"[rank{peer.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args[0], args[1:])
+        logging.getLogger().setLevel(cfg.logging.level if peer.rank == 0 else logging.WARNING)
+        run, start = build(cfg, peer)
+    except (ConfigError, ValueError) as exc:
+        print(f"INVALID {exc}", file=sys.stderr)
+        return 2
+    try:
+        train(run, start)
+    finally:
+        run.dock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Atomic checkpoints in a directory all nodes share.
+
+``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule) and
+``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
+its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 writes the trainer state and
+renames the folder, so a folder without ``.tmp`` is always complete. Older complete folders
+beyond ``checkpoint.keep`` are deleted after a successful save.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_NAME = re.compile(r"^iter_(\d{6})$")
+
+
+def folder_for(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:06d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    p = Path(root)
+    if not p.is_dir():
+        return []
+    found = [d for d in p.iterdir() if d.is_dir() and _NAME.match(d.name) and (d / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda d: d.name)
+
+
+def latest(root: str | Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def set_rng_state(text: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: int) -> Path:
+    final = folder_for(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save(tmp)
+    dist.barrier()
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def read_state(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "trainer_state.json").read_text())

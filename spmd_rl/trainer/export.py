@@ -1,0 +1,58 @@
+"""Checkpoint -> HF folder, and greedy evaluation of an HF folder through vLLM."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from spmd_rl.trainer.checkpoint import read_state
+
+
+def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
+    """Write the actor weights of a DCP checkpoint as a standard HF folder (safetensors +
+    tokenizer), using the base model's config."""
+    state = read_state(checkpoint_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(checkpoint_dir), str(flat))
+        weights = torch.load(flat, weights_only=True)["model"]
+    model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise ValueError(f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
+    return out
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "trainer_state.json").is_file()
+
+
+def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_match", limit: int | None = None,
+                    max_tokens: int = 8, prompt_column: str = "prompt", answer_column: str = "answer") -> dict:
+    """Greedy accuracy on a prompt file through in-process vLLM (single process)."""
+    from spmd_rl.config.schema import RolloutConfig
+    from spmd_rl.data.prompts import load_prompts
+    from spmd_rl.dist.accelerator import detect
+    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.rewards import get_reward
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = load_prompts(data, tok, prompt_column, answer_column, max_prompt_length=10**6)
+    ids, answers = prompts.prompt_ids[:limit], prompts.answers[:limit]
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    engine = RolloutEngine(model_dir, detect("auto"), RolloutConfig(n=1, max_response_length=max_tokens), tp=1,
+                           dtype="float32", max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096), distributed=False)
+    samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
+    texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    fn = get_reward(rule)
+    correct = sum(fn(t, a) > 0.5 for t, a in zip(texts, answers))
+    return {"model": str(model_dir), "data": str(data), "prompts": len(ids), "correct": correct, "accuracy": correct / len(ids)}

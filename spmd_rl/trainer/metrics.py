@@ -1,0 +1,77 @@
+"""Per-iteration metrics: global sums over the ranks that own each sample, paper Eq. (5)
+throughput, JSONL / TensorBoard logging and a one-line progress print on rank 0."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def throughput(G: int, N: int, PL: int, SL: int, devices: int, seconds: float) -> float:
+    """Paper Eq. (5): T = G x N x (PL + SL) / ND / ETE  [tokens / s / device]."""
+    return G * N * (PL + SL) / devices / seconds
+
+
+def global_sums(values: dict[str, float]) -> dict[str, float]:
+    """All-reduce a dict of sums over the world (each rank adds only what it owns)."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def global_max(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+class MetricsLog:
+    """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars when enabled)."""
+
+    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.folder = Path(folder)
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if jsonl:
+                self._jsonl = open(self.folder / "metrics.jsonl", "a")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.folder / "tb"))
+
+    def write(self, iteration: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, iteration)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
