@@ -1,0 +1,90 @@
+"""Pure algorithm functions against hand computations in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmd_rl.algos.core import (aggregate, constant_reward_groups, gae, grpo_advantages, kl_estimate,
+                                overlong_penalty, policy_loss)
+
+D = torch.float64
+
+
+def test_grpo_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0], dtype=D)
+    a = grpo_advantages(r, 4, norm_by_std=True, eps=0.0)
+    std = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1,0,0,1]
+    assert torch.allclose(a[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=D) / std)
+    assert torch.equal(grpo_advantages(r, 4, norm_by_std=False)[4:], torch.zeros(4, dtype=D))
+    assert torch.equal(grpo_advantages(r, 4, norm_by_std=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=D))
+    assert constant_reward_groups(r, 4).tolist() == [False] * 4 + [True] * 4
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([-1.0, -2.0], dtype=D)
+    ref = torch.tensor([-1.5, -1.0], dtype=D)
+    log_r = ref - logp  # [-0.5, 1.0]
+    assert torch.allclose(kl_estimate(logp, ref, "k1"), -log_r)
+    assert torch.allclose(kl_estimate(logp, ref, "k2"), 0.5 * log_r**2)
+    assert torch.allclose(kl_estimate(logp, ref, "k3"), torch.exp(log_r) - 1 - log_r)
+    assert (kl_estimate(logp, ref, "k3") >= 0).all()
+
+
+def test_aggregation_modes_by_hand():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=D)
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(v, m, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(v, m, "token-mean", denominator=8.0).item() == pytest.approx(10 / 8)
+    assert aggregate(v, m, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(v, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+
+
+def test_policy_loss_clip_and_dual_clip_by_hand():
+    old = torch.zeros(1, 4, dtype=D)
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 5.0]], dtype=D)
+    logp = ratio.log()
+    m = torch.ones(1, 4)
+    # A > 0: loss = max(-A r, -A clip(r, 0.8, 1.3)) -> -A * min(r, 1.3) for r > 1.3, -A * max... elementwise:
+    adv = torch.ones(1, 4, dtype=D)
+    loss, frac = policy_loss(logp, old, adv, m, 0.2, 0.3, None, "token-mean")
+    expect = [max(-r, -min(max(r, 0.8), 1.3)) for r in [0.5, 1.0, 1.5, 5.0]]
+    assert loss.item() == pytest.approx(sum(expect) / 4)
+    assert frac.item() == pytest.approx(2 / 4)  # r = 1.5 and 5.0 clipped at 1.3
+    # A < 0 with dual clip c = 3: loss = min(max(-A r, -A clip), -A c)
+    adv = -torch.ones(1, 4, dtype=D)
+    loss, _ = policy_loss(logp, old, adv, m, 0.2, 0.3, 3.0, "token-mean")
+    expect = [min(max(r, min(max(r, 0.8), 1.3)), 3.0) for r in [0.5, 1.0, 1.5, 5.0]]
+    assert loss.item() == pytest.approx(sum(expect) / 4)
+
+
+def test_on_policy_gradient_is_minus_advantage():
+    logp = torch.tensor([[-0.7, -1.2]], dtype=D, requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0]], dtype=D)
+    loss, _ = policy_loss(logp, logp.detach(), adv, torch.ones(1, 2), 0.2, 0.2, 3.0, "token-mean")
+    loss.backward()
+    assert torch.allclose(logp.grad, -adv / 2)
+
+
+def test_overlong_penalty_by_hand():
+    L = torch.tensor([10, 12, 14, 16])
+    assert overlong_penalty(L, 16, 4, 1.0).tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
+    assert overlong_penalty(L, 16, 0, 1.0).tolist() == [0.0] * 4
+
+
+def test_gae_by_hand():
+    r = torch.tensor([[0.0, 0.0, 1.0]], dtype=D)
+    v = torch.tensor([[0.5, 0.6, 0.7]], dtype=D)
+    m = torch.ones(1, 3)
+    g, lam = 0.9, 0.8
+    d2 = 1.0 - 0.7
+    d1 = 0.0 + g * 0.7 - 0.6
+    d0 = 0.0 + g * 0.6 - 0.5
+    a2 = d2
+    a1 = d1 + g * lam * a2
+    a0 = d0 + g * lam * a1
+    adv, ret = gae(r, v, m, g, lam)
+    assert torch.allclose(adv, torch.tensor([[a0, a1, a2]], dtype=D))
+    assert torch.allclose(ret, adv + v)
