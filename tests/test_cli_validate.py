@@ -39,6 +39,8 @@ BROKEN = [
     (["actor.lr=fast"], None, "actor.lr"),
     (["actor.lrr=1e-5"], None, "actor.lrr"),
     (["algorithm.name=reinforce"], None, "algorithm.name"),
+    (["algorithm.name=ppo"], None, "algorithm.name"),
+    (["algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"], None, "algorithm.use_kl_loss"),
     (["parallel.train.dp_shard=3"], None, "parallel.train.dp_shard"),
     (["parallel.gen.tp=3"], None, "parallel.gen.tp"),
     (["data.global_batch_size=15"], None, "data.global_batch_size"),

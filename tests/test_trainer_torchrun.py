@@ -64,3 +64,15 @@ def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     c = weights(first, tmp_path)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # iteration 2 did change the weights
+
+
+@pytest.mark.slow
+def test_reference_old_logprob_and_dapo_stages(tiny_model, tmp_path, etcd):
+    """KL against the reference (host-offloaded between uses), off-policy update with the old
+    log-prob pass (2 PPO epochs, 2 mini-batches), DAPO dynamic sampling."""
+    rows = train(tmp_path, "dapo", etcd.endpoint, "algorithm.name=dapo", "algorithm.kl_coef=0.05", "actor.ppo_epochs=2",
+                 f"actor.mini_batch_size={G // 2}", "actor.micro_batch_size=4", "algorithm.dynamic_sampling=true")
+    for r in rows:
+        assert r["samples"] == G * N and "time_ref_logprob" in r and "time_actor_logprob" in r
+        assert torch.isfinite(torch.tensor([r["loss"], r["kl"], r["entropy"]])).all()
+        assert r["kl"] >= 0 and 0 <= r["dropped_samples"] <= G * N

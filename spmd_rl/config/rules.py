@@ -120,6 +120,10 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
             out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} normalises rewards within a group of N responses; N=1 makes every advantage 0", "set rollout.n >= 2"))
         if cfg.rollout.temperature == 0 and cfg.rollout.n > 1:
             out.append(Violation("rollout.temperature", 0.0, "greedy sampling gives N identical responses and zero advantages", "set a temperature > 0, e.g. 1.0"))
+    if a.name == "ppo":
+        out.append(Violation("algorithm.name", "ppo", "the critic engine is not implemented in this version (GAE is, in algos/)", "use grpo or dapo"))
+    if a.kl_coef > 0 and not a.use_kl_loss:
+        out.append(Violation("algorithm.use_kl_loss", False, "KL-in-reward shaping is not implemented in this version", "set use_kl_loss: true"))
     if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
         out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
     if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
