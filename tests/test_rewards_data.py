@@ -48,3 +48,14 @@ def test_sampler_is_deterministic_and_resumable():
     b.next_batch(4)
     resumed = PromptSampler(10, seed=3, state=SamplerState(b.state.epoch, b.state.offset))
     assert [resumed.next_batch(4) for _ in range(3)] == first[1:]
+
+
+def test_parquet_prompts(tmp_path, tiny_model):
+    import datasets
+
+    path = tmp_path / "p.parquet"
+    datasets.Dataset.from_list([{"q": "3+4=", "a": "7"}, {"q": "", "a": "0"}]).to_parquet(str(path))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ps = load_prompts(path, tok, "q", "a", max_prompt_length=64)
+    assert ps.answers == ["7"] and ps.skipped == {"empty prompt": [1]}
+    assert tok.decode(ps.prompt_ids[0]).endswith("3+4=<|im_end|>\n<|im_start|>assistant\n")

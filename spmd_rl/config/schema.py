@@ -141,7 +141,7 @@ class ReshardConfig(Section):
         "allgather_swap", description="allgather_swap moves the training state to host during generation; naive keeps it resident."
     )
     bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the temporary full-tensor buffer of one gather bucket.")
-    prefetch: bool = Field(True, description="Start the host-to-device copy of the training state during the inference stages.")
+    prefetch: bool = Field(True, description="Start the host-to-device copy of the training state during the inference stages (not implemented yet: the copy happens at reshard-back).")
 
 
 class CheckpointConfig(Section):
