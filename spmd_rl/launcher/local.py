@@ -25,6 +25,7 @@ def run_local(config: Path, overrides: list[str], cfg: Config, nproc_per_node: i
     env = dict(os.environ)
     env.setdefault("SPMD_RL_JOB_TOKEN", cfg.dock.token or secrets.token_hex(16))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # torch 2.13 hangs re-forming the group after a restart without it
     etcd = None
     try:
         if not cfg.metadata.endpoints and "SPMD_RL_ETCD" not in env:
