@@ -71,7 +71,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
-    dock = TransferDock(cfg.dock, meta, columns_for(stages_for(cfg)), peer, token).start()
+    dock = TransferDock(cfg.dock, meta, columns_for(stages_for(cfg)), peer, token).start(cfg.elastic.heartbeat_ttl_s)
     meshes = build_meshes(acc, lay)
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     prompts = load_prompts(cfg.data.train_path, tok, cfg.data.prompt_column, cfg.data.answer_column,

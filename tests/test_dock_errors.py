@@ -118,3 +118,20 @@ def test_embedded_etcd_stops_cleanly():
     from spmd_rl.dock.etcd_server import pid_alive
 
     assert not pid_alive(pid)
+
+
+def test_lost_rank_fails_fast_instead_of_waiting(etcd):
+    from spmd_rl.dock.errors import DockUnavailable
+
+    meta = MetadataStore([etcd.endpoint], job="errors-lost-rank")
+    d = TransferDock(DockConfig(port=0, get_timeout_s=60), meta, columns_for(STAGES), Peer(0, 2, 0, 0, 2), TOKEN).start(heartbeat_ttl_s=2)
+    try:
+        d.begin_iteration(0, 4)
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(DockUnavailable, match=r"rank\(s\) \[1\] lost"):  # rank 1 never came up
+            d.get("actor_rollout", 0, ["prompt_ids"], Layout(1, 2))
+        assert time.monotonic() - t0 < 10
+    finally:
+        d.close()

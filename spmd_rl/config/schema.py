@@ -166,6 +166,7 @@ class ElasticConfig(Section):
     rdzv_backend: Literal["c10d", "etcd-v2"] = Field("c10d", description="c10d on one node; etcd-v2 survives losing any node.")
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2).")
     collective_timeout_s: float = Field(60.0, gt=0.0, description="Process-group timeout: a dead peer is noticed within this.")
+    heartbeat_ttl_s: int = Field(10, gt=0, description="Lease of each rank's liveness key in etcd; a stage waiting on a lost rank fails after about this long.")
 
 
 class TrainerConfig(Section):

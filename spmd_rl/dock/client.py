@@ -27,6 +27,7 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.controller import StageController, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
+from spmd_rl.dock.heartbeat import Heartbeat
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
@@ -107,6 +108,7 @@ class TransferDock:
         self._clients: dict[int, WarehouseClient] = {}
         self._num_samples: dict[int, int] = {}
         self._seq = 0
+        self.heartbeat: Heartbeat | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -117,8 +119,11 @@ class TransferDock:
     def serves_warehouse(self) -> bool:
         return self.peer.rank == 0 if self.centralized else self.peer.local_rank == 0
 
-    def start(self) -> "TransferDock":
-        """Start this node's warehouse (if this rank serves it) and publish its address."""
+    def start(self, heartbeat_ttl_s: int | None = None) -> "TransferDock":
+        """Start this node's warehouse (if this rank serves it) and publish its address; with
+        ``heartbeat_ttl_s`` also this rank's liveness key (stages then fail fast on a lost rank)."""
+        if heartbeat_ttl_s:
+            self.heartbeat = Heartbeat(self.meta, self.peer.rank, heartbeat_ttl_s).start()
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
             self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes).start()
@@ -127,6 +132,8 @@ class TransferDock:
         return self
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for c in self._clients.values():
             c.close()
         self._clients.clear()
@@ -211,7 +218,7 @@ class TransferDock:
             raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
         group_nodes = [layout.dp_group_leader(g) // self.peer.nproc_per_node for g in range(layout.dp)]
-        ctl = StageController(self.meta, stage, self.specs)
+        ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
         plan = ctl.plan(iteration, columns, want, group_nodes, group_size, timeout_s or self.cfg.get_timeout_s)
         mine = plan.groups[layout.coords(self.peer.rank)[0]]
         fetched = self._fetch(iteration, mine, list(columns), plan.locations)

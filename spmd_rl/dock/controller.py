@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from spmd_rl.dock.assign import Unit, assign
 from spmd_rl.dock.columns import ColumnSpec
-from spmd_rl.dock.errors import DockTimeout
+from spmd_rl.dock.errors import DockTimeout, DockUnavailable
+from spmd_rl.dock.heartbeat import alive_ranks
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord, describe
 
@@ -56,11 +57,14 @@ def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], g
 
 
 class StageController:
-    def __init__(self, meta: MetadataStore, stage: str, specs: dict[str, ColumnSpec], poll_s: float = 0.02):
+    def __init__(self, meta: MetadataStore, stage: str, specs: dict[str, ColumnSpec], poll_s: float = 0.02,
+                 world: int | None = None):
         self.meta = meta
         self.stage = stage
         self.specs = specs
         self.poll_s = poll_s
+        self.world = world
+        """When set, waiting fails fast once a rank's heartbeat key is gone."""
 
     def wait(self, iteration: int, columns: Sequence[str], expected: Sequence[int], timeout_s: float) -> Locations:
         """Block until all ``columns`` exist for all ``expected`` indices; DockTimeout names the
@@ -72,6 +76,11 @@ class StageController:
             missing = missing_inputs(loc, columns, expected)
             if not missing:
                 return loc
+            if self.world is not None and delay >= 0.25:
+                lost = set(range(self.world)) - alive_ranks(self.meta)
+                if lost:
+                    raise DockUnavailable(f"stage {self.stage}: rank(s) {sorted(lost)} lost (heartbeat expired) while waiting "
+                                          f"for iteration {iteration}; exiting so torchrun can restart the group")
             if time.monotonic() >= deadline:
                 lines = [f"column {c!r} (written by stage {self.specs[c].writer}): missing {describe(m)}" for c, m in missing.items()]
                 raise DockTimeout(f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; " + "; ".join(lines))
