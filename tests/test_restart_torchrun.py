@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import REPO, subprocess_env
+from tests.torchrun_util import descendants
 
 ITERS = 4
 
@@ -41,18 +42,7 @@ def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
 
 def workers_of(pid: int) -> list[int]:
     """Worker processes (python -m spmd_rl.train) below the launcher ``pid``."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    children: dict[int, list[tuple[int, str]]] = {}
-    for line in out:
-        p, pp, args = line.split(None, 2)
-        children.setdefault(int(pp), []).append((int(p), args))
-    found, todo = [], [pid]
-    while todo:
-        for child, args in children.get(todo.pop(), []):
-            todo.append(child)
-            if "spmd_rl.train" in args and "torch.distributed.run" not in args:
-                found.append(child)
-    return found
+    return [p for p, args in descendants(pid) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
 
 
 @pytest.mark.slow

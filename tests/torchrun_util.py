@@ -40,3 +40,19 @@ def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str
 
 
 QUIET_CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below ``pid`` (torchrun starts its workers in new
+    sessions, so killing the agent's process group does not reach them)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out:
+        p, pp, args = line.split(None, 2)
+        children.setdefault(int(pp), []).append((int(p), args))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found

