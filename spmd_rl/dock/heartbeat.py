@@ -22,9 +22,12 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._lease = None
 
+    def _register(self) -> None:
+        self._lease = self.meta.lease(self.ttl_s)
+        self.meta.put(self.meta.key("alive", self.rank), b"1", lease=self._lease)
+
     def start(self) -> "Heartbeat":
-        self._lease = self.meta._call(lambda c: c.lease(self.ttl_s))
-        self.meta._call(lambda c: c.put(self.meta.key("alive", self.rank), b"1", lease=self._lease))
+        self._register()
         self._thread.start()
         return self
 
@@ -32,8 +35,7 @@ class Heartbeat:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 if self._lease.refresh() <= 0:  # expired (etcd was away too long): take a new one
-                    self._lease = self.meta._call(lambda c: c.lease(self.ttl_s))
-                    self.meta._call(lambda c: c.put(self.meta.key("alive", self.rank), b"1", lease=self._lease))
+                    self._register()
             except Exception as exc:  # the waiting stage reports the consequence
                 log.warning("heartbeat of rank %d failed: %s", self.rank, exc)
 

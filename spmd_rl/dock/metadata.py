@@ -67,11 +67,16 @@ class MetadataStore:
         return "/" + "/".join([self.job, *(str(p) for p in parts)])
 
     # -- operations -----------------------------------------------------------------------
-    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> None:
-        if ttl_s is None:
-            self._call(lambda c: c.put(key, value))
-        else:
+    def put(self, key: str, value: bytes, ttl_s: int | None = None, lease=None) -> None:
+        """Put; with ``ttl_s`` under a new lease, with ``lease`` under that one."""
+        if ttl_s is not None:
             self._call(lambda c: c.put(key, value, lease=c.lease(ttl_s)))
+        else:
+            self._call(lambda c: c.put(key, value, lease=lease))
+
+    def lease(self, ttl_s: int):
+        """A new lease; keep it alive with ``lease.refresh()`` (returns the TTL, <= 0 once expired)."""
+        return self._call(lambda c: c.lease(ttl_s))
 
     def get(self, key: str) -> bytes | None:
         got = self._call(lambda c: c.get(key))

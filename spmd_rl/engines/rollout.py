@@ -47,9 +47,11 @@ class RolloutEngine:
             kw["distributed_executor_backend"] = "external_launcher"
         if acc.kind != "cpu":
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kw["enable_sleep_mode"] = True
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
+        self._asleep = False
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, enforce_eager=cfg.enforce_eager,
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=False, **kw)
 
@@ -108,10 +110,13 @@ class RolloutEngine:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def release_kv_cache(self) -> None:
-        """Free the KV cache between rollouts where the platform supports it (not on CPU)."""
-        if self.acc.kind != "cpu":
+        """Free the KV cache between rollouts where the platform supports it (vLLM sleep mode;
+        vLLM ignores sleep on CPU, so nothing happens there)."""
+        if self.acc.kind != "cpu" and not self._asleep:
             self.llm.sleep(level=1)
+            self._asleep = True
 
     def restore_kv_cache(self) -> None:
-        if self.acc.kind != "cpu":
+        if self._asleep:
             self.llm.wake_up()
+            self._asleep = False

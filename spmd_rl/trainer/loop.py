@@ -34,10 +34,12 @@ def run_iteration(run: Run, it: int) -> dict[str, float]:
     with timer.stage("prompts"):
         stages.put_prompts(run, it, positions)
     with timer.stage("reshard"):
+        run.rollout.restore_kv_cache()
         run.resharder.to_generation()
     with timer.stage("generate"):
         stages.rollout(run, it)
     with timer.stage("reshard_back"):
+        run.rollout.release_kv_cache()
         run.resharder.to_training()
     with timer.stage("reward"):
         sums = stages.reward(run, it, answers)
