@@ -30,7 +30,7 @@ from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.train import TrainEngine
-from spmd_rl.reshard.allgather_swap import Resharder
+from spmd_rl.reshard.allgather_swap import Resharder, local
 from spmd_rl.reshard.swap import HostSwap
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
@@ -81,7 +81,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if needs_reference(cfg):
         ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False)
         ref_swap = HostSwap(acc)
-        ref_swap.track([p.to_local() if hasattr(p, "to_local") else p for p in ref.model.parameters()])
+        ref_swap.track([local(p) for p in ref.model.parameters()])
         if cfg.ref.offload_to_host:
             ref_swap.offload()
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from spmd_rl.trainer.checkpoint import model_weights
 
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import descendants
@@ -35,9 +36,7 @@ def env() -> dict[str, str]:
 
 
 def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
-    out = tmp / f"{name}.pt"
-    dcp_to_torch_save(str(tmp / name / f"ckpt/iter_{ITERS:06d}"), str(out))
-    return torch.load(out, weights_only=True)["model"]
+    return model_weights(tmp / name / f"ckpt/iter_{ITERS:06d}")
 
 
 def workers_of(pid: int) -> list[int]:

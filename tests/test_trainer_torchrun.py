@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
+from spmd_rl.trainer.checkpoint import model_weights
 from tests.conftest import REPO, subprocess_env
 
 G, N = 8, 4
@@ -29,12 +29,6 @@ def train(tmp: Path, name: str, etcd: str, *overrides: str) -> list[dict]:
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads(line) for line in (tmp / name / "logs/metrics.jsonl").read_text().splitlines()]
-
-
-def weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=True)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +53,10 @@ def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
     resumed = train(tmp_path, "resumed", etcd.endpoint, "dock.mode=distributed", f"checkpoint.resume={first}")
     assert [r["iteration"] for r in resumed] == [1]
     assert resumed[0]["reward_mean"] == runs["distributed"][1]["reward_mean"]
-    a = weights(tmp_path / "distributed/ckpt/iter_000002", tmp_path)
-    b = weights(tmp_path / "resumed/ckpt/iter_000002", tmp_path)
+    a = model_weights(tmp_path / "distributed/ckpt/iter_000002")
+    b = model_weights(tmp_path / "resumed/ckpt/iter_000002")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    c = weights(first, tmp_path)
+    c = model_weights(first)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # iteration 2 did change the weights
 
 

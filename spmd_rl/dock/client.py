@@ -164,7 +164,7 @@ class TransferDock:
         """Free the iteration: each warehouse owner drops its data, rank 0 deletes the metadata.
         Call on every rank after all ranks finished reading (e.g. after a barrier)."""
         if self.server is not None:
-            self._client(self.peer.node if not self.centralized else 0).drop(iteration)
+            self._client(self.home_node).drop(iteration)
         if self.peer.rank == 0:
             self.meta.delete_prefix(self.meta.key(iteration) + "/")
         self._num_samples.pop(iteration, None)
@@ -182,9 +182,8 @@ class TransferDock:
             raise DockRequestError(f"indices {out_of_range[:8]} out of range [0, {limit}) for iteration {iteration}")
         if len(set(idx)) != len(idx):
             raise DockRequestError("indices of one put must be distinct")
-        items = data.items() if isinstance(data, Mapping) else data.items()
         columns: dict[str, list[torch.Tensor]] = {}
-        for name, value in items:
+        for name, value in data.items():
             if name not in self.specs:
                 raise DockRequestError(f"unknown column {name!r}; known columns: {', '.join(sorted(self.specs))}")
             columns[name] = _as_samples(name, value, len(idx), self.specs[name])

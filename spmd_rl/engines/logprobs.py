@@ -22,8 +22,15 @@ class SeqBatch:
     targets: torch.Tensor  # [B, R] response token ids (pad where masked)
     mask: torch.Tensor  # [B, R] bool, True for real response tokens
 
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.predictor, self.targets, self.mask)
+
     def to(self, device: torch.device) -> "SeqBatch":
-        return SeqBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.predictor, self.targets, self.mask)))
+        return SeqBatch(*(t.to(device) for t in self._fields()))
+
+    def __getitem__(self, rows: slice) -> "SeqBatch":
+        """The samples ``rows`` (a slice over the batch dimension)."""
+        return SeqBatch(*(t[rows] for t in self._fields()))
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

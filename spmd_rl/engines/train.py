@@ -30,9 +30,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
 
 def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
-    n = len(batch)
-    return [SeqBatch(*(t[i : i + size] for t in (batch.input_ids, batch.attention_mask, batch.predictor, batch.targets, batch.mask)))
-            for i in range(0, n, size)]
+    return [batch[i : i + size] for i in range(0, len(batch), size)]
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

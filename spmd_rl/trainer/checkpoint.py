@@ -13,10 +13,12 @@ import base64
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 _NAME = re.compile(r"^iter_(\d{6})$")
 
@@ -68,3 +70,11 @@ def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: in
 
 def read_state(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "trainer_state.json").read_text())
+
+
+def model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The actor's full (unsharded) weights of a checkpoint, read in one process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(folder), str(flat))
+        return torch.load(flat, weights_only=True)["model"]

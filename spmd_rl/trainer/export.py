@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rl.trainer.checkpoint import read_state
+from spmd_rl.trainer.checkpoint import model_weights, read_state
 
 
 def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     """Write the actor weights of a DCP checkpoint as a standard HF folder (safetensors +
     tokenizer), using the base model's config."""
     state = read_state(checkpoint_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        flat = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(checkpoint_dir), str(flat))
-        weights = torch.load(flat, weights_only=True)["model"]
+    weights = model_weights(checkpoint_dir)
     model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:

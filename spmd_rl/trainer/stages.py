@@ -117,7 +117,7 @@ def update(run: Run, it: int, use_ref: bool, use_old: bool) -> dict[str, float]:
     for _ in range(cfg.actor.ppo_epochs):
         for start in range(0, len(batch), per_rank_mini):
             sl = slice(start, start + per_rank_mini)
-            mini = SeqBatch(*(t[sl] for t in (seqs.input_ids, seqs.attention_mask, seqs.predictor, seqs.targets, seqs.mask)))
+            mini = seqs[sl]
             tokens = float(mini.mask.sum())
             micro = cfg.actor.micro_batch_size
             parts = {"adv": adv[sl], "ref": ref[sl] if ref is not None else None, "old": old[sl] if old is not None else None}
