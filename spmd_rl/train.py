@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from functools import partial
 import os
 import sys
 
@@ -35,6 +36,7 @@ from spmd_rl.reshard.swap import HostSwap
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.loop import train
 
 log = logging.getLogger("spmd_rl")
@@ -76,10 +78,11 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     prompts = load_prompts(cfg.data.train_path, tok, cfg.data.prompt_column, cfg.data.answer_column,
                            cfg.data.max_prompt_length, cfg.data.apply_chat_template)
-    actor = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, total_steps=_total_steps(cfg))
+    temp = cfg.rollout.temperature
+    actor = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, total_steps=_total_steps(cfg), temperature=temp)
     ref, ref_swap = None, None
     if needs_reference(cfg):
-        ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False)
+        ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False, temperature=temp)
         ref_swap = HostSwap(acc)
         ref_swap.track([local(p) for p in ref.model.parameters()])
         if cfg.ref.offload_to_host:
@@ -90,8 +93,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype, int(cfg.rollout.kv_cache_gib * 1024**3))
     sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.data.shuffle)
     start = 0
-    resume = cfg.checkpoint.resume
-    folder = None if resume == "never" else checkpoint.latest(cfg.checkpoint.dir) if resume == "auto" else resume
+    folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
     if folder is not None:
         state = checkpoint.read_state(folder)
         actor.load(folder)
@@ -101,7 +103,11 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         if peer.rank == 0:
             log.info("resumed from %s at iteration %d", folder, start)
     run = Run(cfg, lay, peer, acc, dock, actor, ref, ref_swap, rollout, resharder, tok, prompts, sampler,
-              get_reward(cfg.reward.rule))
+              get_reward(cfg.reward.rule, cfg.reward.format_score))
+    if cfg.trainer.eval_interval:
+        test = load_prompts(cfg.data.test_path, tok, cfg.data.prompt_column, cfg.data.answer_column,
+                            cfg.data.max_prompt_length, cfg.data.apply_chat_template)
+        run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
     return run, start
 
 

@@ -7,8 +7,14 @@ import math
 import pytest
 import torch
 
-from spmd_rl.algos.core import (aggregate, constant_reward_groups, gae, grpo_advantages, kl_estimate,
-                                overlong_penalty, policy_loss)
+from spmd_rl.algos.core import gae, grpo_advantages, kl_estimate, overlong_penalty
+from spmd_rl.algos.dynamic_sampling import signal_groups
+from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, aggregate, vanilla_ppo
+
+
+def policy_loss(logp, old, adv, mask, low, high, c, mode):
+    out = vanilla_ppo(logp, old, adv, mask, ClipConfig(low, high, c, mode))
+    return out.loss, torch.tensor(out.clipped_tokens / float(mask.sum()))
 
 D = torch.float64
 
@@ -20,7 +26,7 @@ def test_grpo_advantages_by_hand():
     assert torch.allclose(a[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=D) / std)
     assert torch.equal(grpo_advantages(r, 4, norm_by_std=False)[4:], torch.zeros(4, dtype=D))
     assert torch.equal(grpo_advantages(r, 4, norm_by_std=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=D))
-    assert constant_reward_groups(r, 4).tolist() == [False] * 4 + [True] * 4
+    assert signal_groups(r, 4).tolist() == [True, False]
 
 
 def test_kl_estimators_by_hand():
@@ -37,7 +43,7 @@ def test_aggregation_modes_by_hand():
     v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=D)
     m = torch.tensor([[1, 1, 1], [1, 0, 0]])
     assert aggregate(v, m, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
-    assert aggregate(v, m, "token-mean", denominator=8.0).item() == pytest.approx(10 / 8)
+    assert aggregate(v, m, "token-mean", LossNorm(tokens=8.0, seqs=2.0)).item() == pytest.approx(10 / 8)
     assert aggregate(v, m, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
     assert aggregate(v, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
 

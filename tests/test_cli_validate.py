@@ -51,7 +51,19 @@ BROKEN = [
     (["model.path=assets/no-model"], None, "model.path"),
     (["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"], 8, "parallel.train.tp"),
     (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
-    (["reward.kind=model"], None, "reward.model_path"),
+    (["reward.kind=model"], None, "reward.kind"),
+    (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
+    (["rollout.engine=hf"], None, "rollout.engine"),
+    (["algorithm.critic_lr=1e-5"], None, "algorithm.critic_lr"),
+    (["algorithm.value_clip=0.2"], None, "algorithm.value_clip"),
+    (["reshard.prefetch=true"], None, "reshard.prefetch"),
+    (["trainer.eval_interval=5", "data.test_path=null"], None, "trainer.eval_interval"),
+    (["reward.rule=math:isclose", "reward.format_score=0.1"], None, "reward.format_score"),
+    (["reward.format_score=0.7"], None, "reward.format_score"),
+    (["algorithm.dynamic_sampling=true"], None, "algorithm.dynamic_sampling"),
+    # G=2 groups over 4 training DP groups would leave two of them without work
+    (["data.global_batch_size=2", "actor.mini_batch_size=2", "actor.micro_batch_size=4", "parallel.train.dp_shard=4",
+      "parallel.gen.tp=2", "parallel.gen.dp=2"], 4, "data.global_batch_size"),
     (["rollout.temperature=0"], None, "rollout.temperature"),
     (["elastic.min_nodes=3"], None, "elastic.min_nodes"),
     (["metadata.endpoints=[localhost]"], None, "metadata.endpoints.0"),
@@ -68,6 +80,11 @@ def test_broken_config_names_field(in_repo, tiny_model, overrides, world, field)
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert f"{field}=" in res.output, res.output
+
+
+def test_not_implemented_field_says_why(in_repo, tiny_model):
+    res = run("validate", QUICK, "algorithm.critic_lr=1e-5")
+    assert res.exit_code == 2 and "critic is not implemented" in res.output and "remove the field" in res.output
 
 
 def test_all_violations_reported_at_once(in_repo, tiny_model):

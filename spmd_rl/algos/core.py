@@ -17,13 +17,6 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = 
     return centred.reshape(-1).to(rewards.dtype)
 
 
-def constant_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B] bool: samples whose prompt group has all rewards equal (DAPO dynamic sampling drops them)."""
-    r = rewards.reshape(-1, group_size)
-    same = (r == r[:, :1]).all(dim=1)
-    return same.repeat_interleave(group_size)
-
-
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: 0 for L <= SL - buffer, then linearly down to -factor at
     L = SL: penalty = -factor * (L - (SL - buffer)) / buffer."""
@@ -45,42 +38,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
         log_r = log_r.clamp(-20, 20)
         return torch.exp(log_r) - 1 - log_r
     raise ValueError(f"unknown KL estimator {estimator!r}")
-
-
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None = None) -> torch.Tensor:
-    """Reduce per-token values to a scalar.
-    token-mean:          sum(v * m) / sum(m)   (``denominator`` replaces sum(m), e.g. tokens of
-                                                the whole mini-batch under gradient accumulation)
-    seq-mean-token-sum:  mean_b sum_t v * m
-    seq-mean-token-mean: mean_b (sum_t v * m / sum_t m)"""
-    m = mask.to(values.dtype)
-    if mode == "token-mean":
-        return (values * m).sum() / (denominator if denominator is not None else m.sum().clamp(min=1))
-    if mode == "seq-mean-token-sum":
-        return (values * m).sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        return ((values * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    clip_low: float, clip_high: float, clip_c: float | None, agg_mode: str, denominator: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate with separate low/high clip ratios and dual clip.
-    ratio = exp(logp - old_logp);
-    L = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high));
-    dual clip for A < 0: L = min(L, -A * c).
-    Returns (aggregated loss, fraction of tokens where clipping was active)."""
-    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if clip_c is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)
-    m = mask.to(loss.dtype)
-    clip_frac = ((clipped > unclipped).to(loss.dtype) * m).sum() / m.sum().clamp(min=1)
-    return aggregate(loss, mask, agg_mode, denominator), clip_frac.detach()
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from spmd_rl.config.errors import ConfigError, Violation
-from spmd_rl.config.schema import Config
+from spmd_rl.config.schema import NOT_IMPLEMENTED, Config
 
 _MISSING = "<missing>"
 
@@ -113,6 +113,8 @@ def _violation(err: dict, tree: dict) -> Violation:
     value = _lookup(tree, loc)
     kind = err["type"]
     if kind == "extra_forbidden":
+        if field in NOT_IMPLEMENTED:
+            return Violation(field, value, NOT_IMPLEMENTED[field], "remove the field")
         _, parent = _field_info(loc[:-1])
         known = ", ".join(parent.model_fields) if parent else ""
         return Violation(field, value, "unknown field", f"remove it or fix the spelling; known fields here: {known}")

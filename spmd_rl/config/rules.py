@@ -33,6 +33,10 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
         out.append(Violation("data.global_batch_size", g, f"not divisible by the generation DP size {gdp}", f"use a multiple of {gdp}, e.g. {_multiple(g, gdp)}"))
     if (g * n) % tdp:
         out.append(Violation("data.global_batch_size", g, f"G x N = {g * n} samples not divisible by the training DP size {tdp}", f"make G x rollout.n a multiple of {tdp}"))
+    if cfg.algorithm.name in ("grpo", "dapo") and g % tdp:
+        out.append(Violation("data.global_batch_size", g, f"the advantage stage gives whole prompt groups to the {tdp} training DP groups; "
+                             f"{g} groups leave some with {g // tdp} and others with {g // tdp + 1} (or none)",
+                             f"use a multiple of the training DP size {tdp}, e.g. {_multiple(g, tdp)}, or a smaller parallel.train.dp_shard"))
     mb = cfg.actor.mini_batch_size
     if g % mb:
         out.append(Violation("actor.mini_batch_size", mb, f"does not divide data.global_batch_size={g}", "use a divisor of the global batch size"))
@@ -94,13 +98,14 @@ def _check_files(cfg: Config) -> list[Violation]:
 def _check_reward(cfg: Config) -> list[Violation]:
     r = cfg.reward
     if r.kind == "model":
-        if r.model_path is None:
-            return [Violation("reward.model_path", None, "required when reward.kind is model", "set the reward-model folder or use kind: rule")]
-        if not (Path(r.model_path) / "config.json").is_file():
-            return [Violation("reward.model_path", r.model_path, "not a model folder with config.json", "point it at a local HF reward model")]
-        return []
+        return [Violation("reward.kind", "model", "the reward-model role is not implemented in this version", "use kind: rule")]
+    if r.model_path is not None:
+        return [Violation("reward.model_path", r.model_path, "only read with reward.kind: model, which this version does not implement", "remove it")]
     if r.rule in REGISTERED_RULES:
         return []
+    if r.format_score != 0:
+        return [Violation("reward.format_score", r.format_score, f"a module:function rule ({r.rule}) has no notion of a well-formed answer",
+                          "return the format reward from your function and set format_score: 0")]
     module, sep, func = r.rule.partition(":")
     if not sep or not module or not func.isidentifier():
         return [Violation("reward.rule", r.rule, "neither a registered rule nor module:function", f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score")]
@@ -126,6 +131,8 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
         out.append(Violation("algorithm.use_kl_loss", False, "KL-in-reward shaping is not implemented in this version", "set use_kl_loss: true"))
     if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
         out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
+    if a.dynamic_sampling and a.name != "dapo":
+        out.append(Violation("algorithm.dynamic_sampling", True, f"dynamic sampling is DAPO's; algorithm.name is {a.name}", "set algorithm.name: dapo or dynamic_sampling: false"))
     if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
         out.append(Violation("actor.clip_ratio_high", cfg.actor.clip_ratio_high, "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low", f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28"))
     return out
@@ -145,6 +152,8 @@ def _check_runtime(cfg: Config) -> list[Violation]:
             out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))
     if cfg.dock.token is not None and len(cfg.dock.token) < 16:
         out.append(Violation("dock.token", "<hidden>", "shorter than 16 characters", "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`"))
+    if cfg.trainer.eval_interval and not cfg.data.test_path:
+        out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "periodic evaluation needs held-out prompts", "set data.test_path or eval_interval: 0"))
     res = cfg.checkpoint.resume
     if res not in ("auto", "never") and not Path(res).is_dir():
         out.append(Violation("checkpoint.resume", res, "neither auto, never nor an existing checkpoint folder", "use auto, never or a checkpoint path"))

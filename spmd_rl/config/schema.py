@@ -38,10 +38,12 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine: in-process vLLM, or HF generate (debug).")
+    engine: Literal["vllm"] = Field("vllm", description="Generation engine: in-process vLLM (the only one in this version).")
     n: int = Field(gt=0, description="N: responses sampled per prompt.")
     max_response_length: int = Field(gt=0, description="SL: maximum generated tokens per response.")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature; 0 means greedy. The trainer divides its logits by the same T, so the log-probs, ratio, KL and entropy are those of the sampling policy."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="KV-cache size per generation rank in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
@@ -66,7 +68,13 @@ class ActorConfig(Section):
     clip_ratio_c: float | None = Field(3.0, gt=1.0, description="Dual-clip bound c for negative advantages; null disables dual clip.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient in the policy loss.")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="How per-token losses reduce to one scalar."
+        "token-mean", description="How per-token losses reduce to one scalar, normalised over the whole mini-batch (all DP ranks): token-mean divides by its token count, the seq-mean modes by its sequence count."
+    )
+    policy_loss: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high (DAPO clip-higher when high > low); gspo = sequence-level ratio."
+    )
+    tis_cap: float | None = Field(
+        None, gt=0.0, description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged)."
     )
     param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")
@@ -84,7 +92,9 @@ class RewardConfig(Section):
         description="Registered rule name (exact_match, math_verify) or a user function as `module:function`.",
     )
     model_path: str | None = Field(None, description="Reward-model HF folder, required when `kind: model`.")
-    format_score: float = Field(0.0, description="Reward for a well-formed but wrong answer.")
+    format_score: float = Field(
+        0.0, ge=-1.0, lt=0.5, description="Below 0.5, the score above which a sample counts as correct. Reward for a well-formed but wrong answer (a registered rule's notion of form: exact_match = a number, math_verify = a parsable answer). Must be 0 for a module:function rule."
+    )
 
 
 class AlgorithmConfig(Section):
@@ -93,11 +103,12 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient beta against the reference policy; 0 skips the reference pass.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 = log r, k2 = (log r)^2/2, k3 = r - 1 - log r (low variance).")
     use_kl_loss: bool = Field(True, description="Put the KL term in the loss (GRPO); false subtracts it from the token rewards.")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount for GAE.")
-    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
-    critic_lr: float = Field(1e-5, gt=0.0, description="PPO: critic learning rate.")
-    value_clip: float = Field(0.5, gt=0.0, description="PPO: value-function clip range.")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop prompt groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: generate more rounds of G prompts and train only on prompt groups whose rewards are not all equal, until G such groups exist."
+    )
+    max_extra_rounds: int = Field(
+        2, ge=0, description="DAPO dynamic sampling: extra generation rounds allowed per iteration; if still short of G, the batch is topped up with constant groups (logged)."
+    )
     overlong_buffer: int = Field(0, ge=0, description="DAPO: soft overlong punishment over the last this-many tokens of SL; 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0.0, description="DAPO: maximum overlong penalty.")
 
@@ -141,7 +152,6 @@ class ReshardConfig(Section):
         "allgather_swap", description="allgather_swap moves the training state to host during generation; naive keeps it resident."
     )
     bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the temporary full-tensor buffer of one gather bucket.")
-    prefetch: bool = Field(True, description="Start the host-to-device copy of the training state during the inference stages (not implemented yet: the copy happens at reshard-back).")
 
 
 class CheckpointConfig(Section):
@@ -174,7 +184,21 @@ class TrainerConfig(Section):
     seed: int = Field(0, description="Seed of data order, sampling and init.")
     deterministic: bool = Field(False, description="Deterministic algorithms and sampling (for resume-equality tests).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu, then cuda, then cpu.")
-    eval_interval: int = Field(0, ge=0, description="Greedy accuracy on `data.test_path` every this-many iterations; 0 disables.")
+    eval_interval: int = Field(
+        0, ge=0, description="Greedy accuracy on `data.test_path` (through the rollout engine) before iterations 0, k, 2k, ... (the policy after that many updates), logged as eval_accuracy; 0 disables. The final policy: `spmd-rl eval` on the last checkpoint."
+    )
+    eval_limit: int | None = Field(None, gt=0, description="Evaluate on at most this many test prompts (the first ones); null = all.")
+
+
+NOT_IMPLEMENTED: dict[str, str] = {
+    "algorithm.gamma": "PPO's critic (GAE) is not implemented in this version",
+    "algorithm.lam": "PPO's critic (GAE) is not implemented in this version",
+    "algorithm.critic_lr": "PPO's critic is not implemented in this version",
+    "algorithm.value_clip": "PPO's critic is not implemented in this version",
+    "reshard.prefetch": "prefetching the training state is not implemented in this version",
+}
+"""Fields of other frameworks' configs (or of earlier drafts) that this version refuses with a
+reason instead of accepting and ignoring them."""
 
 
 class Config(Section):

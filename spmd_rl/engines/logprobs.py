@@ -2,7 +2,8 @@
 
 A sample is s = prompt ++ response. In the right-padded batch, response token j of sample b
 sits at position P_b + j and is predicted by the logits at P_b + j - 1, so
-logprob[b, j] = log_softmax(logits[b, P_b + j - 1])[s_b[P_b + j]]; entropy
+logprob[b, j] = log_softmax(logits[b, P_b + j - 1] / T)[s_b[P_b + j]] with T the sampling
+temperature (the policy that generated the response is softmax(logits / T)); entropy
 H[b, j] = -sum_v p_v log p_v of that distribution. Float32 throughout; padded response
 positions (j >= R_b) are masked out by ``mask``.
 """
@@ -56,9 +57,13 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
     return SeqBatch(ids, att, predictor, targets, mask)
 
 
-def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [B, R], entropies [B, R] or None) of the response tokens; 0 where masked."""
+def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool = False,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [B, R], entropies [B, R] or None) of the response tokens under
+    softmax(logits / temperature); 0 where masked."""
     picked = logits.gather(1, batch.predictor[..., None].expand(-1, -1, logits.shape[-1])).float()
+    if temperature != 1.0:
+        picked = picked / temperature
     logp = torch.log_softmax(picked, dim=-1)
     lp = logp.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
     ent = (-(logp.exp() * logp).sum(-1) * batch.mask) if with_entropy else None

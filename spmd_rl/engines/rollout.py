@@ -30,7 +30,9 @@ def configure_vllm_env(rollout: RolloutConfig) -> None:
 
 @dataclass
 class Sample:
-    """One generated response: token ids and the sampler's log-prob of each."""
+    """One generated response: token ids and the sampler's log-prob of each: vLLM's processed
+    log-probs, i.e. of softmax(logits / T) (renormalised over the top-k / top-p set when those
+    are on), the distribution the token was drawn from."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -53,7 +55,8 @@ class RolloutEngine:
         self.tp = tp
         self._asleep = False
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, enforce_eager=cfg.enforce_eager,
-                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=False, **kw)
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=False,
+                       logprobs_mode="processed_logprobs", **kw)
 
     @property
     def model(self) -> torch.nn.Module:

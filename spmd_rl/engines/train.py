@@ -48,9 +48,12 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 class TrainEngine:
     def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
-                 trainable: bool = True, total_steps: int = 1):
+                 trainable: bool = True, total_steps: int = 1, temperature: float = 1.0):
+        """``temperature``: the rollout's sampling temperature T; every log-prob and entropy is
+        of softmax(logits / T), the policy that sampled (T = 0, greedy, counts as 1)."""
         self.acc = acc
         self.cfg = cfg
+        self.temperature = temperature if temperature > 0 else 1.0
         master = DTYPES[cfg.param_dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=master)
         model.config.use_cache = False
@@ -73,7 +76,7 @@ class TrainEngine:
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         micro = micro.to(self.acc.device)
         logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
-        return response_logprobs(logits, micro, with_entropy)
+        return response_logprobs(logits, micro, with_entropy, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

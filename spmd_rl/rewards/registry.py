@@ -5,6 +5,10 @@
 - ``math_verify``: 1.0 if ``math-verify`` judges the response's final LaTeX answer equal to the
   reference (install ``math-verify``).
 - ``module:function``: any importable function with the same signature.
+
+``reward.format_score`` f: a registered rule scores r = 1 if correct, f if the response is
+well formed (``exact_match``: it parses as a number; ``math_verify``: an answer can be parsed
+from it) but wrong, else 0. A user function's score is used as it is.
 """
 
 from __future__ import annotations
@@ -30,20 +34,46 @@ def exact_match(response: str, answer: str) -> float:
     return float(got is not None and got == want)
 
 
-def math_verify(response: str, answer: str) -> float:
+def is_number(response: str) -> bool:
+    return _number(response) is not None
+
+
+def _math_verify_api():
     try:
         from math_verify import parse, verify
     except ImportError as exc:  # pragma: no cover - depends on the optional package
         raise RuntimeError("reward.rule=math_verify needs the math-verify package: pip install math-verify") from exc
+    return parse, verify
+
+
+def math_verify(response: str, answer: str) -> float:
+    parse, verify = _math_verify_api()
     return float(verify(parse(answer), parse(response)))
 
 
-REGISTRY: dict[str, RewardFn] = {"exact_match": exact_match, "math_verify": math_verify}
+def parses_as_math(response: str) -> bool:
+    parse, _ = _math_verify_api()
+    return len(parse(response)) > 0
 
 
-def get_reward(rule: str) -> RewardFn:
+REGISTRY: dict[str, tuple[RewardFn, Callable[[str], bool]]] = {
+    "exact_match": (exact_match, is_number),
+    "math_verify": (math_verify, parses_as_math),
+}
+
+
+def get_reward(rule: str, format_score: float = 0.0) -> RewardFn:
     if rule in REGISTRY:
-        return REGISTRY[rule]
+        correct, formed = REGISTRY[rule]
+        if format_score == 0:
+            return correct
+
+        def scored(response: str, answer: str) -> float:
+            if correct(response, answer) > 0.5:
+                return 1.0
+            return format_score if formed(response) else 0.0
+
+        return scored
     module, _, name = rule.partition(":")
     fn = getattr(importlib.import_module(module), name, None)
     if not callable(fn):

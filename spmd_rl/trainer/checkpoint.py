@@ -3,8 +3,17 @@
 ``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule) and
 ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
 its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 writes the trainer state and
-renames the folder, so a folder without ``.tmp`` is always complete. Older complete folders
-beyond ``checkpoint.keep`` are deleted after a successful save.
+renames the folder, so a folder without ``.tmp`` is always complete.
+
+Lineage. A run started with ``checkpoint.resume=<folder>`` records that folder as the
+``origin`` of every checkpoint it writes. Resolution (:func:`resume_folder`): ``auto`` takes
+the latest complete checkpoint; ``<folder>`` takes the latest checkpoint of its own lineage
+(origin == folder) newer than the folder, else the folder itself; so a torchrun restart after
+a failure continues from the newest checkpoint instead of rolling back to the folder, while a
+fresh start from an older folder ignores the other timeline's newer checkpoints.
+
+Pruning after a save keeps the ``keep`` newest checkpoints of the run's own lineage; it never
+deletes the checkpoint just written nor any checkpoint of another lineage.
 """
 
 from __future__ import annotations
@@ -48,7 +57,29 @@ def set_rng_state(text: str) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
 
 
+def origin_of(resume: str) -> str | None:
+    """The lineage a run with this ``checkpoint.resume`` writes: the resolved folder, or None."""
+    return None if resume in ("auto", "never") else str(Path(resume).resolve())
+
+
+def _lineage(root: str | Path, origin: str | None) -> list[Path]:
+    return [c for c in complete_checkpoints(root) if read_state(c).get("origin") == origin]
+
+
+def resume_folder(root: str | Path, resume: str) -> Path | None:
+    """The checkpoint a (re)starting run loads (module docstring)."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest(root)
+    start = Path(resume)
+    newer = [c for c in _lineage(root, origin_of(resume)) if int(read_state(c)["iteration"]) > int(read_state(start)["iteration"])]
+    return newer[-1] if newer else start
+
+
 def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: int) -> Path:
+    """Write ``iter_NNNNNN`` atomically, then prune (module docstring). ``trainer_state``
+    carries ``origin`` (the lineage)."""
     final = folder_for(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -62,8 +93,9 @@ def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: in
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in _lineage(root, trainer_state.get("origin"))[:-keep]:
+            if old.resolve() != final.resolve():
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,3 +34,5 @@ class Run:
     prompts: PromptSet
     sampler: PromptSampler
     reward_fn: Any
+    evaluator: Callable[[], float] | None = None
+    """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""

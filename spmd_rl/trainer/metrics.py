@@ -42,10 +42,32 @@ class StageTimer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
-class MetricsLog:
-    """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars when enabled)."""
+def truncate_from(path: Path, start_iteration: int) -> None:
+    """Drop the lines of iterations >= ``start_iteration`` (a resumed run redoes them), so each
+    iteration appears once. Written to a temporary file and renamed: never half a file."""
+    if not path.is_file():
+        return
+    keep, torn = [], []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["iteration"]) < start_iteration:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            torn.append(line)  # a line cut by a kill: set aside in metrics.jsonl.torn, not lost
+    if torn:
+        with open(path.with_suffix(".jsonl.torn"), "a") as f:
+            f.write("".join(line + "\n" for line in torn))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
-    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool):
+
+class MetricsLog:
+    """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars when enabled). Lines of
+    iterations at or after ``start_iteration`` (left by a run that was restarted from an older
+    checkpoint) are removed first."""
+
+    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0):
         self.enabled = enabled
         self.folder = Path(folder)
         self._jsonl = None
@@ -53,6 +75,7 @@ class MetricsLog:
         if enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             if jsonl:
+                truncate_from(self.folder / "metrics.jsonl", start_iteration)
                 self._jsonl = open(self.folder / "metrics.jsonl", "a")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,111 @@
+"""The actor-update stage: split, accumulate, step. The objective itself lives in
+``algos.policy_loss``; this module only feeds it the right normaliser.
+
+Invariant (tested): the gradient of one optimizer step is that of ONE objective over the whole
+mini-batch, whatever ``micro_batch_size`` and whatever the training layout (dp_shard x tp):
+every micro-batch loss is normalised by the mini-batch's global token / sequence count
+(all-reduced over the DP ranks), and multiplied by the DP size because FSDP averages the
+gradients over ``dp_shard``. Metrics are global: sums over all DP ranks (each DP group counted
+once), divided by global counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.algos.core import kl_estimate
+from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, aggregate, get_policy_loss, tis_weight
+from spmd_rl.engines.train import split
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.stages import seq_batch
+
+_SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl")
+
+
+def _world_sum(values: list[float], tp: int) -> list[float]:
+    """Sum over all ranks, each DP group counted once (its TP ranks hold identical data)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / tp).tolist()
+
+
+def mini_batch_norm(mask: torch.Tensor, tp: int) -> LossNorm:
+    """Global response-token and sequence counts of a mini-batch whose DP shares are spread
+    over the ranks (``mask`` is this rank's share)."""
+    tokens, seqs = _world_sum([float(mask.sum()), float(mask.shape[0])], tp)
+    return LossNorm(tokens, seqs)
+
+
+def _padded(batch, name: str, width: int) -> torch.Tensor:
+    out = torch.zeros(len(batch), width)
+    for k, v in enumerate(batch.columns[name]):
+        out[k, : v.numel()] = v
+    return out
+
+
+def update(run: Run, it: int, use_ref: bool, use_old: bool, expected: list[int]) -> dict[str, float]:
+    """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch."""
+    cfg, lay = run.cfg, run.lay.train
+    a = cfg.actor
+    cols = ["prompt_ids", "response_ids", "advantages", "rollout_log_prob"]
+    cols += (["ref_log_prob"] if use_ref else []) + (["old_log_prob"] if use_old else [])
+    batch = run.dock.get("actor_update", it, cols, lay, expected=expected)
+    seqs = seq_batch(run, batch)
+    width = seqs.mask.shape[1]
+    adv = _padded(batch, "advantages", width)
+    rollout = _padded(batch, "rollout_log_prob", width)
+    ref = _padded(batch, "ref_log_prob", width) if use_ref else None
+    old = _padded(batch, "old_log_prob", width) if use_old else None
+    objective = get_policy_loss(a.policy_loss)
+    clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
+    per_rank_mini = a.mini_batch_size * cfg.rollout.n // lay.dp
+    micro = a.micro_batch_size
+    acc = dict.fromkeys(_SUMS, 0.0) | {"mismatch_max": 0.0}
+    steps, grad_norm, lr = 0, 0.0, 0.0
+    for epoch in range(a.ppo_epochs):
+        for start in range(0, len(batch), per_rank_mini):
+            sl = slice(start, start + per_rank_mini)
+            mini = seqs[sl]
+            norm = mini_batch_norm(mini.mask, lay.tp)
+
+            def loss_fn(lp, ent, k, sl=sl, mini=mini, norm=norm, first_epoch=epoch == 0):
+                s = slice(sl.start + k * micro, sl.start + (k + 1) * micro)
+                mask = mini.mask[k * micro : (k + 1) * micro].to(lp.device)
+                m = mask.to(lp.dtype)
+                old_lp = old[s].to(lp.device) if old is not None else lp.detach()
+                roll = rollout[s].to(lp.device)
+                weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
+                out = objective(lp, old_lp, adv[s].to(lp.device), mask, clip, norm, weight)
+                loss = out.loss
+                if ref is not None:
+                    kl = kl_estimate(lp, ref[s].to(lp.device), cfg.algorithm.kl_estimator)
+                    acc["kl"] += float((kl.detach() * m).sum())
+                    if cfg.algorithm.use_kl_loss:
+                        loss = loss + cfg.algorithm.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
+                acc["entropy"] += float((ent.detach() * m).sum())
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
+                acc["loss"] += float(loss.detach())
+                acc["clipped"] += out.clipped_tokens
+                acc["tokens"] += float(m.sum())
+                if first_epoch:
+                    diff = (old_lp.detach() - roll) * m
+                    acc["mismatch_sum"] += float(diff.abs().sum())
+                    acc["mismatch_tokens"] += float(m.sum())
+                    acc["mismatch_max"] = max(acc["mismatch_max"], float(diff.abs().max()) if m.numel() else 0.0)
+                    acc["rollout_kl"] += float((-diff).sum())
+                return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
+
+            out = run.actor.train_step(split(mini, micro), loss_fn, with_entropy=True)
+            grad_norm += out["grad_norm"]
+            lr = out["lr"]
+            steps += 1
+    g = dict(zip(_SUMS, _world_sum([acc[k] for k in _SUMS], lay.tp)))
+    mx = torch.tensor([acc["mismatch_max"]], dtype=torch.float64)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
+    return {"loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
+            "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
+            "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": float(mx.item()),
+            "rollout_kl": g["rollout_kl"] / mt}

@@ -1,0 +1,26 @@
+"""Run ``spmd-rl train`` on the quickstart config with test overrides and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, subprocess_env
+
+G, N = 8, 4
+
+
+def train(tmp: Path, name: str, etcd: str, *overrides: str, check: bool = True) -> list[dict]:
+    """Two iterations by default (later overrides win); returns the metrics rows."""
+    env = subprocess_env() | {"SPMD_RL_ETCD": etcd, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": "trainer-test-token-0123456789"}
+    args = [f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", "trainer.iterations=2",
+            f"data.global_batch_size={G}", f"rollout.n={N}", f"actor.mini_batch_size={G}", "actor.micro_batch_size=8",
+            "trainer.deterministic=true", "checkpoint.interval=1", "checkpoint.keep=5", f"metadata.job=t-{name}",
+            "dock.port=0", "logging.progress=false", *overrides]
+    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", *args],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads(line) for line in (tmp / name / "logs/metrics.jsonl").read_text().splitlines()]
