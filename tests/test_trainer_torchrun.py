@@ -3,11 +3,21 @@ in both dock modes, and resume from the iteration-1 checkpoint reproducing itera
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
+from spmd_rl.data.prompts import encode_prompt
+from spmd_rl.rewards.registry import exact_match
 from spmd_rl.trainer.checkpoint import model_weights
+from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import G, N, train
 
 
@@ -19,25 +29,59 @@ def etcd():
 
 @pytest.mark.slow
 def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
-    runs = {mode: train(tmp_path, mode, etcd.endpoint, f"dock.mode={mode}") for mode in ("distributed", "centralized")}
+    sched = ("actor.lr_schedule=cosine", "actor.warmup_steps=1", "trainer.iterations=3")
+    runs = {mode: train(tmp_path, mode, etcd.endpoint, f"dock.mode={mode}", *sched) for mode in ("distributed", "centralized")}
     for mode, rows in runs.items():
-        assert [r["iteration"] for r in rows] == [0, 1]
+        assert [r["iteration"] for r in rows] == [0, 1, 2]
         for r in rows:
             assert r["samples"] == G * N  # every sample got a reward, an advantage and an update
             assert all(map(lambda k: torch.isfinite(torch.tensor(r[k])).item(), ("loss", "grad_norm", "entropy")))
             assert r["grad_norm"] >= 0 and 0 <= r["accuracy"] <= 1
     # the same seed and weights give the same samples in both modes
     assert runs["distributed"][0]["reward_mean"] == runs["centralized"][0]["reward_mean"]
-    # resume from the iteration-1 checkpoint of the distributed run
+    a = model_weights(tmp_path / "distributed/ckpt/iter_000003")
+    d = model_weights(tmp_path / "centralized/ckpt/iter_000003")
+    assert all(torch.equal(a[k], d[k]) for k in a)  # the dock mode changes nothing (deterministic)
+    # warm-up then cosine: 0 -> peak -> decayed, and a resumed run logs the same lr
+    lrs = [r["lr"] for r in runs["distributed"]]
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(1e-4) and 0 < lrs[2] < lrs[1]
     first = tmp_path / "distributed/ckpt/iter_000001"
-    resumed = train(tmp_path, "resumed", etcd.endpoint, "dock.mode=distributed", f"checkpoint.resume={first}")
-    assert [r["iteration"] for r in resumed] == [1]
-    assert resumed[0]["reward_mean"] == runs["distributed"][1]["reward_mean"]
-    a = model_weights(tmp_path / "distributed/ckpt/iter_000002")
-    b = model_weights(tmp_path / "resumed/ckpt/iter_000002")
+    resumed = train(tmp_path, "resumed", etcd.endpoint, "dock.mode=distributed", *sched, f"checkpoint.resume={first}")
+    assert [r["iteration"] for r in resumed] == [1, 2]
+    assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in runs["distributed"][1:]]
+    assert [r["lr"] for r in resumed] == lrs[1:]
+    b = model_weights(tmp_path / "resumed/ckpt/iter_000003")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     c = model_weights(first)
-    assert any(not torch.equal(a[k], c[k]) for k in a)  # iteration 2 did change the weights
+    assert any(not torch.equal(a[k], c[k]) for k in a)  # the later iterations did change the weights
+    _export_and_eval_round_trip(tmp_path, tmp_path / "distributed/ckpt/iter_000003", a)
+
+
+def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
+    """The exported HF folder holds the checkpoint's weights bit for bit with the tie kept, and
+    `spmd-rl eval` on it equals HF greedy accuracy on the same prompts."""
+    folder = tmp / "exported"
+    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "export", str(ckpt), "--out", str(folder)],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = load_file(folder / "model.safetensors")
+    assert all(torch.equal(saved[k], weights[k]) for k in saved) and set(saved) <= set(weights)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert torch.equal(model.lm_head.weight, weights["model.embed_tokens.weight"])
+    data, limit = REPO / "assets/tiny-qwen2/test.jsonl", 40
+    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(folder), "--data", str(data), "--limit", str(limit)],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows = [json.loads(x) for x in data.read_text().splitlines()[:limit]]
+    correct = 0
+    for row in rows:
+        ids = encode_prompt(tok, row["prompt"], True)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        correct += exact_match(tok.decode(out[0, len(ids):], skip_special_tokens=True), row["answer"]) > 0.5
+    assert got["correct"] == correct, (got, correct)
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 
 def half_constant(response: str, answer: str) -> float:
     """Constant 1 for prompts with an even answer (their groups carry no signal); otherwise the
-    parity of the response's length (groups with signal, mostly)."""
+    parity of the response's character codes (any different digit flips it about half the
+    time, so these groups mostly carry signal)."""
     if int(answer) % 2 == 0:
         return 1.0
-    return float(len(response) % 2)
+    return float(sum(map(ord, response)) % 2)
