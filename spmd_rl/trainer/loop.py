@@ -110,7 +110,8 @@ def run_iteration(run: Run, it: int) -> dict[str, float]:
     out = {
         "reward_mean": mean, "reward_std": max(0.0, g["reward_sq"] / n - mean**2) ** 0.5, "accuracy": g["correct"] / n,
         "response_length_mean": g["response_tokens"] / n, "response_length_max": response_max,
-        "world": run.lay.world, "samples": len(train_idx), "generated_samples": n, **upd, **same, "iteration_s": ete,
+        "world": run.lay.world, "samples": len(train_idx), "generated_samples": n, "adv_zero_groups": g["adv_zero_groups"],
+        **upd, **same, "iteration_s": ete,
         "throughput_eq5": throughput(G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, ete),
         **{f"time_{k}": v for k, v in timer.times.items()},
     }
