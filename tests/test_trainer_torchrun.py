@@ -29,32 +29,32 @@ def etcd():
 
 @pytest.mark.slow
 def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
-    sched = ("actor.lr_schedule=cosine", "actor.warmup_steps=1", "trainer.iterations=3")
+    sched = ("actor.lr_schedule=cosine", "actor.warmup_steps=2", "trainer.iterations=4")
     runs = {mode: train(tmp_path, mode, etcd.endpoint, f"dock.mode={mode}", *sched) for mode in ("distributed", "centralized")}
     for mode, rows in runs.items():
-        assert [r["iteration"] for r in rows] == [0, 1, 2]
+        assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
         for r in rows:
             assert r["samples"] == G * N  # every sample got a reward, an advantage and an update
             assert all(map(lambda k: torch.isfinite(torch.tensor(r[k])).item(), ("loss", "grad_norm", "entropy")))
             assert r["grad_norm"] >= 0 and 0 <= r["accuracy"] <= 1
     # the same seed and weights give the same samples in both modes
     assert runs["distributed"][0]["reward_mean"] == runs["centralized"][0]["reward_mean"]
-    a = model_weights(tmp_path / "distributed/ckpt/iter_000003")
-    d = model_weights(tmp_path / "centralized/ckpt/iter_000003")
+    a = model_weights(tmp_path / "distributed/ckpt/iter_000004")
+    d = model_weights(tmp_path / "centralized/ckpt/iter_000004")
     assert all(torch.equal(a[k], d[k]) for k in a)  # the dock mode changes nothing (deterministic)
     # warm-up then cosine: 0 -> peak -> decayed, and a resumed run logs the same lr
     lrs = [r["lr"] for r in runs["distributed"]]
-    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(1e-4) and 0 < lrs[2] < lrs[1]
+    assert lrs == pytest.approx([0.5e-4, 1e-4, 1e-4, 0.5e-4])  # warm-up over 2 steps, cosine over the other 2
     first = tmp_path / "distributed/ckpt/iter_000001"
     resumed = train(tmp_path, "resumed", etcd.endpoint, "dock.mode=distributed", *sched, f"checkpoint.resume={first}")
-    assert [r["iteration"] for r in resumed] == [1, 2]
+    assert [r["iteration"] for r in resumed] == [1, 2, 3]
     assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in runs["distributed"][1:]]
     assert [r["lr"] for r in resumed] == lrs[1:]
-    b = model_weights(tmp_path / "resumed/ckpt/iter_000003")
+    b = model_weights(tmp_path / "resumed/ckpt/iter_000004")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     c = model_weights(first)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # the later iterations did change the weights
-    _export_and_eval_round_trip(tmp_path, tmp_path / "distributed/ckpt/iter_000003", a)
+    _export_and_eval_round_trip(tmp_path, tmp_path / "distributed/ckpt/iter_000004", a)
 
 
 def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:

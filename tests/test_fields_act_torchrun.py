@@ -1,0 +1,47 @@
+"""Config fields that change the update or the logs must visibly act (an ignored field would
+leave the metrics equal to the baseline's), and the trainer learns on the quickstart task."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_rl.dock.etcd_server import EmbeddedEtcd
+from tests.trainer_util import train
+
+ONE = ("trainer.iterations=1", "checkpoint.interval=0")
+TWO_STEPS = ("actor.mini_batch_size=4",)  # two optimizer steps: the second one is off-policy
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as e:
+        yield e
+
+
+@pytest.mark.slow
+def test_objective_and_eval_fields_act(tiny_model, tmp_path, etcd):
+    base = train(tmp_path, "base", etcd.endpoint, *ONE, *TWO_STEPS)[0]
+    tis = train(tmp_path, "tis", etcd.endpoint, *ONE, *TWO_STEPS, "actor.tis_cap=0.9")[0]
+    gspo = train(tmp_path, "gspo", etcd.endpoint, *ONE, *TWO_STEPS, "actor.policy_loss=gspo", "trainer.eval_interval=1",
+                 "trainer.eval_limit=24")[0]
+    assert base["reward_mean"] == tis["reward_mean"] == gspo["reward_mean"]  # the same samples
+    assert "eval_accuracy" not in base and 0 <= gspo["eval_accuracy"] <= 1 and "time_eval" in gspo
+    assert gspo["eval_accuracy"] * 24 == pytest.approx(round(gspo["eval_accuracy"] * 24))  # over exactly 24 prompts
+    # a cap below 1 lowers every token's weight where exp(old - rollout) > 0.9: a different gradient
+    assert abs(tis["grad_norm"] - base["grad_norm"]) > 1e-6 * base["grad_norm"]
+    # on-policy GSPO's gradient equals vanilla's (test_policy_loss); after the first step the
+    # sequence ratio differs from the token ratios: a different gradient
+    assert abs(gspo["grad_norm"] - base["grad_norm"]) > 1e-6 * base["grad_norm"]
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tiny_model, tmp_path, etcd):
+    """40 iterations of the quickstart (G=16, N=8): the mean reward of the last 10 iterations
+    beats the first 10's."""
+    rows = train(tmp_path, "learn", etcd.endpoint, "trainer.iterations=40", "checkpoint.interval=0",
+                 "data.global_batch_size=16", "rollout.n=8", "actor.mini_batch_size=16", "actor.micro_batch_size=32")
+    early = sum(r["reward_mean"] for r in rows[:10]) / 10
+    late = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    print(f"mean reward: first 10 iterations {early:.3f}, last 10 {late:.3f}")
+    assert late > early + 0.03, (early, late)
+    assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3  # float32: trainer and vLLM agree
