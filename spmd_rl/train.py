@@ -16,14 +16,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import needs_reference, stages_for
-from spmd_rl.data.prompts import load_prompts
-from spmd_rl.data.sampler import PromptSampler, SamplerState
+from spmd_rl.data.prompts import load_tokenizer, prompts_for
+from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.dist.accelerator import detect
 from spmd_rl.dist.mesh import build_meshes
 from spmd_rl.dock.client import Peer, TransferDock
@@ -75,9 +74,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     dist.barrier()
     dock = TransferDock(cfg.dock, meta, columns_for(stages_for(cfg)), peer, token).start(cfg.elastic.heartbeat_ttl_s)
     meshes = build_meshes(acc, lay)
-    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    prompts = load_prompts(cfg.data.train_path, tok, cfg.data.prompt_column, cfg.data.answer_column,
-                           cfg.data.max_prompt_length, cfg.data.apply_chat_template)
+    tok = load_tokenizer(cfg)
+    prompts = prompts_for(cfg, tok, cfg.data.train_path)
     temp = cfg.rollout.temperature
     actor = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, total_steps=_total_steps(cfg), temperature=temp)
     ref, ref_swap = None, None
@@ -91,7 +89,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
                             distributed=peer.world > 1)
     resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype, int(cfg.rollout.kv_cache_gib * 1024**3))
-    sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.data.shuffle)
+    sampler = sampler_for(cfg, len(prompts))
     start = 0
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
     if folder is not None:
@@ -105,8 +103,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     run = Run(cfg, lay, peer, acc, dock, actor, ref, ref_swap, rollout, resharder, tok, prompts, sampler,
               get_reward(cfg.reward.rule, cfg.reward.format_score))
     if cfg.trainer.eval_interval:
-        test = load_prompts(cfg.data.test_path, tok, cfg.data.prompt_column, cfg.data.answer_column,
-                            cfg.data.max_prompt_length, cfg.data.apply_chat_template)
+        test = prompts_for(cfg, tok, cfg.data.test_path)
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
     return run, start
 

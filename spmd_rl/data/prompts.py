@@ -40,6 +40,19 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def load_tokenizer(cfg):
+    """The tokenizer of a run: ``model.tokenizer_path``, else the model folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+
+
+def prompts_for(cfg, tokenizer, path: str | Path) -> "PromptSet":
+    """A prompt file read with the run's ``data`` fields (columns, chat template, max length)."""
+    d = cfg.data
+    return load_prompts(path, tokenizer, d.prompt_column, d.answer_column, d.max_prompt_length, d.apply_chat_template)
+
+
 def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column: str, max_prompt_length: int,
                  chat_template: bool = True) -> PromptSet:
     out = PromptSet([], [], [])

@@ -39,3 +39,8 @@ class PromptSampler:
             if self.state.offset >= self.size:
                 self.state = SamplerState(self.state.epoch + 1, 0)
         return out
+
+
+def sampler_for(cfg, size: int) -> PromptSampler:
+    """The run's sampler: order seeded by ``trainer.seed``, shuffled when ``data.shuffle``."""
+    return PromptSampler(size, cfg.trainer.seed, cfg.data.shuffle)

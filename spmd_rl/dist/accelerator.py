@@ -72,4 +72,7 @@ def detect(kind: str = "auto", local_rank: int | None = None) -> Accelerator:
         kind = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
     if kind not in BACKENDS:
         raise ValueError(f"unknown accelerator {kind!r}; use cpu, cuda or npu")
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "npu" and not _npu_available():
+        raise ValueError(f"trainer.device={kind}: no {kind.upper()} device is visible to this process -> use auto or cpu, "
+                         f"or install the matching torch build (the `{kind}` extra)")
     return Accelerator(kind, lr)

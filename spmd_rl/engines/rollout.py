@@ -38,25 +38,36 @@ class Sample:
     logprobs: list[float]
 
 
+def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool) -> dict:
+    """vLLM ``LLM(...)`` options from the config; the device-only ones (memory fraction, sleep
+    mode for releasing the KV cache) only off CPU."""
+    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs"}
+    if distributed:
+        kw["distributed_executor_backend"] = "external_launcher"
+    if acc_kind != "cpu":
+        kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kw["enable_sleep_mode"] = True
+    return kw
+
+
+def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None) -> dict:
+    """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
+    return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": cfg.top_p if temperature > 0 else 1.0,
+            "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed}
+
+
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
                  max_model_len: int, seed: int = 0, distributed: bool = True):
         configure_vllm_env(cfg)
         from vllm import LLM
 
-        kw = {}
-        if distributed:
-            kw["distributed_executor_backend"] = "external_launcher"
-        if acc.kind != "cpu":
-            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kw["enable_sleep_mode"] = True
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
         self._asleep = False
-        self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, enforce_eager=cfg.enforce_eager,
-                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=False,
-                       logprobs_mode="processed_logprobs", **kw)
+        self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
+                       **engine_options(acc.kind, cfg, distributed))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -71,12 +82,8 @@ class RolloutEngine:
         temp = self.cfg.temperature if temperature is None else temperature
         if temp == 0 and n > 1:  # vLLM's greedy mode takes n=1: repeat the prompts instead
             prompts, n = [p for p in prompts for _ in range(n)], 1
-        params = [
-            SamplingParams(n=n, max_tokens=max_tokens, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
-                           top_k=self.cfg.top_k if temp > 0 else -1, logprobs=0,
-                           seed=None if seed is None else seed + k)
-            for k in range(len(prompts))
-        ]
+        params = [SamplingParams(**sampling_options(self.cfg, temp, n, max_tokens, None if seed is None else seed + k))
+                  for k in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         samples = []
         for out in outs:
