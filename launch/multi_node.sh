@@ -27,4 +27,5 @@ exec .venv/bin/python -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC" --max-restarts="$RESTARTS" \
     --rdzv-backend=etcd-v2 --rdzv-endpoint="$ETCD" --rdzv-id="$JOB" \
     --rdzv-conf="last_call_timeout=${LAST_CALL_S:-5},timeout=${RDZV_TIMEOUT_S:-300}" \
-    -m spmd_rl.train "$CONFIG" "metadata.job=$JOB" "dock.interface=$INTERFACE" "$@"
+    -m spmd_rl.train "$CONFIG" "metadata.job=$JOB" "dock.interface=$INTERFACE" \
+    "elastic.rdzv_backend=etcd-v2" "elastic.rdzv_endpoint=$ETCD" "$@"

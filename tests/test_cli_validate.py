@@ -52,6 +52,8 @@ BROKEN = [
     (["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"], 8, "parallel.train.tp"),
     (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
     (["reward.kind=model"], None, "reward.kind"),
+    (["elastic.max_nodes=2"], None, "elastic.rdzv_endpoint"),
+    (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
     (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
     (["rollout.engine=hf"], None, "rollout.engine"),
     (["algorithm.critic_lr=1e-5"], None, "algorithm.critic_lr"),

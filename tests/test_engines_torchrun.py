@@ -1,5 +1,7 @@
 """Training engine -> allgather-swap -> in-process vLLM under real torchrun on CPU, in both
-directions of layout change. Independent references: HF generate and HF weights."""
+directions of layout change. Independent references: HF generate and HF weights.
+``reshard.mode`` (naive vs allgather_swap) and ``reshard.bucket_bytes`` (the bounded gather
+buffer) are checked through the ledger and the temporary peak."""
 
 from __future__ import annotations
 

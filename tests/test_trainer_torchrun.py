@@ -89,8 +89,10 @@ def test_reference_old_logprob_and_dapo_stages(tiny_model, tmp_path, etcd):
     """KL against the reference (host-offloaded between uses), off-policy update with the old
     log-prob pass (2 PPO epochs, 2 mini-batches), DAPO dynamic sampling."""
     rows = train(tmp_path, "dapo", etcd.endpoint, "algorithm.name=dapo", "algorithm.kl_coef=0.05", "actor.ppo_epochs=2",
-                 f"actor.mini_batch_size={G // 2}", "actor.micro_batch_size=4", "algorithm.dynamic_sampling=true")
+                 f"actor.mini_batch_size={G // 2}", "actor.micro_batch_size=4", "algorithm.dynamic_sampling=true",
+                 "ref.offload_to_host=false", "ref.micro_batch_size=2")
     for r in rows:
         assert r["samples"] == G * N and "time_ref_logprob" in r and "time_actor_logprob" in r
         assert torch.isfinite(torch.tensor([r["loss"], r["kl"], r["entropy"]])).all()
         assert r["kl"] >= 0 and 1 <= r["dapo_rounds"] <= 3
+        assert r["ref_resident_bytes"] > 0  # ref.offload_to_host=false keeps the reference resident

@@ -147,6 +147,9 @@ def _check_runtime(cfg: Config) -> list[Violation]:
         out.append(Violation("parallel.nnodes", cfg.parallel.nnodes, f"outside elastic range [{e.min_nodes}, {e.max_nodes}]", "widen elastic.min_nodes/max_nodes or change nnodes"))
     if e.rdzv_backend == "etcd-v2" and not (e.rdzv_endpoint or cfg.metadata.endpoints):
         out.append(Violation("elastic.rdzv_endpoint", None, "etcd-v2 rendezvous needs an etcd endpoint", "set elastic.rdzv_endpoint or metadata.endpoints"))
+    if e.rdzv_backend == "c10d" and e.max_nodes > 1 and not e.rdzv_endpoint:
+        out.append(Violation("elastic.rdzv_endpoint", None, f"c10d rendezvous over up to {e.max_nodes} nodes needs the host:port every node reaches",
+                             "set elastic.rdzv_endpoint (or use rdzv_backend: etcd-v2, which survives losing any node)"))
     for i, ep in enumerate(cfg.metadata.endpoints):
         if not _ENDPOINT.match(ep):
             out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))

@@ -173,8 +173,10 @@ class ElasticConfig(Section):
     min_nodes: int = Field(1, gt=0, description="Smallest node count the job may shrink to (torchrun --nnodes MIN:MAX).")
     max_nodes: int = Field(1, gt=0, description="Largest node count.")
     max_restarts: int = Field(3, ge=0, description="torchrun --max-restarts.")
-    rdzv_backend: Literal["c10d", "etcd-v2"] = Field("c10d", description="c10d on one node; etcd-v2 survives losing any node.")
-    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2).")
+    rdzv_backend: Literal["c10d", "etcd-v2"] = Field(
+        "c10d", description="torchrun rendezvous of `spmd-rl train`: c10d (standalone when max_nodes is 1); etcd-v2 survives losing any node."
+    )
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2; defaults to the first metadata endpoint).")
     collective_timeout_s: float = Field(60.0, gt=0.0, description="Process-group timeout: a dead peer is noticed within this.")
     heartbeat_ttl_s: int = Field(10, gt=0, description="Lease of each rank's liveness key in etcd; a stage waiting on a lost rank fails after about this long.")
 

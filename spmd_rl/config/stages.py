@@ -45,6 +45,11 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.kl_coef > 0
 
 
+def ref_micro_batch_size(cfg: Config) -> int:
+    """Samples per reference forward: ``ref.micro_batch_size``, else the actor's."""
+    return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
+
+
 def needs_old_log_prob(cfg: Config) -> bool:
     """Off-policy update: the policy moves before the last mini-batch is consumed."""
     return cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size

@@ -19,7 +19,9 @@ import time
 import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
-from spmd_rl.config.stages import needs_old_log_prob, needs_reference
+from spmd_rl.config.stages import needs_old_log_prob, needs_reference, ref_micro_batch_size
+from spmd_rl.reshard.allgather_swap import local
+from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_max, global_sums, throughput
@@ -86,13 +88,13 @@ def run_iteration(run: Run, it: int) -> dict[str, float]:
     run.dock.begin_iteration(it, rounds * G * N)
     train_idx, sums, same = _generate_rounds(run, it, timer)
     use_ref, use_old = needs_reference(cfg), needs_old_log_prob(cfg)
-    micro = cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
     if use_ref:
         with timer.stage("ref_logprob"):
             run.ref_swap.reload()
-            stages.logprob_stage(run, it, "ref_logprob", run.ref, "ref_log_prob", micro, train_idx)
+            stages.logprob_stage(run, it, "ref_logprob", run.ref, "ref_log_prob", ref_micro_batch_size(cfg), train_idx)
             if cfg.ref.offload_to_host:
                 run.ref_swap.offload()
+            sums["ref_resident_bytes"] = float(resident_bytes([local(p) for p in run.ref.model.parameters()]))
     if use_old:
         with timer.stage("actor_logprob"):
             stages.logprob_stage(run, it, "actor_logprob", run.actor, "old_log_prob", cfg.actor.micro_batch_size, train_idx)
@@ -111,6 +113,7 @@ def run_iteration(run: Run, it: int) -> dict[str, float]:
         "reward_mean": mean, "reward_std": max(0.0, g["reward_sq"] / n - mean**2) ** 0.5, "accuracy": g["correct"] / n,
         "response_length_mean": g["response_tokens"] / n, "response_length_max": response_max,
         "world": run.lay.world, "samples": len(train_idx), "generated_samples": n, "adv_zero_groups": g["adv_zero_groups"],
+        **({"ref_resident_bytes": g["ref_resident_bytes"]} if "ref_resident_bytes" in g else {}),
         **upd, **same, "iteration_s": ete,
         "throughput_eq5": throughput(G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, ete),
         **{f"time_{k}": v for k, v in timer.times.items()},

@@ -1,0 +1,47 @@
+"""Fields read by the launcher and the loop's small helpers: torchrun's rendezvous from
+``elastic``, the reference micro-batch, and the metrics files from ``logging``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.launcher.local import torchrun_command
+from spmd_rl.trainer.metrics import MetricsLog
+from tests.conftest import REPO
+
+
+def _cfg(*overrides: str):
+    return load_config(REPO / "configs/quickstart.yaml", list(overrides))
+
+
+def _cmd(*overrides: str) -> list[str]:
+    return torchrun_command(Path("c.yaml"), [], _cfg(*overrides), 2)
+
+
+def test_rendezvous_follows_the_elastic_fields():
+    assert "--standalone" in _cmd()
+    etcd = _cmd("elastic.rdzv_backend=etcd-v2", "elastic.min_nodes=1", "elastic.max_nodes=3", "parallel.nnodes=2",
+                "metadata.endpoints=[10.1.2.3:2379]", "metadata.job=run7", "elastic.max_restarts=5")
+    assert "--standalone" not in etcd
+    assert {"--nnodes=1:3", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=10.1.2.3:2379", "--rdzv-id=run7", "--max-restarts=5"} <= set(etcd)
+    c10d = _cmd("elastic.max_nodes=2", "elastic.rdzv_endpoint=10.1.2.4:29400")
+    assert {"--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.1.2.4:29400"} <= set(c10d)
+
+
+def test_ref_micro_batch_size_defaults_to_the_actors():
+    assert ref_micro_batch_size(_cfg("actor.micro_batch_size=16")) == 16
+    assert ref_micro_batch_size(_cfg("actor.micro_batch_size=16", "ref.micro_batch_size=4")) == 4
+
+
+def test_jsonl_off_writes_no_metrics_file(tmp_path):
+    off = MetricsLog(tmp_path / "off", jsonl=False, tensorboard=False, enabled=True)
+    off.write(0, {"loss": 1.0})
+    off.close()
+    assert not (tmp_path / "off/metrics.jsonl").exists()
+    on = MetricsLog(tmp_path / "on", jsonl=True, tensorboard=False, enabled=True)
+    on.write(0, {"loss": 1.0})
+    on.close()
+    assert json.loads((tmp_path / "on/metrics.jsonl").read_text()) == {"iteration": 0, "loss": 1.0}
