@@ -53,6 +53,7 @@ BROKEN = [
     (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
     (["reward.kind=model"], None, "reward.kind"),
     (["elastic.max_nodes=2"], None, "elastic.rdzv_endpoint"),
+    (["dock.max_message_bytes=1024"], None, "dock.max_message_bytes"),
     (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
     (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
     (["rollout.engine=hf"], None, "rollout.engine"),

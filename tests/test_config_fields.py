@@ -94,6 +94,7 @@ COVERED = {
     "dock.interface": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.bucket_bytes": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
+    "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
     "reshard.mode": "test_engines_torchrun.py::test_reshard_swap_rollout",
     "reshard.bucket_bytes": "test_engines_torchrun.py::test_reshard_swap_rollout",
     "logging.jsonl": "test_launch_fields.py::test_jsonl_off_writes_no_metrics_file",

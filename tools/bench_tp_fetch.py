@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer, flatten, unflatten
+from spmd_rl.dock.store import flatten, unflatten
+from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
 
 TOKEN = "bench-tp-fetch-token-0123456789"
 

@@ -153,6 +153,9 @@ def _check_runtime(cfg: Config) -> list[Violation]:
     for i, ep in enumerate(cfg.metadata.endpoints):
         if not _ENDPOINT.match(ep):
             out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))
+    if cfg.dock.max_message_bytes < cfg.dock.bucket_bytes + (1 << 20):
+        out.append(Violation("dock.max_message_bytes", cfg.dock.max_message_bytes, f"too small for a reply bucket of dock.bucket_bytes={cfg.dock.bucket_bytes} plus its header",
+                             f"make it at least bucket_bytes + 1 MiB = {cfg.dock.bucket_bytes + (1 << 20)}"))
     if cfg.dock.token is not None and len(cfg.dock.token) < 16:
         out.append(Violation("dock.token", "<hidden>", "shorter than 16 characters", "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`"))
     if cfg.trainer.eval_interval and not cfg.data.test_path:

@@ -126,7 +126,7 @@ class TransferDock:
             self.heartbeat = Heartbeat(self.meta, self.peer.rank, heartbeat_ttl_s).start()
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
-            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes).start()
+            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes, self.cfg.max_message_bytes).start()
             self.meta.put(self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode())
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
         return self
@@ -145,7 +145,8 @@ class TransferDock:
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)
-            self._clients[node] = WarehouseClient(json.loads(raw)["address"], self.token, timeout_s=self.cfg.get_timeout_s)
+            self._clients[node] = WarehouseClient(json.loads(raw)["address"], self.token, timeout_s=self.cfg.get_timeout_s,
+                                                  max_message_bytes=self.cfg.max_message_bytes)
         return self._clients[node]
 
     def _wait_key(self, key: str) -> bytes:

@@ -1,18 +1,24 @@
-"""A warehouse: one node's share of the samples, in host memory, served over pyzmq.
-
-Storage: ``{iteration: {column: {index: tensor}}}``; a ragged column holds one unpadded 1-D
-tensor per sample (views into the received buffer). A put is atomic: it is fully validated
-before anything is stored, so a refused put leaves earlier data intact.
+"""A warehouse: one node's share of the samples (``store.WarehouseStore``), served over pyzmq.
 
 Protocol (ROUTER server, DEALER clients): every request is ``encode(header, tensors)`` with
-``header["token"]`` equal to the job token, else it is refused and logged. Ops:
+``header["token"]`` equal to the job token. Hardening (invariant: no input from any peer stops
+the server or alters stored data):
+
+- the token is checked on the msgpack header alone, before any tensor buffer is read or copied;
+- libzmq drops a peer whose frame exceeds ``dock.max_message_bytes`` (``zmq.MAXMSGSIZE``);
+- every field of a request is type-checked; shapes are checked with Python ints against an
+  element limit (``wire.check_meta``), so no declared size can overflow or over-allocate;
+- refusals are counted (``refused``: unauthenticated or malformed; ``rejected``: authenticated
+  but invalid) and logged at most once per peer and kind every ``LOG_EVERY_S``.
+
+Ops:
 
 - ``put``    {iter, indices, columns: {name: {ragged, lengths?}}} + one flat tensor per column
 - ``get``    {iter, indices, columns}  -> replies in chunks of at most ``bucket_bytes``, each
              {chunk, last, indices, columns: {name: {ragged, lengths?}}} + one flat tensor per column
 - ``delete`` {iter, indices, columns}  (roll back a put whose metadata record failed)
 - ``drop``   {iter}                    (free a committed iteration)
-- ``stats``  {}                        -> {bytes_in, bytes_out, samples, by_iteration}
+- ``stats``  {}                        -> {bytes_in, bytes_out, samples, by_iteration, refused, rejected}
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -27,92 +34,43 @@ import torch
 import zmq
 
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
-from spmd_rl.dock.wire import WireError, decode, encode
+from spmd_rl.dock.store import WarehouseStore, flatten, unflatten
+from spmd_rl.dock.wire import WireError, decode, decode_header, decode_tensors, encode
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 10.0
 
 
-def flatten(values: list[torch.Tensor], ragged: bool) -> tuple[torch.Tensor, list[int] | None]:
-    """Samples -> (one flat tensor, per-sample lengths for ragged columns)."""
-    if ragged:
-        return (torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)), [v.numel() for v in values]
-    return torch.stack(values) if values else torch.empty(0), None
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def unflatten(flat: torch.Tensor, n: int, lengths: list[int] | None) -> list[torch.Tensor]:
-    if lengths is not None:
-        if len(lengths) != n or sum(lengths) != flat.numel():
-            raise DockRequestError(f"ragged lengths {len(lengths)} / {sum(lengths)} do not match {n} samples / {flat.numel()} values")
-        return list(torch.split(flat, lengths))
-    if flat.shape[:1] != (n,):
-        raise DockRequestError(f"fixed column has leading size {tuple(flat.shape[:1])}, expected {n}")
-    return list(flat.unbind(0))
+def _valid_spec(name: Any, spec: Any) -> bool:
+    if not isinstance(name, str) or not isinstance(spec, dict) or not isinstance(spec.get("ragged", False), bool):
+        return False
+    lengths = spec.get("lengths")
+    return lengths is None or isinstance(lengths, list) and all(_is_int(n) and n >= 0 for n in lengths)
 
 
-class WarehouseStore:
-    """The in-memory columns of one node; not thread-safe (owned by the server thread)."""
-
-    def __init__(self) -> None:
-        self.data: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
-        self.ragged: dict[int, dict[str, bool]] = {}
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.bytes_out_by_iter: dict[int, int] = defaultdict(int)
-
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
-        cols = self.data.get(iteration, {})
-        kinds = self.ragged.get(iteration, {})
-        for name in columns:
-            if kinds.get(name, ragged[name]) != ragged[name]:
-                raise DockRequestError(f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it otherwise")
-            dup = [i for i in indices if i in cols.get(name, {})]
-            if dup:
-                raise DockRequestError(f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of iteration {iteration}: duplicate put")
-        if len(set(indices)) != len(indices):
-            raise DockRequestError("indices of one put must be distinct")
-        cols = self.data.setdefault(iteration, {})
-        self.ragged.setdefault(iteration, {}).update(ragged)
-        for name, values in columns.items():
-            store = cols.setdefault(name, {})
-            for i, v in zip(indices, values):
-                store[i] = v
-                self.bytes_in += v.numel() * v.element_size()
-
-    def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
-        cols = self.data.get(iteration, {})
-        out = {}
-        for name in names:
-            store = cols.get(name, {})
-            missing = [i for i in indices if i not in store]
-            if missing:
-                raise DockRequestError(f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}")
-            out[name] = [store[i] for i in indices]
-        return out
-
-    def delete(self, iteration: int, indices: list[int], names: list[str]) -> None:
-        cols = self.data.get(iteration, {})
-        for name in names:
-            for i in indices:
-                cols.get(name, {}).pop(i, None)
-
-    def drop(self, iteration: int) -> None:
-        self.data.pop(iteration, None)
-        self.ragged.pop(iteration, None)
-
-    def samples(self) -> int:
-        return sum(len(col) for cols in self.data.values() for col in cols.values())
+def _peer_of(frame) -> str:
+    """The TCP peer address of a received frame (libzmq metadata), else its routing id."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return f"id:{bytes(frame.buffer[:8]).hex()}"
 
 
 class WarehouseServer:
     """Background thread serving a :class:`WarehouseStore` on ``tcp://interface:port``."""
 
-    def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20):
+    def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20, max_message_bytes: int = 1 << 30):
         self.token = token
         self.bucket_bytes = bucket_bytes
         self.store = WarehouseStore()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # libzmq drops a peer that sends a bigger frame
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{interface}")
@@ -124,6 +82,11 @@ class WarehouseServer:
             raise DockUnavailable(f"warehouse cannot bind {interface}:{port} ({exc}); set dock.interface/dock.port") from exc
         self.address = f"tcp://{interface}:{self.port}"
         self.refused = 0
+        """Requests refused before authentication (malformed header, wrong or missing token)."""
+        self.rejected = 0
+        """Authenticated requests that failed validation."""
+        self.refusals: dict[str, dict[str, int]] = {}
+        self._last_log: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="warehouse", daemon=True)
 
@@ -138,55 +101,93 @@ class WarehouseServer:
         self._sock.close()
 
     def _serve(self) -> None:
+        """Serve until stopped. Invariant: nothing a peer sends ends this loop; a request that
+        fails in an unforeseen way is answered with an error and logged (rate-limited)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            ident, *frames = self._sock.recv_multipart(copy=False)
-            for reply in self._handle(frames):
-                self._sock.send_multipart([ident, *reply], copy=False)
+            try:
+                if not poller.poll(100):
+                    continue
+                ident, *frames = self._sock.recv_multipart(copy=False)
+                for reply in self._handle(frames, _peer_of(ident)):
+                    self._sock.send_multipart([ident, *reply], copy=False)
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any request
+                self._note("serve", "loop", f"{type(exc).__name__}: {exc}")
 
-    def _handle(self, frames: list) -> list[list]:
+    def _note(self, kind: str, peer: str, reason: str) -> None:
+        """Count a refusal; log it at most once per peer and kind every ``LOG_EVERY_S``."""
+        counts = self.refusals.setdefault(peer, defaultdict(int))
+        counts[kind] += 1
+        now = time.monotonic()
+        if now - self._last_log.get((peer, kind), -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._last_log[(peer, kind)] = now
+            log.warning("warehouse %s %s a request from %s (%d so far): %s", self.address, kind, peer, counts[kind], reason[:200])
+
+    def _handle(self, frames: list, peer: str) -> list[list]:
+        """Authenticate on the header alone (no buffer is read before the token matches), then
+        decode the tensors and dispatch."""
         try:
-            head, tensors = decode([f.buffer for f in frames])
+            if not frames:
+                raise WireError("empty message")
+            head = decode_header(frames[0].buffer)
         except WireError as exc:
-            return [encode({"error": f"bad request: {exc}", "last": True}, [])]
-        if not hmac.compare_digest(str(head.get("token", "")).encode(), self.token.encode()):
             self.refused += 1
-            log.warning("warehouse %s refused a request with a wrong job token (op=%s)", self.address, head.get("op"))
+            self._note("refused", peer, str(exc))
+            return [encode({"error": f"bad request: {exc}", "last": True}, [])]
+        token = head.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            self.refused += 1
+            self._note("refused", peer, f"wrong job token (op={str(head.get('op'))[:20]!r})")
             return [encode({"error": "refused: wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN)", "last": True}, [])]
         try:
+            tensors = decode_tensors(head.pop("tensors", []), [f.buffer for f in frames[1:]])
             return self._dispatch(head, tensors)
-        except (DockRequestError, WireError, KeyError, TypeError, ValueError) as exc:
+        except (DockRequestError, WireError) as exc:
+            self.rejected += 1
+            self._note("rejected", peer, str(exc))
             return [encode({"error": f"{type(exc).__name__}: {exc}", "last": True}, [])]
-        except Exception as exc:  # the server thread must outlive any one request
-            log.exception("warehouse %s failed on op=%s", self.address, head.get("op"))
+        except Exception as exc:  # noqa: BLE001 - the server thread must outlive any one request
+            self.rejected += 1
+            self._note("failed", peer, f"{type(exc).__name__}: {exc}")
             return [encode({"error": f"internal error: {type(exc).__name__}: {exc}", "last": True}, [])]
 
     def _dispatch(self, head: dict[str, Any], tensors: list[torch.Tensor]) -> list[list]:
-        op, it = head.get("op"), int(head.get("iter", -1))
-        if op == "put":
-            indices = [int(i) for i in head["indices"]]
-            cols = {
-                name: unflatten(t, len(indices), spec.get("lengths") if spec.get("ragged") else None)
-                for (name, spec), t in zip(head["columns"].items(), tensors)
-            }
-            self.store.put(it, indices, cols, {name: bool(spec.get("ragged")) for name, spec in head["columns"].items()})
-            return [encode({"ok": True, "last": True}, [])]
-        if op == "get":
-            return self._reply_get(it, [int(i) for i in head["indices"]], list(head["columns"]))
-        if op == "delete":
-            self.store.delete(it, [int(i) for i in head["indices"]], list(head["columns"]))
-            return [encode({"ok": True, "last": True}, [])]
+        op = head.get("op")
+        if op == "stats":
+            return self._stats()
+        it = head.get("iter")
+        if not _is_int(it):
+            raise DockRequestError(f"op {op!r} needs an integer iter")
         if op == "drop":
             self.store.drop(it)
             return [encode({"ok": True, "last": True}, [])]
-        if op == "stats":
-            s = self.store
-            return [encode({"bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "samples": s.samples(),
-                            "bytes_out_by_iter": {str(k): v for k, v in s.bytes_out_by_iter.items()}, "refused": self.refused, "last": True}, [])]
-        raise DockRequestError(f"unknown op {op!r}")
+        indices = head.get("indices")
+        if not isinstance(indices, list) or not all(_is_int(i) for i in indices):
+            raise DockRequestError("indices must be a list of integers")
+        if op == "put":
+            specs = head.get("columns")
+            if not isinstance(specs, dict) or len(specs) != len(tensors) or not all(_valid_spec(n, v) for n, v in specs.items()):
+                raise DockRequestError("put columns must map names to {ragged: bool, lengths: [int] | null}, one per tensor")
+            cols = {name: unflatten(t, len(indices), spec.get("lengths") if spec.get("ragged") else None)
+                    for (name, spec), t in zip(specs.items(), tensors)}
+            self.store.put(it, indices, cols, {name: bool(spec.get("ragged")) for name, spec in specs.items()})
+            return [encode({"ok": True, "last": True}, [])]
+        names = head.get("columns")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise DockRequestError("columns must be a list of names")
+        if op == "get":
+            return self._reply_get(it, indices, names)
+        if op == "delete":
+            self.store.delete(it, indices, names)
+            return [encode({"ok": True, "last": True}, [])]
+        raise DockRequestError(f"unknown op {str(op)[:40]!r}")
+
+    def _stats(self) -> list[list]:
+        s = self.store
+        return [encode({"bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "samples": s.samples(),
+                        "bytes_out_by_iter": {str(k): v for k, v in s.bytes_out_by_iter.items()}, "refused": self.refused,
+                        "rejected": self.rejected, "last": True}, [])]
 
     def _reply_get(self, it: int, indices: list[int], names: list[str]) -> list[list]:
         cols = self.store.get(it, indices, names)
@@ -218,9 +219,10 @@ class WarehouseServer:
 class WarehouseClient:
     """One DEALER connection to one warehouse; one outstanding request at a time."""
 
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0):
+    def __init__(self, address: str, token: str, timeout_s: float = 60.0, max_message_bytes: int = 1 << 30):
         self.address = address
         self.token = token
+        self.max_message_bytes = max_message_bytes
         self.timeout_ms = int(timeout_s * 1000)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -234,6 +236,10 @@ class WarehouseClient:
     def request(self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> list[tuple[dict, list[torch.Tensor]]]:
         """Send one request and collect every reply chunk; raise on an error reply."""
         frames = encode(dict(header, token=self.token), tensors or [])
+        big = max(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        if big > self.max_message_bytes:
+            raise DockRequestError(f"a {header.get('op')} frame of {big} bytes exceeds dock.max_message_bytes={self.max_message_bytes} "
+                                   "(the warehouse would drop the connection): raise it or put fewer samples at once")
         self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self._sock.send_multipart(frames, copy=False)
         replies = []

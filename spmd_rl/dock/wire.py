@@ -7,6 +7,7 @@ peer cannot make the receiver build arbitrary objects.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -20,6 +21,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 64 << 20
+MAX_DIMS = 8
+MAX_ELEMENTS = 1 << 40
 
 
 class WireError(ValueError):
@@ -49,36 +52,60 @@ def encode(header: dict[str, Any], tensors: list[torch.Tensor]) -> list[Any]:
     return [msgpack.packb(head, use_bin_type=True)] + [tensor_bytes(t) for t in tensors]
 
 
-def decode_header(frame: bytes) -> dict[str, Any]:
+def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     if len(frame) > MAX_HEADER_BYTES:
         raise WireError("header too large")
     try:
         head = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise WireError(f"malformed header: {exc}") from None
     if not isinstance(head, dict):
         raise WireError("header is not a map")
     return head
 
 
-def decode(frames: list[bytes | memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Inverse of :func:`encode`; validates dtypes, shapes and byte counts, copies each buffer once."""
-    head = decode_header(bytes(frames[0]))
-    metas = head.pop("tensors", [])
-    if not isinstance(metas, list) or len(metas) != len(frames) - 1:
-        raise WireError(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, got {len(frames) - 1} buffers")
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, byte count) of one tensor meta, or WireError. Python ints throughout, so a
+    hostile shape cannot overflow; at most ``MAX_DIMS`` dims and ``MAX_ELEMENTS`` elements."""
+    if not isinstance(meta, dict):
+        raise WireError(f"tensor meta is not a map: {meta!r:.80}")
+    name, shape = meta.get("dtype"), meta.get("shape")
+    if not isinstance(name, str) or name not in DTYPES:
+        raise WireError(f"bad tensor dtype {name!r:.80}; allowed: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_int(d) and 0 <= d <= MAX_ELEMENTS for d in shape):
+        raise WireError(f"bad tensor shape {shape!r:.80}")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise WireError(f"tensor of {numel} elements exceeds the limit of {MAX_ELEMENTS}")
+    dtype = DTYPES[name]
+    return dtype, shape, numel * dtype.itemsize
+
+
+def decode_tensors(metas: Any, buffers: list[bytes | memoryview]) -> list[torch.Tensor]:
+    """The tensors of a decoded header's ``tensors`` metas; each buffer must hold exactly its
+    declared bytes and is copied once."""
+    if not isinstance(metas, list) or len(metas) != len(buffers):
+        raise WireError(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, got {len(buffers)} buffers")
     out = []
-    for meta, buf in zip(metas, frames[1:]):
-        dtype = DTYPES.get(meta.get("dtype")) if isinstance(meta, dict) else None
-        shape = meta.get("shape") if isinstance(meta, dict) else None
-        if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise WireError(f"bad tensor meta {meta!r}")
-        numel = int(np.prod(shape)) if shape else 1
+    for meta, buf in zip(metas, buffers):
+        dtype, shape, nbytes = check_meta(meta)
         raw = np.frombuffer(buf, dtype=np.uint8)
-        if raw.size != numel * torch.empty((), dtype=dtype).element_size():
+        if raw.size != nbytes:
             raise WireError(f"buffer of {raw.size} bytes does not hold {shape} {meta['dtype']}")
-        if numel == 0:
+        if nbytes == 0:
             out.append(torch.empty(shape, dtype=dtype))
         else:
             out.append(torch.from_numpy(raw.copy()).view(dtype).reshape(shape))
-    return head, out
+    return out
+
+
+def decode(frames: list[bytes | memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Inverse of :func:`encode`; validates dtypes, shapes and byte counts, copies each buffer once."""
+    if not frames:
+        raise WireError("empty message")
+    head = decode_header(frames[0])
+    return head, decode_tensors(head.pop("tensors", []), list(frames[1:]))

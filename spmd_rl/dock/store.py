@@ -1,0 +1,82 @@
+"""One node's samples in host memory: ``{iteration: {column: {index: tensor}}}``; a ragged
+column holds one unpadded 1-D tensor per sample. A put is atomic: it is fully validated
+before anything is stored, so a refused put leaves earlier data intact."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from spmd_rl.dock.errors import DockRequestError
+
+
+def flatten(values: list[torch.Tensor], ragged: bool) -> tuple[torch.Tensor, list[int] | None]:
+    """Samples -> (one flat tensor, per-sample lengths for ragged columns)."""
+    if ragged:
+        return (torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)), [v.numel() for v in values]
+    return torch.stack(values) if values else torch.empty(0), None
+
+
+def unflatten(flat: torch.Tensor, n: int, lengths: list[int] | None) -> list[torch.Tensor]:
+    if lengths is not None:
+        if len(lengths) != n or sum(lengths) != flat.numel():
+            raise DockRequestError(f"ragged lengths {len(lengths)} / {sum(lengths)} do not match {n} samples / {flat.numel()} values")
+        return list(torch.split(flat, lengths))
+    if flat.shape[:1] != (n,):
+        raise DockRequestError(f"fixed column has leading size {tuple(flat.shape[:1])}, expected {n}")
+    return list(flat.unbind(0))
+
+
+class WarehouseStore:
+    """The in-memory columns of one node; not thread-safe (owned by the server thread)."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+        self.ragged: dict[int, dict[str, bool]] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.bytes_out_by_iter: dict[int, int] = defaultdict(int)
+
+    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
+        cols = self.data.get(iteration, {})
+        kinds = self.ragged.get(iteration, {})
+        for name in columns:
+            if kinds.get(name, ragged[name]) != ragged[name]:
+                raise DockRequestError(f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it otherwise")
+            dup = [i for i in indices if i in cols.get(name, {})]
+            if dup:
+                raise DockRequestError(f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of iteration {iteration}: duplicate put")
+        if len(set(indices)) != len(indices):
+            raise DockRequestError("indices of one put must be distinct")
+        cols = self.data.setdefault(iteration, {})
+        self.ragged.setdefault(iteration, {}).update(ragged)
+        for name, values in columns.items():
+            store = cols.setdefault(name, {})
+            for i, v in zip(indices, values):
+                store[i] = v
+                self.bytes_in += v.numel() * v.element_size()
+
+    def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
+        cols = self.data.get(iteration, {})
+        out = {}
+        for name in names:
+            store = cols.get(name, {})
+            missing = [i for i in indices if i not in store]
+            if missing:
+                raise DockRequestError(f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}")
+            out[name] = [store[i] for i in indices]
+        return out
+
+    def delete(self, iteration: int, indices: list[int], names: list[str]) -> None:
+        cols = self.data.get(iteration, {})
+        for name in names:
+            for i in indices:
+                cols.get(name, {}).pop(i, None)
+
+    def drop(self, iteration: int) -> None:
+        self.data.pop(iteration, None)
+        self.ragged.pop(iteration, None)
+
+    def samples(self) -> int:
+        return sum(len(col) for cols in self.data.values() for col in cols.values())

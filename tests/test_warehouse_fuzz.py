@@ -1,0 +1,136 @@
+"""No input from any peer stops a warehouse: several hundred hostile frames (random bytes,
+mutated valid frames, hostile metas, wrong or missing tokens, oversized declared sizes and
+frames) against a live warehouse server. After each one the server answers a valid ``stats``
+request, the sample stored before is returned unchanged, and memory stays bounded.
+
+Frames that carry the job token can still be valid requests (a peer holding the token is the
+job itself); the generator keeps those off the stored iteration 0, so any change to the stored
+sample is a bug."""
+
+from __future__ import annotations
+
+import random
+import resource
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+from spmd_rl.dock.wire import DTYPES, encode
+
+TOKEN = "fuzz-test-token-0123456789abcdef"
+MAX_MSG = 1 << 20
+SAMPLE = torch.arange(7, dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = WarehouseServer("127.0.0.1", 0, TOKEN, bucket_bytes=1 << 16, max_message_bytes=MAX_MSG).start()
+    client = WarehouseClient(server.address, TOKEN, timeout_s=10, max_message_bytes=MAX_MSG)
+    client.put(0, [3], {"response_ids": [SAMPLE]}, {"response_ids": True})
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.address)
+    yield server, client, raw
+    raw.close()
+    client.close()
+    server.stop()
+
+
+def _send(raw, frames) -> None:
+    raw.send_multipart(frames)
+    wait = 1000
+    while raw.poll(wait):  # drain whatever the server answers (every request gets an answer
+        raw.recv_multipart()  # unless libzmq dropped the peer for an oversized frame)
+        wait = 20
+
+
+def _still_serving(server, client) -> None:
+    assert server._thread.is_alive()
+    assert client.stats()["samples"] >= 1  # a mutation may still be a valid, authenticated put
+    assert torch.equal(client.get(0, [3], ["response_ids"])["response_ids"][0], SAMPLE)
+
+
+ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+anything = st.recursive(st.none() | st.booleans() | ints | st.floats() | st.text(max_size=6) | st.binary(max_size=6),
+                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8)
+dims = st.one_of(ints, st.booleans(), st.just(2**32), st.floats(), st.text(max_size=2))
+meta = st.one_of(anything, st.fixed_dictionaries({
+    "dtype": st.one_of(st.sampled_from(list(DTYPES)), st.lists(st.text(max_size=3), max_size=2), ints, st.none(), st.text(max_size=8)),
+    "shape": st.one_of(st.lists(dims, max_size=4), st.just([2**32, 2**32]), st.just([True]), anything)}))
+header = st.fixed_dictionaries({
+    "op": st.one_of(st.sampled_from(["put", "get", "delete", "drop", "stats", "bogus"]), anything),
+    "token": st.one_of(st.just(TOKEN), st.just("wrong-token"), st.none(), ints, st.lists(st.text(max_size=3), max_size=2)),
+}, optional={"iter": st.one_of(st.just(1), anything.filter(lambda x: not (isinstance(x, (int, float)) and x == 0))), "indices": st.one_of(st.lists(st.integers(0, 5), max_size=4), anything),
+             "columns": st.one_of(st.just({"response_ids": {"ragged": True, "lengths": [2]}}), st.just(["response_ids"]), anything),
+             "tensors": st.lists(meta, max_size=3)})
+
+
+def _valid_put() -> list[bytes]:
+    frames = encode({"op": "put", "iter": 0, "indices": [4], "columns": {"reward": {"ragged": False, "lengths": None}},
+                     "token": TOKEN}, [torch.tensor([1.5])])
+    return [bytes(f) for f in frames]
+
+
+@st.composite
+def hostile(draw):
+    kind = draw(st.sampled_from(["random", "header", "mutated"]))
+    if kind == "random":
+        return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
+    if kind == "header":
+        head = msgpack.packb(draw(header), use_bin_type=True)
+        return [head] + draw(st.lists(st.binary(max_size=32), max_size=3))
+    frames = _valid_put()
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    head = bytearray(frames[0])
+    for _ in range(draw(st.integers(1, 6))):
+        head[rng.randrange(len(head))] = rng.randrange(256)
+    return [bytes(head)] + frames[1:]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(frames=hostile())
+def test_hostile_frames_do_not_stop_the_warehouse(live, frames):
+    server, client, raw = live
+    _send(raw, frames)
+    _still_serving(server, client)
+
+
+def test_memory_bounded_and_refusals_counted(live):
+    server, client, raw = live
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = server.refused
+    huge = msgpack.packb({"op": "put", "token": "wrong", "tensors": [{"dtype": "float64", "shape": [2**20, 2**20]}]})
+    for _ in range(200):  # declared 8 TiB each, unauthenticated: no buffer is read
+        _send(raw, [huge, b"\0" * 64])
+    assert server.refused >= before + 200
+    _send(raw, [b"\0" * (MAX_MSG + 1)])  # over zmq.MAXMSGSIZE: the peer is dropped, nothing read
+    _still_serving(server, client)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024 < 64 << 20
+    assert server.refusals and all(v > 0 for counts in server.refusals.values() for v in counts.values())
+
+
+def test_client_refuses_a_put_bigger_than_the_limit(live):
+    server, client, _ = live
+    from spmd_rl.dock.errors import DockRequestError
+
+    with pytest.raises(DockRequestError, match="dock.max_message_bytes"):
+        client.put(1, [0], {"response_ids": [torch.zeros(MAX_MSG, dtype=torch.int32)]}, {"response_ids": True})
+    _still_serving(server, client)
+
+
+@pytest.mark.parametrize("meta", [
+    {"dtype": ["float32"], "shape": [1]},  # unhashable dtype: killed the old server thread
+    {"dtype": "float32", "shape": [2**32, 2**32]},  # np.prod overflowed to 0 and passed the byte check
+    {"dtype": "float32", "shape": [True]},
+])
+def test_frames_that_killed_the_old_server(live, meta):
+    server, client, raw = live
+    for token in (None, TOKEN):  # unauthenticated, and authenticated but invalid
+        head = {"op": "put", "iter": 1, "indices": [0], "columns": {"x": {"ragged": False}}, "tensors": [meta]}
+        _send(raw, [msgpack.packb(head | ({"token": token} if token else {})), b""])
+        _still_serving(server, client)
