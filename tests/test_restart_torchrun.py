@@ -54,22 +54,32 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(tiny_model, tmp_path):
     start = tmp_path / "clean/ckpt/iter_000001"
     proc = subprocess.Popen(command(tmp_path, "killed", f"checkpoint.resume={start}"), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
     metrics = tmp_path / "killed/logs/metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and (tmp_path / "killed/ckpt/iter_000002").is_dir():
-            break
-        time.sleep(0.05)
-    victims = workers_of(proc.pid)
-    assert victims, "no worker found to kill"
-    killed_at = time.monotonic()
-    os.kill(victims[-1], signal.SIGKILL)
-    seen = len(metrics.read_text().splitlines())
-    recovered = None
-    while proc.poll() is None and time.monotonic() < deadline:
-        if recovered is None and len(metrics.read_text().splitlines()) > seen:
-            recovered = time.monotonic() - killed_at
-        time.sleep(0.05)
-    assert proc.wait(timeout=60) == 0, (tmp_path / "killed.log").read_text()[-4000:]
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and (tmp_path / "killed/ckpt/iter_000002").is_dir():
+                break
+            time.sleep(0.05)
+        victims = workers_of(proc.pid)
+        assert victims, "no worker found to kill"
+        killed_at = time.monotonic()
+        os.kill(victims[-1], signal.SIGKILL)
+        seen = len(metrics.read_text().splitlines())
+        recovered = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if recovered is None and len(metrics.read_text().splitlines()) > seen:
+                recovered = time.monotonic() - killed_at
+            time.sleep(0.05)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "killed.log").read_text()[-4000:]
+    finally:  # never leave the launcher or its workers behind
+        for pid, _ in descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
     text = (tmp_path / "killed.log").read_text()
     resumed = [line.split("resumed from ")[1].split()[0] for line in text.splitlines() if "resumed from " in line]
     assert resumed[0] == str(start), resumed
@@ -82,4 +92,5 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(tiny_model, tmp_path):
     clean_rows = [json.loads(line) for line in (tmp_path / "clean/logs/metrics.jsonl").read_text().splitlines()]
     last_by_iter = {r["iteration"]: r["reward_mean"] for r in rows}
     assert last_by_iter == {r["iteration"]: r["reward_mean"] for r in clean_rows if r["iteration"] >= 1}  # same samples
+    assert recovered is not None, "no iteration was logged after the kill"
     print(f"recovery: kill -> next iteration logged in {recovered:.1f} s; iterations logged {iters}")

@@ -51,10 +51,11 @@ def test_sampler_is_deterministic_and_resumable():
 
 
 def test_parquet_prompts(tmp_path, tiny_model):
-    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     path = tmp_path / "p.parquet"
-    datasets.Dataset.from_list([{"q": "3+4=", "a": "7"}, {"q": "", "a": "0"}]).to_parquet(str(path))
+    pq.write_table(pa.Table.from_pylist([{"q": "3+4=", "a": "7"}, {"q": "", "a": "0"}]), str(path))
     tok = AutoTokenizer.from_pretrained(tiny_model)
     ps = load_prompts(path, tok, "q", "a", max_prompt_length=64)
     assert ps.answers == ["7"] and ps.skipped == {"empty prompt": [1]}

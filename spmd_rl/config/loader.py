@@ -70,7 +70,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError([Violation("CONFIG", str(p), "file not found", "pass the path of a YAML config, e.g. configs/quickstart.yaml")], str(p))
     try:
-        tree = _yaml(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([Violation("CONFIG", str(p), f"not UTF-8 text (byte {exc.start})", "pass a YAML text file saved as UTF-8")], str(p)) from None
+    except OSError as exc:
+        raise ConfigError([Violation("CONFIG", str(p), f"cannot be read ({exc.strerror})", "check the path and its permissions")], str(p)) from None
+    try:
+        tree = _yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"

@@ -15,6 +15,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
+from spmd_rl.data.files import check_safetensors, sniff_dataset
 
 REGISTERED_RULES = ("exact_match", "math_verify")
 _ENDPOINT = re.compile(r"^(https?://)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
@@ -76,6 +77,9 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
                 f"keep the sum <= {arch.max_positions}",
             )
         )
+    for weights in sorted(folder.glob("*.safetensors")):
+        if (problem := check_safetensors(weights)) is not None:
+            out.append(Violation("model.path", cfg.model.path, f"{weights.name}: {problem}", "copy the model folder again or rebuild it"))
     tok = Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else None
     if tok is not None and not tok.is_dir():
         out.append(Violation("model.tokenizer_path", cfg.model.tokenizer_path, "folder not found", "point it at a tokenizer folder or leave it out"))
@@ -92,6 +96,8 @@ def _check_files(cfg: Config) -> list[Violation]:
             out.append(Violation(field, path, "unsupported file type", "use a .jsonl or .parquet file"))
         elif not p.is_file():
             out.append(Violation(field, path, "file not found", "check the path (relative paths start at the current directory)"))
+        elif (problem := sniff_dataset(p)) is not None:
+            out.append(Violation(field, path, problem, f"pass a {p.suffix} file (one JSON object per line for .jsonl)"))
     return out
 
 

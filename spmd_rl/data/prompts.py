@@ -1,13 +1,14 @@
-"""Prompt datasets: jsonl or parquet through ``datasets``, column mapping, chat template,
+"""Prompt datasets: jsonl or parquet (``data.files``), column mapping, chat template,
 tokenisation. Bad rows (missing column, empty prompt, prompt longer than
 ``data.max_prompt_length`` tokens) are counted and skipped with a warning naming the row."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from spmd_rl.data.files import read_jsonl, read_parquet
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +26,8 @@ class PromptSet:
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import datasets
-
-    kind = "parquet" if str(path).endswith(".parquet") else "json"
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    return [dict(r) for r in ds]
+    """Rows of a .jsonl or .parquet file; ``BadFile`` (a ValueError) names the file and line."""
+    return read_parquet(path) if str(path).endswith(".parquet") else read_jsonl(path)
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+"""Process-group backend per device kind. Off CPU the group serves both host tensors (gloo:
+metrics, token counts, dynamic-sampling rewards) and device tensors (nccl / hccl), so no
+collective on a CPU tensor can meet a backend without CPU support."""
 
 
 def _npu_available() -> bool:
