@@ -97,7 +97,13 @@ def export(
     if not is_checkpoint(checkpoint_dir):
         typer.echo(f"INVALID {checkpoint_dir}: not a complete checkpoint (no trainer_state.json)", err=True)
         raise typer.Exit(code=2)
-    typer.echo(f"wrote {export_ckpt(checkpoint_dir, out)}")
+    from spmd_rl.engines.safe_dcp import BadCheckpoint
+
+    try:
+        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out)}")
+    except BadCheckpoint as exc:
+        typer.echo(f"INVALID {exc}", err=True)
+        raise typer.Exit(code=2) from None
 
 
 @app.command(name="eval")
@@ -117,9 +123,15 @@ def evaluate(
     if not data.is_file():
         typer.echo(f"INVALID --data={data}: file not found", err=True)
         raise typer.Exit(code=2)
+    from spmd_rl.engines.safe_dcp import BadCheckpoint
+
     with tempfile.TemporaryDirectory() as tmp:
         if is_checkpoint(model):
-            model_dir = export_ckpt(model, Path(tmp) / "hf")
+            try:
+                model_dir = export_ckpt(model, Path(tmp) / "hf")
+            except BadCheckpoint as exc:
+                typer.echo(f"INVALID {exc}", err=True)
+                raise typer.Exit(code=2) from None
         elif (model / "config.json").is_file():
             model_dir = model
         else:

@@ -124,9 +124,13 @@ class TrainEngine:
         dcp.save(self.state_dict(), checkpoint_id=str(folder))
 
     def load(self, folder: str | Path) -> None:
-        """Load a DCP checkpoint; DCP reshards it onto the current mesh."""
+        """Load a DCP checkpoint; DCP reshards it onto the current mesh. Nothing but DCP
+        metadata classes is unpickled (``engines.safe_dcp``)."""
+        from spmd_rl.engines.safe_dcp import SafeLoadPlanner, SafeReader, verify
+
+        verify(folder)
         state = self.state_dict()
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scheduler:
             self.scheduler.load_state_dict(state["scheduler"])

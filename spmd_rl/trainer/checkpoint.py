@@ -22,12 +22,12 @@ import base64
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from spmd_rl.engines.safe_dcp import read_full_state
 
 _NAME = re.compile(r"^iter_(\d{6})$")
 
@@ -105,8 +105,6 @@ def read_state(folder: str | Path) -> dict:
 
 
 def model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The actor's full (unsharded) weights of a checkpoint, read in one process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        flat = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(folder), str(flat))
-        return torch.load(flat, weights_only=True)["model"]
+    """The actor's full (unsharded) weights of a checkpoint, read in one process, without
+    unpickling anything but DCP metadata classes (``safe_dcp``)."""
+    return read_full_state(folder)["model"]
