@@ -14,4 +14,5 @@ echo "[etcd] http://$HOST:$PORT (v2 API enabled for torchrun's etcd-v2 rendezvou
 exec "$ETCD" --name spmd-rl --data-dir "$DATA" \
     --listen-client-urls "http://$HOST:$PORT" --advertise-client-urls "http://$HOST:$PORT" \
     --listen-peer-urls "http://$HOST:$PEER" --initial-advertise-peer-urls "http://$HOST:$PEER" \
-    --initial-cluster "spmd-rl=http://$HOST:$PEER" --enable-v2=true --log-level warn
+    --initial-cluster "spmd-rl=http://$HOST:$PEER" --enable-v2=true --log-level warn \
+    --auto-compaction-mode periodic --auto-compaction-retention "${COMPACTION:-10m}"

@@ -23,7 +23,7 @@ ITERS = 80
 
 def agent(tmp: Path, etcd: str, name: str) -> subprocess.Popen:
     env = subprocess_env() | {"ETCD": etcd, "JOB": "elastic-test", "NNODES": "1:2", "NPROC": "1", "TOKEN": "elastic-token-0123456789abcdef",
-                              "LAST_CALL_S": "2", "RESTARTS": "5"}
+                              "LAST_CALL_S": "8", "RESTARTS": "5"}
     args = ["configs/quickstart.yaml", "parallel.train.dp_shard=null", "parallel.gen.dp=null", "parallel.nnodes=2",
             "parallel.nproc_per_node=1", "elastic.min_nodes=1", "elastic.max_nodes=2", "elastic.heartbeat_ttl_s=3",
             "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",

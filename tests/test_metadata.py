@@ -59,11 +59,16 @@ def test_watch_sees_put(etcd):
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
-    time.sleep(0.3)
-    m.put(m.key("w", "k"), b"v")
-    t.join(timeout=10)
+    # the watch may not be established yet when the first put lands: put again until the
+    # reader has an event (waits on the event, not on a guessed sleep)
+    deadline = time.monotonic() + 30
+    k = 0
+    while t.is_alive() and time.monotonic() < deadline:
+        m.put(m.key("w", f"k{k}"), b"v")
+        k += 1
+        t.join(timeout=0.2)
     cancel()
-    assert seen and seen[0]["kv"]["key"] == b"/meta-watch/w/k" and seen[0]["kv"]["value"] == b"v"
+    assert seen and seen[0]["kv"]["key"].startswith(b"/meta-watch/w/k") and seen[0]["kv"]["value"] == b"v"
 
 
 def test_lost_etcd_retries_then_fails():

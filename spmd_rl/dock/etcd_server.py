@@ -77,6 +77,7 @@ class EmbeddedEtcd:
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"spmd-rl={peer}", "--enable-v2=true", "--log-level", "warn",
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",  # bounded history on long runs
         ]
         log = open(Path(self.data_dir) / "etcd.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
