@@ -11,7 +11,7 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.config.stages import Stage
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
-from spmd_rl.dock.errors import DockRequestError, DockTimeout
+from spmd_rl.dock.errors import DockRequestError, DockTimeout, DockUnavailable
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.warehouse import WarehouseClient
@@ -135,3 +135,28 @@ def test_lost_rank_fails_fast_instead_of_waiting(etcd):
         assert time.monotonic() - t0 < 10
     finally:
         d.close()
+
+
+@pytest.mark.timeout(120)
+def test_fetch_from_a_lost_warehouse_fails_at_once(etcd):
+    """Node 0's warehouse thread stops while its rank lives: a fetch from it fails within a
+    couple of seconds naming the node, not after dock.get_timeout_s (600 s)."""
+    import time
+
+    meta = MetadataStore([etcd.endpoint], job="lost-warehouse")
+    cfg = DockConfig(port=0, get_timeout_s=600)
+    a = TransferDock(cfg, meta, columns_for(STAGES), Peer(0, 2, 0, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
+    b = TransferDock(cfg, meta, columns_for(STAGES), Peer(1, 2, 1, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
+    try:
+        for d in (a, b):
+            d.begin_iteration(0, 2)
+        a.put("data", 0, {"prompt_ids": ids(1, 2)}, [0, 1])
+        a.server._stop.set()  # the serve thread ends; rank 0 itself is still alive
+        a.server._thread.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(DockUnavailable, match="warehouse of node 0 .* is lost"):
+            b.get("actor_rollout", 0, ["prompt_ids"], Layout(1, 2))  # one DP group of both ranks
+        print(f"lost warehouse detected by the fetch in {time.monotonic() - t0:.1f} s")
+    finally:
+        b.close()
+        a.close()

@@ -109,6 +109,7 @@ class TransferDock:
         self._num_samples: dict[int, int] = {}
         self._seq = 0
         self.heartbeat: Heartbeat | None = None
+        self._warehouse_beat: Heartbeat | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -127,13 +128,17 @@ class TransferDock:
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
             self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes, self.cfg.max_message_bytes).start()
+            if heartbeat_ttl_s:
+                self._warehouse_beat = Heartbeat(self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive",
+                                                 healthy=self.server.serving).start()
             self.meta.put(self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode())
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
         return self
 
     def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        for beat in (self.heartbeat, self._warehouse_beat):
+            if beat is not None:
+                beat.stop()
         for c in self._clients.values():
             c.close()
         self._clients.clear()
@@ -145,8 +150,13 @@ class TransferDock:
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)
+            alive = None
+            if self.heartbeat is not None:  # liveness-bounded fetches: a lost warehouse fails at once
+                key = self.meta.key("warehouse_alive", node)
+                alive = lambda: self.meta.get(key) is not None  # noqa: E731
             self._clients[node] = WarehouseClient(json.loads(raw)["address"], self.token, timeout_s=self.cfg.get_timeout_s,
-                                                  max_message_bytes=self.cfg.max_message_bytes)
+                                                  max_message_bytes=self.cfg.max_message_bytes, alive=alive,
+                                                  name=f"warehouse of node {node}")
         return self._clients[node]
 
     def _wait_key(self, key: str) -> bytes:

@@ -1,12 +1,15 @@
-"""Rank liveness in etcd: each rank holds ``/<job>/alive/<rank>`` under a lease it refreshes
-from a background thread. When a rank dies its key expires after ``ttl_s``; a stage waiting
-in the dock for that rank's data then fails with DockUnavailable naming the lost ranks, so
-the process exits non-zero and torchrun restarts the group instead of waiting forever."""
+"""Liveness in etcd: each rank holds ``/<job>/alive/<rank>`` and each warehouse
+``/<job>/warehouse_alive/<node>`` under a lease refreshed from a background thread. When the
+owner dies the key expires after ``ttl_s``; when a warehouse's server thread stops (its rank
+still alive) the heartbeat sees it unhealthy and deletes the key at once. A stage waiting on
+metadata or fetching from a warehouse then fails with DockUnavailable naming what was lost,
+so the process exits non-zero and torchrun restarts the group instead of waiting forever."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from spmd_rl.dock.metadata import MetadataStore
 
@@ -14,17 +17,22 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, meta: MetadataStore, rank: int, ttl_s: int = 10):
+    def __init__(self, meta: MetadataStore, rank: int, ttl_s: int = 10, kind: str = "alive",
+                 healthy: Callable[[], bool] | None = None):
+        """Holds ``/<job>/<kind>/<rank>``; with ``healthy``, the key is deleted as soon as it
+        returns False (and not renewed)."""
         self.meta = meta
         self.rank = rank
         self.ttl_s = ttl_s
+        self.kind = kind
+        self.healthy = healthy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._lease = None
 
     def _register(self) -> None:
         self._lease = self.meta.lease(self.ttl_s)
-        self.meta.put(self.meta.key("alive", self.rank), b"1", lease=self._lease)
+        self.meta.put(self.meta.key(self.kind, self.rank), b"1", lease=self._lease)
 
     def start(self) -> "Heartbeat":
         self._register()
@@ -32,8 +40,12 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        while not self._stop.wait(min(1.0, self.ttl_s / 3)):
             try:
+                if self.healthy is not None and not self.healthy():
+                    log.warning("%s %d is unhealthy: withdrawing its liveness key", self.kind, self.rank)
+                    self.meta.delete(self.meta.key(self.kind, self.rank))
+                    return
                 if self._lease.refresh() <= 0:  # expired (etcd was away too long): take a new one
                     self._register()
             except Exception as exc:  # the waiting stage reports the consequence

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +94,10 @@ class WarehouseServer:
     def start(self) -> "WarehouseServer":
         self._thread.start()
         return self
+
+    def serving(self) -> bool:
+        """True while the serve thread runs (the warehouse heartbeat withdraws its key otherwise)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -219,7 +224,12 @@ class WarehouseServer:
 class WarehouseClient:
     """One DEALER connection to one warehouse; one outstanding request at a time."""
 
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0, max_message_bytes: int = 1 << 30):
+    def __init__(self, address: str, token: str, timeout_s: float = 60.0, max_message_bytes: int = 1 << 30,
+                 alive: Callable[[], bool] | None = None, name: str = "warehouse"):
+        """``alive``: checked about every second while waiting for a reply; once it is False the
+        request fails at once instead of waiting ``timeout_s`` for a dead warehouse."""
+        self.alive = alive
+        self.name = name
         self.address = address
         self.token = token
         self.max_message_bytes = max_message_bytes
@@ -243,9 +253,15 @@ class WarehouseClient:
         self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self._sock.send_multipart(frames, copy=False)
         replies = []
+        deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
-            if not self._sock.poll(self.timeout_ms):
-                raise DockUnavailable(f"warehouse {self.address} did not answer {header.get('op')} within {self.timeout_ms / 1000:.0f}s")
+            if not self._sock.poll(min(1000, self.timeout_ms)):
+                if self.alive is not None and not self.alive():
+                    raise DockUnavailable(f"{self.name} at {self.address} is lost (its liveness key in etcd is gone) during "
+                                          f"{header.get('op')}; exiting so torchrun can restart the group")
+                if time.monotonic() < deadline:
+                    continue
+                raise DockUnavailable(f"{self.name} at {self.address} did not answer {header.get('op')} within {self.timeout_ms / 1000:.0f}s")
             raw = self._sock.recv_multipart(copy=False)
             self.bytes_received += sum(f.buffer.nbytes for f in raw)
             head, out = decode([f.buffer for f in raw])
