@@ -52,6 +52,11 @@ class Accelerator:
         """A host byte buffer, pinned when a device exists (fast, async-capable copies)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.host_is_device)
 
+    def empty_cache(self) -> None:
+        """Return freed device blocks to the driver (no-op on CPU)."""
+        if self.kind != "cpu":
+            getattr(torch, self.kind).empty_cache()
+
     def synchronize(self) -> None:
         if self.kind != "cpu":
             getattr(torch, self.kind).synchronize()

@@ -119,14 +119,19 @@ class RolloutEngine:
             return sum(t.numel // self.tp if t.tp_split else t.numel for t in arch.tensors()) * itemsize
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def release_kv_cache(self) -> None:
-        """Free the KV cache between rollouts where the platform supports it (vLLM sleep mode;
-        vLLM ignores sleep on CPU, so nothing happens there)."""
+    def sleep(self) -> None:
+        """Between rollouts: vLLM sleep level 1 (weights to host, KV cache discarded) where the
+        platform supports it; vLLM has no sleep mode on CPU, so nothing happens there."""
         if self.acc.kind != "cpu" and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
 
-    def restore_kv_cache(self) -> None:
+    def wake_weights(self) -> None:
+        """Bring back the weights only (the KV cache stays released until ``wake_kv_cache``)."""
         if self._asleep:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
+
+    def wake_kv_cache(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False

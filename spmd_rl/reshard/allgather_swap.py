@@ -94,13 +94,23 @@ class Resharder:
 
     # -- phases ----------------------------------------------------------------------------
     def to_generation(self) -> None:
+        """Order bounds the device peak (vLLM #15254, verl PR #6456): wake the rollout weights,
+        load the new ones bucket by bucket, swap the training state to host, return the freed
+        blocks (``empty_cache``), and only then wake the KV cache, so training state, weights
+        and KV cache are never resident together."""
         self.record("before_reshard")
+        self.rollout.wake_weights()
         self.rollout.update_weights(self.full_weights())
         if self.cfg.mode == "allgather_swap":
             self.swap.track(self._params() + self._grads() + self._optim())
             self.swap.offload()
+        self.train.acc.empty_cache()
+        self.rollout.wake_kv_cache()
         self.record("generate")
 
     def to_training(self) -> None:
+        """Release the rollout's weights and KV cache (vLLM sleep), then reload the training state."""
+        self.rollout.sleep()
+        self.train.acc.empty_cache()
         self.swap.reload()
         self.record("update")

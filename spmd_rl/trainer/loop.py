@@ -41,7 +41,6 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
     select = GroupSelection(G) if dynamic else None
     sums: dict[str, float] = {}
     with timer.stage("reshard"):
-        run.rollout.restore_kv_cache()
         run.resharder.to_generation()
     same: dict[str, float] = {}
     if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
@@ -66,7 +65,6 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
         if select.done:
             break
     with timer.stage("reshard_back"):
-        run.rollout.release_kv_cache()
         run.resharder.to_training()
     if select is None:
         return list(range(G * N)), sums, same

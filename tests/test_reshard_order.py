@@ -1,0 +1,58 @@
+"""The one place that owns memory moves does them in the order that bounds the device peak:
+wake rollout weights -> load new weights -> swap the training state to host -> empty_cache ->
+wake the KV cache; and back: sleep the rollout -> empty_cache -> reload. The device-only calls
+(vLLM sleep/wake, empty_cache) are recorded through the same Resharder on CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from spmd_rl.config.schema import ReshardConfig
+from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.reshard.allgather_swap import Resharder
+from spmd_rl.reshard.swap import resident_bytes
+
+
+class RecordingAccelerator(Accelerator):
+    calls: list = []
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+
+
+class FakeRollout:
+    def __init__(self, calls: list, train_params):
+        self.calls, self.params = calls, train_params
+
+    def wake_weights(self):
+        self.calls.append("wake_weights")
+
+    def update_weights(self, weights):
+        names = [n for n, _ in weights]  # consumes the bucketed gather
+        self.calls.append(f"update_weights:{len(names)}")
+
+    def wake_kv_cache(self):
+        self.calls.append(f"wake_kv_cache(train_resident={resident_bytes(self.params)})")
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def weight_bytes(self):
+        return 0
+
+
+def test_memory_moves_in_peak_bounding_order():
+    calls: list = []
+    RecordingAccelerator.calls = calls
+    acc = RecordingAccelerator("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params = list(model.parameters())
+    train = SimpleNamespace(acc=acc, model=model, optimizer=None)
+    r = Resharder(train, FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32", kv_cache_bytes=0)
+    r.to_generation()
+    assert calls == ["wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
+    calls.clear()
+    r.to_training()
+    assert calls == ["sleep", "empty_cache"] and resident_bytes(params) == sum(p.numel() * 4 for p in params)
