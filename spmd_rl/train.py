@@ -88,7 +88,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
                             distributed=peer.world > 1)
-    resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype, int(cfg.rollout.kv_cache_gib * 1024**3))
+    resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype)
     sampler = sampler_for(cfg, len(prompts))
     start = 0
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)

@@ -38,6 +38,8 @@ def test_reshard_swap_rollout(tiny_model, tmp_path, train_dp, train_tp, gen_tp):
         # bounded gather buffer: one bucket (64 KiB) or the largest tensor; naive gathers it all
         assert r["temp_peak_swap"] <= max(64 << 10, r["largest_param_bytes"])
         assert r["temp_peak_naive"] == r["model_bytes"]
+        # the ledger's KV cache is what vLLM allocated (CPU: the 1 GiB VLLM_CPU_KVCACHE_SPACE)
+        assert r["ledger_kv_cache"] == 1 << 30
         # ledger: naive minus allgather-swap during generation == the swapped training state,
         # as predicted from the config alone (fp32 params + 2 AdamW states; grads freed)
         cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}"])

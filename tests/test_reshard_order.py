@@ -42,6 +42,9 @@ class FakeRollout:
     def weight_bytes(self):
         return 0
 
+    def kv_cache_bytes(self):
+        return 0
+
 
 def test_memory_moves_in_peak_bounding_order():
     calls: list = []
@@ -50,7 +53,7 @@ def test_memory_moves_in_peak_bounding_order():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     params = list(model.parameters())
     train = SimpleNamespace(acc=acc, model=model, optimizer=None)
-    r = Resharder(train, FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32", kv_cache_bytes=0)
+    r = Resharder(train, FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32")
     r.to_generation()
     assert calls == ["wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
     calls.clear()

@@ -94,7 +94,7 @@ def main() -> None:
         rollout = RolloutEngine(folder, acc, RolloutConfig(n=1, max_response_length=4), tp=1, dtype="float32", max_model_len=64, distributed=False)
         results = {}
         for mode in ("naive", "allgather_swap"):
-            rs = Resharder(engine, rollout, ReshardConfig(mode=mode, bucket_bytes=int(args.bucket_mib * 2**20)), "float32", 0)
+            rs = Resharder(engine, rollout, ReshardConfig(mode=mode, bucket_bytes=int(args.bucket_mib * 2**20)), "float32")
             fwd, back, swap_s = [], [], []
             for _ in range(args.rounds):
                 acc.reset_peak_memory_stats()

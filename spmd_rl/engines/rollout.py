@@ -119,6 +119,17 @@ class RolloutEngine:
             return sum(t.numel // self.tp if t.tp_split else t.numel for t in arch.tensors()) * itemsize
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache the engine actually allocated on this rank (the distinct
+        storages behind its per-layer cache tensors), not the configured budget."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        storages = {}
+        for t in getattr(runner, "kv_caches", None) or []:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
     def sleep(self) -> None:
         """Between rollouts: vLLM sleep level 1 (weights to host, KV cache discarded) where the
         platform supports it; vLLM has no sleep mode on CPU, so nothing happens there."""

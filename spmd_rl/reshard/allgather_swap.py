@@ -42,12 +42,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Resharder:
-    def __init__(self, train: TrainEngine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str, kv_cache_bytes: int):
+    def __init__(self, train: TrainEngine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str):
         self.train = train
         self.rollout = rollout
         self.cfg = cfg
         self.gen_dtype = DTYPES[gen_dtype]
-        self.kv_cache_bytes = kv_cache_bytes
         self.swap = HostSwap(train.acc)
         self.ledger = Ledger()
         self.temp_peak = 0
@@ -66,7 +65,7 @@ class Resharder:
         self.ledger.record(
             phase, train_params=resident_bytes(self._params()), train_grads=resident_bytes(self._grads()),
             train_optim=resident_bytes(self._optim()), gen_weights=self.rollout.weight_bytes(), temp=temp,
-            kv_cache=self.kv_cache_bytes,
+            kv_cache=self.rollout.kv_cache_bytes(),
         )
 
     # -- gather ----------------------------------------------------------------------------

@@ -52,8 +52,8 @@ def main():
     engine = TrainEngine(MODEL, acc, meshes.train, actor_cfg, "float32", total_steps=10)
     twin = TrainEngine(MODEL, acc, meshes.train, actor_cfg, "float32", total_steps=10)  # same steps, never swapped
     rollout = RolloutEngine(MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=lay.gen.tp, dtype="float32", max_model_len=64)
-    resharder = Resharder(engine, rollout, ReshardConfig(mode="allgather_swap", bucket_bytes=64 << 10), "float32", 0)
-    naive = Resharder(engine, rollout, ReshardConfig(mode="naive"), "float32", 0)
+    resharder = Resharder(engine, rollout, ReshardConfig(mode="allgather_swap", bucket_bytes=64 << 10), "float32")
+    naive = Resharder(engine, rollout, ReshardConfig(mode="naive"), "float32")
     gdp = lay.gen.coords(rank)[0]
     my_prompts = prompts  # every generation DP group runs all prompts, so TP peers of the training layout share inputs
     fixed = build_batch([torch.tensor(p) for p in prompts], [torch.tensor([19, 20, 2]) for _ in prompts], tok.pad_token_id)
@@ -104,6 +104,7 @@ def main():
     resharder.to_training()
     row = naive.ledger.rows[-1][1]
     report["ledger_saving"] = naive_gen - swap_gen
+    report["ledger_kv_cache"] = resharder.ledger.rows[-2][1]["kv_cache"]  # the "generate" row
     report["ledger_train_state"] = row["train_params"] + row["train_grads"] + row["train_optim"]
     report["temp_peak_swap"] = resharder.temp_peak
     report["temp_peak_naive"] = naive.temp_peak
