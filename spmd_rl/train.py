@@ -25,6 +25,7 @@ from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.dist.accelerator import detect
 from spmd_rl.dist.mesh import build_meshes
+from spmd_rl.dist.timeouts import set_collective_timeout
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
@@ -61,7 +62,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         raise ConfigError(violations)
     acc = detect(cfg.trainer.device, peer.local_rank)
     acc.set_device()
-    dist.init_process_group(acc.backend, timeout=datetime.timedelta(seconds=cfg.elastic.collective_timeout_s))
+    dist.init_process_group(acc.backend, timeout=datetime.timedelta(seconds=cfg.elastic.startup_timeout_s))
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -105,6 +106,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if cfg.trainer.eval_interval:
         test = prompts_for(cfg, tok, cfg.data.test_path)
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
+    dist.barrier()  # every rank has loaded and resumed: from here on, the steady-state timeout
+    set_collective_timeout(cfg.elastic.collective_timeout_s)
     return run, start
 
 

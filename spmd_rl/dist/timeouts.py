@@ -1,0 +1,33 @@
+"""Collective timeouts per phase. Start-up (model load, resume) and checkpoint writes can be
+skewed across ranks by minutes on a real model, so they run under
+``elastic.startup_timeout_s``; steady-state iterations run under
+``elastic.collective_timeout_s``, so a dead peer is noticed quickly.
+
+torch sets a group's timeout at creation; ``set_collective_timeout`` changes it for every
+process group of this process (the default group and the device-mesh subgroups).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch.distributed import distributed_c10d as c10d
+
+
+def set_collective_timeout(seconds: float) -> None:
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
+@contextmanager
+def collective_timeout(seconds: float, steady_s: float) -> Iterator[None]:
+    """Run a phase under ``seconds``, then return to ``steady_s``."""
+    set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(steady_s)

@@ -1,0 +1,50 @@
+"""Phase timeouts act on real collectives: two gloo ranks, rank 1 late to a barrier. Under the
+steady-state timeout (1 s) rank 0's barrier fails; under the start-up timeout (30 s) the same
+lateness is waited out. ``spmd_rl.train`` runs start-up under ``elastic.startup_timeout_s`` and
+switches to ``elastic.collective_timeout_s`` once every rank has loaded; the loop wraps each
+checkpoint write in ``collective_timeout(startup_timeout_s, ...)``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spmd_rl.dist.timeouts import collective_timeout, set_collective_timeout
+from spmd_rl.dock.etcd_server import free_port
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sub = dist.new_group([0, 1])  # like a device-mesh subgroup: created under the initial timeout
+    set_collective_timeout(1.0)
+    with collective_timeout(30.0, steady_s=1.0):  # a long phase (checkpoint write)
+        if rank == 1:
+            time.sleep(3)
+        dist.barrier(group=sub)
+    out[f"long_ok_{rank}"] = True
+    try:
+        if rank == 1:
+            time.sleep(4)
+        dist.barrier(group=sub)
+        out[f"steady_{rank}"] = "ok"
+    except RuntimeError as exc:
+        out[f"steady_{rank}"] = "timeout" if "timed out" in str(exc).lower() or "timeout" in str(exc).lower() else str(exc)[:200]
+    os._exit(0)  # skip destroy: the other rank may be gone
+
+
+def test_steady_timeout_fires_and_long_phase_waits():
+    port = free_port()
+    with mp.Manager() as m:
+        out = m.dict()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=90)
+        got = dict(out)
+    assert got.get("long_ok_0") and got.get("long_ok_1"), got  # 3 s late under a 30 s timeout: fine
+    assert got.get("steady_0") == "timeout", got  # 4 s late under 1 s: rank 0 gives up
