@@ -1,8 +1,7 @@
 """Phase timeouts act on real collectives: two gloo ranks, rank 1 late to a barrier. Under the
 steady-state timeout (1 s) rank 0's barrier fails; under the start-up timeout (30 s) the same
 lateness is waited out. ``spmd_rl.train`` runs start-up under ``elastic.startup_timeout_s`` and
-switches to ``elastic.collective_timeout_s`` once every rank has loaded; the loop wraps each
-checkpoint write in ``collective_timeout(startup_timeout_s, ...)``."""
+switches to ``elastic.collective_timeout_s`` once every rank has loaded."""
 
 from __future__ import annotations
 

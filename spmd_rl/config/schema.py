@@ -182,7 +182,7 @@ class ElasticConfig(Section):
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2; defaults to the first metadata endpoint).")
     collective_timeout_s: float = Field(60.0, gt=0.0, description="Steady-state collective timeout: a dead peer is noticed within this during iterations.")
     startup_timeout_s: float = Field(
-        600.0, gt=0.0, description="Collective timeout while ranks load the model, resume and write checkpoints (phases whose skew across ranks can be minutes)."
+        600.0, gt=0.0, description="Collective timeout while ranks load the model and resume (skew across ranks can be minutes); iterations then use collective_timeout_s."
     )
     heartbeat_ttl_s: int = Field(10, gt=0, description="Lease of each rank's liveness key in etcd; a stage waiting on a lost rank fails after about this long.")
 

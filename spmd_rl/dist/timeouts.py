@@ -1,7 +1,7 @@
-"""Collective timeouts per phase. Start-up (model load, resume) and checkpoint writes can be
-skewed across ranks by minutes on a real model, so they run under
-``elastic.startup_timeout_s``; steady-state iterations run under
-``elastic.collective_timeout_s``, so a dead peer is noticed quickly.
+"""Collective timeouts per phase. Start-up (model load, resume) can be skewed across ranks by
+minutes on a real model, so it runs under ``elastic.startup_timeout_s``; iterations (and
+checkpoint writes, where a lost peer must still be noticed quickly) run under
+``elastic.collective_timeout_s``.
 
 torch sets a group's timeout at creation; ``set_collective_timeout`` changes it for every
 process group of this process (the default group and the device-mesh subgroups).
