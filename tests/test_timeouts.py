@@ -11,19 +11,19 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spmd_rl.dist.timeouts import collective_timeout, set_collective_timeout
+from spmd_rl.dist.timeouts import set_collective_timeout
 from spmd_rl.dock.etcd_server import free_port
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     sub = dist.new_group([0, 1])  # like a device-mesh subgroup: created under the initial timeout
-    set_collective_timeout(1.0)
-    with collective_timeout(30.0, steady_s=1.0):  # a long phase (checkpoint write)
-        if rank == 1:
-            time.sleep(3)
-        dist.barrier(group=sub)
+    set_collective_timeout(30.0)  # start-up phase
+    if rank == 1:
+        time.sleep(3)
+    dist.barrier(group=sub)
     out[f"long_ok_{rank}"] = True
+    set_collective_timeout(1.0)  # steady state
     try:
         if rank == 1:
             time.sleep(4)

@@ -10,24 +10,13 @@ process group of this process (the default group and the device-mesh subgroups).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from torch.distributed import distributed_c10d as c10d
 
 
 def set_collective_timeout(seconds: float) -> None:
+    """Uses torch's ``_set_pg_timeout`` (private, present since torch 2.3) on every group."""
     timeout = datetime.timedelta(seconds=seconds)
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
             c10d._set_pg_timeout(timeout, group)
-
-
-@contextmanager
-def collective_timeout(seconds: float, steady_s: float) -> Iterator[None]:
-    """Run a phase under ``seconds``, then return to ``steady_s``."""
-    set_collective_timeout(seconds)
-    try:
-        yield
-    finally:
-        set_collective_timeout(steady_s)
