@@ -45,6 +45,16 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.kl_coef > 0
 
 
+def dynamic_sampling(cfg: Config) -> bool:
+    return cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling
+
+
+def generation_rounds(cfg: Config) -> int:
+    """Most rounds of G prompts one iteration may generate: 1, plus DAPO dynamic sampling's
+    ``algorithm.max_extra_rounds``."""
+    return 1 + (cfg.algorithm.max_extra_rounds if dynamic_sampling(cfg) else 0)
+
+
 def ref_micro_batch_size(cfg: Config) -> int:
     """Samples per reference forward: ``ref.micro_batch_size``, else the actor's."""
     return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size

@@ -7,11 +7,9 @@ counts are summed over the world, so the accuracy is over every evaluated prompt
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from spmd_rl.data.prompts import PromptSet
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.metrics import global_sums
 
 
 def eval_accuracy(run: Run, test: PromptSet, correct_fn) -> float:
@@ -25,6 +23,6 @@ def eval_accuracy(run: Run, test: PromptSet, correct_fn) -> float:
                                        max_tokens=run.cfg.rollout.max_response_length, temperature=0.0)
         texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
         hits = float(sum(correct_fn(t, test.answers[i]) > 0.5 for t, i in zip(texts, mine)))
-    t = torch.tensor([hits if tp_rank == 0 else 0.0, float(len(mine)) if tp_rank == 0 else 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t[0] / max(t[1], 1.0))
+    own = float(tp_rank == 0)
+    g = global_sums({"hits": hits * own, "prompts": len(mine) * own})
+    return g["hits"] / max(g["prompts"], 1.0)

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
-from spmd_rl.config.stages import needs_old_log_prob, needs_reference, ref_micro_batch_size
+from spmd_rl.config.stages import dynamic_sampling, generation_rounds, needs_old_log_prob, needs_reference, ref_micro_batch_size
 from spmd_rl.reshard.allgather_swap import local
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages
@@ -37,8 +37,7 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
     rank already agrees on."""
     cfg = run.cfg
     G, N = cfg.data.global_batch_size, cfg.rollout.n
-    dynamic = cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling
-    select = GroupSelection(G) if dynamic else None
+    select = GroupSelection(G) if dynamic_sampling(cfg) else None
     sums: dict[str, float] = {}
     with timer.stage("reshard"):
         run.resharder.to_generation()
@@ -46,7 +45,7 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
     if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
         with timer.stage("eval"):
             same["eval_accuracy"] = run.evaluator()
-    for r in range(1 + (cfg.algorithm.max_extra_rounds if dynamic else 0)):
+    for r in range(generation_rounds(cfg)):
         positions = run.sampler.next_batch(G)
         answers = {r * G + p: run.prompts.answers[pos] for p, pos in enumerate(positions)}
         expected = list(range(r * G * N, (r + 1) * G * N))
@@ -82,8 +81,7 @@ def run_iteration(run: Run, it: int) -> dict[str, float]:
     G, N = cfg.data.global_batch_size, cfg.rollout.n
     timer = StageTimer()
     t0 = time.perf_counter()
-    rounds = 1 + (cfg.algorithm.max_extra_rounds if cfg.algorithm.dynamic_sampling else 0)
-    run.dock.begin_iteration(it, rounds * G * N)
+    run.dock.begin_iteration(it, generation_rounds(cfg) * G * N)
     train_idx, sums, same = _generate_rounds(run, it, timer)
     use_ref, use_old = needs_reference(cfg), needs_old_log_prob(cfg)
     if use_ref:

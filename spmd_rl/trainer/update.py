@@ -12,29 +12,27 @@ once), divided by global counts.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, aggregate, get_policy_loss, tis_weight
 from spmd_rl.engines.train import split
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.metrics import global_max, global_sums
 from spmd_rl.trainer.stages import seq_batch
 
 _SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl")
 
 
-def _world_sum(values: list[float], tp: int) -> list[float]:
-    """Sum over all ranks, each DP group counted once (its TP ranks hold identical data)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / tp).tolist()
+def _dp_sums(values: dict[str, float], tp: int) -> dict[str, float]:
+    """Sums over all ranks, each DP group counted once (its TP ranks hold identical data)."""
+    return {k: v / tp for k, v in global_sums(values).items()}
 
 
 def mini_batch_norm(mask: torch.Tensor, tp: int) -> LossNorm:
     """Global response-token and sequence counts of a mini-batch whose DP shares are spread
     over the ranks (``mask`` is this rank's share)."""
-    tokens, seqs = _world_sum([float(mask.sum()), float(mask.shape[0])], tp)
-    return LossNorm(tokens, seqs)
+    g = _dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, tp)
+    return LossNorm(g["tokens"], g["seqs"])
 
 
 def _padded(batch, name: str, width: int) -> torch.Tensor:
@@ -101,11 +99,9 @@ def update(run: Run, it: int, use_ref: bool, use_old: bool, expected: list[int])
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
-    g = dict(zip(_SUMS, _world_sum([acc[k] for k in _SUMS], lay.tp)))
-    mx = torch.tensor([acc["mismatch_max"]], dtype=torch.float64)
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    g = _dp_sums({k: acc[k] for k in _SUMS}, lay.tp)
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     return {"loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
             "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
-            "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": float(mx.item()),
+            "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),
             "rollout_kl": g["rollout_kl"] / mt}
