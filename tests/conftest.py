@@ -13,6 +13,28 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
 
 
+@pytest.fixture(scope="module")
+def etcd():
+    """A real etcd process on loopback for the tests of one module."""
+    from spmd_rl.dock.etcd_server import EmbeddedEtcd
+
+    with EmbeddedEtcd() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A world-1 gloo process group in this process, for stages and engines whose
+    collectives must run without torchrun."""
+    import torch.distributed as dist
+
+    from spmd_rl.dock.etcd_server import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The warm-started tiny model + data; built with the setup's command when missing."""

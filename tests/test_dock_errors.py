@@ -21,12 +21,6 @@ STAGES = [Stage("actor_rollout", ("prompt_ids",), ("response_ids",)), Stage("rew
 ONE = Layout(1, 1)
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
-
-
 @pytest.fixture
 def dock(etcd, request):
     meta = MetadataStore([etcd.endpoint], job=f"errors-{request.node.name}")

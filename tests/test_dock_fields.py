@@ -12,17 +12,10 @@ from spmd_rl.config.stages import Stage
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.dock.metadata import MetadataStore
 
 TOKEN = "unit-test-token-0123456789abcdef"
 STAGES = [Stage("actor_rollout", ("prompt_ids",), ("response_ids",))]
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
 
 
 @pytest.mark.timeout(120)

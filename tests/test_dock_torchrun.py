@@ -7,17 +7,10 @@ import json
 
 import pytest
 
-from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from tests.conftest import REPO
 from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
 
 G, N = 8, 4
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
 
 
 @pytest.mark.slow

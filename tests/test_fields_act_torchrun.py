@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from tests.trainer_util import train
 
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
 TWO_STEPS = ("actor.mini_batch_size=4",)  # two optimizer steps: the second one is off-policy
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
 
 
 @pytest.mark.slow

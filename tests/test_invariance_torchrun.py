@@ -17,18 +17,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import G, N, train
 
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
 
 
 def _rel(a: float, b: float) -> float:

@@ -17,12 +17,6 @@ from spmd_rl.dock.metadata import MetadataStore
 from tests.conftest import subprocess_env
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
-
-
 def test_operations(etcd):
     m = MetadataStore([etcd.endpoint], job="meta-ops")
     m.put(m.key(3, "puts", "a"), b"1")

@@ -13,12 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.loader import load_config
 from spmd_rl.dock.client import DockBatch
-from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.trainer import stages
 from spmd_rl.trainer.update import update
 from tests.conftest import REPO
@@ -27,11 +25,7 @@ D = torch.float64
 B, R = 6, 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 class FakeDock:

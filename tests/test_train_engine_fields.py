@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.dist.accelerator import detect
-from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import local
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _engine(tiny_model, **fields) -> TrainEngine:

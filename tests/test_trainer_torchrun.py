@@ -13,18 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.data.prompts import encode_prompt
 from spmd_rl.rewards.registry import exact_match
 from spmd_rl.trainer.checkpoint import model_weights
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import G, N, train
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as e:
-        yield e
 
 
 @pytest.mark.slow
