@@ -2,7 +2,9 @@
 # One node of a multi-node (elastic) job. Run the same line on every node; start the etcd
 # first (launch/etcd.sh). torchrun's etcd-v2 rendezvous survives losing any node (c10d's store
 # dies with the node that hosts it), --nnodes MIN:MAX lets the job shrink and grow, and
-# --max-restarts bounds the restarts after failures.
+# --max-restarts bounds the restarts after failures. LAST_CALL_S (default 3) is how long a
+# rendezvous waits for more nodes once MIN are there: it adds to every recovery after a node
+# loss, and nodes that start further apart than that join with one extra restart.
 #
 #   ETCD=10.0.0.1:2379 JOB=run1 NNODES=1:4 NPROC=8 INTERFACE=10.0.0.12 TOKEN=... \
 #       launch/multi_node.sh CONFIG [key=value ...]
@@ -26,6 +28,6 @@ export SPMD_RL_ETCD=$ETCD SPMD_RL_JOB_TOKEN=$TOKEN OMP_NUM_THREADS=${OMP_NUM_THR
 exec .venv/bin/python -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC" --max-restarts="$RESTARTS" \
     --rdzv-backend=etcd-v2 --rdzv-endpoint="$ETCD" --rdzv-id="$JOB" \
-    --rdzv-conf="last_call_timeout=${LAST_CALL_S:-5},timeout=${RDZV_TIMEOUT_S:-300}" \
+    --rdzv-conf="last_call_timeout=${LAST_CALL_S:-3},timeout=${RDZV_TIMEOUT_S:-300}" \
     -m spmd_rl.train "$CONFIG" "metadata.job=$JOB" "dock.interface=$INTERFACE" \
-    "elastic.rdzv_backend=etcd-v2" "elastic.rdzv_endpoint=$ETCD" "$@"
+    "elastic.rdzv_backend=etcd-v2" "elastic.rdzv_endpoint=$ETCD" "elastic.rdzv_last_call_s=${LAST_CALL_S:-3}" "$@"

@@ -108,7 +108,22 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
     dist.barrier()  # every rank has loaded and resumed: from here on, the steady-state timeout
     set_collective_timeout(cfg.elastic.collective_timeout_s)
+    dock.watch_peers(_peer_lost)
+    if peer.rank == 0:
+        log.info("training from iteration %d with world %d", start, peer.world)
     return run, start
+
+
+PEER_LOST_EXIT = 75
+"""Exit status of a rank that left because a peer was lost (EX_TEMPFAIL: torchrun restarts)."""
+
+
+def _peer_lost(reason: str) -> None:
+    """Leave at once, even from inside a collective: torchrun then re-forms the group."""
+    log.error("%s; exiting (status %d) so torchrun restarts the group from the latest checkpoint", reason, PEER_LOST_EXIT)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(PEER_LOST_EXIT)
 
 
 def _total_steps(cfg) -> int:

@@ -104,6 +104,7 @@ COVERED = {
     "elastic.rdzv_endpoint": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "elastic.min_nodes": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "elastic.max_nodes": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
+    "elastic.rdzv_last_call_s": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "elastic.startup_timeout_s": "test_timeouts.py::test_steady_timeout_fires_and_long_phase_waits",
 }
 

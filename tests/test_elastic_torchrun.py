@@ -5,59 +5,28 @@ agent again: the world grows back to 2; the run finishes with no iteration skipp
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
-from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import descendants
+from tests.torchrun_util import kill_node, metric_rows, node_agent, wait_for
 
 ITERS = 80
 
 
 def agent(tmp: Path, etcd: str, name: str) -> subprocess.Popen:
-    env = subprocess_env() | {"ETCD": etcd, "JOB": "elastic-test", "NNODES": "1:2", "NPROC": "1", "TOKEN": "elastic-token-0123456789abcdef",
-                              "LAST_CALL_S": "8", "RESTARTS": "5"}
     args = ["configs/quickstart.yaml", "parallel.train.dp_shard=null", "parallel.gen.dp=null", "parallel.nnodes=2",
             "parallel.nproc_per_node=1", "elastic.min_nodes=1", "elastic.max_nodes=2", "elastic.heartbeat_ttl_s=3",
             "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
             f"trainer.iterations={ITERS}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=1", "checkpoint.keep=3",
             f"logging.dir={tmp}/logs", "logging.progress=false", "dock.port=0", "elastic.collective_timeout_s=20"]
-    log = open(tmp / f"{name}.log", "w")
-    return subprocess.Popen([str(REPO / "launch/multi_node.sh"), *args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_node(agent_proc: subprocess.Popen) -> None:
-    """SIGKILL a whole simulated node: the agent and every process below it."""
-    tree = descendants(agent_proc.pid)
-    os.kill(agent_proc.pid, signal.SIGKILL)
-    for pid, _ in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent_proc.wait()
+    return node_agent(tmp, etcd, name, args, {"JOB": "elastic-test", "RESTARTS": "5", "LAST_CALL_S": "8"})
 
 
 def rows(tmp: Path) -> list[dict]:
-    p = tmp / "logs/metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
-
-
-def wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - t0
+    return metric_rows(tmp / "logs/metrics.jsonl")
 
 
 @pytest.mark.slow

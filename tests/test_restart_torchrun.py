@@ -1,12 +1,20 @@
-"""Harder to kill: SIGKILL one worker in the middle of a 2-rank run that was started with
-``checkpoint.resume=<folder>``; torchrun restarts the group, the new workers resume from the
-run's newest checkpoint (not the folder it was started from), redo the interrupted iteration,
-log each iteration once, and the final weights equal an uninterrupted run's (deterministic)."""
+"""Harder to kill, on one node of 2 ranks (deterministic runs, compared with an uninterrupted
+one):
+
+- SIGKILL one worker of a run started with ``checkpoint.resume=<folder>``: torchrun restarts
+  the group, the new workers resume from the run's newest checkpoint (not the folder it was
+  started from), redo the interrupted iteration, log each iteration once, and the final
+  weights equal the uninterrupted run's.
+- Stop rank 0's warehouse server thread while the rank lives (tests/helpers/faults): every
+  rank sees the warehouse's liveness key withdrawn and exits, torchrun restarts the group,
+  and the run ends with the same final weights; the log shows when the loss was detected."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +44,15 @@ def env() -> dict[str, str]:
     return subprocess_env() | {"OMP_NUM_THREADS": "1"}
 
 
+@pytest.fixture(scope="module")
+def clean(tiny_model, tmp_path_factory) -> Path:
+    """The uninterrupted run every fault is compared with."""
+    tmp = tmp_path_factory.mktemp("restart")
+    ref = subprocess.run(command(tmp, "clean"), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return tmp
+
+
 def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
     return model_weights(tmp / name / f"ckpt/iter_{ITERS:06d}")
 
@@ -46,12 +63,9 @@ def workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_worker_is_restarted_and_nothing_is_lost(tiny_model, tmp_path):
-    ref = subprocess.run(command(tmp_path, "clean"), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
+def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
     log = open(tmp_path / "killed.log", "w")
-    start = tmp_path / "clean/ckpt/iter_000001"
+    start = clean / "clean/ckpt/iter_000001"
     proc = subprocess.Popen(command(tmp_path, "killed", f"checkpoint.resume={start}"), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
     metrics = tmp_path / "killed/logs/metrics.jsonl"
     try:
@@ -87,10 +101,33 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(tiny_model, tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     iters = [r["iteration"] for r in rows]
     assert iters == list(range(1, ITERS))  # each iteration logged exactly once, none skipped
-    a, b = final_weights(tmp_path, "clean"), final_weights(tmp_path, "killed")
+    a, b = final_weights(clean, "clean"), final_weights(tmp_path, "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    clean_rows = [json.loads(line) for line in (tmp_path / "clean/logs/metrics.jsonl").read_text().splitlines()]
+    clean_rows = [json.loads(line) for line in (clean / "clean/logs/metrics.jsonl").read_text().splitlines()]
     last_by_iter = {r["iteration"]: r["reward_mean"] for r in rows}
     assert last_by_iter == {r["iteration"]: r["reward_mean"] for r in clean_rows if r["iteration"] >= 1}  # same samples
     assert recovered is not None, "no iteration was logged after the kill"
     print(f"recovery: kill -> next iteration logged in {recovered:.1f} s; iterations logged {iters}")
+
+
+STAMP = re.compile(r"^\[rank(\d+)\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ERROR .*warehouse of node 0 .*lost")
+
+
+@pytest.mark.slow
+def test_stopped_warehouse_thread_restarts_the_job_with_the_same_result(clean, tmp_path):
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    plan = {"kind": "stop_warehouse", "iteration": 2, "dir": str(faults)}
+    fault_env = env() | {"PYTHONPATH": f"{REPO}:{REPO / 'tests/helpers/faults'}", "SPMD_RL_TEST_FAULTS": json.dumps(plan)}
+    out = subprocess.run(command(tmp_path, "stopped"), cwd=REPO, env=fault_env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (faults / "stopped").exists(), "the fault never fired"
+    stopped = float((faults / "stopped").read_text())
+    detected = [datetime.datetime.strptime(m.group(2), "%Y-%m-%d %H:%M:%S,%f").timestamp() - stopped
+                for line in out.stderr.splitlines() if (m := STAMP.match(line))]
+    assert detected, "no rank logged the lost warehouse:\n" + out.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "stopped/logs/metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(ITERS))
+    a, b = final_weights(clean, "clean"), final_weights(tmp_path, "stopped")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    print(f"warehouse thread stopped -> loss detected and logged after {min(detected):.1f}-{max(detected):.1f} s")

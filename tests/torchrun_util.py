@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from spmd_rl.dock.etcd_server import free_port
@@ -56,3 +60,39 @@ def descendants(pid: int) -> list[tuple[int, str]]:
             found.append(child)
             todo.append(child[0])
     return found
+
+
+def node_agent(tmp: Path, etcd: str, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One simulated node: ``launch/multi_node.sh`` (torchrun, etcd-v2 rendezvous, 1 worker)
+    in its own session, logging to ``tmp/<name>.log``."""
+    env = subprocess_env() | {"ETCD": etcd, "NNODES": "1:2", "NPROC": "1", "TOKEN": "elastic-token-0123456789abcdef",
+                              "RESTARTS": "8"} | (extra_env or {})
+    log = open(tmp / f"{name}.log", "w")
+    return subprocess.Popen([str(REPO / "launch/multi_node.sh"), *args], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_node(agent_proc: subprocess.Popen) -> None:
+    """SIGKILL a whole simulated node: the agent and every process below it."""
+    tree = descendants(agent_proc.pid)
+    os.kill(agent_proc.pid, signal.SIGKILL)
+    for pid, _ in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent_proc.wait()
+
+
+def metric_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    """Seconds until ``cond()`` holds; AssertionError after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - t0

@@ -180,11 +180,16 @@ class ElasticConfig(Section):
         "c10d", description="torchrun rendezvous of `spmd-rl train`: c10d (standalone when max_nodes is 1); etcd-v2 survives losing any node."
     )
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (etcd for etcd-v2; defaults to the first metadata endpoint).")
+    rdzv_last_call_s: float = Field(
+        3.0, gt=0.0, description="How long a rendezvous waits for more nodes once min_nodes are there (torchrun's last_call_timeout): it adds to every recovery after a node loss; nodes that start further apart join with one extra restart."
+    )
     collective_timeout_s: float = Field(60.0, gt=0.0, description="Steady-state collective timeout: a dead peer is noticed within this during iterations.")
     startup_timeout_s: float = Field(
         600.0, gt=0.0, description="Collective timeout while ranks load the model and resume (skew across ranks can be minutes); iterations then use collective_timeout_s."
     )
-    heartbeat_ttl_s: int = Field(10, gt=0, description="Lease of each rank's liveness key in etcd; a stage waiting on a lost rank fails after about this long.")
+    heartbeat_ttl_s: int = Field(
+        6, ge=3, description="Lease of each rank's and warehouse's liveness key in etcd (renewed every second): a rank waiting on a lost peer (data, metadata or a collective) exits after about this long, and torchrun restarts the group."
+    )
 
 
 class TrainerConfig(Section):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.controller import StageController, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
-from spmd_rl.dock.heartbeat import Heartbeat
+from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
@@ -110,6 +110,7 @@ class TransferDock:
         self._seq = 0
         self.heartbeat: Heartbeat | None = None
         self._warehouse_beat: Heartbeat | None = None
+        self._watch: PeerWatch | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -135,8 +136,20 @@ class TransferDock:
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
         return self
 
+    def warehouse_nodes(self) -> list[int]:
+        """Nodes that serve a warehouse in this world."""
+        return [0] if self.centralized else list(range(self.peer.world // self.peer.nproc_per_node))
+
+    def watch_peers(self, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(reason)`` (from a background thread) once any rank or warehouse of
+        the world loses its liveness key; needs ``start(heartbeat_ttl_s)``. Arm it only after
+        every rank has started (a barrier after ``start``)."""
+        if self.heartbeat is None:
+            raise DockRequestError("watch_peers needs liveness keys: start the dock with heartbeat_ttl_s")
+        self._watch = PeerWatch(self.meta, self.peer.world, self.warehouse_nodes(), on_lost).start()
+
     def close(self) -> None:
-        for beat in (self.heartbeat, self._warehouse_beat):
+        for beat in (self._watch, self.heartbeat, self._warehouse_beat):
             if beat is not None:
                 beat.stop()
         for c in self._clients.values():

@@ -16,14 +16,15 @@ from spmd_rl.dock.etcd_server import EmbeddedEtcd
 def rendezvous_args(cfg: Config) -> list[str]:
     """torchrun's rendezvous from ``elastic``: a standalone single node when the job cannot
     grow past one node on c10d; otherwise ``--nnodes MIN:MAX`` with the configured backend and
-    endpoint (``elastic.rdzv_endpoint``, else the first etcd endpoint for etcd-v2), keyed by
+    endpoint (``elastic.rdzv_endpoint``, else the first etcd endpoint for etcd-v2) and last
+    call (``elastic.rdzv_last_call_s``), keyed by
     ``metadata.job`` so every node of the job joins the same rendezvous."""
     e = cfg.elastic
     if e.rdzv_backend == "c10d" and e.max_nodes == 1:
         return ["--standalone", "--nnodes=1"]
     endpoint = e.rdzv_endpoint or cfg.metadata.endpoints[0]
     return [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--rdzv-backend={e.rdzv_backend}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={cfg.metadata.job}"]
+            f"--rdzv-id={cfg.metadata.job}", f"--rdzv-conf=last_call_timeout={e.rdzv_last_call_s:g}"]
 
 
 def torchrun_command(config: Path, overrides: list[str], cfg: Config, nproc_per_node: int) -> list[str]:
