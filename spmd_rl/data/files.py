@@ -64,22 +64,36 @@ def sniff_dataset(path: str | Path) -> str | None:
     return "empty file"
 
 
-def check_safetensors(path: str | Path) -> str | None:
-    """None if the file's header parses and the file holds every tensor it declares (a
-    truncated copy does not), else the problem."""
+def safetensors_header(path: str | Path) -> tuple[int, dict]:
+    """(offset of the data, header) of a safetensors file; ValueError naming the problem if the
+    header does not parse or the file is shorter than the tensors it declares."""
     p = Path(path)
     size = p.stat().st_size
     with open(p, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            return "shorter than a safetensors header"
+            raise ValueError("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", raw)
         if n > min(size - 8, 100 << 20):
-            return f"declares a {n}-byte header in a {size}-byte file"
+            raise ValueError(f"declares a {n}-byte header in a {size}-byte file")
         try:
             header = json.loads(f.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            return "the header is not JSON"
+            raise ValueError("the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
     need = 8 + n + max(ends, default=0)
-    return None if size >= need else f"truncated: {size} bytes, the header needs {need}"
+    if size < need:
+        raise ValueError(f"truncated: {size} bytes, the header needs {need}")
+    return 8 + n, header
+
+
+def check_safetensors(path: str | Path) -> str | None:
+    """None if the file's header parses and the file holds every tensor it declares (a
+    truncated copy does not), else the problem."""
+    try:
+        safetensors_header(path)
+    except ValueError as exc:
+        return str(exc)
+    return None

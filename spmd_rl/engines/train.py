@@ -1,5 +1,5 @@
-"""The training engine: an HF causal LM parallelized with DTensor TP + FSDP2 over the training
-mesh; per-token log-probs, loss backward with gradient accumulation, AdamW with grad-norm
+"""The training engine: an HF causal LM built on the meta device, parallelized with DTensor
+TP + FSDP2 over the training mesh and loaded shard by shard (``engines.hf_weights``); per-token log-probs, loss backward with gradient accumulation, AdamW with grad-norm
 clipping and an LR schedule, DCP state dicts.
 
 Used for the actor (with optimizer) and the reference (``trainable=False``, no optimizer).
@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, response_logprobs
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
@@ -55,11 +55,11 @@ class TrainEngine:
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0
         master = DTYPES[cfg.param_dtype]
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=master)
-        model.config.use_cache = False
         compute = DTYPES[compute_dtype]
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
-        self.model = parallelize(model.to(acc.device), mesh, mp, checkpointing=cfg.activation_checkpointing and trainable)
+        checkpointing = cfg.activation_checkpointing and trainable
+        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing))
+        self.model.config.use_cache = False
         self.trainable = trainable
         self.optimizer = None
         self.scheduler = None
