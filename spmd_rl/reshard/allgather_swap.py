@@ -50,6 +50,7 @@ class Resharder:
         self.swap = HostSwap(train.acc)
         self.ledger = Ledger()
         self.temp_peak = 0
+        self.device_bytes_at_generation: int | None = None
 
     # -- state accounting -----------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -106,6 +107,15 @@ class Resharder:
         self.train.acc.empty_cache()
         self.rollout.wake_kv_cache()
         self.record("generate")
+        self.device_bytes_at_generation = self.train.acc.memory_allocated()
+
+    def generation_memory(self) -> dict[str, float]:
+        """This rank's memory as generation starts: the ledger's total (what is resident,
+        counted tensor by tensor) and, off CPU, what the device allocator holds."""
+        out = {"mem_generate_ledger_bytes": float(self.ledger.total("generate"))}
+        if self.device_bytes_at_generation is not None:
+            out["mem_generate_device_bytes"] = float(self.device_bytes_at_generation)
+        return out
 
     def to_training(self) -> None:
         """Release the rollout's weights and KV cache (vLLM sleep), then reload the training state."""

@@ -41,7 +41,7 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
     sums: dict[str, float] = {}
     with timer.stage("reshard"):
         run.resharder.to_generation()
-    same: dict[str, float] = {}
+    same = {k: global_max(v) for k, v in run.resharder.generation_memory().items()}
     if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
         with timer.stage("eval"):
             same["eval_accuracy"] = run.evaluator()
