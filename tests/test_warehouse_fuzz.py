@@ -1,11 +1,12 @@
 """No input from any peer stops a warehouse: several hundred hostile frames (random bytes,
-mutated valid frames, hostile metas, wrong or missing tokens, oversized declared sizes and
-frames) against a live warehouse server. After each one the server answers a valid ``stats``
-request, the sample stored before is returned unchanged, and memory stays bounded.
+mutated valid messages, hostile headers and metas sealed with the job's key, with a wrong key,
+with a garbage MAC or none, oversized declared sizes and frames) against a live warehouse
+server. After each one the server answers a valid ``stats`` request, the sample stored before
+is returned unchanged, and memory stays bounded.
 
-Frames that carry the job token can still be valid requests (a peer holding the token is the
-job itself); the generator keeps those off the stored iteration 0, so any change to the stored
-sample is a bug."""
+Messages sealed with the job's key can still be valid requests (a peer holding the token is
+the job itself); the generator keeps those off the stored iteration 0, so any change to the
+stored sample is a bug."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spmd_rl.dock.auth import job_key, seal
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
 from spmd_rl.dock.wire import DTYPES, encode
 
 TOKEN = "fuzz-test-token-0123456789abcdef"
+KEY, WRONG_KEY = job_key(TOKEN), job_key("wrong-token-0123456789abcdef")
 MAX_MSG = 1 << 20
 SAMPLE = torch.arange(7, dtype=torch.int32)
 
@@ -64,32 +67,43 @@ meta = st.one_of(anything, st.fixed_dictionaries({
     "shape": st.one_of(st.lists(dims, max_size=4), st.just([2**32, 2**32]), st.just([True]), anything)}))
 header = st.fixed_dictionaries({
     "op": st.one_of(st.sampled_from(["put", "get", "delete", "drop", "stats", "bogus"]), anything),
-    "token": st.one_of(st.just(TOKEN), st.just("wrong-token"), st.none(), ints, st.lists(st.text(max_size=3), max_size=2)),
 }, optional={"iter": st.one_of(st.just(1), anything.filter(lambda x: not (isinstance(x, (int, float)) and x == 0))), "indices": st.one_of(st.lists(st.integers(0, 5), max_size=4), anything),
              "columns": st.one_of(st.just({"response_ids": {"ragged": True, "lengths": [2]}}), st.just(["response_ids"]), anything),
              "tensors": st.lists(meta, max_size=3)})
 
 
 def _valid_put() -> list[bytes]:
-    frames = encode({"op": "put", "iter": 0, "indices": [4], "columns": {"reward": {"ragged": False, "lengths": None}},
-                     "token": TOKEN}, [torch.tensor([1.5])])
-    return [bytes(f) for f in frames]
+    frames = encode({"op": "put", "iter": 0, "indices": [4], "columns": {"reward": {"ragged": False, "lengths": None}}},
+                    [torch.tensor([1.5])])
+    return [bytes(f) for f in seal(KEY, b"req", frames)]
+
+
+def _sealed(draw, frames: list[bytes]) -> list[bytes]:
+    """The frames as the job would send them, with a wrong key, with a garbage MAC, or bare."""
+    how = draw(st.sampled_from(["job", "wrong", "garbage", "bare"]))
+    if how == "job":
+        return seal(KEY, b"req", frames)
+    if how == "wrong":
+        return seal(WRONG_KEY, draw(st.sampled_from([b"req", b"rep"])), frames)
+    return ([draw(st.binary(min_size=32, max_size=32))] if how == "garbage" else []) + frames
 
 
 @st.composite
 def hostile(draw):
-    kind = draw(st.sampled_from(["random", "header", "mutated"]))
+    kind = draw(st.sampled_from(["random", "header", "mutated", "reflected"]))
     if kind == "random":
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
     if kind == "header":
         head = msgpack.packb(draw(header), use_bin_type=True)
-        return [head] + draw(st.lists(st.binary(max_size=32), max_size=3))
-    frames = _valid_put()
+        return _sealed(draw, [head] + draw(st.lists(st.binary(max_size=32), max_size=3)))
+    if kind == "reflected":  # a valid put sealed as a reply: must not authenticate as a request
+        return seal(KEY, b"rep", _valid_put()[1:])
+    frames = [bytearray(f) for f in _valid_put()]
     rng = random.Random(draw(st.integers(0, 2**32)))
-    head = bytearray(frames[0])
     for _ in range(draw(st.integers(1, 6))):
-        head[rng.randrange(len(head))] = rng.randrange(256)
-    return [bytes(head)] + frames[1:]
+        f = frames[rng.randrange(len(frames))]
+        f[rng.randrange(len(f))] = rng.randrange(256)
+    return [bytes(f) for f in frames]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -104,9 +118,9 @@ def test_memory_bounded_and_refusals_counted(live):
     server, client, raw = live
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     before = server.refused
-    huge = msgpack.packb({"op": "put", "token": "wrong", "tensors": [{"dtype": "float64", "shape": [2**20, 2**20]}]})
-    for _ in range(200):  # declared 8 TiB each, unauthenticated: no buffer is read
-        _send(raw, [huge, b"\0" * 64])
+    huge = msgpack.packb({"op": "put", "tensors": [{"dtype": "float64", "shape": [2**20, 2**20]}]})
+    for _ in range(200):  # declared 8 TiB each, wrong key: the header is never parsed
+        _send(raw, seal(WRONG_KEY, b"req", [huge, b"\0" * 64]))
     assert server.refused >= before + 200
     _send(raw, [b"\0" * (MAX_MSG + 1)])  # over zmq.MAXMSGSIZE: the peer is dropped, nothing read
     _still_serving(server, client)
@@ -130,7 +144,8 @@ def test_client_refuses_a_put_bigger_than_the_limit(live):
 ])
 def test_frames_that_killed_the_old_server(live, meta):
     server, client, raw = live
-    for token in (None, TOKEN):  # unauthenticated, and authenticated but invalid
-        head = {"op": "put", "iter": 1, "indices": [0], "columns": {"x": {"ragged": False}}, "tensors": [meta]}
-        _send(raw, [msgpack.packb(head | ({"token": token} if token else {})), b""])
+    head = {"op": "put", "iter": 1, "indices": [0], "columns": {"x": {"ragged": False}}, "tensors": [meta]}
+    frames = [msgpack.packb(head), b""]
+    for message in (frames, seal(KEY, b"req", frames)):  # unauthenticated, and authenticated but invalid
+        _send(raw, message)
         _still_serving(server, client)

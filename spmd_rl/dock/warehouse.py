@@ -1,10 +1,11 @@
 """A warehouse: one node's share of the samples (``store.WarehouseStore``), served over pyzmq.
 
-Protocol (ROUTER server, DEALER clients): every request is ``encode(header, tensors)`` with
-``header["token"]`` equal to the job token. Hardening (invariant: no input from any peer stops
-the server or alters stored data):
+Protocol (ROUTER server, DEALER clients): every request and reply is ``encode(header,
+tensors)`` sealed with the job's HMAC (``dock.auth``; the token itself never travels).
+Hardening (invariant: no input from any peer stops the server or alters stored data):
 
-- the token is checked on the msgpack header alone, before any tensor buffer is read or copied;
+- the MAC is checked over the frames as received, before any header is parsed or any buffer
+  copied;
 - libzmq drops a peer whose frame exceeds ``dock.max_message_bytes`` (``zmq.MAXMSGSIZE``);
 - every field of a request is type-checked; shapes are checked with Python ints against an
   element limit (``wire.check_meta``), so no declared size can overflow or over-allocate;
@@ -23,7 +24,6 @@ Ops:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import zmq
 
+from spmd_rl.dock.auth import job_key, seal, verify
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
 from spmd_rl.dock.store import WarehouseStore, flatten, unflatten
-from spmd_rl.dock.wire import WireError, decode, decode_header, decode_tensors, encode
+from spmd_rl.dock.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0
@@ -65,7 +66,7 @@ class WarehouseServer:
     """Background thread serving a :class:`WarehouseStore` on ``tcp://interface:port``."""
 
     def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20, max_message_bytes: int = 1 << 30):
-        self.token = token
+        self.key = job_key(token)
         self.bucket_bytes = bucket_bytes
         self.store = WarehouseStore()
         self._ctx = zmq.Context.instance()
@@ -83,7 +84,7 @@ class WarehouseServer:
             raise DockUnavailable(f"warehouse cannot bind {interface}:{port} ({exc}); set dock.interface/dock.port") from exc
         self.address = f"tcp://{interface}:{self.port}"
         self.refused = 0
-        """Requests refused before authentication (malformed header, wrong or missing token)."""
+        """Requests refused before authentication (missing or wrong MAC: not this job's token)."""
         self.rejected = 0
         """Authenticated requests that failed validation."""
         self.refusals: dict[str, dict[str, int]] = {}
@@ -116,7 +117,7 @@ class WarehouseServer:
                     continue
                 ident, *frames = self._sock.recv_multipart(copy=False)
                 for reply in self._handle(frames, _peer_of(ident)):
-                    self._sock.send_multipart([ident, *reply], copy=False)
+                    self._sock.send_multipart([ident, *seal(self.key, b"rep", reply)], copy=False)
             except Exception as exc:  # noqa: BLE001 - the thread must outlive any request
                 self._note("serve", "loop", f"{type(exc).__name__}: {exc}")
 
@@ -130,23 +131,15 @@ class WarehouseServer:
             log.warning("warehouse %s %s a request from %s (%d so far): %s", self.address, kind, peer, counts[kind], reason[:200])
 
     def _handle(self, frames: list, peer: str) -> list[list]:
-        """Authenticate on the header alone (no buffer is read before the token matches), then
-        decode the tensors and dispatch."""
-        try:
-            if not frames:
-                raise WireError("empty message")
-            head = decode_header(frames[0].buffer)
-        except WireError as exc:
+        """Authenticate the frames as received (nothing is parsed or copied before the MAC
+        matches), then decode and dispatch. Returns unsealed replies."""
+        buffers = [f.buffer for f in frames]
+        if not verify(self.key, b"req", buffers):
             self.refused += 1
-            self._note("refused", peer, str(exc))
-            return [encode({"error": f"bad request: {exc}", "last": True}, [])]
-        token = head.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
-            self.refused += 1
-            self._note("refused", peer, f"wrong job token (op={str(head.get('op'))[:20]!r})")
-            return [encode({"error": "refused: wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN)", "last": True}, [])]
+            self._note("refused", peer, f"missing or wrong MAC ({len(buffers)} frames): not this job's token")
+            return [encode({"error": "refused: the request does not authenticate (wrong job token?)", "last": True}, [])]
         try:
-            tensors = decode_tensors(head.pop("tensors", []), [f.buffer for f in frames[1:]])
+            head, tensors = decode(buffers[1:])
             return self._dispatch(head, tensors)
         except (DockRequestError, WireError) as exc:
             self.rejected += 1
@@ -231,7 +224,7 @@ class WarehouseClient:
         self.alive = alive
         self.name = name
         self.address = address
-        self.token = token
+        self.key = job_key(token)
         self.max_message_bytes = max_message_bytes
         self.timeout_ms = int(timeout_s * 1000)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -245,7 +238,7 @@ class WarehouseClient:
 
     def request(self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> list[tuple[dict, list[torch.Tensor]]]:
         """Send one request and collect every reply chunk; raise on an error reply."""
-        frames = encode(dict(header, token=self.token), tensors or [])
+        frames = seal(self.key, b"req", encode(header, tensors or []))
         big = max(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         if big > self.max_message_bytes:
             raise DockRequestError(f"a {header.get('op')} frame of {big} bytes exceeds dock.max_message_bytes={self.max_message_bytes} "
@@ -262,9 +255,12 @@ class WarehouseClient:
                 if time.monotonic() < deadline:
                     continue
                 raise DockUnavailable(f"{self.name} at {self.address} did not answer {header.get('op')} within {self.timeout_ms / 1000:.0f}s")
-            raw = self._sock.recv_multipart(copy=False)
-            self.bytes_received += sum(f.buffer.nbytes for f in raw)
-            head, out = decode([f.buffer for f in raw])
+            raw = [f.buffer for f in self._sock.recv_multipart(copy=False)]
+            self.bytes_received += sum(f.nbytes for f in raw)
+            if not verify(self.key, b"rep", raw):
+                raise DockRequestError(f"{self.name} at {self.address}: the reply does not authenticate with this job's key: "
+                                       "wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN) or not this job's warehouse")
+            head, out = decode(raw[1:])
             if "error" in head:
                 raise DockRequestError(f"warehouse {self.address}: {head['error']}")
             replies.append((head, out))
