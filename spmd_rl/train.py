@@ -28,7 +28,8 @@ from spmd_rl.dist.mesh import build_meshes
 from spmd_rl.dist.timeouts import set_collective_timeout
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
-from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.errors import DockUnavailable
+from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder, local
@@ -69,7 +70,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     endpoint = _required(",".join(cfg.metadata.endpoints), "SPMD_RL_ETCD", "metadata.endpoints",
                          "launch with `spmd-rl train` (starts an embedded etcd) or set metadata.endpoints")
     token = _required(cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token")
-    meta = MetadataStore(endpoint.split(","), cfg.metadata.job, cfg.metadata.retry_s)
+    meta = MetadataStore(endpoint.split(","), cfg.metadata.job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
     if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"INVALID {exc}", file=sys.stderr)
         return 2
+    except DockUnavailable as exc:  # etcd unreachable or refusing this rank: one line, not a traceback
+        print(f"UNAVAILABLE {exc}", file=sys.stderr)
+        return 1
     try:
         train(run, start)
     finally:

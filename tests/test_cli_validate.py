@@ -73,6 +73,9 @@ BROKEN = [
     (["checkpoint.resume=/no/such/ckpt"], None, "checkpoint.resume"),
     (["data.train_path=assets/tiny-qwen2/train.csv"], None, "data.train_path"),
     (["dock.token=short"], None, "dock.token"),
+    (["metadata.cert_file=assets/tiny-qwen2/config.json"], None, "metadata.key_file"),
+    (["metadata.cert_file=assets/tiny-qwen2/config.json", "metadata.key_file=assets/tiny-qwen2/config.json"], None, "metadata.ca_file"),
+    (["metadata.ca_file=/no/such/ca.crt"], None, "metadata.ca_file"),
     (["model"], None, "model"),
 ]
 

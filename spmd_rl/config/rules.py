@@ -172,6 +172,21 @@ def _check_runtime(cfg: Config) -> list[Violation]:
     return out
 
 
+def _check_tls(cfg: Config) -> list[Violation]:
+    m = cfg.metadata
+    out = []
+    if bool(m.cert_file) != bool(m.key_file):
+        out.append(Violation("metadata.cert_file" if m.key_file else "metadata.key_file", None, "a client certificate needs both files",
+                             "set metadata.cert_file and metadata.key_file (launch/make_certs.sh: client.crt, client.key)"))
+    if m.cert_file and not m.ca_file:
+        out.append(Violation("metadata.ca_file", None, "a client certificate is only used over TLS", "set metadata.ca_file to the etcd's CA (ca.crt)"))
+    for field in ("ca_file", "cert_file", "key_file"):
+        path = getattr(m, field)
+        if path and not Path(path).is_file():
+            out.append(Violation(f"metadata.{field}", path, "file not found", "copy the job's certificates to this node (launch/make_certs.sh)"))
+    return out
+
+
 def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
     """All cross-field violations of ``cfg`` for the given world size (default: the config's)."""
     lay, out = resolve_layouts(cfg, world, nproc_per_node)
@@ -182,4 +197,5 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_reward(cfg)
     out += _check_algorithm(cfg)
     out += _check_runtime(cfg)
+    out += _check_tls(cfg)
     return lay, out

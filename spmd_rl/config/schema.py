@@ -148,6 +148,11 @@ class MetadataConfig(Section):
     endpoints: list[str] = Field(default_factory=list, description="etcd v3 endpoints host:port; empty starts an embedded etcd on loopback.")
     job: str = Field("spmd-rl", description="Key prefix /<job>/ of this run's metadata.")
     retry_s: float = Field(30.0, gt=0.0, description="How long a rank retries a lost etcd before it exits non-zero.")
+    ca_file: str | None = Field(
+        None, description="CA certificate of a TLS etcd (launch/etcd.sh with TLS_DIR). Set: the ranks and torchrun's etcd-v2 rendezvous reach etcd over TLS only."
+    )
+    cert_file: str | None = Field(None, description="Client certificate for an etcd with client-certificate auth (launch/make_certs.sh: client.crt); needs key_file.")
+    key_file: str | None = Field(None, description="Private key of cert_file (client.key).")
 
 
 class ReshardConfig(Section):

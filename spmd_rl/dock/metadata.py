@@ -5,6 +5,11 @@ import with the protobuf this environment needs unless the slow pure-python prot
 forced, and ``aetcd`` is asyncio-only while every caller here is synchronous. The interface is
 small so another client can replace it.
 
+TLS (``EtcdTLS``): the session verifies etcd against the job's CA and presents the client
+certificate; it ignores $REQUESTS_CA_BUNDLE and proxy variables, which requests would
+otherwise let override the CA. A refused handshake fails at once with the fix, not after
+``retry_s``.
+
 Keys live under ``/<job>/``; per-iteration data under ``/<job>/<iteration>/``. Values are bytes
 (JSON from callers), never pickles. Every call retries a lost etcd with exponential backoff for
 ``retry_s`` seconds and then raises :class:`DockUnavailable`.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import requests
@@ -27,10 +33,40 @@ T = TypeVar("T")
 _TRANSIENT = (ConnectionFailedError, requests.ConnectionError, requests.Timeout, Etcd3Exception)
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @classmethod
+    def of(cls, metadata_cfg) -> "EtcdTLS | None":
+        """From ``metadata.ca_file/cert_file/key_file`` (None without a CA: plain HTTP)."""
+        if not metadata_cfg.ca_file:
+            return None
+        return cls(metadata_cfg.ca_file, metadata_cfg.cert_file, metadata_cfg.key_file)
+
+    def session(self) -> requests.Session:
+        s = requests.Session()
+        s.trust_env = False
+        s.verify = self.ca_file
+        if self.cert_file:
+            s.cert = (self.cert_file, self.key_file)
+        return s
+
+
+def _tls_failure(exc: BaseException) -> BaseException | None:
+    while exc is not None:
+        if isinstance(exc, requests.exceptions.SSLError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class MetadataStore:
     """put/get/prefix/delete/create(put-if-absent)/replace(CAS)/lease/watch over one job prefix."""
 
-    def __init__(self, endpoints: list[str], job: str, retry_s: float = 30.0, timeout_s: float = 5.0):
+    def __init__(self, endpoints: list[str], job: str, retry_s: float = 30.0, timeout_s: float = 5.0, tls: EtcdTLS | None = None):
         if not endpoints:
             raise ValueError("metadata.endpoints is empty: start an embedded etcd first")
         self.endpoints = list(endpoints)
@@ -39,13 +75,18 @@ class MetadataStore:
         self._timeout = timeout_s
         self._local = threading.local()
         self._current = 0
+        self.tls = tls
 
     # -- connection ---------------------------------------------------------------------------
     def _client(self) -> Etcd3Client:
         client = getattr(self._local, "client", None)
         if client is None:
             host, _, port = self.endpoints[self._current % len(self.endpoints)].rpartition(":")
-            client = Etcd3Client(host=host.removeprefix("http://"), port=int(port), timeout=self._timeout)
+            host = host.removeprefix("https://").removeprefix("http://")
+            if self.tls is None:
+                client = Etcd3Client(host=host, port=int(port), timeout=self._timeout)
+            else:
+                client = Etcd3Client(host=host, port=int(port), protocol="https", timeout=self._timeout, session=self.tls.session())
             self._local.client = client
         return client
 
@@ -56,8 +97,12 @@ class MetadataStore:
             try:
                 return op(self._client())
             except _TRANSIENT as exc:
+                if (tls := _tls_failure(exc)) is not None:
+                    raise DockUnavailable(f"etcd {self.endpoints} refused the TLS connection ({tls}): set metadata.ca_file, "
+                                          "cert_file and key_file to the job's CA and client certificate (launch/make_certs.sh)") from exc
                 if time.monotonic() + delay > deadline:
-                    raise DockUnavailable(f"etcd {self.endpoints} unreachable for {self.retry_s:.0f}s: {exc}") from exc
+                    hint = "" if self.tls else "; if it serves TLS only, set metadata.ca_file/cert_file/key_file"
+                    raise DockUnavailable(f"etcd {self.endpoints} unreachable for {self.retry_s:.0f}s: {exc}{hint}") from exc
                 self._current += 1  # next endpoint
                 self._local.client = None
                 time.sleep(delay)

@@ -17,14 +17,19 @@ def rendezvous_args(cfg: Config) -> list[str]:
     """torchrun's rendezvous from ``elastic``: a standalone single node when the job cannot
     grow past one node on c10d; otherwise ``--nnodes MIN:MAX`` with the configured backend and
     endpoint (``elastic.rdzv_endpoint``, else the first etcd endpoint for etcd-v2) and last
-    call (``elastic.rdzv_last_call_s``), keyed by
+    call (``elastic.rdzv_last_call_s``), over TLS for etcd-v2 when ``metadata.ca_file`` is set,
+    keyed by
     ``metadata.job`` so every node of the job joins the same rendezvous."""
     e = cfg.elastic
     if e.rdzv_backend == "c10d" and e.max_nodes == 1:
         return ["--standalone", "--nnodes=1"]
     endpoint = e.rdzv_endpoint or cfg.metadata.endpoints[0]
+    conf = f"last_call_timeout={e.rdzv_last_call_s:g}"
+    m = cfg.metadata
+    if e.rdzv_backend == "etcd-v2" and m.ca_file:  # the same TLS as the ranks' metadata connection
+        conf += f",protocol=https,ca_cert={m.ca_file}" + (f",ssl_cert={m.cert_file},ssl_cert_key={m.key_file}" if m.cert_file else "")
     return [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--rdzv-backend={e.rdzv_backend}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={cfg.metadata.job}", f"--rdzv-conf=last_call_timeout={e.rdzv_last_call_s:g}"]
+            f"--rdzv-id={cfg.metadata.job}", f"--rdzv-conf={conf}"]
 
 
 def torchrun_command(config: Path, overrides: list[str], cfg: Config, nproc_per_node: int) -> list[str]:
