@@ -1,7 +1,8 @@
 """Phase timeouts act on real collectives: two gloo ranks, rank 1 late to a barrier. Under the
 steady-state timeout (1 s) rank 0's barrier fails; under the start-up timeout (30 s) the same
-lateness is waited out. ``spmd_rl.train`` runs start-up under ``elastic.startup_timeout_s`` and
-switches to ``elastic.collective_timeout_s`` once every rank has loaded."""
+lateness is waited out, and ``long_phase`` (checkpoint writes) restores the steady timeout on
+exit. ``spmd_rl.train`` runs start-up under ``elastic.startup_timeout_s`` and switches to
+``elastic.collective_timeout_s`` once every rank has loaded."""
 
 from __future__ import annotations
 
@@ -11,20 +12,19 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spmd_rl.dist.timeouts import set_collective_timeout
+from spmd_rl.dist.timeouts import long_phase, set_collective_timeout
 from spmd_rl.dock.etcd_server import free_port
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     sub = dist.new_group([0, 1])  # like a device-mesh subgroup: created under the initial timeout
-    set_collective_timeout(30.0)  # start-up phase
-    if rank == 1:
-        time.sleep(3)
-    dist.barrier(group=sub)
+    with long_phase(30.0, steady_s=1.0):  # start-up or a checkpoint write
+        if rank == 1:
+            time.sleep(3)
+        dist.barrier(group=sub)
     out[f"long_ok_{rank}"] = True
-    set_collective_timeout(1.0)  # steady state
-    try:
+    try:  # back under the steady 1 s
         if rank == 1:
             time.sleep(4)
         dist.barrier(group=sub)

@@ -188,9 +188,9 @@ class ElasticConfig(Section):
     rdzv_last_call_s: float = Field(
         3.0, gt=0.0, description="How long a rendezvous waits for more nodes once min_nodes are there (torchrun's last_call_timeout): it adds to every recovery after a node loss; nodes that start further apart join with one extra restart."
     )
-    collective_timeout_s: float = Field(60.0, gt=0.0, description="Steady-state collective timeout: a dead peer is noticed within this during iterations.")
+    collective_timeout_s: float = Field(60.0, gt=0.0, description="Collective timeout during iterations (a slow collective fails after this; a dead peer is noticed sooner, within about heartbeat_ttl_s).")
     startup_timeout_s: float = Field(
-        600.0, gt=0.0, description="Collective timeout while ranks load the model and resume (skew across ranks can be minutes); iterations then use collective_timeout_s."
+        600.0, gt=0.0, description="Collective timeout while ranks load the model, resume and write checkpoints (skew across ranks can be minutes); iterations use collective_timeout_s. A dead peer is noticed within about heartbeat_ttl_s in every phase."
     )
     heartbeat_ttl_s: int = Field(
         6, ge=3, description="Lease of each rank's and warehouse's liveness key in etcd (renewed every second): a rank waiting on a lost peer (data, metadata or a collective) exits after about this long, and torchrun restarts the group."

@@ -1,7 +1,8 @@
-"""Collective timeouts per phase. Start-up (model load, resume) can be skewed across ranks by
-minutes on a real model, so it runs under ``elastic.startup_timeout_s``; iterations (and
-checkpoint writes, where a lost peer must still be noticed quickly) run under
-``elastic.collective_timeout_s``.
+"""Collective timeouts per phase. Start-up (model load, resume) and checkpoint writes can be
+skewed across ranks by minutes on a real model, so they run under
+``elastic.startup_timeout_s``; iterations run under ``elastic.collective_timeout_s``. A dead
+peer is noticed sooner than either through the liveness keys (``dock.heartbeat.PeerWatch``),
+so the long phases cost nothing on a node loss.
 
 torch sets a group's timeout at creation; ``set_collective_timeout`` changes it for every
 process group of this process (the default group and the device-mesh subgroups).
@@ -9,7 +10,9 @@ process group of this process (the default group and the device-mesh subgroups).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 
 from torch.distributed import distributed_c10d as c10d
 
@@ -20,3 +23,13 @@ def set_collective_timeout(seconds: float) -> None:
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
             c10d._set_pg_timeout(timeout, group)
+
+
+@contextlib.contextmanager
+def long_phase(seconds: float, steady_s: float) -> Iterator[None]:
+    """Collectives inside run under ``seconds``; back to ``steady_s`` after (also on error)."""
+    set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(steady_s)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, needs_old_log_prob, needs_reference, ref_micro_batch_size
+from spmd_rl.dist.timeouts import long_phase
 from spmd_rl.reshard.allgather_swap import local
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages
@@ -141,7 +142,8 @@ def train(run: Run, start_iteration: int) -> None:
             state = {"iteration": it + 1, "origin": checkpoint.origin_of(cfg.checkpoint.resume),
                      "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
                      "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
-            folder = checkpoint.save(cfg.checkpoint.dir, it + 1, run.actor, state, cfg.checkpoint.keep)
+            with long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s):  # ranks' writes may be skewed by minutes
+                folder = checkpoint.save(cfg.checkpoint.dir, it + 1, run.actor, state, cfg.checkpoint.keep)
             if rank0:
                 log.info("saved checkpoint %s", folder)
     metrics.close()
