@@ -23,9 +23,9 @@ from spmd_rl.config.rules import check
 from spmd_rl.config.stages import needs_reference, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
-from spmd_rl.dist.accelerator import detect
-from spmd_rl.dist.mesh import build_meshes
-from spmd_rl.dist.timeouts import set_collective_timeout
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.distributed.mesh import build_meshes
+from spmd_rl.distributed.timeouts import set_collective_timeout
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable

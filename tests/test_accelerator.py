@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.trainer.metrics import global_max, global_sums
 

@@ -12,7 +12,7 @@ import torch
 from spmd_rl.config.loader import load_config
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import sampler_for
-from spmd_rl.dist.accelerator import detect
+from spmd_rl.distributed.accelerator import detect
 from tests.conftest import REPO
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from spmd_rl.dist.accelerator import detect
+from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.reshard.ledger import Ledger

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from spmd_rl.config.schema import ReshardConfig
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.swap import resident_bytes
 

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rl.config.schema import ActorConfig
-from spmd_rl.dist.accelerator import detect
+from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import local

@@ -75,8 +75,8 @@ def main() -> None:
 
     from spmd_rl.config.layout import Layout, Layouts
     from spmd_rl.config.schema import ActorConfig, ReshardConfig, RolloutConfig
-    from spmd_rl.dist.accelerator import detect
-    from spmd_rl.dist.mesh import build_meshes
+    from spmd_rl.distributed.accelerator import detect
+    from spmd_rl.distributed.mesh import build_meshes
     from spmd_rl.engines.logprobs import build_batch
     from spmd_rl.engines.rollout import RolloutEngine
     from spmd_rl.engines.train import TrainEngine

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.layout import Layout, Layouts
-from spmd_rl.dist.accelerator import detect
-from spmd_rl.dist.mesh import build_meshes
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.distributed.mesh import build_meshes
 from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
 from spmd_rl.engines.parallelize import parallelize
 

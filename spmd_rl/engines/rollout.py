@@ -18,7 +18,7 @@ import torch
 
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 
 
 def configure_vllm_env(rollout: RolloutConfig) -> None:

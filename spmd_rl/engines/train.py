@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from spmd_rl.config.schema import ActorConfig
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, response_logprobs
 from spmd_rl.engines.parallelize import parallelize

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:

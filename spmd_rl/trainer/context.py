@@ -10,7 +10,7 @@ from spmd_rl.config.layout import Layouts
 from spmd_rl.config.schema import Config
 from spmd_rl.data.prompts import PromptSet
 from spmd_rl.data.sampler import PromptSampler
-from spmd_rl.dist.accelerator import Accelerator
+from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.train import TrainEngine

@@ -36,7 +36,7 @@ def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_
     """Greedy accuracy on a prompt file through in-process vLLM (single process)."""
     from spmd_rl.config.schema import RolloutConfig
     from spmd_rl.data.prompts import load_prompts
-    from spmd_rl.dist.accelerator import detect
+    from spmd_rl.distributed.accelerator import detect
     from spmd_rl.engines.rollout import RolloutEngine
     from spmd_rl.rewards import get_reward
 

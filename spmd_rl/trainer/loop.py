@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, needs_old_log_prob, needs_reference, ref_micro_batch_size
-from spmd_rl.dist.timeouts import long_phase
+from spmd_rl.distributed.timeouts import long_phase
 from spmd_rl.reshard.allgather_swap import local
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages

@@ -6,7 +6,7 @@ import json
 import sys
 
 from spmd_rl.config.schema import RolloutConfig
-from spmd_rl.dist.accelerator import detect
+from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.rollout import RolloutEngine
 
 folder, temperature = sys.argv[1], float(sys.argv[2])
