@@ -59,7 +59,7 @@ COVERED = {
     "checkpoint.keep": "test_checkpoint_lineage.py::test_pruning_rule_keeps_what_was_just_written",
     "checkpoint.resume": "test_restart_torchrun.py::test_killed_worker_is_restarted_and_nothing_is_lost",
     "logging.dir": "test_restart_torchrun.py",
-    "logging.progress": "test_loader.py",
+    "logging.progress": "test_progress.py",
     "elastic.max_restarts": "test_restart_torchrun.py",
     "elastic.collective_timeout_s": "test_elastic_torchrun.py",
     "elastic.heartbeat_ttl_s": "test_etcd_restart.py",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -25,6 +26,7 @@ from spmd_rl.reshard.allgather_swap import local
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_max, global_sums, throughput
 from spmd_rl.trainer.update import update
 
@@ -77,10 +79,10 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
     return [q * N + k for q in groups for k in range(N)], sums, same
 
 
-def run_iteration(run: Run, it: int) -> dict[str, float]:
+def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
     cfg = run.cfg
     G, N = cfg.data.global_batch_size, cfg.rollout.n
-    timer = StageTimer()
+    timer = StageTimer(on_stage)
     t0 = time.perf_counter()
     run.dock.begin_iteration(it, generation_rounds(cfg) * G * N)
     train_idx, sums, same = _generate_rounds(run, it, timer)
@@ -122,28 +124,20 @@ def train(run: Run, start_iteration: int) -> None:
     cfg = run.cfg
     rank0 = run.peer.rank == 0
     metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration)
-    console = None
-    if rank0 and cfg.logging.progress:
-        from rich.console import Console
-
-        console = Console(stderr=True)
+    bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
     for it in range(start_iteration, cfg.trainer.iterations):
-        m = run_iteration(run, it)
+        m = run_iteration(run, it, bar.stage)
         metrics.write(it, m)
-        if console is not None:
-            console.print(
-                f"[bold]iter {it + 1}/{cfg.trainer.iterations}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
-                f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} "
-                f"clip {m['clip_frac']:.3f} ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s "
-                f"T {m['throughput_eq5']:.0f} tok/s/dev"
-            )
+        bar.iteration_done(it, m)
         last = it + 1 == cfg.trainer.iterations
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or last:
             state = {"iteration": it + 1, "origin": checkpoint.origin_of(cfg.checkpoint.resume),
                      "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
                      "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
+            bar.stage("checkpoint")
             with long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s):  # ranks' writes may be skewed by minutes
                 folder = checkpoint.save(cfg.checkpoint.dir, it + 1, run.actor, state, cfg.checkpoint.keep)
             if rank0:
                 log.info("saved checkpoint %s", folder)
+    bar.close()
     metrics.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,11 +33,15 @@ def global_max(value: float) -> float:
 
 
 class StageTimer:
-    def __init__(self) -> None:
+    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
+        """``on_stage(name)`` is called as each stage starts (the progress bar)."""
         self.times: dict[str, float] = {}
+        self.on_stage = on_stage
 
     @contextmanager
     def stage(self, name: str):
+        if self.on_stage is not None:
+            self.on_stage(name)
         t0 = time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0

@@ -69,11 +69,11 @@ def _pause(plan: dict) -> None:
     TransferDock.get, TransferDock._fetch = get_noting_stage, fetch_paused
     run_iteration, done = loop.run_iteration, []
 
-    def held(run, it):
+    def held(run, it, *args, **kwargs):
         while done and os.environ.get("WORLD_SIZE") == "1" and (folder / "hold").exists():
             time.sleep(0.1)
         done.append(it)
-        return run_iteration(run, it)
+        return run_iteration(run, it, *args, **kwargs)
 
     loop.run_iteration = held
 

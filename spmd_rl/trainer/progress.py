@@ -1,0 +1,49 @@
+"""Rank 0's live view of a run (``logging.progress``): a rich progress bar over the iterations
+showing the current stage, the ETA and the last iteration's reward, with one summary line per
+iteration printed above it. JSONL and TensorBoard metrics are written elsewhere
+(``trainer.metrics``); other ranks and ``progress: false`` get :class:`Quiet`."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Quiet:
+    """The same calls, doing nothing."""
+
+    def stage(self, name: str) -> None:
+        pass
+
+    def iteration_done(self, it: int, m: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LiveProgress(Quiet):
+    def __init__(self, total: int, start: int, console: Console | None = None):
+        self.total = total
+        self.bar = Progress(TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                            TimeRemainingColumn(), console=console or Console(stderr=True))
+        self.task = self.bar.add_task("starting", total=total, completed=start, reward="-")
+        self.bar.start()
+
+    def stage(self, name: str) -> None:
+        self.bar.update(self.task, description=name)
+
+    def iteration_done(self, it: int, m: dict[str, float]) -> None:
+        self.bar.console.print(
+            f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
+            f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip {m['clip_frac']:.3f} "
+            f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T {m['throughput_eq5']:.0f} tok/s/dev")
+        self.bar.update(self.task, advance=1, reward=f"{m['reward_mean']:.3f}", description="iteration done")
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+def progress_for(enabled: bool, total: int, start: int) -> Quiet:
+    return LiveProgress(total, start) if enabled else Quiet()
