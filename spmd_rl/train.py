@@ -32,7 +32,7 @@ from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.train import TrainEngine
-from spmd_rl.reshard.allgather_swap import Resharder, local
+from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.swap import HostSwap
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
@@ -84,7 +84,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if needs_reference(cfg):
         ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False, temperature=temp)
         ref_swap = HostSwap(acc)
-        ref_swap.track([local(p) for p in ref.model.parameters()])
+        ref_swap.track(ref.param_tensors())
         if cfg.ref.offload_to_host:
             ref_swap.offload()
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length

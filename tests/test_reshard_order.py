@@ -5,12 +5,11 @@ wake the KV cache; and back: sleep the rollout -> empty_cache -> reload. The dev
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from spmd_rl.config.schema import ReshardConfig
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.engines.base import Engine
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.swap import resident_bytes
 
@@ -20,6 +19,39 @@ class RecordingAccelerator(Accelerator):
 
     def empty_cache(self) -> None:
         self.calls.append("empty_cache")
+
+
+class TinyEngine(Engine):
+    """A role through the engine interface only: the resharder sees nothing else."""
+
+    trainable = True
+
+    def __init__(self, acc, model):
+        self.acc, self.model = acc, model
+
+    def logprobs(self, batch, micro_batch_size, with_entropy=False):
+        raise NotImplementedError
+
+    def train_step(self, micro_batches, loss_fn, with_entropy=False):
+        raise NotImplementedError
+
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    def param_tensors(self):
+        return list(self.model.parameters())
+
+    def grad_tensors(self):
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def optimizer_tensors(self):
+        return []
+
+    def save(self, folder):
+        raise NotImplementedError
+
+    def load(self, folder):
+        raise NotImplementedError
 
 
 class FakeRollout:
@@ -52,8 +84,7 @@ def test_memory_moves_in_peak_bounding_order():
     acc = RecordingAccelerator("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     params = list(model.parameters())
-    train = SimpleNamespace(acc=acc, model=model, optimizer=None)
-    r = Resharder(train, FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32")
+    r = Resharder(TinyEngine(acc, model), FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32")
     r.to_generation()
     assert calls == ["wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
     calls.clear()

@@ -11,7 +11,7 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.train import TrainEngine
-from spmd_rl.reshard.allgather_swap import local
+from spmd_rl.engines.base import local
 
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -28,7 +28,7 @@ def _batch():
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
-    return {n: local(p).detach().clone().float() for n, p in engine.named_parameters()}
+    return {n: local(p).detach().clone().float() for n, p in engine.named_weights()}
 
 
 def test_weight_decay_alone_shrinks_the_weights(tiny_model):

@@ -37,6 +37,11 @@ class SeqBatch:
         return self.input_ids.shape[0]
 
 
+def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
+    """Consecutive micro-batches of at most ``size`` sequences."""
+    return [batch[i : i + size] for i in range(0, len(batch), size)]
+
+
 def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int) -> SeqBatch:
     b = len(prompts)
     plen = torch.tensor([p.numel() for p in prompts])

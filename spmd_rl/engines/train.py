@@ -7,7 +7,7 @@ Used for the actor (with optimizer) and the reference (``trainable=False``, no o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,18 +19,12 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
-from spmd_rl.engines.logprobs import SeqBatch, response_logprobs
+from spmd_rl.engines.logprobs import SeqBatch, response_logprobs, split
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-"""(log-probs [b, R], entropies [b, R] or None, micro-batch number) -> scalar loss to backprop."""
-
-
-def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
-    return [batch[i : i + size] for i in range(0, len(batch), size)]
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -46,7 +40,9 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return total.sqrt()
 
 
-class TrainEngine:
+class TrainEngine(Engine):
+    """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
+
     def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
                  trainable: bool = True, total_steps: int = 1, temperature: float = 1.0):
         """``temperature``: the rollout's sampling temperature T; every log-prob and entropy is
@@ -113,8 +109,20 @@ class TrainEngine:
         return {"loss": total_loss, "grad_norm": float(norm), "lr": lr}
 
     # -- state ----------------------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.model.named_parameters()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [local(p) for p in self.model.parameters()]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [local(v) for state in self.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0]
 
     def state_dict(self) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer or [])

@@ -21,28 +21,13 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rl.config.schema import ReshardConfig
 from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.train import DTYPES, TrainEngine
+from spmd_rl.engines.base import DTYPES, Engine
 from spmd_rl.reshard.ledger import Ledger
 from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if opt is None:
-        return []
-    out = []
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                out.append(v.to_local() if isinstance(v, DTensor) else v)
-    return out
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class Resharder:
-    def __init__(self, train: TrainEngine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str):
+    def __init__(self, train: Engine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str):
         self.train = train
         self.rollout = rollout
         self.cfg = cfg
@@ -54,13 +39,13 @@ class Resharder:
 
     # -- state accounting -----------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
-        return [local(p) for p in self.train.model.parameters()]
+        return self.train.param_tensors()
 
     def _grads(self) -> list[torch.Tensor]:
-        return [local(p.grad) for p in self.train.model.parameters() if p.grad is not None]
+        return self.train.grad_tensors()
 
     def _optim(self) -> list[torch.Tensor]:
-        return optimizer_tensors(self.train.optimizer)
+        return self.train.optimizer_tensors()
 
     def record(self, phase: str, temp: int = 0) -> None:
         self.ledger.record(
@@ -74,7 +59,7 @@ class Resharder:
         """(HF name, full tensor in the generation dtype), gathered bucket by bucket. Every rank
         must consume it in the same order (each gather is a collective)."""
         limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
-        params = list(self.train.model.named_parameters())
+        params = list(self.train.named_weights())
         k = 0
         while k < len(params):
             bucket, size = [], 0

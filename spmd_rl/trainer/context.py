@@ -13,7 +13,7 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.base import Engine
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.swap import HostSwap
 
@@ -25,8 +25,8 @@ class Run:
     peer: Peer
     acc: Accelerator
     dock: TransferDock
-    actor: TrainEngine
-    ref: TrainEngine | None
+    actor: Engine
+    ref: Engine | None
     ref_swap: HostSwap | None
     rollout: RolloutEngine
     resharder: Resharder

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, needs_old_log_prob, needs_reference, ref_micro_batch_size
 from spmd_rl.distributed.timeouts import long_phase
-from spmd_rl.reshard.allgather_swap import local
+from spmd_rl.engines.base import local
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.trainer import checkpoint, stages
 from spmd_rl.trainer.context import Run
@@ -93,7 +93,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             stages.logprob_stage(run, it, "ref_logprob", run.ref, "ref_log_prob", ref_micro_batch_size(cfg), train_idx)
             if cfg.ref.offload_to_host:
                 run.ref_swap.offload()
-            sums["ref_resident_bytes"] = float(resident_bytes([local(p) for p in run.ref.model.parameters()]))
+            sums["ref_resident_bytes"] = float(resident_bytes(run.ref.param_tensors()))
     if use_old:
         with timer.stage("actor_logprob"):
             stages.logprob_stage(run, it, "actor_logprob", run.actor, "old_log_prob", cfg.actor.micro_batch_size, train_idx)

@@ -15,7 +15,7 @@ import torch
 
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, aggregate, get_policy_loss, tis_weight
-from spmd_rl.engines.train import split
+from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import global_max, global_sums
 from spmd_rl.trainer.stages import seq_batch

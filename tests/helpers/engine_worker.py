@@ -19,8 +19,10 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import build_meshes
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.train import TrainEngine, split
-from spmd_rl.reshard.allgather_swap import Resharder, local, optimizer_tensors
+from spmd_rl.engines.logprobs import split
+from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.base import local
+from spmd_rl.reshard.allgather_swap import Resharder
 
 MODEL = os.environ["MODEL"]
 QUESTIONS = ["12+7=", "45+45=", "3+98=", "60+1="]
@@ -31,7 +33,7 @@ def full_state(engine):
 
 
 def local_state(engine):
-    return [local(p).detach().clone() for p in engine.model.parameters()] + [t.clone() for t in optimizer_tensors(engine.optimizer)]
+    return [local(p).detach().clone() for p in engine.model.parameters()] + [t.clone() for t in engine.optimizer_tensors()]
 
 
 def train_once(engine, batch):

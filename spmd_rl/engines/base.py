@@ -1,0 +1,71 @@
+"""The one interface every role's engine implements (actor, reference; critic and reward
+model next). The resharder, the stages, the update and the checkpoint code depend on this,
+never on the FSDP class, so another backend (megatron-core, pipeline parallel) implements
+these methods and nothing else changes.
+
+Invariants an implementation keeps:
+
+- ``named_weights`` yields every parameter once, by its HF name, in the same order on every
+  rank (each full-tensor gather of the resharder is a collective);
+- ``param_tensors`` / ``grad_tensors`` / ``optimizer_tensors`` are this rank's *local*
+  storage (what the host swap moves and the ledger counts), never gathered copies;
+- ``save`` then ``load`` into an engine of any layout restores the same full weights and
+  optimizer state (DCP reshards).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from spmd_rl.distributed.accelerator import Accelerator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+"""(log-probs [b, R], entropies [b, R] or None, micro-batch number) -> scalar loss to backprop."""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly distributed) tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Engine(ABC):
+    acc: Accelerator
+    trainable: bool
+
+    @abstractmethod
+    def logprobs(self, batch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (and entropies) of the response tokens of ``batch``, [B, R]."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: list, loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """Backward over the micro-batches, clip, optimizer and schedule step; loss, grad_norm, lr."""
+
+    @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, parameter, possibly distributed) for the rollout engine's weights."""
+
+    @abstractmethod
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Local storage of the parameters."""
+
+    @abstractmethod
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Local storage of the gradients that exist now."""
+
+    @abstractmethod
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """Local storage of the optimizer states (none for a frozen role)."""
+
+    @abstractmethod
+    def save(self, folder: str | Path) -> None:
+        """Write this role's state (collective over the role's ranks)."""
+
+    @abstractmethod
+    def load(self, folder: str | Path) -> None:
+        """Read a state written by ``save`` in any layout."""
