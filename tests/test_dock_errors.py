@@ -45,7 +45,7 @@ def test_put_get_round_trip(dock):
 
 
 def test_unknown_column(dock):
-    with pytest.raises(DockRequestError, match="unknown column 'logits'.*known columns: prompt_ids, response_ids, reward"):
+    with pytest.raises(DockRequestError, match="unknown column 'logits'.*known columns: answer, prompt_ids, response_ids, reward"):
         dock.put("x", 0, {"logits": ids(1)}, [0])
     with pytest.raises(DockRequestError, match="unknown column"):
         dock.get("x", 0, ["logits"], ONE)

@@ -87,7 +87,9 @@ def test_plan_prints_paper_figures(in_repo, tiny_model):
     assert f"(per device TW/UTP = {tw / 8 / 1024**3:.3f} GiB)" in res.output
     cfg = load_config("configs/paper_qwen25_32b.yaml")
     n, m, c = flow_counts(stages_for(cfg))
-    assert (n, c) == (5, 6)  # GRPO with KL: the paper's n = 5 response-length items
+    # GRPO with KL: the paper's n = 5 response-length items counts a per-token advantage; here
+    # GRPO's advantage travels as one scalar per sample, so n = 4 and M = 4 scalars (+ index)
+    assert (n, m, c) == (4, 4, 6)
     central = tcv_centralized(256, 8, 4, 2048, 8192, n, m)
     per_wh = tcv_per_warehouse(256, 8, 4, 2048, 8192, n, m, c, 2)
     assert f"Eq. (2):   {central:12.6f} GB" in res.output

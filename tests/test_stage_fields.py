@@ -42,24 +42,32 @@ class FakeDock:
 
 
 class FakeEngine:
-    """Calls the stage's loss function on leaf log-prob / entropy tensors and keeps their grads."""
+    """Calls the stage's loss function on leaf log-prob / entropy tensors and keeps the grads of
+    the first optimizer step (the configs run two PPO epochs so that old log-probs are read)."""
 
     def __init__(self, lp: torch.Tensor, ent: torch.Tensor):
         self.lp = lp.clone().requires_grad_(True)
         self.ent = ent.clone().requires_grad_(True)
+        self.first: tuple | None = None
 
     def train_step(self, micro_batches, loss_fn, with_entropy=False):
+        self.lp.grad = self.ent.grad = None
+        self._step(micro_batches, loss_fn)
+        if self.first is None:
+            self.first = (self.lp.grad, self.ent.grad)
+        return {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+
+    def _step(self, micro_batches, loss_fn):
         start = 0
         for k, micro in enumerate(micro_batches):
             rows = slice(start, start + len(micro))
             loss_fn(self.lp[rows], self.ent[rows], k).backward()
             start += len(micro)
-        return {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
 
 
 def _cfg(*overrides: str):
     return load_config(REPO / "configs/quickstart.yaml", ["data.global_batch_size=2", "rollout.n=3", "actor.mini_batch_size=2",
-                                                          "actor.micro_batch_size=2", *overrides])
+                                                          "actor.micro_batch_size=2", "actor.ppo_epochs=2", *overrides])
 
 
 def _data(seed: int = 1):
@@ -86,12 +94,12 @@ def _stage_grads(cfg):
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
     dock = FakeDock({"prompt_ids": [torch.tensor([7, 8], dtype=torch.int32)] * B,
                      "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
-                     "advantages": [torch.full((n,), float(a)) for a, n in zip(adv, lengths)],
+                     "seq_advantage": [torch.tensor(float(a)) for a in adv],
                      "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
     engine = FakeEngine(lp.float(), ent.float())
-    update(_run(cfg, dock, engine), 0, use_ref=True, use_old=True, expected=list(range(B)))
-    g_ent = engine.ent.grad if engine.ent.grad is not None else torch.zeros_like(engine.ent)
-    return engine.lp.grad.double(), g_ent.double()
+    update(_run(cfg, dock, engine), 0, expected=list(range(B)))
+    g_lp, g_ent = engine.first
+    return g_lp.double(), (g_ent if g_ent is not None else torch.zeros_like(engine.ent)).double()
 
 
 def _reference_grads(cfg):
@@ -154,7 +162,7 @@ def test_advantage_reads_norm_adv_by_std(by_std):
     rewards = [1.0, 0.0, 0.0, 2.0, 2.0, 5.0]
     dock = FakeDock({"reward": [torch.tensor(x) for x in rewards], "response_length": [torch.tensor(2, dtype=torch.int32)] * B})
     stages.advantage(_run(_cfg(f"algorithm.norm_adv_by_std={str(by_std).lower()}"), dock, None), 0, list(range(B)))
-    got = [float(a[0]) for a in dock.puts["advantages"]]
+    got = dock.puts["seq_advantage"].tolist()  # one scalar per sample
     for g in (rewards[:3], rewards[3:]):
         mean = sum(g) / 3
         std = math.sqrt(sum((x - mean) ** 2 for x in g) / 2)
@@ -167,11 +175,12 @@ def test_reward_reads_overlong_buffer_and_penalty():
     lengths = [2, 6, 7, 8, 8, 3]
     cfg = _cfg("algorithm.name=dapo", "algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5")
     dock = FakeDock({"response_ids": [torch.arange(n, dtype=torch.int32) for n in lengths],
-                     "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths]})
+                     "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths],
+                     "answer": [stages.encode_text("42" if k < 3 else "7") for k in range(B)]})
     run = _run(cfg, dock, None)
     run.tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["42"] * len(ids))
     run.reward_fn = lambda text, answer: float(text == answer)
-    stages.reward(run, 0, {0: "42", 1: "7"}, list(range(B)))
+    stages.reward(run, 0, list(range(B)))
     sl = cfg.rollout.max_response_length  # 8: penalty -0.5 * (L - 4) / 4 beyond L = 4
     want = [(1.0 if k < 3 else 0.0) - 0.5 * min(max(n - (sl - 4), 0) / 4, 1.0) for k, n in enumerate(lengths)]
     assert dock.puts["reward"].tolist() == pytest.approx(want)

@@ -18,6 +18,7 @@ ColumnKind = Literal["prompt", "response", "scalar"]
 
 COLUMNS: dict[str, ColumnKind] = {
     "prompt_ids": "prompt",
+    "answer": "prompt",
     "response_ids": "response",
     "rollout_log_prob": "response",
     "ref_log_prob": "response",
@@ -25,11 +26,17 @@ COLUMNS: dict[str, ColumnKind] = {
     "values": "response",
     "advantages": "response",
     "returns": "response",
-    "prompt_length": "scalar",
     "response_length": "scalar",
     "reward": "scalar",
+    "seq_advantage": "scalar",
 }
-"""Every column a stage may write, by length class. The sample index is implicit (one scalar)."""
+"""Every column a stage may write, by length class. The sample index is implicit (one scalar).
+``advantages`` are per token (PPO's GAE); ``seq_advantage`` is one scalar per sample (GRPO and
+DAPO: a group-normalised reward, the same for every token). ``answer`` is the reference answer
+of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader."""
+
+DATA_COLUMNS = ("prompt_ids", "answer")
+"""Written by the data loader (``put_prompts``), before the first stage."""
 
 
 @dataclass(frozen=True)
@@ -66,31 +73,45 @@ def needs_old_log_prob(cfg: Config) -> bool:
 
 
 def stages_for(cfg: Config) -> list[Stage]:
-    """The stage list of one iteration, in execution order."""
+    """The stage graph of one iteration, in execution order. Invariants (tested): each stage
+    reads exactly its ``inputs`` from the dock (the stages ask this graph what to get), and
+    every column written is read by a later stage."""
     seq = ("prompt_ids", "response_ids")
     out = [
-        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "prompt_length", "response_length")),
-        Stage("reward", seq + ("response_length",), ("reward",)),
+        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "response_length")),
+        Stage("reward", ("response_ids", "response_length", "answer"), ("reward",)),
     ]
-    policy_inputs = seq + ("advantages",)
+    extra: tuple[str, ...] = ("rollout_log_prob",)
     if needs_reference(cfg):
         out.append(Stage("ref_logprob", seq, ("ref_log_prob",)))
-        policy_inputs += ("ref_log_prob",)
+        extra += ("ref_log_prob",)
     if needs_old_log_prob(cfg):
         out.append(Stage("actor_logprob", seq, ("old_log_prob",)))
-        policy_inputs += ("old_log_prob",)
+        extra += ("old_log_prob",)
     if cfg.algorithm.name == "ppo":
         out.append(Stage("critic_value", seq, ("values",)))
         out.append(Stage("advantage", ("reward", "values", "response_length"), ("advantages", "returns")))
         out.append(Stage("critic_update", seq + ("values", "returns"), ()))
     else:
-        out.append(Stage("advantage", ("reward", "response_length"), ("advantages",), group_granular=True))
-    out.append(Stage("actor_update", policy_inputs, ()))
+        out.append(Stage("advantage", ("reward",), ("seq_advantage",), group_granular=True))
+    out.append(Stage("actor_update", seq + (advantage_column(cfg),) + extra, ()))
     return out
 
 
+def advantage_column(cfg: Config) -> str:
+    return "advantages" if cfg.algorithm.name == "ppo" else "seq_advantage"
+
+
+def stage_inputs(cfg: Config, name: str) -> list[str]:
+    """The dock columns stage ``name`` reads, from the graph."""
+    for s in stages_for(cfg):
+        if s.name == name:
+            return list(s.inputs)
+    raise KeyError(f"stage {name!r} is not in this config's graph")
+
+
 def written_columns(stages: list[Stage]) -> list[str]:
-    cols: list[str] = ["prompt_ids"]
+    cols: list[str] = list(DATA_COLUMNS)
     for s in stages:
         cols += [c for c in s.outputs if c not in cols]
     return cols

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.config.stages import COLUMNS, Stage
+from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, Stage
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,12 @@ class ColumnSpec:
     """Per-sample trailing shape of a fixed column; () for a scalar. Unused when ragged."""
 
 
-_DTYPES = {"prompt_ids": torch.int32, "response_ids": torch.int32, "prompt_length": torch.int32, "response_length": torch.int32}
+_DTYPES = {"prompt_ids": torch.int32, "answer": torch.uint8, "response_ids": torch.int32, "response_length": torch.int32}
 
 
 def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
-    """Specs of every column written by ``stages`` (prompt_ids is written by the data loader)."""
-    writers = {"prompt_ids": "data"}
+    """Specs of every column written by ``stages`` and by the data loader (``DATA_COLUMNS``)."""
+    writers = dict.fromkeys(DATA_COLUMNS, "data")
     for s in stages:
         writers.update({c: s.name for c in s.outputs})
     return {

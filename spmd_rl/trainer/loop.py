@@ -50,14 +50,13 @@ def _generate_rounds(run: Run, it: int, timer: StageTimer) -> tuple[list[int], d
             same["eval_accuracy"] = run.evaluator()
     for r in range(generation_rounds(cfg)):
         positions = run.sampler.next_batch(G)
-        answers = {r * G + p: run.prompts.answers[pos] for p, pos in enumerate(positions)}
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
             stages.put_prompts(run, it, positions, first_group=r * G)
         with timer.stage("generate"):
             stages.rollout(run, it, expected)
         with timer.stage("reward"):
-            part, dense = stages.reward(run, it, answers, expected)
+            part, dense = stages.reward(run, it, expected)
         response_max = max(sums.pop("response_max", 0.0), part.pop("response_max"))
         sums = {k: sums.get(k, 0.0) + v for k, v in part.items()} | {"response_max": response_max}
         if select is None:
@@ -100,7 +99,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     with timer.stage("advantage"):
         sums |= stages.advantage(run, it, train_idx)
     with timer.stage("update"):
-        upd = update(run, it, use_ref, use_old, train_idx)
+        upd = update(run, it, train_idx)
     dist.barrier()
     run.dock.commit(it)
     ete = time.perf_counter() - t0

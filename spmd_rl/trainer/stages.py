@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.core import grpo_advantages, overlong_penalty
+from spmd_rl.config.stages import stage_inputs
 from spmd_rl.engines.logprobs import SeqBatch, build_batch
 from spmd_rl.trainer.context import Run
 
@@ -28,12 +29,13 @@ def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int
     mine = range(g * per, (g + 1) * per)
     if _writes(run, lay):
         ids = [torch.tensor(run.prompts.prompt_ids[prompt_positions[p]], dtype=torch.int32) for p in mine for _ in range(n)]
-        run.dock.put("data", it, {"prompt_ids": ids}, [(first_group + p) * n + k for p in mine for k in range(n)])
+        answers = [encode_text(run.prompts.answers[prompt_positions[p]]) for p in mine for _ in range(n)]
+        run.dock.put("data", it, {"prompt_ids": ids, "answer": answers}, [(first_group + p) * n + k for p in mine for k in range(n)])
 
 
 def rollout(run: Run, it: int, expected: list[int]) -> dict[str, float]:
     n = run.cfg.rollout.n
-    batch = run.dock.get("actor_rollout", it, ["prompt_ids"], run.lay.gen, group_size=n, expected=expected)
+    batch = run.dock.get("actor_rollout", it, stage_inputs(run.cfg, "actor_rollout"), run.lay.gen, group_size=n, expected=expected)
     firsts = batch.columns["prompt_ids"][::n]
     idx = batch.indices.tolist()
     seed = run.cfg.trainer.seed * 1_000_003 + it * 10_007 + idx[0] if idx else 0
@@ -42,20 +44,28 @@ def rollout(run: Run, it: int, expected: list[int]) -> dict[str, float]:
         run.dock.put("actor_rollout", it, {
             "response_ids": [torch.tensor(s.token_ids, dtype=torch.int32) for s in samples],
             "rollout_log_prob": [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
-            "prompt_length": torch.tensor([p.numel() for p in batch.columns["prompt_ids"]], dtype=torch.int32),
             "response_length": torch.tensor([len(s.token_ids) for s in samples], dtype=torch.int32),
         }, idx)
     return {}
 
 
-def reward(run: Run, it: int, answers: dict[int, str], expected: list[int]) -> tuple[dict[str, float], torch.Tensor]:
+def encode_text(text: str) -> torch.Tensor:
+    """A string as a dock column value: its UTF-8 bytes."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+
+
+def decode_text(value: torch.Tensor) -> str:
+    return value.numpy().tobytes().decode("utf-8")
+
+
+def reward(run: Run, it: int, expected: list[int]) -> tuple[dict[str, float], torch.Tensor]:
     """Scores of this rank's share. Returns the metric sums and the round's rewards as a dense
     [len(expected)] tensor holding the scores this rank wrote (0 elsewhere), to be summed
     over ranks when every rank needs them (dynamic sampling)."""
-    batch = run.dock.get("reward", it, ["response_ids", "response_length"], run.lay.train, expected=expected)
+    batch = run.dock.get("reward", it, stage_inputs(run.cfg, "reward"), run.lay.train, expected=expected)
     texts = run.tokenizer.batch_decode([r.tolist() for r in batch.columns["response_ids"]], skip_special_tokens=True)
-    n = run.cfg.rollout.n
-    scores = torch.tensor([run.reward_fn(t, answers[i // n]) for t, i in zip(texts, batch.indices.tolist())], dtype=torch.float32)
+    answers = [decode_text(a) for a in batch.columns["answer"]]  # travelled with the prompt through the dock
+    scores = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     correct = float((scores > 0.5).sum())
     algo = run.cfg.algorithm
     if algo.name == "dapo" and algo.overlong_buffer:
@@ -80,7 +90,7 @@ def seq_batch(run: Run, batch) -> SeqBatch:
 
 
 def logprob_stage(run: Run, it: int, stage: str, engine, column: str, micro: int, expected: list[int]) -> None:
-    batch = run.dock.get(stage, it, ["prompt_ids", "response_ids"], run.lay.train, expected=expected)
+    batch = run.dock.get(stage, it, stage_inputs(run.cfg, stage), run.lay.train, expected=expected)
     if not len(batch):
         return
     lp, _ = engine.logprobs(seq_batch(run, batch), micro)
@@ -89,16 +99,15 @@ def logprob_stage(run: Run, it: int, stage: str, engine, column: str, micro: int
 
 
 def advantage(run: Run, it: int, expected: list[int]) -> dict[str, float]:
-    """GRPO group-normalised advantages of whole prompt groups (group-granular stage). Counts
-    the trained groups that carry no signal (all advantages 0)."""
+    """GRPO group-normalised advantages of whole prompt groups (group-granular stage), one
+    scalar per sample. Counts the trained groups that carry no signal (all advantages 0)."""
     n = run.cfg.rollout.n
-    batch = run.dock.get("advantage", it, ["reward", "response_length"], run.lay.train, group_size=n, expected=expected)
+    batch = run.dock.get("advantage", it, stage_inputs(run.cfg, "advantage"), run.lay.train, group_size=n, expected=expected)
     if not len(batch):
         return {"adv_zero_groups": 0.0}
     rewards = torch.stack(batch.columns["reward"])
     adv = grpo_advantages(rewards, n, run.cfg.algorithm.norm_adv_by_std)
-    lengths = [int(x) for x in batch.columns["response_length"]]
     own = _writes(run, run.lay.train)
     if own:
-        run.dock.put("advantage", it, {"advantages": [torch.full((L,), float(a)) for a, L in zip(adv.tolist(), lengths)]}, batch.indices)
+        run.dock.put("advantage", it, {"seq_advantage": adv.float()}, batch.indices)
     return {"adv_zero_groups": float((adv.reshape(-1, n) == 0).all(dim=1).sum()) * own}

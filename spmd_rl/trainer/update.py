@@ -15,6 +15,7 @@ import torch
 
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, aggregate, get_policy_loss, tis_weight
+from spmd_rl.config.stages import advantage_column, stage_inputs
 from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import global_max, global_sums
@@ -42,16 +43,20 @@ def _padded(batch, name: str, width: int) -> torch.Tensor:
     return out
 
 
-def update(run: Run, it: int, use_ref: bool, use_old: bool, expected: list[int]) -> dict[str, float]:
-    """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch."""
+def update(run: Run, it: int, expected: list[int]) -> dict[str, float]:
+    """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch.
+    Reads the columns the stage graph declares (reference / old log-probs when present)."""
     cfg, lay = run.cfg, run.lay.train
     a = cfg.actor
-    cols = ["prompt_ids", "response_ids", "advantages", "rollout_log_prob"]
-    cols += (["ref_log_prob"] if use_ref else []) + (["old_log_prob"] if use_old else [])
-    batch = run.dock.get("actor_update", it, cols, lay, expected=expected)
+    inputs = stage_inputs(cfg, "actor_update")
+    use_ref, use_old = "ref_log_prob" in inputs, "old_log_prob" in inputs
+    batch = run.dock.get("actor_update", it, inputs, lay, expected=expected)
     seqs = seq_batch(run, batch)
     width = seqs.mask.shape[1]
-    adv = _padded(batch, "advantages", width)
+    if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
+        adv = torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width) if len(batch) else torch.zeros(0, width)
+    else:
+        adv = _padded(batch, "advantages", width)
     rollout = _padded(batch, "rollout_log_prob", width)
     ref = _padded(batch, "ref_log_prob", width) if use_ref else None
     old = _padded(batch, "old_log_prob", width) if use_old else None

@@ -1,0 +1,40 @@
+"""The declared stage graph is the one that runs: every column a stage (or the data loader,
+prompts with their answers) writes is read by a later stage (nothing is written for nobody), every input of a stage is written before it,
+and GRPO's advantage is one scalar per sample while PPO's is per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, advantage_column, stage_inputs, stages_for
+from tests.conftest import REPO
+
+CONFIGS = {
+    "grpo": [],
+    "grpo-kl-offpolicy": ["algorithm.kl_coef=0.1", "actor.ppo_epochs=2"],
+    "dapo": ["algorithm.name=dapo", "algorithm.dynamic_sampling=true"],
+    "ppo-graph": ["algorithm.name=ppo"],  # the graph the critic stages will run
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_column_written_is_read_and_every_input_written_first(name):
+    cfg = load_config(REPO / "configs/quickstart.yaml", CONFIGS[name])
+    graph = stages_for(cfg)
+    written = set(DATA_COLUMNS)
+    data_read = {c for s in graph for c in s.inputs}
+    assert set(DATA_COLUMNS) <= data_read, f"the data loader writes {set(DATA_COLUMNS) - data_read} that nobody reads"
+    for k, stage in enumerate(graph):
+        assert set(stage.inputs) <= written, f"{stage.name} reads {set(stage.inputs) - written} before anyone writes it"
+        later = {c for s in graph[k + 1:] for c in s.inputs}
+        unread = set(stage.outputs) - later
+        assert not unread, f"{stage.name} writes {unread} that no later stage reads"
+        written |= set(stage.outputs)
+        assert stage_inputs(cfg, stage.name) == list(stage.inputs)
+
+
+def test_advantage_column_kind_follows_the_algorithm():
+    grpo = load_config(REPO / "configs/quickstart.yaml", [])
+    ppo = load_config(REPO / "configs/quickstart.yaml", ["algorithm.name=ppo"])
+    assert COLUMNS[advantage_column(grpo)] == "scalar" and COLUMNS[advantage_column(ppo)] == "response"
