@@ -48,5 +48,9 @@ if [ ! -f assets/tiny-qwen2/model.safetensors ]; then
 else
     step "tiny model present: assets/tiny-qwen2 ($(cat assets/tiny-qwen2/warmstart.json | tr -d '\n '))"
 fi
+if [ ! -f assets/tiny-qwen2/reward_model/model.safetensors ]; then
+    step "building the tiny reward model (about a minute): assets/tiny-qwen2/reward_model"
+    "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2
+fi
 
 step "done: activate with 'source $VENV/bin/activate'"

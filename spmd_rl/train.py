@@ -20,7 +20,7 @@ import torch.distributed as dist
 from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.rules import check
-from spmd_rl.config.stages import needs_reference, stages_for
+from spmd_rl.config.stages import pinned_roles, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
@@ -33,7 +33,7 @@ from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder
-from spmd_rl.reshard.swap import HostSwap
+from spmd_rl.reshard.residency import Residency
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
@@ -74,35 +74,30 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
-    dock = TransferDock(cfg.dock, meta, columns_for(stages_for(cfg)), peer, token).start(cfg.elastic.heartbeat_ttl_s)
+    graph = stages_for(cfg)
+    dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
     meshes = build_meshes(acc, lay)
     tok = load_tokenizer(cfg)
     prompts = prompts_for(cfg, tok, cfg.data.train_path)
-    temp = cfg.rollout.temperature
-    actor = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, total_steps=_total_steps(cfg), temperature=temp)
-    ref, ref_swap = None, None
-    if needs_reference(cfg):
-        ref = TrainEngine(cfg.model.path, acc, meshes.train, cfg.actor, cfg.model.dtype, trainable=False, temperature=temp)
-        ref_swap = HostSwap(acc)
-        ref_swap.track(ref.param_tensors())
-        if cfg.ref.offload_to_host:
-            ref_swap.offload()
+    roles = build_roles(cfg, acc, meshes.train, graph)
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
                             distributed=peer.world > 1)
-    resharder = Resharder(actor, rollout, cfg.reshard, cfg.model.dtype)
+    residency = Residency(Resharder(roles["actor"], rollout, cfg.reshard, cfg.model.dtype), roles, pinned_roles(cfg))
     sampler = sampler_for(cfg, len(prompts))
     start = 0
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
     if folder is not None:
         state = checkpoint.read_state(folder)
-        actor.load(folder)
+        for role in checkpoint.SAVED_ROLES:
+            if role in roles:
+                roles[role].load(checkpoint.role_folder(folder, role))
         sampler.state = SamplerState(**state["sampler"])
         checkpoint.set_rng_state(state["rng"])
         start = int(state["iteration"])
         if peer.rank == 0:
             log.info("resumed from %s at iteration %d", folder, start)
-    run = Run(cfg, lay, peer, acc, dock, actor, ref, ref_swap, rollout, resharder, tok, prompts, sampler,
+    run = Run(cfg, lay, peer, acc, dock, graph, roles, rollout, residency, tok, prompts, sampler,
               get_reward(cfg.reward.rule, cfg.reward.format_score))
     if cfg.trainer.eval_interval:
         test = prompts_for(cfg, tok, cfg.data.test_path)
@@ -113,6 +108,25 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if peer.rank == 0:
         log.info("training from iteration %d with world %d", start, peer.world)
     return run, start
+
+
+def build_roles(cfg, acc, mesh, graph) -> dict:
+    """One engine per training-side role the graph uses (``Stage.roles``), all FSDP2 over the
+    training mesh: the actor always; the reference, PPO's critic (value head on the actor's or
+    its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
+    needed = {r for s in graph for r in s.roles}
+    temp = cfg.rollout.temperature
+    dtype = cfg.model.dtype
+    roles = {"actor": TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, total_steps=_total_steps(cfg), temperature=temp)}
+    if "ref" in needed:
+        roles["ref"] = TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, trainable=False, temperature=temp)
+    if "critic" in needed:
+        critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr})
+        roles["critic"] = TrainEngine(cfg.critic.model_path or cfg.model.path, acc, mesh, critic_cfg, dtype,
+                                      total_steps=_total_steps(cfg), head="value")
+    if "reward_model" in needed:
+        roles["reward_model"] = TrainEngine(cfg.reward.model_path, acc, mesh, cfg.actor, dtype, trainable=False, head="score")
+    return roles
 
 
 PEER_LOST_EXIT = 75

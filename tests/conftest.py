@@ -43,6 +43,15 @@ def tiny_model() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model) -> Path:
+    """The tiny reward model (a sequence classifier on the tiny policy's trunk); built when missing."""
+    folder = tiny_model / "reward_model"
+    if not (folder / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_reward_model.py"), "--model", str(tiny_model)], check=True)
+    return folder
+
+
 @pytest.fixture
 def in_repo(monkeypatch):
     """Run with the repository root as the current directory (configs use relative paths)."""

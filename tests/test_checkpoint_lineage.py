@@ -46,7 +46,7 @@ def test_pruning_rule_keeps_what_was_just_written(tmp_path, monkeypatch):
     other = _fake(root, 200, None)  # a newer checkpoint of another lineage
     origin = origin_of(str(tmp_path / "start"))
     for it in (10, 20, 30):
-        written = ck.save(root, it, Engine(), {"iteration": it, "origin": origin}, keep=1)
+        written = ck.save(root, it, {"actor": Engine()}, {"iteration": it, "origin": origin}, keep=1)
         assert written.is_dir()  # keep=1 used to delete the folder just written when a newer name existed
     assert complete_checkpoints(root) == [folder_for(root, 30), other]
 

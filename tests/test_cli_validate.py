@@ -39,8 +39,11 @@ BROKEN = [
     (["actor.lr=fast"], None, "actor.lr"),
     (["actor.lrr=1e-5"], None, "actor.lrr"),
     (["algorithm.name=reinforce"], None, "algorithm.name"),
-    (["algorithm.name=ppo"], None, "algorithm.name"),
-    (["algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"], None, "algorithm.use_kl_loss"),
+    (["algorithm.name=ppo", "critic.model_path=assets/no-critic"], None, "critic.model_path"),
+    (["algorithm.use_kl_loss=false"], None, "algorithm.use_kl_loss"),
+    (["algorithm.gamma=0.9"], None, "algorithm.gamma"),
+    (["algorithm.lam=0.9"], None, "algorithm.lam"),
+    (["critic.offload_to_host=false"], None, "critic.offload_to_host"),
     (["parallel.train.dp_shard=3"], None, "parallel.train.dp_shard"),
     (["parallel.gen.tp=3"], None, "parallel.gen.tp"),
     (["data.global_batch_size=15"], None, "data.global_batch_size"),
@@ -51,7 +54,10 @@ BROKEN = [
     (["model.path=assets/no-model"], None, "model.path"),
     (["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"], 8, "parallel.train.tp"),
     (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
-    (["reward.kind=model"], None, "reward.kind"),
+    (["reward.kind=model"], None, "reward.model_path"),
+    (["reward.kind=model", "reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
+    (["reward.rule_weight=0.5"], None, "reward.rule_weight"),
+    (["reward.offload_to_host=false"], None, "reward.offload_to_host"),
     (["elastic.max_nodes=2"], None, "elastic.rdzv_endpoint"),
     (["dock.max_message_bytes=1024"], None, "dock.max_message_bytes"),
     (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
@@ -89,8 +95,8 @@ def test_broken_config_names_field(in_repo, tiny_model, overrides, world, field)
 
 
 def test_not_implemented_field_says_why(in_repo, tiny_model):
-    res = run("validate", QUICK, "algorithm.critic_lr=1e-5")
-    assert res.exit_code == 2 and "critic is not implemented" in res.output and "remove the field" in res.output
+    res = run("validate", QUICK, "reshard.prefetch=true")
+    assert res.exit_code == 2 and "prefetching the training state is not implemented" in res.output and "remove the field" in res.output
 
 
 def test_all_violations_reported_at_once(in_repo, tiny_model):

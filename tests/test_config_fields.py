@@ -109,6 +109,14 @@ COVERED = {
     "elastic.max_nodes": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "elastic.rdzv_last_call_s": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "elastic.startup_timeout_s": "test_timeouts.py::test_steady_timeout_fires_and_long_phase_waits",
+    "algorithm.gamma": "test_ppo_torchrun.py::test_ppo_gae_and_residency",
+    "algorithm.lam": "test_ppo_torchrun.py::test_ppo_gae_and_residency",
+    "algorithm.critic_lr": "test_ppo_torchrun.py::test_ppo_gae_and_residency",
+    "algorithm.value_clip": "test_ppo_stages.py::test_critic_update_is_the_clipped_value_loss",
+    "critic.model_path": "test_ppo_torchrun.py::test_ppo_gae_and_residency",
+    "critic.offload_to_host": "test_ppo_torchrun.py::test_ppo_gae_and_residency",
+    "reward.rule_weight": "test_reward_model.py::test_reward_model_run_scores_through_the_dock_and_rises",
+    "reward.offload_to_host": "test_reward_model.py::test_reward_model_run_scores_through_the_dock_and_rises",
 }
 
 NOT_YET_COVERED: set[str] = set()

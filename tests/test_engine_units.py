@@ -62,8 +62,8 @@ def test_host_swap_round_trip_is_bit_exact_and_frees_storage():
 
 def test_ledger_peak_and_unknown_category():
     led = Ledger()
-    led.record("a", train_params=10, temp=5)
-    led.record("b", gen_weights=7)
-    assert led.total("a") == 15 and led.peak() == 15 and "train_params" in led.table()
+    led.record("a", actor_params=10, temp=5)
+    led.record("b", rollout_weights=7)
+    assert led.total("a") == 15 and led.peak() == 15 and "actor_params" in led.table()
     with pytest.raises(ValueError):
         led.record("c", bogus=1)

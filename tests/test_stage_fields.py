@@ -1,5 +1,6 @@
-"""The stages read their config fields: the real ``update``, ``advantage`` and ``reward`` stage
-functions, with a fake dock and a fake engine around them (a world-1 gloo group for their
+"""The stages read their config fields: the real ``actor_update``, ``advantage`` and ``reward``
+stages through the real runner (``trainer.runner.run_stage``), with a fake dock, a fake engine
+and a no-op residency around them (a world-1 gloo group for their
 collectives), against formulas written out independently here in float64.
 
 Each field is set to a value that changes the result on this data, so a stage that ignored it
@@ -16,9 +17,11 @@ import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.loader import load_config
+from spmd_rl.config.stages import stages_for
 from spmd_rl.dock.client import DockBatch
-from spmd_rl.trainer import stages
-from spmd_rl.trainer.update import update
+from spmd_rl.trainer.metrics import StageTimer
+from spmd_rl.trainer.runner import run_stage
+from spmd_rl.trainer.stages.samples import encode_text
 from tests.conftest import REPO
 
 D = torch.float64
@@ -83,10 +86,18 @@ def _data(seed: int = 1):
     return lengths, lp * mask, old * mask, roll * mask, ref * mask, ent * mask, adv, mask
 
 
-def _run(cfg, dock, engine):
+def _run(cfg, dock, engine, **roles):
     tok = SimpleNamespace(pad_token_id=0)
     lay = SimpleNamespace(train=Layout(1, 1), gen=Layout(1, 1))
-    return SimpleNamespace(cfg=cfg, lay=lay, peer=SimpleNamespace(rank=0, world=1), dock=dock, actor=engine, tokenizer=tok)
+    residency = SimpleNamespace(enter=lambda phase, roles: None, weights_changed=lambda: None)
+    return SimpleNamespace(cfg=cfg, lay=lay, peer=SimpleNamespace(rank=0, world=1), dock=dock, roles={"actor": engine, **roles},
+                           tokenizer=tok, residency=residency)
+
+
+def run_named(run, name: str):
+    """Stage ``name`` of the run's config graph, through the real runner, on all B samples."""
+    stage = next(s for s in stages_for(run.cfg) if s.name == name)
+    return run_stage(run, 0, stage, list(range(B)), StageTimer())
 
 
 def _stage_grads(cfg):
@@ -97,7 +108,7 @@ def _stage_grads(cfg):
                      "seq_advantage": [torch.tensor(float(a)) for a in adv],
                      "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
     engine = FakeEngine(lp.float(), ent.float())
-    update(_run(cfg, dock, engine), 0, expected=list(range(B)))
+    run_named(_run(cfg, dock, engine), "actor_update")
     g_lp, g_ent = engine.first
     return g_lp.double(), (g_ent if g_ent is not None else torch.zeros_like(engine.ent)).double()
 
@@ -145,13 +156,13 @@ def test_update_reads_its_fields(override):
     assert not (torch.allclose(want_lp, base_lp, atol=1e-6) and torch.allclose(want_ent, base_ent, atol=1e-6)), "field has no effect here"
 
 
-def test_kl_in_loss_can_be_turned_off_only_with_no_kl():
-    # use_kl_loss=false with kl_coef > 0 is refused by validate (KL-in-reward is [3/5]); the
-    # KL is then still measured and logged, not optimised
+def test_kl_in_reward_leaves_the_loss_without_kl():
+    # use_kl_loss=false: the KL goes into the rewards (test_ppo_stages), the update reads no
+    # reference log-probs and its objective has no KL term
     cfg = _cfg(*BASE)
     g_on, _ = _stage_grads(cfg)
-    cfg_off = _cfg(*BASE)
-    cfg_off.algorithm.use_kl_loss = False
+    cfg_off = _cfg(*BASE, "algorithm.use_kl_loss=false")
+    assert "ref_log_prob" not in next(s for s in stages_for(cfg_off) if s.name == "actor_update").inputs
     g_off, _ = _stage_grads(cfg_off)
     want, _ = _reference_grads(_cfg("actor.clip_ratio_c=null", "algorithm.kl_coef=0"))
     assert torch.allclose(g_off, want, atol=1e-6) and not torch.allclose(g_on, g_off, atol=1e-6)
@@ -161,7 +172,7 @@ def test_kl_in_loss_can_be_turned_off_only_with_no_kl():
 def test_advantage_reads_norm_adv_by_std(by_std):
     rewards = [1.0, 0.0, 0.0, 2.0, 2.0, 5.0]
     dock = FakeDock({"reward": [torch.tensor(x) for x in rewards], "response_length": [torch.tensor(2, dtype=torch.int32)] * B})
-    stages.advantage(_run(_cfg(f"algorithm.norm_adv_by_std={str(by_std).lower()}"), dock, None), 0, list(range(B)))
+    run_named(_run(_cfg(f"algorithm.norm_adv_by_std={str(by_std).lower()}"), dock, None), "advantage")
     got = dock.puts["seq_advantage"].tolist()  # one scalar per sample
     for g in (rewards[:3], rewards[3:]):
         mean = sum(g) / 3
@@ -176,11 +187,11 @@ def test_reward_reads_overlong_buffer_and_penalty():
     cfg = _cfg("algorithm.name=dapo", "algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5")
     dock = FakeDock({"response_ids": [torch.arange(n, dtype=torch.int32) for n in lengths],
                      "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths],
-                     "answer": [stages.encode_text("42" if k < 3 else "7") for k in range(B)]})
+                     "answer": [encode_text("42" if k < 3 else "7") for k in range(B)]})
     run = _run(cfg, dock, None)
     run.tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["42"] * len(ids))
     run.reward_fn = lambda text, answer: float(text == answer)
-    stages.reward(run, 0, list(range(B)))
+    run_named(run, "reward")
     sl = cfg.rollout.max_response_length  # 8: penalty -0.5 * (L - 4) / 4 beyond L = 4
     want = [(1.0 if k < 3 else 0.0) - 0.5 * min(max(n - (sl - 4), 0) / 4, 1.0) for k, n in enumerate(lengths)]
     assert dock.puts["reward"].tolist() == pytest.approx(want)

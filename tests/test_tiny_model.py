@@ -16,7 +16,7 @@ from tests.conftest import REPO, subprocess_env
 def test_builder_writes_loadable_folder(tmp_path):
     out = tmp_path / "tiny"
     subprocess.run(
-        [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--max-steps", "10", "--eval-every", "5", "--n-test", "50"],
+        [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--max-steps", "10", "--eval-every", "5", "--n-test", "50", "--no-reward-model"],
         check=True, capture_output=True,
     )
     tok = AutoTokenizer.from_pretrained(out)

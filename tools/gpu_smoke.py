@@ -48,12 +48,12 @@ def main() -> int:
     rows = {mode: run_mode(mode, args) for mode in MODES}
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     last = {mode: r[-1] for mode, r in rows.items()}
-    source = "mem_generate_device_bytes" if "mem_generate_device_bytes" in last["naive"] else "mem_generate_ledger_bytes"
+    source = "mem_actor_rollout_device_bytes" if "mem_actor_rollout_device_bytes" in last["naive"] else "mem_actor_rollout_bytes"
     print(f"device {args.device}, {args.nproc_per_node} rank(s), {args.iterations} iterations; memory as generation starts "
           f"({'device allocator' if source.endswith('device_bytes') else 'ledger: no device allocator on CPU'}), max over ranks")
     for mode in MODES:
         r = last[mode]
-        print(f"  {mode:15s} {mib(r[source]):>14s}   ledger {mib(r['mem_generate_ledger_bytes']):>14s}   "
+        print(f"  {mode:15s} {mib(r[source]):>14s}   ledger {mib(r['mem_actor_rollout_bytes']):>14s}   "
               f"iteration {r['iteration_s']:.2f} s   reward {r['reward_mean']:.3f}")
     naive, swap = last["naive"][source], last["allgather_swap"][source]
     print(f"  saving {mib(naive - swap)}; allgather_swap / naive: {swap / naive:.3f}")

@@ -4,7 +4,8 @@
 Deterministic for a given seed and torch build. Writes a standard HF folder (Qwen2
 architecture, safetensors, fast tokenizer with pad/eos and a chat template) loadable by
 ``transformers`` and by vLLM, plus ``train.jsonl`` / ``test.jsonl`` with ``prompt`` and
-``answer`` columns for the task "a+b=" with 0 <= a, b < 100.
+``answer`` columns for the task "a+b=" with 0 <= a, b < 100, and the tiny reward model in
+``<out>/reward_model`` (``tools/make_tiny_reward_model.py``).
 
 The model is warm-started by a short supervised run that stops as soon as greedy accuracy on
 the test prompts reaches ``--target-accuracy`` (so the RL run has room to improve it); the
@@ -147,6 +148,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--no-reward-model", dest="reward_model", action="store_false",
+                    help="Skip the tiny reward model (<out>/reward_model, tools/make_tiny_reward_model.py).")
     args = ap.parse_args()
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -170,6 +173,10 @@ def main() -> None:
     (args.out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"[make_tiny_model] wrote {args.out}: greedy accuracy on all {len(test)} test prompts = {full_acc:.3f} "
           f"after {steps} SFT steps", flush=True)
+    if args.reward_model:
+        from make_tiny_reward_model import build  # tools/ is the script's folder
+
+        build(args.out, args.out / "reward_model", args.seed)
 
 
 if __name__ == "__main__":

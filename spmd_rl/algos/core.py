@@ -53,3 +53,33 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         last = (delta + gamma * lam * last) * m[:, t]
         adv[:, t] = last
     return adv, adv + values
+
+
+def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, width: int, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """PPO's per-token rewards [B, width]: the sequence score at the last response token
+    (index L_b - 1), minus ``kl_coef`` x the per-token KL when KL is in the reward
+    (verl ``apply_kl_penalty``): r_t = -beta kl_t + [t = L - 1] score."""
+    out = torch.zeros(scores.shape[0], width, dtype=torch.float64)
+    if kl is not None:
+        out -= kl_coef * kl.to(torch.float64)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows].long() - 1] += scores[rows].to(torch.float64)
+    return out
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """(count, sum, sum of squares) of the masked entries, to be summed over ranks before
+    ``whiten`` so that the statistics are those of the whole batch, however it is split."""
+    m = mask.to(torch.float64)
+    x = x.to(torch.float64)
+    return float(m.sum()), float((x * m).sum()), float((x * x * m).sum())
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, count: float, total: float, total_sq: float, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) on masked entries, 0 elsewhere, with the batch's mean and
+    unbiased variance from its global moments (verl ``masked_whiten``):
+    mean = S / n, var = (Q - n mean^2) / (n - 1)."""
+    mean = total / max(count, 1.0)
+    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    return (x.to(torch.float64) - mean) / (var + eps) ** 0.5 * mask.to(torch.float64)

@@ -81,3 +81,26 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         kv_cache=int(cfg.rollout.kv_cache_gib * GB),
         temp_buffer=temp,
     )
+
+
+def _sharded_numel(tensors, lay: Layouts) -> int:
+    """Local elements of ``tensors`` on one training rank (TP split, then FSDP over dp_shard)."""
+    return sum(-(-(t.numel // lay.train.tp if t.train_tp_split else t.numel) // lay.train.dp) for t in tensors)
+
+
+def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArch | None = None,
+               reward_arch: ModelArch | None = None) -> dict[str, int]:
+    """Per-rank bytes each role holds while resident, at a stage's entry: trainable roles their
+    params and two AdamW states (gradients exist only inside a backward pass and are freed after
+    the step), frozen roles their params, all in ``actor.param_dtype``; the rollout engine its
+    weights and KV cache. The critic and the reward model are their trunk plus a one-output head
+    (``hidden`` weights, + 1 bias for the critic's token-classification head)."""
+    pb = DTYPE_BYTES[cfg.actor.param_dtype]
+    mem = rank_memory(cfg, arch, lay)
+    out = {"actor": mem.train_params + mem.train_optim, "ref": mem.train_params, "rollout": mem.gen_weights + mem.kv_cache}
+    for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):
+        if a is not None:
+            trunk = [t for t in a.tensors() if t.name != "lm_head.weight"]
+            params = (_sharded_numel(trunk, lay) + -(-a.hidden_size // lay.train.dp) + head) * pb
+            out[role] = params * (3 if role == "critic" else 1)
+    return out

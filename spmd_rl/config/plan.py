@@ -8,13 +8,14 @@ from spmd_rl.config.estimates import (
     dispatch_seconds,
     rank_memory,
     redundant_memory,
+    role_bytes,
     tcv_centralized,
     tcv_per_warehouse,
 )
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import flow_counts, stages_for, written_columns
+from spmd_rl.config.stages import flow_counts, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
 
@@ -65,6 +66,30 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     ]
 
 
+def stage_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> tuple[list[tuple[str, list[str], int]], int]:
+    """(stage, resident roles, predicted bytes per rank at its entry) for every stage of the graph
+    (the residency manager's ledger records the same rows), and the bytes of all the graph's
+    roles resident at once (what a run without the manager would hold)."""
+    critic = ModelArch.from_folder(cfg.critic.model_path or cfg.model.path) if cfg.algorithm.name == "ppo" else None
+    reward = ModelArch.from_folder(cfg.reward.model_path) if cfg.reward.kind == "model" else None
+    size = role_bytes(cfg, arch, lay, critic, reward)
+    graph = stages_for(cfg)
+    rows = [(s.name, sorted(resident_roles(cfg, s)), 0) for s in graph]
+    rows = [(name, roles, sum(size[r] for r in roles)) for name, roles, _ in rows]
+    return rows, sum(size[r] for r in {r for s in graph for r in s.roles})
+
+
+def residency_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
+    rows, everything = stage_memory(cfg, arch, lay)
+    lines = [f"{'stage':<16}{'resident roles':<36}{'bytes':>14}"]
+    lines += [f"{name:<16}{' '.join(roles) or '-':<36}{_gib(b):>14}" for name, roles, b in rows]
+    name, _, peak = max(rows, key=lambda r: r[2])
+    lines += [f"peak {_gib(peak).strip()} in {name}; every role resident at once {_gib(everything).strip()}; "
+              f"saved {_gib(everything - peak).strip()}",
+              "(a trainable role adds its gradients during its backward pass)"]
+    return lines
+
+
 def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
     stages = stages_for(cfg)
     n, m, c = flow_counts(stages)
@@ -86,6 +111,7 @@ def render(cfg: Config, arch: ModelArch, lay: Layouts, bandwidth_gb_s: float) ->
     sections = (
         ("Layouts", layout_lines(lay)),
         ("Memory", memory_lines(cfg, arch, lay)),
+        ("Resident per stage (per rank, at the stage's entry)", residency_lines(cfg, arch, lay)),
         ("Sample flow", flow_lines(cfg, lay, bandwidth_gb_s)),
     )
     return "\n".join(f"== {title} ==\n" + "\n".join(lines) + "\n" for title, lines in sections)

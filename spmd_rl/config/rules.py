@@ -7,7 +7,9 @@ Paths are resolved against the current directory.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -101,12 +103,45 @@ def _check_files(cfg: Config) -> list[Violation]:
     return out
 
 
-def _check_reward(cfg: Config) -> list[Violation]:
+def _check_reward_model(cfg: Config) -> list[Violation]:
+    """kind: model needs a one-label sequence classifier over the policy's vocabulary (it
+    scores the policy's token ids as they are)."""
     r = cfg.reward
+    if r.model_path is None:
+        return [Violation("reward.model_path", None, "reward.kind: model needs the reward model's folder", "set reward.model_path (tools/make_tiny_model.py writes <out>/reward_model)")]
+    conf = Path(r.model_path) / "config.json"
+    try:
+        rm = json.loads(conf.read_text())
+    except (OSError, ValueError) as exc:
+        return [Violation("reward.model_path", r.model_path, f"no readable config.json ({exc.__class__.__name__})", "point it at a local HF sequence-classification folder")]
+    archs = rm.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return [Violation("reward.model_path", r.model_path, f"architectures {archs} is not a sequence classifier", "export the reward model with AutoModelForSequenceClassification")]
+    labels = rm.get("num_labels", len(rm.get("id2label") or {}) or 2)
+    if labels != 1:
+        return [Violation("reward.model_path", r.model_path, f"has {labels} labels; a reward model scores with one", "train it with num_labels=1")]
+    try:
+        policy_vocab = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return []  # model.path's own check reports it
+    if rm.get("vocab_size") != policy_vocab:
+        return [Violation("reward.model_path", r.model_path, f"vocab_size {rm.get('vocab_size')} differs from the policy's {policy_vocab}",
+                          "use a reward model with the policy's tokenizer")]
+    return []
+
+
+def _check_reward(cfg: Config) -> list[Violation]:
+    r, out = cfg.reward, []
     if r.kind == "model":
-        return [Violation("reward.kind", "model", "the reward-model role is not implemented in this version", "use kind: rule")]
-    if r.model_path is not None:
-        return [Violation("reward.model_path", r.model_path, "only read with reward.kind: model, which this version does not implement", "remove it")]
+        out += _check_reward_model(cfg)
+    else:
+        if r.model_path is not None:
+            out.append(Violation("reward.model_path", r.model_path, "only read with reward.kind: model", "remove it or set reward.kind: model"))
+        for field in ("rule_weight", "offload_to_host"):
+            if field in r.model_fields_set:
+                out.append(Violation(f"reward.{field}", getattr(r, field), "only read with reward.kind: model", "remove it or set reward.kind: model"))
+    if out:
+        return out
     if r.rule in REGISTERED_RULES:
         return []
     if r.format_score != 0:
@@ -131,10 +166,15 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
             out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} normalises rewards within a group of N responses; N=1 makes every advantage 0", "set rollout.n >= 2"))
         if cfg.rollout.temperature == 0 and cfg.rollout.n > 1:
             out.append(Violation("rollout.temperature", 0.0, "greedy sampling gives N identical responses and zero advantages", "set a temperature > 0, e.g. 1.0"))
-    if a.name == "ppo":
-        out.append(Violation("algorithm.name", "ppo", "the critic engine is not implemented in this version (GAE is, in algos/)", "use grpo or dapo"))
-    if a.kl_coef > 0 and not a.use_kl_loss:
-        out.append(Violation("algorithm.use_kl_loss", False, "KL-in-reward shaping is not implemented in this version", "set use_kl_loss: true"))
+    if a.name != "ppo":
+        for field in sorted({"gamma", "lam", "value_clip", "critic_lr"} & a.model_fields_set):
+            out.append(Violation(f"algorithm.{field}", getattr(a, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove it or set algorithm.name: ppo"))
+        for field in sorted(cfg.critic.model_fields_set):
+            out.append(Violation(f"critic.{field}", getattr(cfg.critic, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove the critic section or set algorithm.name: ppo"))
+    elif cfg.critic.model_path is not None and not (Path(cfg.critic.model_path) / "config.json").is_file():
+        out.append(Violation("critic.model_path", cfg.critic.model_path, "no config.json in that folder", "point it at a local HF folder or leave it out (the actor's weights)"))
+    if "use_kl_loss" in a.model_fields_set and a.kl_coef == 0:
+        out.append(Violation("algorithm.use_kl_loss", a.use_kl_loss, "there is no KL term: algorithm.kl_coef is 0", "set kl_coef > 0 or remove use_kl_loss"))
     if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
         out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
     if a.dynamic_sampling and a.name != "dapo":

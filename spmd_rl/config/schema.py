@@ -91,7 +91,13 @@ class RewardConfig(Section):
         "exact_match",
         description="Registered rule name (exact_match, math_verify) or a user function as `module:function`.",
     )
-    model_path: str | None = Field(None, description="Reward-model HF folder, required when `kind: model`.")
+    model_path: str | None = Field(
+        None, description="Reward-model HF folder (a sequence classifier with one label and the policy's tokenizer), required when `kind: model`; tools/make_tiny_model.py builds one in <out>/reward_model."
+    )
+    rule_weight: float = Field(
+        0.0, description="kind: model only: reward = model score + rule_weight x rule score (both are logged, as reward_model_mean and reward_rule_mean). With kind: rule the rule alone is the reward."
+    )
+    offload_to_host: bool = Field(True, description="kind: model only: keep the reward model's weights in host memory outside the reward stage.")
     format_score: float = Field(
         0.0, ge=-1.0, lt=0.5, description="Below 0.5, the score above which a sample counts as correct. Reward for a well-formed but wrong answer (a registered rule's notion of form: exact_match = a number, math_verify = a parsable answer). Must be 0 for a module:function rule."
     )
@@ -111,6 +117,21 @@ class AlgorithmConfig(Section):
     )
     overlong_buffer: int = Field(0, ge=0, description="DAPO: soft overlong punishment over the last this-many tokens of SL; 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0.0, description="DAPO: maximum overlong penalty.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE over response tokens.")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="PPO: GAE lambda (1 = Monte-Carlo returns minus the value baseline).")
+    value_clip: float | None = Field(
+        0.5, gt=0.0, description="PPO: the critic's new values are clipped to old value +- this in the clipped value loss (verl cliprange_value); null disables the clip."
+    )
+    critic_lr: float = Field(1e-5, gt=0.0, description="PPO: peak learning rate of the critic's AdamW (its schedule, betas, clip and mini-batches follow `actor`).")
+
+
+class CriticConfig(Section):
+    """PPO's value model: the policy's trunk with a scalar head."""
+
+    model_path: str | None = Field(
+        None, description="HF folder to initialise the critic's trunk from; null = the actor's `model.path`. A folder without a value head gets a zero-initialised one (every first value is 0)."
+    )
+    offload_to_host: bool = Field(True, description="Keep the critic's weights, gradients and optimizer state in host memory outside its two stages.")
 
 
 class TrainLayout(Section):
@@ -209,10 +230,6 @@ class TrainerConfig(Section):
 
 
 NOT_IMPLEMENTED: dict[str, str] = {
-    "algorithm.gamma": "PPO's critic (GAE) is not implemented in this version",
-    "algorithm.lam": "PPO's critic (GAE) is not implemented in this version",
-    "algorithm.critic_lr": "PPO's critic is not implemented in this version",
-    "algorithm.value_clip": "PPO's critic is not implemented in this version",
     "reshard.prefetch": "prefetching the training state is not implemented in this version",
 }
 """Fields of other frameworks' configs (or of earlier drafts) that this version refuses with a
@@ -228,6 +245,7 @@ class Config(Section):
     actor: ActorConfig
     ref: RefConfig = Field(default_factory=RefConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     dock: DockConfig = Field(default_factory=DockConfig)

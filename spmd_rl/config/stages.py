@@ -39,13 +39,25 @@ DATA_COLUMNS = ("prompt_ids", "answer")
 """Written by the data loader (``put_prompts``), before the first stage."""
 
 
+ROLES = ("rollout", "actor", "ref", "critic", "reward_model")
+"""The engines a stage can need on the device: the rollout engine (vLLM weights + KV cache),
+the actor's training state, the frozen reference, PPO's critic (training state) and the
+reward model."""
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    roles: tuple[str, ...] = ()
+    """The engines that must be resident while the stage runs; every other one is on host."""
     group_granular: bool = False
-    """True when the stage needs all N samples of a prompt together (group advantages)."""
+    """True when the stage needs all N samples of a prompt together (generation, group advantages)."""
+    layout: Literal["train", "gen"] = "train"
+    """Whose DP layout splits the stage's samples: the training engines' or the rollout engine's."""
+    per_round: bool = False
+    """Runs once per generation round (DAPO dynamic sampling repeats generation and reward)."""
 
 
 def needs_reference(cfg: Config) -> bool:
@@ -67,47 +79,73 @@ def ref_micro_batch_size(cfg: Config) -> int:
     return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
 
 
-def needs_old_log_prob(cfg: Config) -> bool:
-    """Off-policy update: the policy moves before the last mini-batch is consumed."""
+def off_policy(cfg: Config) -> bool:
+    """The policy moves before the last mini-batch is consumed (several epochs or mini-batches)."""
     return cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size
+
+
+def kl_in_reward(cfg: Config) -> bool:
+    """``use_kl_loss: false``: beta x KL(pi_old || ref) per token is subtracted from the rewards."""
+    return needs_reference(cfg) and not cfg.algorithm.use_kl_loss
+
+
+def needs_old_log_prob(cfg: Config) -> bool:
+    """The actor's own log-probs before the update: the off-policy ratio's denominator, or the
+    policy side of KL-in-reward."""
+    return off_policy(cfg) or kl_in_reward(cfg)
 
 
 def stages_for(cfg: Config) -> list[Stage]:
     """The stage graph of one iteration, in execution order. Invariants (tested): each stage
-    reads exactly its ``inputs`` from the dock (the stages ask this graph what to get), and
-    every column written is read by a later stage."""
+    reads exactly its ``inputs`` from the dock, every column written is read by a later stage,
+    and only the stage's ``roles`` are resident while it runs."""
     seq = ("prompt_ids", "response_ids")
+    model_reward = cfg.reward.kind == "model"
     out = [
-        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "response_length")),
-        Stage("reward", ("response_ids", "response_length", "answer"), ("reward",)),
+        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "response_length"), ("rollout",),
+              group_granular=True, layout="gen", per_round=True),
+        Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
+              ("reward_model",) if model_reward else (), per_round=True),
     ]
-    extra: tuple[str, ...] = ("rollout_log_prob",)
+    update_extra: tuple[str, ...] = ("rollout_log_prob",)
+    kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
-        out.append(Stage("ref_logprob", seq, ("ref_log_prob",)))
-        extra += ("ref_log_prob",)
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("ref",)))
+        if kl_in_reward(cfg):
+            kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
+        else:
+            update_extra += ("ref_log_prob",)
     if needs_old_log_prob(cfg):
-        out.append(Stage("actor_logprob", seq, ("old_log_prob",)))
-        extra += ("old_log_prob",)
+        out.append(Stage("actor_logprob", seq, ("old_log_prob",), ("actor",)))
+        if off_policy(cfg):
+            update_extra += ("old_log_prob",)
     if cfg.algorithm.name == "ppo":
-        out.append(Stage("critic_value", seq, ("values",)))
-        out.append(Stage("advantage", ("reward", "values", "response_length"), ("advantages", "returns")))
-        out.append(Stage("critic_update", seq + ("values", "returns"), ()))
+        out.append(Stage("critic_value", seq, ("values",), ("critic",)))
+        adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length")
+        out.append(Stage("advantage", adv_in, ("advantages", "returns")))
+        out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
     else:
-        out.append(Stage("advantage", ("reward",), ("seq_advantage",), group_granular=True))
-    out.append(Stage("actor_update", seq + (advantage_column(cfg),) + extra, ()))
+        out.append(Stage("advantage", ("reward",) + kl_cols, ("seq_advantage",), group_granular=True))
+    out.append(Stage("actor_update", seq + (advantage_column(cfg),) + update_extra, (), ("actor",)))
     return out
+
+
+def pinned_roles(cfg: Config) -> set[str]:
+    """Roles the config keeps resident through every stage (their ``offload_to_host: false``;
+    the actor under ``reshard.mode: naive``)."""
+    keep = {"ref": not cfg.ref.offload_to_host, "critic": not cfg.critic.offload_to_host,
+            "reward_model": not cfg.reward.offload_to_host, "actor": cfg.reshard.mode == "naive"}
+    return {role for role, pinned in keep.items() if pinned}
+
+
+def resident_roles(cfg: Config, stage: Stage) -> set[str]:
+    """What is resident while ``stage`` runs: its roles plus the pinned ones the graph has."""
+    present = {r for s in stages_for(cfg) for r in s.roles}
+    return set(stage.roles) | (pinned_roles(cfg) & present)
 
 
 def advantage_column(cfg: Config) -> str:
     return "advantages" if cfg.algorithm.name == "ppo" else "seq_advantage"
-
-
-def stage_inputs(cfg: Config, name: str) -> list[str]:
-    """The dock columns stage ``name`` reads, from the graph."""
-    for s in stages_for(cfg):
-        if s.name == name:
-            return list(s.inputs)
-    raise KeyError(f"stage {name!r} is not in this config's graph")
 
 
 def written_columns(stages: list[Stage]) -> list[str]:

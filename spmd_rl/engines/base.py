@@ -1,5 +1,4 @@
-"""The one interface every role's engine implements (actor, reference; critic and reward
-model next). The resharder, the stages, the update and the checkpoint code depend on this,
+"""The one interface every role's engine implements (actor, reference, critic, reward model). The resharder, the stages, the update and the checkpoint code depend on this,
 never on the FSDP class, so another backend (megatron-core, pipeline parallel) implements
 these methods and nothing else changes.
 
@@ -26,7 +25,7 @@ from spmd_rl.distributed.accelerator import Accelerator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-"""(log-probs [b, R], entropies [b, R] or None, micro-batch number) -> scalar loss to backprop."""
+"""(outputs [b, R]: log-probs or values, entropies [b, R] or None, micro-batch number) -> scalar loss to backprop."""
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -39,12 +38,14 @@ class Engine(ABC):
     trainable: bool
 
     @abstractmethod
-    def logprobs(self, batch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs (and entropies) of the response tokens of ``batch``, [B, R]."""
+    def infer(self, batch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The role's outputs for ``batch`` without gradients: per-token log-probs [B, R] (and
+        entropies) of a policy, per-token values [B, R] of a critic, scores [B] of a reward model."""
 
     @abstractmethod
     def train_step(self, micro_batches: list, loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
-        """Backward over the micro-batches, clip, optimizer and schedule step; loss, grad_norm, lr."""
+        """Backward over the micro-batches, clip, optimizer and schedule step; loss, grad_norm, lr.
+        ``loss_fn`` receives the same outputs as ``infer`` (with gradients) per micro-batch."""
 
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

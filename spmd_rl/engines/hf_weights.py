@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from spmd_rl.data.files import safetensors_header
 
@@ -86,13 +86,25 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+HEADS = {"lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification, "score": AutoModelForSequenceClassification}
+"""The three model kinds an engine serves: a causal LM (actor, reference), a per-token scalar
+head on the trunk (critic) and a pooled sequence score (reward model)."""
+
+NEW_HEAD = "score."
+"""The value head's parameters: absent from a causal LM's folder (the critic starts from the
+actor's trunk), they start at zero, so every first value is 0."""
+
+
 def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
-                  shard: Callable[[nn.Module], nn.Module]) -> nn.Module:
+                  shard: Callable[[nn.Module], nn.Module], head: str = "lm") -> nn.Module:
     """The model of ``path`` in ``dtype``, parallelized by ``shard`` while still on the meta
-    device, then materialised on ``device`` holding only this rank's shards of the weights."""
+    device, then materialised on ``device`` holding only this rank's shards of the weights.
+    ``head: value`` has one label and no dropout (its output must not depend on the rank)."""
     config = AutoConfig.from_pretrained(path)
+    if head == "value":
+        config.num_labels, config.classifier_dropout = 1, 0.0
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = HEADS[head].from_config(config, dtype=dtype)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     model = shard(model)
     model.to_empty(device=device)
@@ -100,14 +112,18 @@ def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
-        load_shards(model, SafetensorsFolder(path))
+        load_shards(model, SafetensorsFolder(path), zero_missing=NEW_HEAD if head == "value" else None)
     return model
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, weights: SafetensorsFolder) -> None:
-    """Fill every parameter's local shard from ``weights``, one checkpoint tensor at a time."""
+def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str | None = None) -> None:
+    """Fill every parameter's local shard from ``weights``, one checkpoint tensor at a time;
+    parameters named ``zero_missing*`` that the folder lacks are zeroed."""
     for name, p in model.named_parameters():  # tied parameters are listed once
+        if zero_missing and name.startswith(zero_missing) and name not in weights:
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+            continue
         if name not in weights:
             raise ValueError(f"parameter {name!r} of the model is not in {weights.folder}/*.safetensors; "
                              "is the folder a checkpoint of this architecture?")

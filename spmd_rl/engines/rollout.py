@@ -146,3 +146,7 @@ class RolloutEngine:
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
+
+    def resident(self) -> bool:
+        """Whether the weights and KV cache hold device memory now (always on CPU: no sleep mode)."""
+        return not self._asleep

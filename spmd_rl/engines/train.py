@@ -1,8 +1,15 @@
-"""The training engine: an HF causal LM built on the meta device, parallelized with DTensor
-TP + FSDP2 over the training mesh and loaded shard by shard (``engines.hf_weights``); per-token log-probs, loss backward with gradient accumulation, AdamW with grad-norm
-clipping and an LR schedule, DCP state dicts.
+"""The FSDP2 engine: an HF model built on the meta device, parallelized with DTensor TP +
+FSDP2 over the training mesh and loaded shard by shard (``engines.hf_weights``); inference in
+micro-batches, loss backward with gradient accumulation, AdamW with grad-norm clipping and an
+LR schedule, DCP state dicts.
 
-Used for the actor (with optimizer) and the reference (``trainable=False``, no optimizer).
+One class, three heads, four roles:
+
+- ``lm``: per-token log-probs and entropies of the response (actor; reference with
+  ``trainable=False``);
+- ``value``: per-token values V[b, j] = head(h[b, P_b + j - 1]), the value of the state that
+  predicts response token j (verl's ``values[:, -R-1:-1]``) (critic);
+- ``score``: one score per sample, the head at the sample's last real token (reward model).
 """
 
 from __future__ import annotations
@@ -44,9 +51,10 @@ class TrainEngine(Engine):
     """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
 
     def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
-                 trainable: bool = True, total_steps: int = 1, temperature: float = 1.0):
+                 trainable: bool = True, total_steps: int = 1, temperature: float = 1.0, head: str = "lm"):
         """``temperature``: the rollout's sampling temperature T; every log-prob and entropy is
         of softmax(logits / T), the policy that sampled (T = 0, greedy, counts as 1)."""
+        self.head = head
         self.acc = acc
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0
@@ -54,7 +62,7 @@ class TrainEngine(Engine):
         compute = DTYPES[compute_dtype]
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
         checkpointing = cfg.activation_checkpointing and trainable
-        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing))
+        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing), head)
         self.model.config.use_cache = False
         self.trainable = trainable
         self.optimizer = None
@@ -71,12 +79,24 @@ class TrainEngine(Engine):
     # -- forward ------------------------------------------------------------------------------
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         micro = micro.to(self.acc.device)
+        if self.head == "score":  # the head runs on every position; keep them, pool at the last real token
+            seen: list[torch.Tensor] = []
+            hook = self.model.score.register_forward_hook(lambda _m, _i, out: seen.append(out))
+            try:
+                self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+            finally:
+                hook.remove()
+            last = micro.attention_mask.sum(1) - 1
+            return seen[0][torch.arange(len(micro), device=last.device), last, 0].float(), None
         logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+        if self.head == "value":
+            return logits[..., 0].float().gather(1, micro.predictor) * micro.mask, None
         return response_logprobs(logits, micro, with_entropy, self.temperature)
 
     @torch.no_grad()
-    def logprobs(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of the response tokens, [B, R], in micro-batches."""
+    def infer(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's outputs (module docstring) in micro-batches: ([B, R] log-probs or values, or
+        [B] scores; [B, R] entropies of an LM when asked)."""
         self.model.eval()
         outs = [self._forward(m, with_entropy) for m in split(batch, micro_batch_size)]
         lp = torch.cat([o[0] for o in outs]).cpu()

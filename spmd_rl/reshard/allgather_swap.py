@@ -6,7 +6,9 @@
   2. hand each to the rollout engine, which keeps only its TP slice, and free the bucket,
   3. allgather_swap only: move the actor's sharded params, grads and optimizer states to host
      and release their device storage.
-``to_training`` moves them back before the update stage.
+``to_training`` moves them back before the update stage. In a run, ``reshard.residency`` calls
+the same steps stage by stage (the actor's state stays on host through every stage that does
+not declare it); the two-phase flow remains for the benchmarks and the engine tests.
 
 The naive path gathers every tensor at once and keeps the training state resident. Both
 record a memory ledger at each phase.
@@ -35,7 +37,6 @@ class Resharder:
         self.swap = HostSwap(train.acc)
         self.ledger = Ledger()
         self.temp_peak = 0
-        self.device_bytes_at_generation: int | None = None
 
     # -- state accounting -----------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -49,8 +50,8 @@ class Resharder:
 
     def record(self, phase: str, temp: int = 0) -> None:
         self.ledger.record(
-            phase, train_params=resident_bytes(self._params()), train_grads=resident_bytes(self._grads()),
-            train_optim=resident_bytes(self._optim()), gen_weights=self.rollout.weight_bytes(), temp=temp,
+            phase, actor_params=resident_bytes(self._params()), actor_grads=resident_bytes(self._grads()),
+            actor_optim=resident_bytes(self._optim()), rollout_weights=self.rollout.weight_bytes(), temp=temp,
             kv_cache=self.rollout.kv_cache_bytes(),
         )
 
@@ -77,34 +78,37 @@ class Resharder:
             yield from bucket
             del bucket
 
-    # -- phases ----------------------------------------------------------------------------
+    # -- steps (the residency manager composes them per stage) ------------------------------
+    def load_rollout(self) -> None:
+        """Wake the rollout weights and load the actor's current ones, bucket by bucket."""
+        self.rollout.wake_weights()
+        self.rollout.update_weights(self.full_weights())
+
+    def offload_train(self) -> None:
+        """The actor's local params, grads and optimizer states to host (bit-exact, storage level)."""
+        self.swap.track(self._params() + self._grads() + self._optim())
+        self.swap.offload()
+
+    def reload_train(self) -> None:
+        self.swap.reload()
+
+    # -- the two-phase flow (benchmarks and engine tests) --------------------------------------
     def to_generation(self) -> None:
         """Order bounds the device peak (vLLM #15254, verl PR #6456): wake the rollout weights,
         load the new ones bucket by bucket, swap the training state to host, return the freed
         blocks (``empty_cache``), and only then wake the KV cache, so training state, weights
         and KV cache are never resident together."""
         self.record("before_reshard")
-        self.rollout.wake_weights()
-        self.rollout.update_weights(self.full_weights())
+        self.load_rollout()
         if self.cfg.mode == "allgather_swap":
-            self.swap.track(self._params() + self._grads() + self._optim())
-            self.swap.offload()
+            self.offload_train()
         self.train.acc.empty_cache()
         self.rollout.wake_kv_cache()
         self.record("generate")
-        self.device_bytes_at_generation = self.train.acc.memory_allocated()
-
-    def generation_memory(self) -> dict[str, float]:
-        """This rank's memory as generation starts: the ledger's total (what is resident,
-        counted tensor by tensor) and, off CPU, what the device allocator holds."""
-        out = {"mem_generate_ledger_bytes": float(self.ledger.total("generate"))}
-        if self.device_bytes_at_generation is not None:
-            out["mem_generate_device_bytes"] = float(self.device_bytes_at_generation)
-        return out
 
     def to_training(self) -> None:
         """Release the rollout's weights and KV cache (vLLM sleep), then reload the training state."""
         self.rollout.sleep()
         self.train.acc.empty_cache()
-        self.swap.reload()
+        self.reload_train()
         self.record("update")

@@ -1,7 +1,7 @@
 """Atomic checkpoints in a directory all nodes share.
 
-``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule) and
-``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
+``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule), PPO's
+critic in ``critic/`` (the same), and ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
 its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 writes the trainer state and
 renames the folder, so a folder without ``.tmp`` is always complete.
 
@@ -30,6 +30,14 @@ import torch.distributed as dist
 from spmd_rl.engines.safe_dcp import read_full_state
 
 _NAME = re.compile(r"^iter_(\d{6})$")
+SAVED_ROLES = ("actor", "critic")
+"""The roles with trained state; the frozen ones (reference, reward model) are their folders."""
+
+
+def role_folder(folder: str | Path, role: str) -> Path:
+    """Where ``role``'s DCP shards live in a checkpoint: the actor at the top (so a checkpoint
+    stays an actor checkpoint for export and eval), every other role in a sub-folder."""
+    return Path(folder) if role == "actor" else Path(folder) / role
 
 
 def folder_for(root: str | Path, iteration: int) -> Path:
@@ -77,9 +85,9 @@ def resume_folder(root: str | Path, resume: str) -> Path | None:
     return newer[-1] if newer else start
 
 
-def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: int) -> Path:
-    """Write ``iter_NNNNNN`` atomically, then prune (module docstring). ``trainer_state``
-    carries ``origin`` (the lineage)."""
+def save(root: str | Path, iteration: int, roles: dict, trainer_state: dict, keep: int) -> Path:
+    """Write ``iter_NNNNNN`` atomically with the state of every role of ``SAVED_ROLES`` in
+    ``roles``, then prune (module docstring). ``trainer_state`` carries ``origin`` (the lineage)."""
     final = folder_for(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -87,7 +95,9 @@ def save(root: str | Path, iteration: int, engine, trainer_state: dict, keep: in
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    engine.save(tmp)
+    for role in SAVED_ROLES:
+        if role in roles:
+            roles[role].save(role_folder(tmp, role))
     dist.barrier()
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))

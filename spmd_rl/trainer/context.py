@@ -13,9 +13,9 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.config.stages import Stage
 from spmd_rl.engines.base import Engine
-from spmd_rl.reshard.allgather_swap import Resharder
-from spmd_rl.reshard.swap import HostSwap
+from spmd_rl.reshard.residency import Residency
 
 
 @dataclass
@@ -25,14 +25,19 @@ class Run:
     peer: Peer
     acc: Accelerator
     dock: TransferDock
-    actor: Engine
-    ref: Engine | None
-    ref_swap: HostSwap | None
+    graph: list[Stage]
+    """The stage graph of this config (``config.stages.stages_for``), built once; the one that runs."""
+    roles: dict[str, Engine]
+    """One engine per training-side role: actor, and ref / critic / reward_model when the graph has them."""
     rollout: RolloutEngine
-    resharder: Resharder
+    residency: Residency
     tokenizer: Any
     prompts: PromptSet
     sampler: PromptSampler
     reward_fn: Any
     evaluator: Callable[[], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
+
+    @property
+    def actor(self) -> Engine:
+        return self.roles["actor"]

@@ -32,6 +32,14 @@ def global_max(value: float) -> float:
     return float(t.item())
 
 
+def global_maxes(values: dict[str, float]) -> dict[str, float]:
+    """All-reduce a dict of values to their maxima over the world, in one collective."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
 class StageTimer:
     def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
         """``on_stage(name)`` is called as each stage starts (the progress bar)."""

@@ -67,7 +67,7 @@ def main():
             train_once(twin, fixed)
         before = local_state(engine)
         resharder.to_generation()
-        report["resident_params_during_gen"].append(resharder.ledger.rows[-1][1]["train_params"])
+        report["resident_params_during_gen"].append(resharder.ledger.rows[-1][1]["actor_params"])
         samples = rollout.generate(my_prompts, n=1, max_tokens=6, temperature=0.0)
         resharder.to_training()
         after = local_state(engine)
@@ -79,7 +79,7 @@ def main():
         greedy = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in my_prompts]
         report["greedy_equal"].append(all(g[: len(s.token_ids)] == s.token_ids for g, s in zip(greedy, samples)))
         seqs = build_batch([torch.tensor(p) for p in my_prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id)
-        lp, _ = engine.logprobs(seqs, micro_batch_size=8)
+        lp, _ = engine.infer(seqs, micro_batch_size=8)
         diffs = [abs(lp[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids))]
         report["max_logprob_diff"].append(max(diffs))
         # vLLM weights that vLLM CPU does not repack, against this rank's TP slice: bit for bit
@@ -107,7 +107,7 @@ def main():
     row = naive.ledger.rows[-1][1]
     report["ledger_saving"] = naive_gen - swap_gen
     report["ledger_kv_cache"] = resharder.ledger.rows[-2][1]["kv_cache"]  # the "generate" row
-    report["ledger_train_state"] = row["train_params"] + row["train_grads"] + row["train_optim"]
+    report["ledger_train_state"] = row["actor_params"] + row["train_grads"] + row["train_optim"]
     report["temp_peak_swap"] = resharder.temp_peak
     report["temp_peak_naive"] = naive.temp_peak
     report["largest_param_bytes"] = max(p.numel() * 4 for p in engine.model.parameters())

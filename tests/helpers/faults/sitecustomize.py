@@ -13,6 +13,10 @@ Plans (``dir`` is a folder the test and the workers share):
   the update), ``checkpoint`` (inside a checkpoint write, between its barriers). In a world of
   1 with ``D/hold`` present, every iteration after the worker's first waits (until the test
   grows the world, which restarts this worker).
+- ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
+  ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
+  ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
+  ``D/ledger_rank<r>.jsonl`` (phase, bytes by category).
 - ``{"kind": "stop_warehouse", "iteration": k, "dir": D}``: in the first incarnation
   (TORCHELASTIC_RESTART_COUNT 0), the warehouse server thread stops when the first put of
   iteration k arrives, while its rank lives on; writes ``D/stopped`` with the time.
@@ -29,8 +33,8 @@ from pathlib import Path
 
 def _pause(plan: dict) -> None:
     import spmd_rl.trainer.loop as loop
-    import spmd_rl.trainer.stages as stages
     from spmd_rl.dock.client import TransferDock
+    from spmd_rl.trainer.stages import REGISTRY
     from spmd_rl.engines.train import TrainEngine
 
     folder, points = Path(plan["dir"]), plan["points"]
@@ -44,17 +48,23 @@ def _pause(plan: dict) -> None:
             time.sleep(0.05)
 
     def wrap(owner, name: str, point: str, iteration_of) -> None:
-        original = getattr(owner, name)
+        original = owner[name] if isinstance(owner, dict) else getattr(owner, name)
 
         def hooked(*args, **kwargs):
             at(point, iteration_of(*args, **kwargs))
             return original(*args, **kwargs)
 
-        setattr(owner, name, hooked)
+        if isinstance(owner, dict):
+            owner[name] = hooked
+        else:
+            setattr(owner, name, hooked)
 
-    wrap(stages, "rollout", "generate", lambda run, it, *a, **k: it)
-    wrap(loop, "update", "update", lambda run, it, *a, **k: it)
-    wrap(TrainEngine, "save", "checkpoint", lambda engine, folder: int(Path(folder).name.split("_")[1].split(".")[0]))
+    wrap(REGISTRY, "actor_rollout", "generate", lambda call: call.it)
+    wrap(REGISTRY, "actor_update", "update", lambda call: call.it)
+    def iteration_of_folder(engine, folder) -> int:  # .../iter_000012.tmp[/critic]
+        return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
+
+    wrap(TrainEngine, "save", "checkpoint", iteration_of_folder)
     get, fetch = TransferDock.get, TransferDock._fetch
 
     def get_noting_stage(self, stage, *args, **kwargs):
@@ -76,6 +86,31 @@ def _pause(plan: dict) -> None:
         return run_iteration(run, it, *args, **kwargs)
 
     loop.run_iteration = held
+
+
+def _dump(plan: dict) -> None:
+    import torch
+
+    from spmd_rl.dock.client import TransferDock
+    from spmd_rl.reshard.residency import Residency
+
+    folder, rank = Path(plan["dir"]), os.environ.get("RANK", "0")
+    folder.mkdir(parents=True, exist_ok=True)
+    put, record, count = TransferDock.put, Residency.record, [0]
+
+    def put_saving(self, stage, iteration, data, indices):
+        idx = indices.tolist() if hasattr(indices, "tolist") else list(indices)
+        cols = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in data.items()}
+        torch.save({"stage": stage, "iteration": iteration, "indices": idx, "columns": cols}, folder / f"put_rank{rank}_{count[0]}.pt")
+        count[0] += 1
+        return put(self, stage, iteration, data, indices)
+
+    def record_saving(self, phase):
+        record(self, phase)
+        with open(folder / f"ledger_rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"phase": phase, **self.ledger.rows[-1][1]}) + "\n")
+
+    TransferDock.put, Residency.record = put_saving, record_saving
 
 
 def _stop_warehouse(plan: dict) -> None:
@@ -102,4 +137,4 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker's stacks, on demand
     _plan = json.loads(_PLAN)
-    {"pause": _pause, "stop_warehouse": _stop_warehouse}[_plan["kind"]](_plan)
+    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump}[_plan["kind"]](_plan)

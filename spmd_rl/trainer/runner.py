@@ -1,0 +1,39 @@
+"""The one stage runner: resident roles -> get -> compute -> put.
+
+For a stage of the graph (``config.stages.Stage``):
+
+1. the residency manager makes exactly the stage's roles resident;
+2. the dock delivers the stage's declared inputs in the stage's layout, whole prompt groups
+   when the stage is group-granular, for the samples ``expected``;
+3. the registered function computes (``trainer.stages``);
+4. the writer rule: only TP rank 0 of each DP group puts the outputs and counts its metric
+   sums (its TP peers computed the same). A stage that returns columns must return all of
+   its declared outputs and nothing else.
+"""
+
+from __future__ import annotations
+
+from spmd_rl.config.stages import Stage
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.metrics import StageTimer
+from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
+
+
+def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: StageTimer) -> StageResult:
+    with timer.stage(stage.name):
+        run.residency.enter(stage.name, stage.roles)
+        layout = run.lay.gen if stage.layout == "gen" else run.lay.train
+        group = run.cfg.rollout.n if stage.group_granular else 1
+        batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group, expected=expected)
+        writer = layout.coords(run.peer.rank)[1] == 0
+        result = stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected))
+        if result.columns is not None:
+            if set(result.columns) != set(stage.outputs):
+                raise RuntimeError(f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares {sorted(stage.outputs)}")
+            if writer and len(batch):
+                run.dock.put(stage.name, it, result.columns, batch.indices)
+        if not writer:
+            result.sums = dict.fromkeys(result.sums, 0.0)
+            if result.rewards is not None:
+                result.rewards.zero_()
+    return result

@@ -1,0 +1,86 @@
+"""actor_update: the policy objective (``algos.policy_loss``, registered by name) over PPO
+epochs and mini-batches; this module only feeds it the right normaliser (``minibatch``: one
+objective per mini-batch however it is split)."""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.algos.core import kl_estimate
+from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
+from spmd_rl.config.stages import advantage_column
+from spmd_rl.engines.logprobs import split
+from spmd_rl.trainer.metrics import global_max
+from spmd_rl.trainer.stages.minibatch import dp_sums, mini_batch_norm, schedule
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.samples import padded, seq_batch
+
+_SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl")
+
+
+@register("actor_update")
+def actor_update(call: StageCall) -> StageResult:
+    """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch.
+    Reads the columns the stage graph declares (reference / old log-probs when present)."""
+    run, batch = call.run, call.batch
+    cfg, lay = run.cfg, run.lay.train
+    a = cfg.actor
+    use_ref, use_old = "ref_log_prob" in call.stage.inputs, "old_log_prob" in call.stage.inputs
+    seqs = seq_batch(run, batch)
+    width = seqs.mask.shape[1]
+    if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
+        adv = torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width) if len(batch) else torch.zeros(0, width)
+    else:
+        adv = padded(batch.columns["advantages"], width)
+    rollout = padded(batch.columns["rollout_log_prob"], width)
+    ref = padded(batch.columns["ref_log_prob"], width) if use_ref else None
+    old = padded(batch.columns["old_log_prob"], width) if use_old else None
+    objective = get_policy_loss(a.policy_loss)
+    clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
+    micro = a.micro_batch_size
+    acc = dict.fromkeys(_SUMS, 0.0) | {"mismatch_max": 0.0}
+    steps, grad_norm, lr = 0, 0.0, 0.0
+    for epoch, sl in schedule(cfg, lay.dp, len(batch)):
+        mini = seqs[sl]
+        norm = mini_batch_norm(mini.mask, lay.tp)
+
+        def loss_fn(lp, ent, k, sl=sl, mini=mini, norm=norm, first_epoch=epoch == 0):
+            s = slice(sl.start + k * micro, sl.start + (k + 1) * micro)
+            mask = mini.mask[k * micro : (k + 1) * micro].to(lp.device)
+            m = mask.to(lp.dtype)
+            old_lp = old[s].to(lp.device) if old is not None else lp.detach()
+            roll = rollout[s].to(lp.device)
+            weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
+            out = objective(lp, old_lp, adv[s].to(lp.device), mask, clip, norm, weight)
+            loss = out.loss
+            if ref is not None:
+                kl = kl_estimate(lp, ref[s].to(lp.device), cfg.algorithm.kl_estimator)
+                acc["kl"] += float((kl.detach() * m).sum())
+                if cfg.algorithm.use_kl_loss:
+                    loss = loss + cfg.algorithm.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
+            acc["entropy"] += float((ent.detach() * m).sum())
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
+            acc["loss"] += float(loss.detach())
+            acc["clipped"] += out.clipped_tokens
+            acc["tokens"] += float(m.sum())
+            if first_epoch:
+                diff = (old_lp.detach() - roll) * m
+                acc["mismatch_sum"] += float(diff.abs().sum())
+                acc["mismatch_tokens"] += float(m.sum())
+                acc["mismatch_max"] = max(acc["mismatch_max"], float(diff.abs().max()) if m.numel() else 0.0)
+                acc["rollout_kl"] += float((-diff).sum())
+            return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
+
+        out = run.roles["actor"].train_step(split(mini, micro), loss_fn, with_entropy=True)
+        grad_norm += out["grad_norm"]
+        lr = out["lr"]
+        steps += 1
+    run.residency.weights_changed()
+    g = dp_sums({k: acc[k] for k in _SUMS}, lay.tp)
+    tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
+    return StageResult(final={
+        "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
+        "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
+        "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),
+        "rollout_kl": g["rollout_kl"] / mt})

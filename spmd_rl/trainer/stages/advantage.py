@@ -1,0 +1,74 @@
+"""advantage: GRPO/DAPO group-normalised scalars, or PPO's GAE with whitened advantages.
+
+- GRPO/DAPO (group-granular): the sequence score s = r - beta sum_t kl_t when KL is in the
+  reward (else s = r), then A = group-normalised s (``algos.core.grpo_advantages``), one
+  scalar per sample.
+- PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
+  in float64, returns = A + V (before whitening), then A whitened with the mean and variance
+  of the *whole iteration's* tokens: moments are summed over the DP ranks (each DP group
+  once), so the result does not depend on the layout (tested against a single-process float64
+  recomputation from the dock's columns).
+
+KL-in-reward uses kl_t = estimator(old_log_prob_t, ref_log_prob_t) (``algorithm.kl_estimator``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.algos.core import gae, grpo_advantages, kl_estimate, masked_moments, token_rewards, whiten
+from spmd_rl.trainer.metrics import global_sums
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.samples import padded
+
+
+def _kl(call: StageCall, width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-token KL [B, width] when KL is in the reward (else None), and the response mask."""
+    cols = call.batch.columns
+    lengths = torch.stack(cols["response_length"]).long()
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    if "ref_log_prob" not in cols:
+        return None, mask
+    old, ref = padded(cols["old_log_prob"], width, torch.float64), padded(cols["ref_log_prob"], width, torch.float64)
+    return kl_estimate(old, ref, call.run.cfg.algorithm.kl_estimator) * mask, mask
+
+
+@register("advantage")
+def advantage(call: StageCall) -> StageResult:
+    run, batch = call.run, call.batch
+    if not len(batch):
+        return StageResult(sums={"adv_zero_groups": 0.0})
+    rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
+    if "values" in call.stage.inputs:
+        return _gae(call, rewards)
+    n, sums = run.cfg.rollout.n, {}
+    if "ref_log_prob" in batch.columns:
+        width = int(torch.stack(batch.columns["response_length"]).max())
+        kl, mask = _kl(call, width)
+        rewards = rewards - run.cfg.algorithm.kl_coef * kl.sum(-1)
+        sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
+    adv = grpo_advantages(rewards, n, run.cfg.algorithm.norm_adv_by_std)
+    sums["adv_zero_groups"] = float((adv.reshape(-1, n) == 0).all(dim=1).sum())
+    return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
+
+
+def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
+    run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
+    lengths = torch.stack(cols["response_length"]).long()
+    width = max(1, int(lengths.max()))
+    values = padded(cols["values"], width, torch.float64)
+    kl, mask = _kl(call, width)
+    rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef)
+    adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
+    tp = run.lay.train.tp  # TP peers hold the same samples: count each DP group once
+    g = {k: v / tp for k, v in global_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask)))).items()}
+    white = whiten(adv, mask, g["n"], g["s"], g["q"])
+    lens = lengths.tolist()
+    resid = (returns - values) * mask
+    sums = {"returns_sum": float((returns * mask).sum()), "returns_sq": float((returns.square() * mask).sum()),
+            "resid_sum": float(resid.sum()), "resid_sq": float(resid.square().sum()),
+            "values_sum": float((values * mask).sum()), "value_tokens": float(mask.sum())}
+    if kl is not None:
+        sums |= {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
+    return StageResult(columns={"advantages": [white[k, :L].float() for k, L in enumerate(lens)],
+                                "returns": [returns[k, :L].float() for k, L in enumerate(lens)]}, sums=sums)

@@ -1,0 +1,47 @@
+"""critic_update: PPO's clipped value loss (``algos.value_loss``) over the same epochs and
+mini-batches as the actor, with the same split-invariant normaliser (``minibatch``), on the
+critic's own optimizer (``algorithm.critic_lr``)."""
+
+from __future__ import annotations
+
+from spmd_rl.algos.value_loss import get_value_loss
+from spmd_rl.engines.logprobs import split
+from spmd_rl.trainer.stages.minibatch import dp_sums, mini_batch_norm, schedule
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.samples import padded, seq_batch
+
+
+@register("critic_update")
+def critic_update(call: StageCall) -> StageResult:
+    run, batch = call.run, call.batch
+    cfg, lay = run.cfg, run.lay.train
+    seqs = seq_batch(run, batch)
+    width = seqs.mask.shape[1]
+    old_values, returns = padded(batch.columns["values"], width), padded(batch.columns["returns"], width)
+    objective = get_value_loss("clipped")
+    micro = cfg.actor.micro_batch_size
+    acc = {"value_loss": 0.0, "value_clipped": 0.0, "value_tokens": 0.0, "value_err_sq": 0.0}
+    steps, grad_norm, lr = 0, 0.0, 0.0
+    for _, sl in schedule(cfg, lay.dp, len(batch)):
+        mini = seqs[sl]
+        norm = mini_batch_norm(mini.mask, lay.tp)
+
+        def loss_fn(values, _ent, k, sl=sl, mini=mini, norm=norm):
+            s = slice(sl.start + k * micro, sl.start + (k + 1) * micro)
+            mask = mini.mask[k * micro : (k + 1) * micro].to(values.device)
+            ret = returns[s].to(values.device)
+            out = objective(values, old_values[s].to(values.device), ret, mask, cfg.algorithm.value_clip, cfg.actor.loss_agg_mode, norm)
+            acc["value_loss"] += float(out.loss.detach())
+            acc["value_clipped"] += out.clipped_tokens
+            acc["value_tokens"] += float(mask.sum())
+            acc["value_err_sq"] += float(((values.detach() - ret).square() * mask).sum())
+            return out.loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
+
+        out = run.roles["critic"].train_step(split(mini, micro), loss_fn)
+        grad_norm += out["grad_norm"]
+        lr = out["lr"]
+        steps += 1
+    g = dp_sums(acc, lay.tp)
+    tokens = max(g["value_tokens"], 1.0)
+    return StageResult(final={"value_loss": g["value_loss"] / max(steps, 1), "value_clip_frac": g["value_clipped"] / tokens,
+                              "value_mse": g["value_err_sq"] / tokens, "critic_grad_norm": grad_norm / max(steps, 1), "critic_lr": lr})

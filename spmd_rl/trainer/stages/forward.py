@@ -1,0 +1,23 @@
+"""The forward-only stages, one engine each: ``ref_logprob`` (the reference's per-token
+log-probs), ``actor_logprob`` (the actor's own, before the update: the off-policy ratio's
+denominator and KL-in-reward's policy side) and ``critic_value`` (PPO's per-token values)."""
+
+from __future__ import annotations
+
+from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.samples import ragged, seq_batch
+
+ENGINE_OF = {"ref_logprob": "ref", "actor_logprob": "actor", "critic_value": "critic"}
+
+
+@register(*ENGINE_OF)
+def forward_stage(call: StageCall) -> StageResult:
+    run, batch = call.run, call.batch
+    if not len(batch):
+        return StageResult()
+    role = ENGINE_OF[call.stage.name]
+    micro = ref_micro_batch_size(run.cfg) if role == "ref" else run.cfg.actor.micro_batch_size
+    out, _ = run.roles[role].infer(seq_batch(run, batch), micro)
+    (column,) = call.stage.outputs
+    return StageResult(columns={column: ragged(out, [r.numel() for r in batch.columns["response_ids"]])})

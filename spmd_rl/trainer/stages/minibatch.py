@@ -1,0 +1,41 @@
+"""What the two update stages share: the mini-batch schedule and the split-invariant normaliser.
+
+Invariant (tested): the gradient of one optimizer step is that of ONE objective over the whole
+mini-batch, whatever ``micro_batch_size`` and whatever the training layout (dp_shard x tp):
+every micro-batch loss is normalised by the mini-batch's global token / sequence count
+(all-reduced over the DP ranks), and multiplied by the DP size because FSDP averages the
+gradients over ``dp_shard``. Metrics are global: sums over all DP ranks (each DP group counted
+once), divided by global counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from spmd_rl.algos.policy_loss import LossNorm
+from spmd_rl.config.schema import Config
+from spmd_rl.trainer.metrics import global_sums
+
+
+def dp_sums(values: dict[str, float], tp: int) -> dict[str, float]:
+    """Sums over all ranks, each DP group counted once (its TP ranks hold identical data)."""
+    return {k: v / tp for k, v in global_sums(values).items()}
+
+
+def mini_batch_norm(mask: torch.Tensor, tp: int) -> LossNorm:
+    """Global response-token and sequence counts of a mini-batch whose DP shares are spread
+    over the ranks (``mask`` is this rank's share)."""
+    g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, tp)
+    return LossNorm(g["tokens"], g["seqs"])
+
+
+def schedule(cfg: Config, dp: int, local_samples: int) -> Iterator[tuple[int, slice]]:
+    """(epoch, this rank's rows of the mini-batch): ``actor.ppo_epochs`` passes over the
+    iteration's samples in mini-batches of ``actor.mini_batch_size`` prompts (x N samples, over
+    all DP ranks), one optimizer step each."""
+    per_rank = cfg.actor.mini_batch_size * cfg.rollout.n // dp
+    for epoch in range(cfg.actor.ppo_epochs):
+        for start in range(0, local_samples, per_rank):
+            yield epoch, slice(start, start + per_rank)

@@ -1,0 +1,47 @@
+"""reward: one scalar per sample.
+
+- ``reward.kind: rule``: r = rule(decoded response, reference answer);
+- ``reward.kind: model``: r = RM(prompt ++ response) + ``rule_weight`` x rule(...), the reward
+  model's score taken at the last real token (``engines.train``, head ``score``);
+- DAPO's soft overlong penalty is added in both cases.
+
+The rule always runs: "correct" (the accuracy metric) is the rule's score above 0.5, whatever
+the reward, so a reward model's run is measured on the same task as a rule's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.algos.core import overlong_penalty
+from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.samples import decode_text, seq_batch
+
+
+@register("reward")
+def reward(call: StageCall) -> StageResult:
+    run, batch, cfg = call.run, call.batch, call.run.cfg
+    if not len(batch):
+        return StageResult(sums={"generated": 0.0}, maxes={"response_length_max": 0.0}, rewards=torch.zeros(len(call.expected), dtype=torch.float64))
+    texts = run.tokenizer.batch_decode([r.tolist() for r in batch.columns["response_ids"]], skip_special_tokens=True)
+    answers = [decode_text(a) for a in batch.columns["answer"]]
+    rule = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
+    sums: dict[str, float] = {}
+    if cfg.reward.kind == "model":
+        model_score, _ = run.roles["reward_model"].infer(seq_batch(run, batch), ref_micro_batch_size(cfg))
+        scores = model_score.float() + cfg.reward.rule_weight * rule
+        sums |= {"reward_model_sum": float(model_score.sum()), "reward_rule_sum": float(rule.sum())}
+    else:
+        scores = rule.clone()
+    lengths = torch.stack(batch.columns["response_length"])
+    algo = cfg.algorithm
+    if algo.name == "dapo" and algo.overlong_buffer:
+        scores = scores + overlong_penalty(lengths, cfg.rollout.max_response_length, algo.overlong_buffer, algo.overlong_penalty)
+    dense = torch.zeros(len(call.expected), dtype=torch.float64)
+    if call.writer:
+        slot = {i: k for k, i in enumerate(call.expected)}
+        dense[[slot[i] for i in batch.indices.tolist()]] = scores.double()
+    sums |= {"reward_sum": float(scores.sum()), "reward_sq": float((scores**2).sum()), "correct": float((rule > 0.5).sum()),
+             "generated": float(len(batch)), "response_tokens": float(lengths.float().sum())}
+    return StageResult(columns={"reward": scores}, sums=sums, maxes={"response_length_max": float(lengths.max())}, rewards=dense)

@@ -1,0 +1,49 @@
+"""Sample helpers the stages share: the data loader's put of the prompts (the ``data`` writer of
+``config.stages.DATA_COLUMNS``), text as a column, ragged columns and sequence batches."""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.engines.logprobs import SeqBatch, build_batch
+from spmd_rl.trainer.context import Run
+
+
+def encode_text(text: str) -> torch.Tensor:
+    """A string as a dock column value: its UTF-8 bytes."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+
+
+def decode_text(value: torch.Tensor) -> str:
+    return value.numpy().tobytes().decode("utf-8")
+
+
+def ragged(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Row k of a padded [B, R] tensor cut to its length, as float32."""
+    return [values[k, :n].contiguous().float() for k, n in enumerate(lengths)]
+
+
+def padded(columns: list[torch.Tensor], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Ragged per-token columns as a right-padded [B, width] tensor (0 past each length)."""
+    out = torch.zeros(len(columns), width, dtype=dtype)
+    for k, v in enumerate(columns):
+        out[k, : v.numel()] = v
+    return out
+
+
+def seq_batch(run: Run, batch) -> SeqBatch:
+    return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id)
+
+
+def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int = 0) -> None:
+    """Generation DP group g writes the prompts (and reference answers) of its slice of the
+    round's batch, prompt p (global group id q = first_group + p) repeated N times under
+    indices q * N + k."""
+    lay, n = run.lay.gen, run.cfg.rollout.n
+    g, tp_rank = lay.coords(run.peer.rank)
+    per = len(prompt_positions) // lay.dp
+    mine = range(g * per, (g + 1) * per)
+    if tp_rank == 0:
+        ids = [torch.tensor(run.prompts.prompt_ids[prompt_positions[p]], dtype=torch.int32) for p in mine for _ in range(n)]
+        answers = [encode_text(run.prompts.answers[prompt_positions[p]]) for p in mine for _ in range(n)]
+        run.dock.put("data", it, {"prompt_ids": ids, "answer": answers}, [(first_group + p) * n + k for p in mine for k in range(n)])
