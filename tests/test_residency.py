@@ -1,0 +1,89 @@
+"""The residency manager, through the engine interface with recording fakes (the device-only
+calls, vLLM sleep/wake and empty_cache, are recorded on CPU):
+
+- entering a stage, exactly its roles plus the pinned ones are resident (from the ledger);
+- stale rollout weights are gathered from the actor before the actor leaves, and the KV cache
+  wakes last (the peak-bounding order); weights that did not change are not gathered again;
+- every swap is bit-exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.config.schema import ReshardConfig
+from spmd_rl.reshard.allgather_swap import Resharder
+from spmd_rl.reshard.residency import Residency
+from tests.test_reshard_order import FakeRollout, RecordingAccelerator, TinyEngine
+
+
+class SleepingRollout(FakeRollout):
+    asleep = False
+
+    def sleep(self):
+        super().sleep()
+        self.asleep = True
+
+    def wake_kv_cache(self):
+        super().wake_kv_cache()
+        self.asleep = False
+
+    def resident(self):
+        return not self.asleep
+
+    def weight_bytes(self):
+        return 100
+
+    def kv_cache_bytes(self):
+        return 1000
+
+
+def _setup(pinned=frozenset()):
+    calls: list = []
+    RecordingAccelerator.calls = calls
+    acc = RecordingAccelerator("cpu")
+    torch.manual_seed(0)
+    actor = TinyEngine(acc, torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    ref = TinyEngine(acc, torch.nn.Linear(4, 3))
+    rollout = SleepingRollout(calls, list(actor.model.parameters()))
+    res = Residency(Resharder(actor, rollout, ReshardConfig(bucket_bytes=64), "float32"), {"actor": actor, "ref": ref}, set(pinned))
+    return res, calls, actor, ref
+
+
+def _snapshot(engine):
+    return [p.detach().clone() for p in engine.model.parameters()]
+
+
+def test_only_the_declared_roles_are_resident_and_swaps_are_bit_exact():
+    res, calls, actor, ref = _setup()
+    before = {"actor": _snapshot(actor), "ref": _snapshot(ref)}
+    plan = [("actor_rollout", ("rollout",)), ("reward", ()), ("ref_logprob", ("ref",)), ("actor_update", ("actor",)),
+            ("actor_rollout", ("rollout",))]
+    for phase, roles in plan:
+        res.enter(phase, roles)
+        assert res.ledger.resident_roles(phase) == set(roles), (phase, res.ledger.last(phase))
+    res.enter("checkpoint", ("actor", "ref"))
+    after = {"actor": _snapshot(actor), "ref": _snapshot(ref)}
+    assert all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))
+
+
+def test_stale_weights_are_gathered_before_the_actor_leaves_and_the_kv_cache_wakes_last():
+    res, calls, *_ = _setup()
+    res.enter("actor_rollout", ("rollout",))
+    assert calls == ["empty_cache", "wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
+    calls.clear()
+    res.enter("reward", ())
+    res.enter("actor_rollout", ("rollout",))  # the actor did not step: the slept weights are current
+    assert calls == ["sleep", "empty_cache", "empty_cache", "wake_weights", "wake_kv_cache(train_resident=0)"]
+    calls.clear()
+    res.enter("actor_update", ("actor",))
+    res.weights_changed()
+    res.enter("actor_rollout", ("rollout",))
+    assert "update_weights:4" in calls and calls[-1] == "wake_kv_cache(train_resident=0)"
+
+
+def test_pinned_roles_stay_resident():
+    res, *_ = _setup(pinned={"ref"})
+    for phase, roles in [("actor_rollout", ("rollout",)), ("advantage", ()), ("actor_update", ("actor",))]:
+        res.enter(phase, roles)
+        assert res.ledger.resident_roles(phase) == set(roles) | {"ref"}
