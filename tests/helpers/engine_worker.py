@@ -107,7 +107,7 @@ def main():
     row = naive.ledger.rows[-1][1]
     report["ledger_saving"] = naive_gen - swap_gen
     report["ledger_kv_cache"] = resharder.ledger.rows[-2][1]["kv_cache"]  # the "generate" row
-    report["ledger_train_state"] = row["actor_params"] + row["train_grads"] + row["train_optim"]
+    report["ledger_train_state"] = row["actor_params"] + row["actor_grads"] + row["actor_optim"]
     report["temp_peak_swap"] = resharder.temp_peak
     report["temp_peak_naive"] = naive.temp_peak
     report["largest_param_bytes"] = max(p.numel() * 4 for p in engine.model.parameters())
