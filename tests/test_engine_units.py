@@ -12,7 +12,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.reshard.ledger import Ledger
-from spmd_rl.reshard.swap import HostSwap, resident_bytes
+from spmd_rl.reshard.swap import HostSwap, balanced_groups, resident_bytes
 
 
 def test_response_logprobs_match_float64_reference():
@@ -42,12 +42,14 @@ def test_lr_factor(kind):
     assert lr_factor(12, kind, 4, 20) == pytest.approx(mid)
 
 
-def test_host_swap_round_trip_is_bit_exact_and_frees_storage():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_host_swap_round_trip_is_bit_exact_and_frees_storage(threads):
     acc = detect("cpu")
     base = torch.randn(10, 4)
     views = [base[:5], base[5:], torch.randn(3).to(torch.bfloat16), torch.tensor([float("nan"), -0.0, 1e-45])]
     before = [v.clone() for v in views]
-    swap = HostSwap(acc)
+    swap = HostSwap(acc, threads=threads)
+    assert swap.threads == threads  # on CPU the copies run in parallel groups
     swap.track(views)
     assert swap.nbytes == 160 + 6 + 12  # one storage for both views of base
     host_buffers = [h.data_ptr() for h in swap._host]
@@ -58,6 +60,15 @@ def test_host_swap_round_trip_is_bit_exact_and_frees_storage():
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     swap.track(views)  # same sizes: host buffers are reused, not reallocated
     assert [h.data_ptr() for h in swap._host] == host_buffers
+
+
+def test_balanced_groups_cover_every_storage_once_and_balance_bytes():
+    sizes = [100, 1, 50, 50, 3, 98, 2]
+    groups = balanced_groups(sizes, 2)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    totals = [sum(sizes[i] for i in g) for g in groups]
+    assert max(totals) - min(totals) <= max(sizes) and balanced_groups(sizes, 1) == [sorted(range(7), key=lambda i: -sizes[i])]
+    assert balanced_groups([5], 4) == [[0]]  # no empty groups
 
 
 def test_ledger_peak_and_unknown_category():

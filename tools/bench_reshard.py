@@ -5,7 +5,8 @@ Builds a random-weight Qwen2 model of the given size, a training engine (FSDP2, 
 initialised by one step) and an in-process vLLM engine, then for each path times
 train -> generation (gather + weight load [+ swap to host]) and generation -> train, and reads
 the memory ledger's generation-stage bytes. The swap bandwidth is printed against a plain host
-memcpy of the same bytes into already-touched memory, measured in this run. On a GPU the
+memcpy of the same bytes into already-touched memory, measured in this run, for the swap with
+one copy thread and with parallel copies (``HostSwap(threads=...)``). On a GPU the
 allocator's ``max_memory_allocated`` during generation is printed too.
 
     python tools/bench_reshard.py --hidden 512 --layers 8          # ~30 M params, CPU
@@ -120,6 +121,20 @@ def main() -> None:
                              "swap_h2d_s": min(s[1] for s in swap_s) if swap_s else None}
             if mode == "allgather_swap":
                 print(rs.ledger.table())
+        from spmd_rl.reshard.swap import HostSwap
+
+        threads = {}
+        for k in (1, torch.get_num_threads()):  # the swap alone: sequential vs parallel copies, same tensors
+            swap = HostSwap(acc, threads=k)
+            swap.track(engine.param_tensors() + engine.grad_tensors() + engine.optimizer_tensors())
+            times = []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                swap.offload()
+                t1 = time.perf_counter()
+                swap.reload()
+                times.append((t1 - t0, time.perf_counter() - t1))
+            threads[k] = (swap.nbytes / min(t[0] for t in times) / 1024**3, swap.nbytes / min(t[1] for t in times) / 1024**3)
     n, s = results["naive"], results["allgather_swap"]
     memcpy = memcpy_gbs(s["swap_bytes"])
     mib = 2**20
@@ -134,6 +149,8 @@ def main() -> None:
     h2d = s["swap_bytes"] / s["swap_h2d_s"] / 1024**3
     print(f"  swap {s['swap_bytes'] / mib:.1f} MiB: D2H {d2h:.2f} GiB/s, H2D {h2d:.2f} GiB/s; plain host memcpy {memcpy:.2f} GiB/s "
           f"(ratios {d2h / memcpy:.2f}, {h2d / memcpy:.2f})")
+    for k, (off, on) in threads.items():
+        print(f"  swap with {k} copy thread(s): D2H {off:.2f} GiB/s, H2D {on:.2f} GiB/s (ratios to memcpy {off / memcpy:.2f}, {on / memcpy:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "memcpy_gbs": memcpy, "results": results}, indent=1))
     # the process group stays up: vLLM tears down its own groups at exit

@@ -5,11 +5,17 @@ buffers) is copied byte for byte into a host buffer that is allocated once and r
 the device storage is resized to 0, which releases it; ``reload`` resizes it back and copies
 the bytes in. Views keep referring to the same storage object, so parameters, gradients and
 optimizer states are intact after the round trip.
+
+Where host and device are the same memory (CPU), one copy of a small storage runs on one
+thread, so the storages are split into ``threads`` groups of about equal bytes copied in
+parallel (a copy releases the GIL); a device copy is asynchronous on its stream already and
+runs in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,9 +26,24 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def balanced_groups(sizes: list[int], k: int) -> list[list[int]]:
+    """Indices of ``sizes`` in ``k`` groups of about equal total (largest first, each to the
+    lightest group so far)."""
+    groups: list[list[int]] = [[] for _ in range(max(1, k))]
+    totals = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = totals.index(min(totals))
+        groups[g].append(i)
+        totals[g] += sizes[i]
+    return [g for g in groups if g]
+
+
 class HostSwap:
-    def __init__(self, acc: Accelerator):
+    def __init__(self, acc: Accelerator, threads: int | None = None):
+        """``threads``: parallel copies on CPU (default: torch's intra-op thread count)."""
         self.acc = acc
+        self.threads = 1 if not acc.host_is_device else (threads or torch.get_num_threads())
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="host-swap") if self.threads > 1 else None
         self._storages: list[torch.UntypedStorage] = []
         self._sizes: list[int] = []
         self._host: list[torch.Tensor] = []
@@ -45,12 +66,21 @@ class HostSwap:
     def nbytes(self) -> int:
         return sum(self._sizes)
 
+    def _each(self, copy) -> None:
+        """``copy(i)`` for every storage, in balanced parallel groups on CPU."""
+        if self._pool is None:
+            for i in range(len(self._storages)):
+                copy(i)
+            return
+        work = [self._pool.submit(lambda g=g: [copy(i) for i in g]) for g in balanced_groups(self._sizes, self.threads)]
+        for w in work:
+            w.result()
+
     def offload(self) -> None:
         """Device -> host, then release the device storage."""
         if self.offloaded:
             return
-        for s, h in zip(self._storages, self._host):
-            h.copy_(_bytes_view(s), non_blocking=not self.acc.host_is_device)
+        self._each(lambda i: self._host[i].copy_(_bytes_view(self._storages[i]), non_blocking=not self.acc.host_is_device))
         self.acc.synchronize()
         for s in self._storages:
             s.resize_(0)
@@ -60,9 +90,11 @@ class HostSwap:
         """Host -> device into freshly allocated storage of the original size."""
         if not self.offloaded:
             return
-        for s, n, h in zip(self._storages, self._sizes, self._host):
-            s.resize_(n)
-            _bytes_view(s).copy_(h, non_blocking=not self.acc.host_is_device)
+        def copy(i: int) -> None:
+            self._storages[i].resize_(self._sizes[i])
+            _bytes_view(self._storages[i]).copy_(self._host[i], non_blocking=not self.acc.host_is_device)
+
+        self._each(copy)
         self.acc.synchronize()
         self.offloaded = False
 
