@@ -61,3 +61,22 @@ def test_param_dtype_and_activation_checkpointing(tiny_model):
     assert {local(p).dtype for p in plain.model.parameters()} == {torch.float32} and not plain.model.is_gradient_checkpointing
     out = e.train_step([_batch()], lambda lp, ent, k: -lp.sum())  # recomputation runs
     assert out["grad_norm"] > 0
+
+
+def test_bucketed_gather_in_the_generation_dtype_equals_gather_then_cast(tiny_model):
+    """The resharder casts each shard before its gather: the same bits as the full master tensor
+    cast afterwards, and every bucket within its bound (or one tensor when larger)."""
+    from spmd_rl.config.schema import ReshardConfig
+    from spmd_rl.reshard.allgather_swap import Resharder
+
+    from types import SimpleNamespace
+
+    engine = _engine(tiny_model)
+    no_rollout = SimpleNamespace(weight_bytes=lambda: 0, kv_cache_bytes=lambda: 0)  # the gather only records the ledger
+    rs = Resharder(engine, no_rollout, ReshardConfig(bucket_bytes=32 << 10), "bfloat16")
+    got = dict(rs.full_weights())
+    want = {n: p.full_tensor().to(torch.bfloat16) for n, p in engine.model.named_parameters()}
+    assert got.keys() == want.keys()
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+    largest = max(t.numel() * 2 for t in want.values())
+    assert rs.temp_peak <= max(32 << 10, largest)

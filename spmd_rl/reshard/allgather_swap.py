@@ -58,7 +58,10 @@ class Resharder:
     # -- gather ----------------------------------------------------------------------------
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor in the generation dtype), gathered bucket by bucket. Every rank
-        must consume it in the same order (each gather is a collective)."""
+        must consume it in the same order (each gather is a collective). Each shard is cast to
+        the generation dtype before its gather (a cast is elementwise, so the result is the same
+        bits as gather-then-cast): a bf16 rollout moves half the bytes of an fp32 master, and no
+        full tensor in the master dtype is ever allocated."""
         limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
         params = list(self.train.named_weights())
         k = 0
@@ -69,8 +72,8 @@ class Resharder:
                 nbytes = p.numel() * self.gen_dtype.itemsize
                 if bucket and size + nbytes > limit:
                     break
-                full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                bucket.append((name, full.detach().to(self.gen_dtype)))
+                local = p.detach().to(self.gen_dtype)  # cast the shard, then gather: no full master-dtype temporary
+                bucket.append((name, local.full_tensor() if isinstance(local, DTensor) else local))
                 size += nbytes
                 k += 1
             self.temp_peak = max(self.temp_peak, size)
