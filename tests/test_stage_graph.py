@@ -44,3 +44,12 @@ def test_advantage_column_kind_follows_the_algorithm():
     grpo = load_config(REPO / "configs/quickstart.yaml", [])
     ppo = load_config(REPO / "configs/quickstart.yaml", ["algorithm.name=ppo"])
     assert COLUMNS[advantage_column(grpo)] == "scalar" and COLUMNS[advantage_column(ppo)] == "response"
+
+
+def test_stage_registry_refuses_unknown_and_duplicate_names():
+    from spmd_rl.trainer.stages import register, stage_fn
+
+    with pytest.raises(ValueError, match="unknown stage 'nope'.*add a module under trainer/stages/"):
+        stage_fn("nope")
+    with pytest.raises(ValueError, match="stage 'reward' registered twice"):
+        register("reward")(lambda call: None)

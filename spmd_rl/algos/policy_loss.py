@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd_rl.algos.registry import Registry
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -70,23 +72,9 @@ class PolicyLossOut:
 
 
 PolicyLoss = Callable[..., PolicyLossOut]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    def wrap(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} registered twice")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[name]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.lookup
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:

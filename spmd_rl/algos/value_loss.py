@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd_rl.algos.policy_loss import LossNorm, aggregate
+from spmd_rl.algos.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,9 @@ class ValueLossOut:
 
 
 ValueLoss = Callable[..., ValueLossOut]
-VALUE_LOSSES: dict[str, ValueLoss] = {}
-
-
-def register_value_loss(name: str) -> Callable[[ValueLoss], ValueLoss]:
-    def add(fn: ValueLoss) -> ValueLoss:
-        VALUE_LOSSES[name] = fn
-        return fn
-    return add
-
-
-def get_value_loss(name: str) -> ValueLoss:
-    if name not in VALUE_LOSSES:
-        raise ValueError(f"unknown value loss {name!r}; registered: {', '.join(sorted(VALUE_LOSSES))}")
-    return VALUE_LOSSES[name]
+VALUE_LOSSES: Registry[ValueLoss] = Registry("value loss")
+register_value_loss = VALUE_LOSSES.register
+get_value_loss = VALUE_LOSSES.lookup
 
 
 @register_value_loss("clipped")

@@ -74,8 +74,10 @@ def stage_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> tuple[list[tuple
     reward = ModelArch.from_folder(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     size = role_bytes(cfg, arch, lay, critic, reward)
     graph = stages_for(cfg)
-    rows = [(s.name, sorted(resident_roles(cfg, s)), 0) for s in graph]
-    rows = [(name, roles, sum(size[r] for r in roles)) for name, roles, _ in rows]
+    rows = []
+    for s in graph:
+        roles = sorted(resident_roles(cfg, s, graph))
+        rows.append((s.name, roles, sum(size[r] for r in roles)))
     return rows, sum(size[r] for r in {r for s in graph for r in s.roles})
 
 

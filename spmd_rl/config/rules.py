@@ -7,7 +7,6 @@ Paths are resolved against the current directory.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import re

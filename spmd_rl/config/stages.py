@@ -138,9 +138,10 @@ def pinned_roles(cfg: Config) -> set[str]:
     return {role for role, pinned in keep.items() if pinned}
 
 
-def resident_roles(cfg: Config, stage: Stage) -> set[str]:
-    """What is resident while ``stage`` runs: its roles plus the pinned ones the graph has."""
-    present = {r for s in stages_for(cfg) for r in s.roles}
+def resident_roles(cfg: Config, stage: Stage, graph: list[Stage]) -> set[str]:
+    """What is resident while ``stage`` of ``graph`` runs: its roles plus the pinned ones the
+    graph has."""
+    present = {r for s in graph for r in s.roles}
     return set(stage.roles) | (pinned_roles(cfg) & present)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spmd_rl.algos.registry import Registry
 from spmd_rl.config.stages import Stage
 from spmd_rl.trainer.context import Run
 
@@ -48,20 +49,6 @@ class StageResult:
 
 
 StageFn = Callable[[StageCall], StageResult]
-REGISTRY: dict[str, StageFn] = {}
-
-
-def register(*names: str) -> Callable[[StageFn], StageFn]:
-    def add(fn: StageFn) -> StageFn:
-        for name in names:
-            if name in REGISTRY:
-                raise ValueError(f"stage {name!r} registered twice")
-            REGISTRY[name] = fn
-        return fn
-    return add
-
-
-def stage_fn(name: str) -> StageFn:
-    if name not in REGISTRY:
-        raise KeyError(f"no stage function registered for {name!r}; add a module under trainer/stages/ with @register({name!r})")
-    return REGISTRY[name]
+REGISTRY: Registry[StageFn] = Registry("stage", hint="; add a module under trainer/stages/ with @register(<stage name>)")
+register = REGISTRY.register
+stage_fn = REGISTRY.lookup
