@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_stage_fields import B, FakeDock, _cfg, _run, run_named
+from tests.test_stage_fields import B, PROMPTS, FakeDock, _cfg, _run, rows_of, run_named
 
 D = torch.float64
 pytestmark = pytest.mark.usefixtures("world_of_one")
@@ -23,10 +23,8 @@ class FakeCritic:
 
     def train_step(self, micro_batches, loss_fn, with_entropy=False):
         self.values.grad = None
-        start = 0
         for k, micro in enumerate(micro_batches):
-            loss_fn(self.values[start : start + len(micro)], None, k).backward()
-            start += len(micro)
+            loss_fn(self.values[rows_of(micro)], None, k).backward()
         if self.first is None:
             self.first = self.values.grad.clone()
         return {"loss": 0.0, "grad_norm": 0.0, "lr": 1e-3}
@@ -40,7 +38,7 @@ def _critic_case(*overrides: str):
     new = (old + torch.randn(B, R, generator=g, dtype=D) * 0.8) * mask  # some beyond the clip range
     ret = torch.randn(B, R, generator=g, dtype=D) * mask
     rag = lambda t: [t[k, :n].float() for k, n in enumerate(LENGTHS)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": [torch.tensor([7, 8], dtype=torch.int32)] * B,
+    dock = FakeDock({"prompt_ids": PROMPTS,
                      "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in LENGTHS],
                      "values": rag(old), "returns": rag(ret)})
     cfg = _cfg("algorithm.name=ppo", *overrides)

@@ -44,6 +44,15 @@ class FakeDock:
         self.puts.update(data)
 
 
+PROMPTS = [torch.tensor([7, 8 + k], dtype=torch.int32) for k in range(B)]  # sample k is recognisable in any order
+
+
+def rows_of(micro) -> torch.Tensor:
+    """The original sample index of each row of a micro-batch (the update stages reorder rows
+    by length; a fake engine must follow the samples, not the positions)."""
+    return micro.input_ids[:, 1] - 8
+
+
 class FakeEngine:
     """Calls the stage's loss function on leaf log-prob / entropy tensors and keeps the grads of
     the first optimizer step (the configs run two PPO epochs so that old log-probs are read)."""
@@ -61,11 +70,9 @@ class FakeEngine:
         return {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
 
     def _step(self, micro_batches, loss_fn):
-        start = 0
         for k, micro in enumerate(micro_batches):
-            rows = slice(start, start + len(micro))
+            rows = rows_of(micro)
             loss_fn(self.lp[rows], self.ent[rows], k).backward()
-            start += len(micro)
 
 
 def _cfg(*overrides: str):
@@ -103,7 +110,7 @@ def run_named(run, name: str):
 def _stage_grads(cfg):
     lengths, lp, old, roll, ref, ent, adv, mask = _data()
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": [torch.tensor([7, 8], dtype=torch.int32)] * B,
+    dock = FakeDock({"prompt_ids": PROMPTS,
                      "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
                      "seq_advantage": [torch.tensor(float(a)) for a in adv],
                      "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})

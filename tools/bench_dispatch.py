@@ -102,6 +102,7 @@ def netns_up(nodes: int, rate_mbs: float) -> list[str]:
     netns_down(nodes)
     sh(f"ip link add {BRIDGE} type bridge && ip addr add {SUBNET}.1/24 dev {BRIDGE} && ip link set {BRIDGE} up")
     rate = f"{int(rate_mbs * 8)}mbit"
+    burst = max(256 << 10, int(rate_mbs * 1e6 / 50))  # tbf passes at most one burst per timer tick: keep it above rate / HZ
     addrs = []
     for k in range(nodes):
         ns, host, peer, ip = f"spmdrl{k}", f"vh{k}spmd", f"vn{k}spmd", f"{SUBNET}.{10 + k}"
@@ -110,7 +111,7 @@ def netns_up(nodes: int, rate_mbs: float) -> list[str]:
         sh(f"ip netns exec {ns} ip addr add {ip}/24 dev {peer} && ip netns exec {ns} ip link set {peer} up && ip netns exec {ns} ip link set lo up")
         sh(f"ip netns exec {ns} ip route add default via {SUBNET}.1")
         for dev, prefix in ((peer, f"ip netns exec {ns} "), (host, "")):
-            sh(f"{prefix}tc qdisc add dev {dev} root tbf rate {rate} burst 256kb latency 100ms")
+            sh(f"{prefix}tc qdisc add dev {dev} root tbf rate {rate} burst {burst} latency 100ms")
         addrs.append(ip)
     return addrs
 

@@ -1,10 +1,18 @@
 #!/usr/bin/env python
 """End-to-end benchmark: run ``spmd-rl train`` on a config for a few iterations and print the
-mean time of every stage, the iteration time and the paper's throughput T (Eq. 5,
-tokens / s / device), leaving out the first (warm-up) iteration.
+mean time of every stage, the iteration time, the tokens/s and the paper's throughput T
+(Eq. 5, tokens / s / device), leaving out the first (warm-up) iteration. In the same run:
 
-    python tools/bench_e2e.py configs/quickstart.yaml --iterations 12
-    python tools/bench_e2e.py configs/quickstart.yaml --iterations 12 dock.mode=centralized
+- the engines' floor (``tools/engine_floor.py``: vLLM generation alone + one plain training
+  step of the same batch, one process owning every core), and the ratio iteration / floor;
+- with ``--trl-python``, TRL's GRPOTrainer on the same model and batch (``tools/bench_trl.py``,
+  run by a Python that has TRL), and the ratio of tokens/s spmd-rl / TRL.
+
+tokens/s counts what was really processed: G x N x (PL + mean response length) per iteration.
+``--rounds K`` repeats the three measurements alternately (these machines are noisy).
+
+    python tools/bench_e2e.py configs/bench_cpu.yaml --iterations 8
+    python tools/bench_e2e.py configs/bench_cpu.yaml model.dtype=bfloat16 --trl-python /work/trl-venv/bin/python
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--iterations", type=int, default=12)
-    args = ap.parse_args()
+def _json_tail(cmd: list[str], what: str) -> dict:
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"{what} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def spmd_rl(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "spmd_rl.cli", "train", args.config, *args.overrides,
                f"trainer.iterations={args.iterations}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=0",
@@ -35,15 +45,49 @@ def main() -> None:
             sys.exit(f"train failed ({res.returncode}):\n{res.stderr[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "logs/metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows
-    stages = [k for k in steady[0] if k.startswith("time_")]
-    total = statistics.mean(r["iteration_s"] for r in steady)
-    print(f"{args.config} {' '.join(args.overrides)}: {len(steady)} iterations after warm-up")
-    for k in stages:
-        t = statistics.mean(r[k] for r in steady)
-        print(f"  {k[5:]:14s} {t:8.3f} s  {100 * t / total:5.1f} %")
-    print(f"  {'iteration':14s} {total:8.3f} s  (first iteration {rows[0]['iteration_s']:.3f} s)")
-    print(f"  T (Eq. 5)      {statistics.mean(r['throughput_eq5'] for r in steady):8.1f} tokens/s/device")
-    print(f"  accuracy       {rows[0]['accuracy']:.3f} -> {rows[-1]['accuracy']:.3f} (sampled, training prompts)")
+    out = {k: statistics.mean(r[k] for r in steady) for k in steady[0] if k.startswith("time_")}
+    out["iteration_s"] = statistics.mean(r["iteration_s"] for r in steady)
+    out["first_iteration_s"] = rows[0]["iteration_s"]
+    out["eq5"] = statistics.mean(r["throughput_eq5"] for r in steady)
+    out["response_length_mean"] = statistics.mean(r["response_length_mean"] for r in steady)
+    out["mismatch"] = statistics.mean(r["logprob_mismatch_mean"] for r in steady)
+    out["iterations"] = len(steady)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-floor", dest="floor", action="store_false")
+    ap.add_argument("--trl-python", help="A Python with TRL installed (tools/bench_trl.py); omit to skip TRL.")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from spmd_rl.config.loader import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    samples, pl = cfg.data.global_batch_size * cfg.rollout.n, cfg.data.max_prompt_length
+    print(f"{args.config} {' '.join(args.overrides)}")
+    for rnd in range(args.rounds):
+        run = spmd_rl(args)
+        tps = samples * (pl + run["response_length_mean"]) / run["iteration_s"]
+        print(f"round {rnd}: spmd-rl, {run['iterations']} iterations after warm-up")
+        for k in (k for k in run if k.startswith("time_")):
+            print(f"  {k[5:]:14s} {run[k]:8.3f} s  {100 * run[k] / run['iteration_s']:5.1f} %")
+        print(f"  {'iteration':14s} {run['iteration_s']:8.3f} s  (first iteration {run['first_iteration_s']:.3f} s)")
+        print(f"  tokens/s       {tps:8.0f}  (mean response {run['response_length_mean']:.1f} tokens; "
+              f"T Eq. 5 {run['eq5']:.0f} tokens/s/device; rollout/train log-prob mismatch {run['mismatch']:.2e})")
+        if args.floor:
+            fl = _json_tail([sys.executable, "tools/engine_floor.py", args.config, *args.overrides], "engine_floor")
+            print(f"  floor          {fl['floor_s']:8.3f} s  (generation {fl['floor_generation_s']:.3f} s + training step "
+                  f"{fl['floor_training_s']:.3f} s)  iteration / floor = {run['iteration_s'] / fl['floor_s']:.3f}")
+        if args.trl_python:
+            trl = _json_tail([args.trl_python, "tools/bench_trl.py", args.config, *args.overrides,
+                              "--steps", str(args.iterations)], "bench_trl")
+            print(f"  TRL            {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "
+                  f"spmd-rl / TRL = {tps / trl['trl_tokens_per_s']:.3f}x")
 
 
 if __name__ == "__main__":

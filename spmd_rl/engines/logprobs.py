@@ -4,8 +4,8 @@ A sample is s = prompt ++ response. In the right-padded batch, response token j 
 sits at position P_b + j and is predicted by the logits at P_b + j - 1, so
 logprob[b, j] = log_softmax(logits[b, P_b + j - 1] / T)[s_b[P_b + j]] with T the sampling
 temperature (the policy that generated the response is softmax(logits / T)); entropy
-H[b, j] = -sum_v p_v log p_v of that distribution. Float32 throughout; padded response
-positions (j >= R_b) are masked out by ``mask``.
+H[b, j] = -sum_v p_v log p_v of that distribution. Float32 log-softmax whatever the logits'
+dtype; padded response positions (j >= R_b) are masked out by ``mask``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from spmd_rl.engines.token_logprob import token_logprob
 
 
 @dataclass
@@ -29,9 +31,17 @@ class SeqBatch:
     def to(self, device: torch.device) -> "SeqBatch":
         return SeqBatch(*(t.to(device) for t in self._fields()))
 
-    def __getitem__(self, rows: slice) -> "SeqBatch":
-        """The samples ``rows`` (a slice over the batch dimension)."""
+    def __getitem__(self, rows: slice | torch.Tensor) -> "SeqBatch":
+        """The samples ``rows`` (a slice or an index tensor over the batch dimension)."""
         return SeqBatch(*(t[rows] for t in self._fields()))
+
+    def trim(self) -> "SeqBatch":
+        """The same samples without the padding columns no sample of this batch uses: T cut to
+        the longest sequence, R to the longest response (right padding, so nothing moves)."""
+        t = max(1, int(self.attention_mask.sum(1).max())) if len(self) else 1
+        r = max(1, int(self.mask.sum(1).max())) if len(self) else 1
+        return SeqBatch(self.input_ids[:, :t], self.attention_mask[:, :t], self.predictor[:, :r].clamp(max=t - 1),
+                        self.targets[:, :r], self.mask[:, :r])
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -62,14 +72,38 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
     return SeqBatch(ids, att, predictor, targets, mask)
 
 
+def logit_window(batch: SeqBatch) -> tuple[int, int]:
+    """[lo, hi): the positions whose logits predict a real response token, shared by the
+    micro-batch (prompt positions before the shortest prompt's end and the last position never
+    are, so the LM head and the log-softmax skip them)."""
+    if not bool(batch.mask.any()):
+        return 0, 1
+    used = batch.predictor[batch.mask]
+    return int(used.min()), int(used.max()) + 1
+
+
 def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool = False,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float = 1.0, first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [B, R], entropies [B, R] or None) of the response tokens under
-    softmax(logits / temperature); 0 where masked."""
-    picked = logits.gather(1, batch.predictor[..., None].expand(-1, -1, logits.shape[-1])).float()
-    if temperature != 1.0:
-        picked = picked / temperature
-    logp = torch.log_softmax(picked, dim=-1)
-    lp = logp.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
-    ent = (-(logp.exp() * logp).sum(-1) * batch.mask) if with_entropy else None
+    softmax(logits / temperature); 0 where masked. ``logits`` [B, K, V] are those of positions
+    first .. first + K - 1 (all T positions by default); the log-softmax is the fused, chunked
+    ``token_logprob``, which never holds a whole float32 [B, K, V]."""
+    k = logits.shape[1]
+    targets = batch.input_ids[:, first + 1 : first + k + 1].to(logits.device)  # the token each position predicts
+    if targets.shape[1] < k:  # the last position predicts nothing; any id will do
+        targets = torch.nn.functional.pad(targets, (0, k - targets.shape[1]))
+    lp_all, ent_all = token_logprob(logits, targets, temperature, with_entropy)
+    where = (batch.predictor - first).clamp(0, k - 1)
+    lp = lp_all.gather(1, where) * batch.mask
+    ent = ent_all.gather(1, where) * batch.mask if with_entropy else None
     return lp, ent
+
+
+def lm_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An HF causal LM's response log-probs: the LM head runs only on ``logit_window``
+    (``logits_to_keep``), then ``response_logprobs``."""
+    lo, hi = logit_window(batch)
+    keep = torch.arange(lo, hi, device=batch.input_ids.device)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+    return response_logprobs(logits, batch, with_entropy, temperature, first=lo)

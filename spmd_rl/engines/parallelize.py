@@ -8,6 +8,7 @@ head stay replicated over TP and are sharded by FSDP over ``dp_shard``.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -39,19 +40,30 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None) -> None:
     """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head together,
-    so tied embeddings stay one parameter)."""
+    so tied embeddings stay one parameter). Under mixed precision only the decoder layers
+    compute in the low dtype: the root computes in float32, so the final norm and the LM head's
+    logits (whose log-softmax is the policy) are not rounded to bf16's 8 bits of mantissa."""
     kw = {"mesh": dp_mesh, "reshard_after_forward": True}
-    if mp is not None:
-        kw["mp_policy"] = mp
     for layer in decoder_layers(model):
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+        fully_shard(layer, **kw, **({"mp_policy": mp} if mp is not None else {}))
+    root_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp.reduce_dtype) if mp is not None else None
+    fully_shard(model, **kw, **({"mp_policy": root_mp} if root_mp is not None else {}))
 
 
-def parallelize(model: nn.Module, train_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None, checkpointing: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (dynamic shapes: micro-batches are trimmed to
+    their own length). Identical layers share one compiled graph; FSDP's hooks stay outside it."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
+def parallelize(model: nn.Module, train_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None, checkpointing: bool = False,
+                compile: bool = False) -> nn.Module:
     if train_mesh["tp"].size() > 1:
         apply_tp(model, train_mesh["tp"])
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        apply_compile(model)
     apply_fsdp(model, train_mesh["dp_shard"], mp)
     return model

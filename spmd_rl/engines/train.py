@@ -28,7 +28,7 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
-from spmd_rl.engines.logprobs import SeqBatch, response_logprobs, split
+from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs, split
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 
@@ -62,7 +62,7 @@ class TrainEngine(Engine):
         compute = DTYPES[compute_dtype]
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
         checkpointing = cfg.activation_checkpointing and trainable
-        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing), head)
+        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing, compile=cfg.compile), head)
         self.model.config.use_cache = False
         self.trainable = trainable
         self.optimizer = None
@@ -78,7 +78,10 @@ class TrainEngine(Engine):
 
     # -- forward ------------------------------------------------------------------------------
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        micro = micro.to(self.acc.device)
+        """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
+        padding that no sample uses) and padded back to the micro-batch's response width."""
+        width = micro.mask.shape[1]
+        micro = micro.trim().to(self.acc.device)
         if self.head == "score":  # the head runs on every position; keep them, pool at the last real token
             seen: list[torch.Tensor] = []
             hook = self.model.score.register_forward_hook(lambda _m, _i, out: seen.append(out))
@@ -88,10 +91,13 @@ class TrainEngine(Engine):
                 hook.remove()
             last = micro.attention_mask.sum(1) - 1
             return seen[0][torch.arange(len(micro), device=last.device), last, 0].float(), None
-        logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
         if self.head == "value":
-            return logits[..., 0].float().gather(1, micro.predictor) * micro.mask, None
-        return response_logprobs(logits, micro, with_entropy, self.temperature)
+            values = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            out, ent = values[..., 0].float().gather(1, micro.predictor) * micro.mask, None
+        else:
+            out, ent = lm_response_logprobs(self.model, micro, with_entropy, self.temperature)
+        pad = (0, width - out.shape[1])
+        return torch.nn.functional.pad(out, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 
     @torch.no_grad()
     def infer(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

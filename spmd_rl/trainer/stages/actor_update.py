@@ -11,7 +11,7 @@ from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, ti
 from spmd_rl.config.stages import advantage_column
 from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.metrics import global_max
-from spmd_rl.trainer.stages.minibatch import dp_sums, mini_batch_norm, schedule
+from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, schedule
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
@@ -35,6 +35,9 @@ def actor_update(call: StageCall) -> StageResult:
     rollout = padded(batch.columns["rollout_log_prob"], width)
     ref = padded(batch.columns["ref_log_prob"], width) if use_ref else None
     old = padded(batch.columns["old_log_prob"], width) if use_old else None
+    order = length_order(cfg, lay.dp, seqs.attention_mask.sum(1))  # metrics are sums: no need to undo it
+    seqs, adv, rollout = seqs[order], adv[order], rollout[order]
+    ref, old = (None if t is None else t[order] for t in (ref, old))
     objective = get_policy_loss(a.policy_loss)
     clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
     micro = a.micro_batch_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from spmd_rl.algos.value_loss import get_value_loss
 from spmd_rl.engines.logprobs import split
-from spmd_rl.trainer.stages.minibatch import dp_sums, mini_batch_norm, schedule
+from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, schedule
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
@@ -18,6 +18,8 @@ def critic_update(call: StageCall) -> StageResult:
     seqs = seq_batch(run, batch)
     width = seqs.mask.shape[1]
     old_values, returns = padded(batch.columns["values"], width), padded(batch.columns["returns"], width)
+    order = length_order(cfg, lay.dp, seqs.attention_mask.sum(1))  # metrics are sums: no need to undo it
+    seqs, old_values, returns = seqs[order], old_values[order], returns[order]
     objective = get_value_loss("clipped")
     micro = cfg.actor.micro_batch_size
     acc = {"value_loss": 0.0, "value_clipped": 0.0, "value_tokens": 0.0, "value_err_sq": 0.0}

@@ -4,7 +4,10 @@ denominator and KL-in-reward's policy side) and ``critic_value`` (PPO's per-toke
 
 from __future__ import annotations
 
+import torch
+
 from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.trainer.stages.minibatch import length_order
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import ragged, seq_batch
 
@@ -18,6 +21,10 @@ def forward_stage(call: StageCall) -> StageResult:
         return StageResult()
     role = ENGINE_OF[call.stage.name]
     micro = ref_micro_batch_size(run.cfg) if role == "ref" else run.cfg.actor.micro_batch_size
-    out, _ = run.roles[role].infer(seq_batch(run, batch), micro)
+    seqs = seq_batch(run, batch)
+    order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order
+    got, _ = run.roles[role].infer(seqs[order], micro)
+    out = torch.empty_like(got)
+    out[order] = got
     (column,) = call.stage.outputs
     return StageResult(columns={column: ragged(out, [r.numel() for r in batch.columns["response_ids"]])})

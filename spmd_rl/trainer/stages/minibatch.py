@@ -31,11 +31,28 @@ def mini_batch_norm(mask: torch.Tensor, tp: int) -> LossNorm:
     return LossNorm(g["tokens"], g["seqs"])
 
 
+def _per_rank(cfg: Config, dp: int) -> int:
+    return cfg.actor.mini_batch_size * cfg.rollout.n // dp
+
+
 def schedule(cfg: Config, dp: int, local_samples: int) -> Iterator[tuple[int, slice]]:
     """(epoch, this rank's rows of the mini-batch): ``actor.ppo_epochs`` passes over the
     iteration's samples in mini-batches of ``actor.mini_batch_size`` prompts (x N samples, over
     all DP ranks), one optimizer step each."""
-    per_rank = cfg.actor.mini_batch_size * cfg.rollout.n // dp
+    per_rank = _per_rank(cfg, dp)
     for epoch in range(cfg.actor.ppo_epochs):
         for start in range(0, local_samples, per_rank):
             yield epoch, slice(start, start + per_rank)
+
+
+def length_order(cfg: Config, dp: int, lengths: torch.Tensor) -> torch.Tensor:
+    """A permutation of this rank's rows: longest first within each mini-batch of ``schedule``,
+    membership unchanged. Micro-batches then hold samples of similar length, and the engine
+    trims each to its own longest one (``SeqBatch.trim``), so little padding is computed. The
+    objective is unchanged: every loss is a sum over the mini-batch's samples and tokens with a
+    global normaliser. Forward stages and updates use the same order, so the first epoch's
+    recomputed log-probs are bit-identical to the update's."""
+    per_rank = _per_rank(cfg, dp)
+    parts = [start + torch.argsort(lengths[start : start + per_rank], descending=True, stable=True)
+             for start in range(0, lengths.numel(), per_rank)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

