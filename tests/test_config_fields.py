@@ -84,6 +84,7 @@ COVERED = {
     "actor.grad_clip": "test_train_engine_fields.py::test_betas_and_grad_clip_set_the_first_moment",
     "actor.param_dtype": "test_train_engine_fields.py::test_param_dtype_and_activation_checkpointing",
     "actor.activation_checkpointing": "test_train_engine_fields.py::test_param_dtype_and_activation_checkpointing",
+    "actor.accumulate_unsharded": "test_train_engine_fields.py::test_accumulate_unsharded_gives_the_same_step",
     "actor.compile": "test_train_engine_fields.py::test_compile_compiles_every_layer_and_changes_no_result",
     "actor.clip_ratio_low": "test_stage_fields.py::test_update_reads_its_fields",
     "actor.clip_ratio_high": "test_stage_fields.py::test_update_reads_its_fields",

@@ -117,6 +117,10 @@ class TrainEngine(Engine):
         self.model.train()
         total_loss = 0.0
         for k, micro in enumerate(micro_batches):
+            if self.cfg.accumulate_unsharded:  # FSDP2 no-sync: reduce-scatter and reshard after the last one only
+                last = k == len(micro_batches) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             lp, ent = self._forward(micro, with_entropy)
             loss = loss_fn(lp, ent, k)
             loss.backward()
