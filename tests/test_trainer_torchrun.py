@@ -1,5 +1,6 @@
 """The whole SPMD trainer under real torchrun (2 ranks, real etcd, real vLLM): two iterations
-in both dock modes, and resume from the iteration-1 checkpoint reproducing iteration 2."""
+in both dock modes and with stage fusion (the same weights bit for bit), and resume from the
+iteration-1 checkpoint reproducing iteration 2."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
     a = model_weights(tmp_path / "distributed/ckpt/iter_000004")
     d = model_weights(tmp_path / "centralized/ckpt/iter_000004")
     assert all(torch.equal(a[k], d[k]) for k in a)  # the dock mode changes nothing (deterministic)
+    fused = train(tmp_path, "fused", etcd.endpoint, "dock.mode=distributed", *sched, "stream.fuse=true", "stream.micro_batch_size=2")
+    f = model_weights(tmp_path / "fused/ckpt/iter_000004")
+    assert all(torch.equal(a[k], f[k]) for k in a)  # stage fusion moves work in time, not its result
+    for r, u in zip(fused, runs["distributed"]):
+        assert {k: r[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")} == \
+               {k: u[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")}
+        assert r["fused_waves_early"] + r["fused_waves_late"] > 0 and "fused_waves_early" not in u
+    assert sum(r["fused_waves_early"] for r in fused) > 0  # some waves ran while generation was still going
     # warm-up then cosine: 0 -> peak -> decayed, and a resumed run logs the same lr
     lrs = [r["lr"] for r in runs["distributed"]]
     assert lrs == pytest.approx([0.5e-4, 1e-4, 1e-4, 0.5e-4])  # warm-up over 2 steps, cosine over the other 2

@@ -16,6 +16,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
+from spmd_rl.config.stages import fused_stages, stages_for
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
 REGISTERED_RULES = ("exact_match", "math_verify")
@@ -205,6 +206,9 @@ def _check_runtime(cfg: Config) -> list[Violation]:
         out.append(Violation("dock.token", "<hidden>", "shorter than 16 characters", "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`"))
     if cfg.trainer.eval_interval and not cfg.data.test_path:
         out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "periodic evaluation needs held-out prompts", "set data.test_path or eval_interval: 0"))
+    if cfg.stream.fuse and not fused_stages(cfg, stages_for(cfg)):
+        out.append(Violation("stream.fuse", True, "no stage can run during generation: the reward needs the reward model and the advantage needs later stages' columns",
+                             "set stream.fuse: false, or use reward.kind: rule"))
     res = cfg.checkpoint.resume
     if res not in ("auto", "never") and not Path(res).is_dir():
         out.append(Violation("checkpoint.resume", res, "neither auto, never nor an existing checkpoint folder", "use auto, never or a checkpoint path"))

@@ -189,6 +189,15 @@ class ReshardConfig(Section):
     bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the temporary full-tensor buffer of one gather bucket.")
 
 
+class StreamConfig(Section):
+    fuse: bool = Field(
+        False, description="Stage fusion: while generation runs, the CPU-side stages (rule reward; GRPO/DAPO group advantage when neither KL-in-reward nor dynamic sampling needs more) run in the same process on the prompt groups that already finished, read through streaming gets."
+    )
+    micro_batch_size: int = Field(
+        8, gt=0, description="Samples per DP group in each streamed wave (group-granular stages: whole prompt groups, ceil(micro_batch_size / rollout.n) per DP group)."
+    )
+
+
 class CheckpointConfig(Section):
     dir: str = Field("runs/checkpoints", description="Directory all nodes share; one sub-folder per saved iteration.")
     interval: int = Field(10, ge=0, description="Save every this-many iterations; 0 saves only at the end.")
@@ -257,6 +266,7 @@ class Config(Section):
     dock: DockConfig = Field(default_factory=DockConfig)
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
     reshard: ReshardConfig = Field(default_factory=ReshardConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)

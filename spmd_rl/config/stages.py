@@ -130,6 +130,22 @@ def stages_for(cfg: Config) -> list[Stage]:
     return out
 
 
+def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
+    """With ``stream.fuse``: the stages that run while generation runs (``trainer.fusion``), in
+    graph order. Such a stage makes nothing resident (the rollout engine stays) and every input
+    is written by the data loader, the rollout or an earlier fused stage. A stage that is not
+    per-round joins only without dynamic sampling, which picks the groups after every round."""
+    if not cfg.stream.fuse:
+        return []
+    ready = set(DATA_COLUMNS) | set(graph[0].outputs)
+    out = []
+    for s in graph[1:]:
+        if not s.roles and set(s.inputs) <= ready and (s.per_round or not dynamic_sampling(cfg)):
+            out.append(s)
+            ready |= set(s.outputs)
+    return out
+
+
 def pinned_roles(cfg: Config) -> set[str]:
     """Roles the config keeps resident through every stage (their ``offload_to_host: false``;
     the actor under ``reshard.mode: naive``)."""

@@ -30,6 +30,7 @@ from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
+from spmd_rl.dock.stream import StageStream
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
 
 log = logging.getLogger(__name__)
@@ -243,9 +244,22 @@ class TransferDock:
         group_nodes = [layout.dp_group_leader(g) // self.peer.nproc_per_node for g in range(layout.dp)]
         ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
         plan = ctl.plan(iteration, columns, want, group_nodes, group_size, timeout_s or self.cfg.get_timeout_s)
-        mine = plan.groups[layout.coords(self.peer.rank)[0]]
-        fetched = self._fetch(iteration, mine, list(columns), plan.locations)
-        return DockBatch(torch.tensor(mine, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
+        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations)
+
+    def stream(
+        self, stage: str, iteration: int, columns: Sequence[str], layout: Layout, expected: Sequence[int],
+        group_size: int = 1, units_per_group: int = 1,
+    ) -> StageStream:
+        """Like ``get``, in waves as the inputs become ready (``dock.stream``); close it after use."""
+        unknown = [c for c in columns if c not in self.specs]
+        if unknown:
+            raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
+        return StageStream(self, stage, iteration, columns, layout, expected, group_size, units_per_group)
+
+    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
+        """Fetch ``columns`` of ``indices`` from the warehouses that hold them."""
+        fetched = self._fetch(iteration, indices, columns, loc)
+        return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
 
     def _fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in columns}

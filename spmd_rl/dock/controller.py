@@ -92,9 +92,15 @@ class StageController:
         group_size: int = 1, timeout_s: float = 600.0,
     ) -> Assignment:
         loc = self.wait(iteration, columns, expected, timeout_s)
-        units = units_for(loc, columns, expected, group_size)
-        groups = assign(units, group_nodes)
-        if group_size > 1:
-            wanted = set(expected)
-            groups = [[i for k in keys for i in range(k * group_size, (k + 1) * group_size) if i in wanted] for keys in groups]
-        return Assignment(groups, loc)
+        return Assignment(split(loc, columns, expected, group_nodes, group_size), loc)
+
+
+def split(loc: Locations, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int],
+          group_size: int = 1) -> list[list[int]]:
+    """Indices per DP group: ``assign`` of the units (samples, or whole prompt groups) of
+    ``expected``, expanded back to the expected indices of each unit."""
+    groups = assign(units_for(loc, columns, expected, group_size), group_nodes)
+    if group_size > 1:
+        wanted = set(expected)
+        groups = [[i for k in keys for i in range(k * group_size, (k + 1) * group_size) if i in wanted] for keys in groups]
+    return groups

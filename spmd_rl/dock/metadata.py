@@ -26,6 +26,7 @@ from typing import TypeVar
 import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
+from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
 from spmd_rl.dock.errors import DockUnavailable
 
@@ -132,6 +133,16 @@ class MetadataStore:
         got = self._call(lambda c: c.get_prefix(prefix, sort_order="ascend", sort_target="key"))
         return [(meta["key"].decode(), value) for value, meta in got]
 
+    def get_prefix_at(self, prefix: str) -> tuple[int, list[tuple[str, bytes, int]]]:
+        """(store revision of the read, [(key, value, create revision)] sorted by key): a
+        consistent snapshot that a watch from ``revision + 1`` continues without gap or overlap."""
+        def op(c: Etcd3Client) -> dict:
+            return c.post(c.get_url("/kv/range"), json={"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
+                                                        "sort_order": "ASCEND", "sort_target": "KEY"})
+        got = self._call(op)
+        kvs = [(_decode(kv["key"]).decode(), _decode(kv.get("value", "")), int(kv["create_revision"])) for kv in got.get("kvs", [])]
+        return int(got["header"]["revision"]), kvs
+
     def delete_prefix(self, prefix: str) -> None:
         self._call(lambda c: c.delete_prefix(prefix))
 
@@ -146,9 +157,10 @@ class MetadataStore:
         """Compare-and-swap: set ``new`` only if the value is ``expected``."""
         return bool(self._call(lambda c: c.replace(key, expected, new)))
 
-    def watch_prefix(self, prefix: str) -> tuple[Iterator[dict], Callable[[], None]]:
-        """(events, cancel): events are etcd3gw event dicts with ``kv`` and ``type``."""
-        return self._call(lambda c: c.watch_prefix(prefix))
+    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> tuple[Iterator[dict], Callable[[], None]]:
+        """(events, cancel): events are etcd3gw event dicts with ``kv`` and ``type`` (absent for a
+        put); ``start_revision`` replays from that revision."""
+        return self._call(lambda c: c.watch_prefix(prefix, start_revision=start_revision))
 
     def healthy(self) -> bool:
         try:

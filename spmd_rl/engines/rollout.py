@@ -10,7 +10,7 @@ this rank's TP slice. On CPU vLLM repacks linear weights after loading, so updat
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,11 @@ def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens:
             "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed}
 
 
+def _sample(completion) -> Sample:
+    ids = list(completion.token_ids)
+    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])])
+
+
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
                  max_model_len: int, seed: int = 0, distributed: bool = True):
@@ -77,21 +82,35 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
                  seed: int | None = None) -> list[Sample]:
         """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
+        done = dict(self.generate_stream(prompts, n, max_tokens, temperature, seed))
+        return [s for p in range(len(prompts)) for s in done[p]]
+
+    def generate_stream(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
+                        seed: int | None = None) -> Iterator[tuple[int, list[Sample]]]:
+        """(prompt index, its n samples) as each prompt's group finishes, stepping the engine
+        between yields; the samples are the ones ``generate`` returns (same requests, same
+        per-request seeds seed + k)."""
         from vllm import SamplingParams
 
         temp = self.cfg.temperature if temperature is None else temperature
-        if temp == 0 and n > 1:  # vLLM's greedy mode takes n=1: repeat the prompts instead
-            prompts, n = [p for p in prompts for _ in range(n)], 1
-        params = [SamplingParams(**sampling_options(self.cfg, temp, n, max_tokens, None if seed is None else seed + k))
-                  for k in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        samples = []
-        for out in outs:
-            for comp in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(comp.token_ids)
-                lps = [float(pos[t].logprob) for t, pos in zip(ids, comp.logprobs or [])]
-                samples.append(Sample(ids, lps))
-        return samples
+        per_request = 1 if temp == 0 else n  # vLLM's greedy mode takes n=1: repeat the prompts instead
+        owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
+        params = [SamplingParams(**sampling_options(self.cfg, temp, per_request, max_tokens, None if seed is None else seed + k))
+                  for k in range(len(owners))]
+        ids = self.llm.enqueue([{"prompt_token_ids": prompts[p]} for p in owners], params, use_tqdm=False)
+        # vLLM returns its internal ids ("<external>-<random>"); outputs carry the external one
+        slot = {rid.split("-", 1)[0]: (p, k) for k, (rid, p) in enumerate(zip(ids, owners))}
+        groups: dict[int, list[tuple[int, list[Sample]]]] = {}
+        engine = self.llm.llm_engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished or out.request_id not in slot:
+                    continue
+                p, k = slot[out.request_id]
+                got = groups.setdefault(p, [])
+                got.append((k, [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]))
+                if len(got) * per_request == n:
+                    yield p, [s for _, samples in sorted(got) for s in samples]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new full weights (consumed lazily, one at a time) and drop cached prefixes."""

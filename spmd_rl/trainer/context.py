@@ -13,7 +13,7 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.config.stages import Stage
+from spmd_rl.config.stages import Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.reshard.residency import Residency
 
@@ -37,6 +37,11 @@ class Run:
     reward_fn: Any
     evaluator: Callable[[], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
+
+    @property
+    def fused(self) -> list[Stage]:
+        """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``)."""
+        return fused_stages(self.cfg, self.graph)
 
     @property
     def actor(self) -> Engine:

@@ -4,6 +4,9 @@ graph (``config.stages``), make its roles resident and run it (``runner.run_stag
     [eval] -> (prompts -> actor_rollout -> reward) x rounds -> [ref_logprob] -> [actor_logprob]
            -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit -> [checkpoint]
 
+With ``stream.fuse`` the fused stages (``config.stages.fused_stages``) run inside the rollout
+on the groups already generated (``trainer.fusion``) and are not run again after it.
+
 The per-round stages repeat while DAPO dynamic sampling still lacks G prompt groups with
 signal (``algos.dynamic_sampling``); the later stages read only the selected groups.
 """
@@ -21,6 +24,7 @@ from spmd_rl.config.stages import dynamic_sampling, generation_rounds
 from spmd_rl.distributed.timeouts import long_phase
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
@@ -39,7 +43,8 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[i
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
             put_prompts(run, it, run.sampler.next_batch(G), first_group=r * G)
-        results = [run_stage(run, it, s, expected, timer) for s in run.graph if s.per_round]
+        results = [] if not run.fused else run_fused(run, it, run.graph[0], run.fused, expected, timer)
+        results += [run_stage(run, it, s, expected, timer) for s in run.graph[bool(run.fused):] if s.per_round and s not in run.fused]
         for res in results:
             m.add(res)
         if select is None:
@@ -68,7 +73,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             m.final["eval_accuracy"] = run.evaluator()
     train_idx = _rounds(run, it, timer, m)
     for stage in run.graph:
-        if not stage.per_round:
+        if not stage.per_round and stage not in run.fused:
             m.add(run_stage(run, it, stage, train_idx, timer))
     dist.barrier()
     run.dock.commit(it)

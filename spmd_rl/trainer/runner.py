@@ -22,18 +22,39 @@ from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
 def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: StageTimer) -> StageResult:
     with timer.stage(stage.name):
         run.residency.enter(stage.name, stage.roles)
-        layout = run.lay.gen if stage.layout == "gen" else run.lay.train
-        group = run.cfg.rollout.n if stage.group_granular else 1
-        batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group, expected=expected)
-        writer = layout.coords(run.peer.rank)[1] == 0
-        result = stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected))
-        if result.columns is not None:
-            if set(result.columns) != set(stage.outputs):
-                raise RuntimeError(f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares {sorted(stage.outputs)}")
-            if writer and len(batch):
-                run.dock.put(stage.name, it, result.columns, batch.indices)
-        if not writer:
-            result.sums = dict.fromkeys(result.sums, 0.0)
-            if result.rewards is not None:
-                result.rewards.zero_()
+        layout = stage_layout(run, stage)
+        batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected)
+        return compute(run, it, stage, batch, expected)
+
+
+def stage_layout(run: Run, stage: Stage):
+    return run.lay.gen if stage.layout == "gen" else run.lay.train
+
+
+def group_size(run: Run, stage: Stage) -> int:
+    return run.cfg.rollout.n if stage.group_granular else 1
+
+
+def is_writer(run: Run, stage: Stage) -> bool:
+    return stage_layout(run, stage).coords(run.peer.rank)[1] == 0
+
+
+def compute(run: Run, it: int, stage: Stage, batch, expected: list[int]) -> StageResult:
+    """Steps 3 and 4 for one batch of the stage (the whole share, or one streamed wave)."""
+    writer = is_writer(run, stage)
+    return publish(run, it, stage, batch.indices, stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected)), writer)
+
+
+def publish(run: Run, it: int, stage: Stage, indices, result: StageResult, writer: bool) -> StageResult:
+    """The writer rule: check and put the result's columns for ``indices``; zero the metric
+    sums of non-writers."""
+    if result.columns is not None:
+        if set(result.columns) != set(stage.outputs):
+            raise RuntimeError(f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares {sorted(stage.outputs)}")
+        if writer and len(indices):
+            run.dock.put(stage.name, it, result.columns, indices)
+    if not writer:
+        result.sums = dict.fromkeys(result.sums, 0.0)
+        if result.rewards is not None:
+            result.rewards.zero_()
     return result
