@@ -30,7 +30,7 @@ from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
-from spmd_rl.dock.stream import StageStream
+from spmd_rl.dock.stream import RecordFeed, StageStream
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class TransferDock:
         self.server: WarehouseServer | None = None
         self._clients: dict[int, WarehouseClient] = {}
         self._num_samples: dict[int, int] = {}
+        self._feeds: dict[int, RecordFeed] = {}
         self._seq = 0
         self.heartbeat: Heartbeat | None = None
         self._warehouse_beat: Heartbeat | None = None
@@ -153,6 +154,9 @@ class TransferDock:
         for beat in (self._watch, self.heartbeat, self._warehouse_beat):
             if beat is not None:
                 beat.stop()
+        for feed in self._feeds.values():
+            feed.stop()
+        self._feeds.clear()
         for c in self._clients.values():
             c.close()
         self._clients.clear()
@@ -193,6 +197,8 @@ class TransferDock:
         if self.peer.rank == 0:
             self.meta.delete_prefix(self.meta.key(iteration) + "/")
         self._num_samples.pop(iteration, None)
+        if (feed := self._feeds.pop(iteration, None)) is not None:
+            feed.stop()
 
     # -- sample flow ----------------------------------------------------------------------------
     def put(self, stage: str, iteration: int, data: Mapping[str, Any] | TensorDict, indices: Sequence[int] | torch.Tensor) -> None:
@@ -250,11 +256,14 @@ class TransferDock:
         self, stage: str, iteration: int, columns: Sequence[str], layout: Layout, expected: Sequence[int],
         group_size: int = 1, units_per_group: int = 1,
     ) -> StageStream:
-        """Like ``get``, in waves as the inputs become ready (``dock.stream``); close it after use."""
+        """Like ``get``, in waves as the inputs become ready (``dock.stream``). The iteration's
+        streams share one watch of its put-records, closed by ``commit``."""
         unknown = [c for c in columns if c not in self.specs]
         if unknown:
             raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
-        return StageStream(self, stage, iteration, columns, layout, expected, group_size, units_per_group)
+        if iteration not in self._feeds:
+            self._feeds[iteration] = RecordFeed(self.meta, iteration)
+        return StageStream(self, self._feeds[iteration], stage, iteration, columns, layout, expected, group_size, units_per_group)
 
     def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
         """Fetch ``columns`` of ``indices`` from the warehouses that hold them."""

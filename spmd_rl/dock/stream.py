@@ -62,13 +62,13 @@ def ready_order(records: Sequence[tuple[int, PutRecord]], columns: Sequence[str]
 
 class RecordFeed:
     """Every put-record of one iteration with its create revision, kept current by an etcd
-    watch. ``changed`` is set whenever records arrived since the last ``snapshot``."""
+    watch; shared by the iteration's streams. ``version`` counts the changes seen."""
 
     def __init__(self, meta: MetadataStore, iteration: int):
         self.meta = meta
         self.prefix = meta.key(iteration, "puts") + "/"
-        self.changed = threading.Event()
-        self._lock = threading.Lock()
+        self.version = 0
+        self._cond = threading.Condition()
         self._records: dict[str, tuple[int, PutRecord]] = {}
         self._cancel = None
         self._thread: threading.Thread | None = None
@@ -78,13 +78,14 @@ class RecordFeed:
         """Read every record, then watch from the read's revision + 1."""
         self.stop()
         revision, kvs = self.meta.get_prefix_at(self.prefix)
-        with self._lock:
+        with self._cond:
             for key, raw, rev in kvs:
                 self._records.setdefault(key, (rev, PutRecord.decode(raw)))
+            self.version += 1
+            self._cond.notify_all()
         events, self._cancel = self.meta.watch_prefix(self.prefix, start_revision=revision + 1)
         self._thread = threading.Thread(target=self._pump, args=(events,), name="dock-feed", daemon=True)
         self._thread.start()
-        self.changed.set()
 
     def _pump(self, events: Iterator[dict]) -> None:
         try:
@@ -93,9 +94,10 @@ class RecordFeed:
                 if ev.get("type", "PUT") != "PUT":  # deletes come only with the iteration's commit
                     continue
                 record = (int(kv["create_revision"]), PutRecord.decode(kv["value"]))
-                with self._lock:
+                with self._cond:
                     self._records.setdefault(kv["key"].decode(), record)
-                self.changed.set()
+                    self.version += 1
+                    self._cond.notify_all()
         except Exception as exc:  # a broken watch: the stream re-reads etcd when it next idles
             log.debug("put-record watch of %s ended: %s", self.prefix, exc)
 
@@ -103,10 +105,14 @@ class RecordFeed:
     def watching(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def snapshot(self) -> list[tuple[int, PutRecord]]:
-        with self._lock:
-            self.changed.clear()
-            return list(self._records.values())
+    def snapshot(self) -> tuple[int, list[tuple[int, PutRecord]]]:
+        with self._cond:
+            return self.version, list(self._records.values())
+
+    def wait_change(self, seen: int, timeout_s: float) -> bool:
+        """Block until ``version`` differs from ``seen``; False after ``timeout_s`` without."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.version != seen, timeout_s)
 
     def stop(self) -> None:
         if self._cancel is not None:
@@ -118,7 +124,7 @@ class StageStream:
     """This rank's DP group's share of each wave of a stage's ready inputs (module docstring).
     ``poll`` never blocks; ``next`` and iteration wait for the next wave."""
 
-    def __init__(self, dock: "TransferDock", stage: str, iteration: int, columns: Sequence[str], layout: Layout,
+    def __init__(self, dock: "TransferDock", feed: RecordFeed, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
                  expected: Sequence[int], group_size: int = 1, units_per_group: int = 1, timeout_s: float | None = None):
         self.dock, self.stage, self.iteration = dock, stage, iteration
         self.columns, self.expected, self.group_size = list(columns), list(expected), group_size
@@ -129,7 +135,8 @@ class StageStream:
         self.timeout_s = timeout_s or dock.cfg.get_timeout_s
         self.order: list[int] = []
         """Unit keys in the order the waves delivered them (the same on every rank)."""
-        self.feed = RecordFeed(dock.meta, iteration)
+        self.feed = feed
+        self._seen = -1
 
     @property
     def done(self) -> bool:
@@ -137,18 +144,19 @@ class StageStream:
 
     def poll(self) -> "DockBatch | None":
         """The next wave's share if that wave is complete now, else None."""
-        if self.done or not self.feed.changed.is_set():
+        if self.done or self.feed.version == self._seen:
             return None
-        records = self.feed.snapshot()
+        self._seen, records = self.feed.snapshot()
         ready = ready_order(records, self.columns, self.expected, self.group_size)
         need = min(len(self.order) + self.wave, self.total)
         if len(ready) < need:
             return None
-        keys = {k for _, k in ready[len(self.order):need]}
-        self.order += [k for _, k in ready[len(self.order):need]]
-        self.feed.changed.set()  # the records may already complete the wave after this one
+        keys = [k for _, k in ready[len(self.order):need]]
+        self.order += keys
+        self._seen = -1  # the records may already complete the wave after this one
         loc = Locations.from_records([r for _, r in records])
-        wave = [i for i in self.expected if i // self.group_size in keys]
+        members = set(keys)
+        wave = [i for i in self.expected if i // self.group_size in members]
         mine = split(loc, self.columns, wave, self.group_nodes, self.group_size)[self.dp_index]
         return self.dock.batch_of(self.iteration, mine, self.columns, loc)
 
@@ -159,7 +167,7 @@ class StageStream:
             batch = self.poll()
             if batch is not None:
                 return batch
-            if self.feed.changed.wait(_IDLE_S):
+            if self.feed.wait_change(self._seen, _IDLE_S):
                 continue
             self._check_peers()
             if not self.feed.watching:
@@ -172,15 +180,6 @@ class StageStream:
         while (batch := self.next()) is not None:
             yield batch
 
-    def close(self) -> None:
-        self.feed.stop()
-
-    def __enter__(self) -> "StageStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _check_peers(self) -> None:
         if self.dock.heartbeat is None:
             return
@@ -190,7 +189,7 @@ class StageStream:
                                   f"iteration {self.iteration}; exiting so torchrun can restart the group")
 
     def _timeout(self) -> None:
-        loc = Locations.from_records([r for _, r in self.feed.snapshot()])
+        loc = Locations.from_records([r for _, r in self.feed.snapshot()[1]])
         missing = missing_inputs(loc, self.columns, self.expected)
         lines = [f"column {c!r} (written by stage {self.dock.specs[c].writer}): missing {describe(m)}" for c, m in missing.items()]
         raise DockTimeout(f"stage {self.stage} streamed {len(self.order)} of {self.total} units of iteration {self.iteration} and "

@@ -82,14 +82,14 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
                  seed: int | None = None) -> list[Sample]:
         """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
-        done = dict(self.generate_stream(prompts, n, max_tokens, temperature, seed))
+        done = dict(g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed) for g in step)
         return [s for p in range(len(prompts)) for s in done[p]]
 
     def generate_stream(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
-                        seed: int | None = None) -> Iterator[tuple[int, list[Sample]]]:
-        """(prompt index, its n samples) as each prompt's group finishes, stepping the engine
-        between yields; the samples are the ones ``generate`` returns (same requests, same
-        per-request seeds seed + k)."""
+                        seed: int | None = None) -> Iterator[list[tuple[int, list[Sample]]]]:
+        """After each engine step that finished prompt groups: [(prompt index, its n samples)].
+        The samples are the ones ``generate`` returns (same requests, same per-request seeds
+        seed + k)."""
         from vllm import SamplingParams
 
         temp = self.cfg.temperature if temperature is None else temperature
@@ -103,6 +103,7 @@ class RolloutEngine:
         groups: dict[int, list[tuple[int, list[Sample]]]] = {}
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
+            finished = []
             for out in engine.step():
                 if not out.finished or out.request_id not in slot:
                     continue
@@ -110,7 +111,9 @@ class RolloutEngine:
                 got = groups.setdefault(p, [])
                 got.append((k, [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]))
                 if len(got) * per_request == n:
-                    yield p, [s for _, samples in sorted(got) for s in samples]
+                    finished.append((p, [s for _, samples in sorted(got) for s in samples]))
+            if finished:
+                yield finished
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new full weights (consumed lazily, one at a time) and drop cached prefixes."""

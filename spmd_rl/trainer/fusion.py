@@ -18,8 +18,6 @@ the time moves.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 from spmd_rl.config.stages import Stage
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
@@ -52,24 +50,23 @@ def run_fused(run: Run, it: int, rollout: Stage, fused: list[Stage], expected: l
     """The rollout stage with ``fused`` running on its finished groups; one merged result per
     stage, rollout first."""
     results: dict[str, list[StageResult]] = {s.name: [] for s in (rollout, *fused)}
-    with ExitStack() as open_streams:
-        with timer.stage(rollout.name):
-            run.residency.enter(rollout.name, rollout.roles)
-            batch = run.dock.get(rollout.name, it, list(rollout.inputs), stage_layout(run, rollout),
-                                 group_size=group_size(run, rollout), expected=expected)
-            streams = [open_streams.enter_context(run.dock.stream(s.name, it, s.inputs, stage_layout(run, s), expected,
-                                                                  group_size(run, s), _waves_per_group(run, s))) for s in fused]
-            writer = is_writer(run, rollout)
-            for indices, samples in rollout_groups(StageCall(run, it, rollout, batch, writer, expected)):
-                results[rollout.name].append(publish(run, it, rollout, indices, StageResult(columns=rollout_columns(samples)), writer))
-                for stage, stream in zip(fused, streams):
-                    while (wave := stream.poll()) is not None:
-                        results[stage.name].append(_run_wave(run, it, stage, wave, expected))
-        early = sum(len(results[s.name]) for s in fused)
-        for stage, stream in zip(fused, streams):
-            with timer.stage(stage.name):
-                run.residency.record(stage.name)
-                results[stage.name] += [_run_wave(run, it, stage, wave, expected) for wave in stream]
+    with timer.stage(rollout.name):
+        run.residency.enter(rollout.name, rollout.roles)
+        batch = run.dock.get(rollout.name, it, list(rollout.inputs), stage_layout(run, rollout),
+                             group_size=group_size(run, rollout), expected=expected)
+        streams = [run.dock.stream(s.name, it, s.inputs, stage_layout(run, s), expected, group_size(run, s), _waves_per_group(run, s))
+                   for s in fused]
+        writer = is_writer(run, rollout)
+        for indices, samples in rollout_groups(StageCall(run, it, rollout, batch, writer, expected)):
+            results[rollout.name].append(publish(run, it, rollout, indices, StageResult(columns=rollout_columns(samples)), writer))
+            for stage, stream in zip(fused, streams):
+                while (wave := stream.poll()) is not None:
+                    results[stage.name].append(_run_wave(run, it, stage, wave, expected))
+    early = sum(len(results[s.name]) for s in fused)
+    for stage, stream in zip(fused, streams):
+        with timer.stage(stage.name):
+            run.residency.record(stage.name)
+            results[stage.name] += [_run_wave(run, it, stage, wave, expected) for wave in stream]
     merged = [merge(results[s.name]) for s in (rollout, *fused)]
     merged[0].maxes |= {"fused_waves_early": float(early), "fused_waves_late": float(sum(map(len, results.values())) - early - len(results[rollout.name]))}
     return merged

@@ -17,7 +17,8 @@ from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
 
 def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
-    """(sample indices, samples) of each of this share's prompt groups, in finishing order."""
+    """(sample indices, samples) of the prompt groups of this share that each engine step
+    finished, in finishing order."""
     run, batch = call.run, call.batch
     n = run.cfg.rollout.n
     idx = batch.indices.tolist()
@@ -25,8 +26,8 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
         return
     seed = run.cfg.trainer.seed * 1_000_003 + call.it * 10_007 + idx[0]
     firsts = batch.columns["prompt_ids"][::n]
-    for p, samples in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=seed):
-        yield idx[p * n:(p + 1) * n], samples
+    for step in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=seed):
+        yield [i for p, _ in step for i in idx[p * n:(p + 1) * n]], [s for _, samples in step for s in samples]
 
 
 def rollout_columns(samples: list[Sample]) -> dict[str, object]:
@@ -41,5 +42,5 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
 def actor_rollout(call: StageCall) -> StageResult:
     if not len(call.batch):
         return StageResult()
-    groups = sorted(rollout_groups(call), key=lambda g: g[0])
-    return StageResult(columns=rollout_columns([s for _, samples in groups for s in samples]))
+    by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
+    return StageResult(columns=rollout_columns([by_index[i] for i in call.batch.indices.tolist()]))
