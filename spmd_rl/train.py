@@ -39,6 +39,7 @@ from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.loop import train
+from spmd_rl.trainer.partial import restore_carry
 
 log = logging.getLogger("spmd_rl")
 
@@ -99,6 +100,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
             log.info("resumed from %s at iteration %d", folder, start)
     run = Run(cfg, lay, peer, acc, dock, graph, roles, rollout, residency, tok, prompts, sampler,
               get_reward(cfg.reward.rule, cfg.reward.format_score))
+    if folder is not None and "carry_rows" in state:
+        restore_carry(run, state["carry_rows"])
     if cfg.trainer.eval_interval:
         test = prompts_for(cfg, tok, cfg.data.test_path)
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))

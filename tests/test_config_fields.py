@@ -101,6 +101,7 @@ COVERED = {
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
     "stream.fuse": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
+    "stream.partial_tokens": "test_partial_rollout.py::test_partial_rollout_trains_every_group_once_and_resumes",
     "stream.micro_batch_size": "test_fusion.py::test_wave_size_follows_micro_batch_size",
     "reshard.mode": "test_engines_torchrun.py::test_reshard_swap_rollout",
     "reshard.bucket_bytes": "test_engines_torchrun.py::test_reshard_swap_rollout",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, ROLES, advantage_column, stages_for
+from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, ROLES, advantage_column, data_columns, stages_for
 from spmd_rl.trainer.stages import REGISTRY
 from tests.conftest import REPO
 
@@ -20,6 +20,7 @@ CONFIGS = {
     "ppo-kl-in-reward": ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"],
     "grpo-kl-in-reward": ["algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"],
     "reward-model": ["reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"],
+    "partial-rollout": ["stream.partial_tokens=4", "actor.tis_cap=2.0"],
 }
 
 
@@ -27,7 +28,7 @@ CONFIGS = {
 def test_every_column_written_is_read_and_every_input_written_first(name):
     cfg = load_config(REPO / "configs/quickstart.yaml", CONFIGS[name])
     graph = stages_for(cfg)
-    written = set(DATA_COLUMNS)
+    written = set(data_columns(cfg))
     data_read = {c for s in graph for c in s.inputs}
     assert set(DATA_COLUMNS) <= data_read, f"the data loader writes {set(DATA_COLUMNS) - data_read} that nobody reads"
     for k, stage in enumerate(graph):

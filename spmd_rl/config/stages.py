@@ -27,16 +27,29 @@ COLUMNS: dict[str, ColumnKind] = {
     "advantages": "response",
     "returns": "response",
     "response_length": "scalar",
+    "response_version": "response",
+    "prompt_row": "scalar",
+    "prefix_ids": "response",
+    "prefix_log_prob": "response",
+    "prefix_version": "response",
+    "prefix_done": "scalar",
     "reward": "scalar",
     "seq_advantage": "scalar",
 }
 """Every column a stage may write, by length class. The sample index is implicit (one scalar).
 ``advantages`` are per token (PPO's GAE); ``seq_advantage`` is one scalar per sample (GRPO and
 DAPO: a group-normalised reward, the same for every token). ``answer`` is the reference answer
-of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader."""
+of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader. Partial
+rollout adds ``response_version`` (the policy version, i.e. the number of updates, that
+generated each token) and the data loader's ``prompt_row`` (the prompt's dataset row) and
+``prefix_*`` (the response so far of a continued sample, empty for a new one, and whether it
+already finished)."""
 
 DATA_COLUMNS = ("prompt_ids", "answer")
 """Written by the data loader (``put_prompts``), before the first stage."""
+
+PARTIAL_COLUMNS = ("prompt_row", "prefix_ids", "prefix_log_prob", "prefix_version", "prefix_done")
+"""Also written by the data loader under partial rollout (``trainer.partial``)."""
 
 
 ROLES = ("rollout", "actor", "ref", "critic", "reward_model")
@@ -66,6 +79,14 @@ def needs_reference(cfg: Config) -> bool:
 
 def dynamic_sampling(cfg: Config) -> bool:
     return cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling
+
+
+def partial_rollout(cfg: Config) -> bool:
+    return cfg.stream.partial_tokens > 0
+
+
+def data_columns(cfg: Config) -> tuple[str, ...]:
+    return DATA_COLUMNS + (PARTIAL_COLUMNS if partial_rollout(cfg) else ())
 
 
 def generation_rounds(cfg: Config) -> int:
@@ -101,13 +122,15 @@ def stages_for(cfg: Config) -> list[Stage]:
     and only the stage's ``roles`` are resident while it runs."""
     seq = ("prompt_ids", "response_ids")
     model_reward = cfg.reward.kind == "model"
+    partial = partial_rollout(cfg)
     out = [
-        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob", "response_length"), ("rollout",),
+        Stage("actor_rollout", ("prompt_ids",) + (PARTIAL_COLUMNS if partial else ()),
+              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if partial else ()), ("rollout",),
               group_granular=True, layout="gen", per_round=True),
         Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
               ("reward_model",) if model_reward else (), per_round=True),
     ]
-    update_extra: tuple[str, ...] = ("rollout_log_prob",)
+    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if partial else ())
     kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
         out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("ref",)))
@@ -137,7 +160,7 @@ def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
     per-round joins only without dynamic sampling, which picks the groups after every round."""
     if not cfg.stream.fuse:
         return []
-    ready = set(DATA_COLUMNS) | set(graph[0].outputs)
+    ready = set(data_columns(cfg)) | set(graph[0].outputs)
     out = []
     for s in graph[1:]:
         if not s.roles and set(s.inputs) <= ready and (s.per_round or not dynamic_sampling(cfg)):
@@ -166,7 +189,7 @@ def advantage_column(cfg: Config) -> str:
 
 
 def written_columns(stages: list[Stage]) -> list[str]:
-    cols: list[str] = list(DATA_COLUMNS)
+    cols: list[str] = list(DATA_COLUMNS) + [c for c in PARTIAL_COLUMNS if c in stages[0].inputs]
     for s in stages:
         cols += [c for c in s.outputs if c not in cols]
     return cols

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, Stage
+from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, Stage
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,15 @@ class ColumnSpec:
     """Per-sample trailing shape of a fixed column; () for a scalar. Unused when ragged."""
 
 
-_DTYPES = {"prompt_ids": torch.int32, "answer": torch.uint8, "response_ids": torch.int32, "response_length": torch.int32}
+_DTYPES = {"prompt_ids": torch.int32, "answer": torch.uint8, "response_ids": torch.int32, "response_length": torch.int32,
+           "response_version": torch.int32, "prompt_row": torch.int32, "prefix_ids": torch.int32, "prefix_version": torch.int32,
+           "prefix_done": torch.int32}
 
 
 def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
-    """Specs of every column written by ``stages`` and by the data loader (``DATA_COLUMNS``)."""
-    writers = dict.fromkeys(DATA_COLUMNS, "data")
+    """Specs of every column written by ``stages`` and by the data loader (``DATA_COLUMNS``, and
+    the ``PARTIAL_COLUMNS`` the rollout reads under partial rollout)."""
+    writers = dict.fromkeys(DATA_COLUMNS + tuple(c for c in PARTIAL_COLUMNS if stages and c in stages[0].inputs), "data")
     for s in stages:
         writers.update({c: s.name for c in s.outputs})
     return {

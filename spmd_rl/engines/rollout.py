@@ -36,6 +36,8 @@ class Sample:
 
     token_ids: list[int]
     logprobs: list[float]
+    stopped: bool = False
+    """Ended on a stop token (EOS), not on the token limit of its request."""
 
 
 def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool) -> dict:
@@ -58,7 +60,7 @@ def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens:
 
 def _sample(completion) -> Sample:
     ids = list(completion.token_ids)
-    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])])
+    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])], completion.finish_reason == "stop")
 
 
 class RolloutEngine:
@@ -114,6 +116,19 @@ class RolloutEngine:
                     finished.append((p, [s for _, samples in sorted(got) for s in samples]))
             if finished:
                 yield finished
+
+    def continue_samples(self, requests: list[tuple[list[int], int]], temperature: float | None = None,
+                         seed: int | None = None) -> list[Sample]:
+        """One sample per (context, max_tokens): at most max_tokens tokens continuing
+        ``context`` (the prompt followed by the response so far); request k is seeded seed + k.
+        Partial rollout's primitive: at temperature 0 a response continued in pieces equals the
+        one generated at once (tested)."""
+        from vllm import SamplingParams
+
+        temp = self.cfg.temperature if temperature is None else temperature
+        params = [SamplingParams(**sampling_options(self.cfg, temp, 1, m, None if seed is None else seed + k)) for k, (_, m) in enumerate(requests)]
+        outs = self.llm.generate([{"prompt_token_ids": c} for c, _ in requests], params, use_tqdm=False)
+        return [_sample(o.outputs[0]) for o in outs]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new full weights (consumed lazily, one at a time) and drop cached prefixes."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from spmd_rl.config.layout import Layouts
@@ -37,6 +37,8 @@ class Run:
     reward_fn: Any
     evaluator: Callable[[], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
+    carry: list = field(default_factory=list)
+    """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
 
     @property
     def fused(self) -> list[Stage]:

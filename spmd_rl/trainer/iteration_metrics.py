@@ -37,7 +37,8 @@ class IterationMetrics:
         g = global_sums(self.sums)
         n = max(1.0, g.get("generated", 0.0))
         out = {name: g[s] / max(1.0, g[c]) for name, (s, c) in _MEANS.items() if s in g and c in g}
-        out["reward_std"] = max(0.0, g["reward_sq"] / n - out["reward_mean"] ** 2) ** 0.5
+        if "reward_sq" in g:  # absent when no group was rewarded (partial rollout with none finished)
+            out["reward_std"] = max(0.0, g["reward_sq"] / n - out["reward_mean"] ** 2) ** 0.5
         out |= {"generated_samples": n, "adv_zero_groups": g.get("adv_zero_groups", 0.0)}
         if "resid_sq" in g:  # verl's vf_explained_var: 1 - Var(R - V) / Var(R) over every response token
             t = max(1.0, g["value_tokens"])

@@ -5,7 +5,9 @@ graph (``config.stages``), make its roles resident and run it (``runner.run_stag
            -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit -> [checkpoint]
 
 With ``stream.fuse`` the fused stages (``config.stages.fused_stages``) run inside the rollout
-on the groups already generated (``trainer.fusion``) and are not run again after it.
+on the groups already generated (``trainer.fusion``) and are not run again after it. With
+``stream.partial_tokens`` the round is ``trainer.partial``'s: only the groups that finished are
+rewarded and trained.
 
 The per-round stages repeat while DAPO dynamic sampling still lacks G prompt groups with
 signal (``algos.dynamic_sampling``); the later stages read only the selected groups.
@@ -20,11 +22,12 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
-from spmd_rl.config.stages import dynamic_sampling, generation_rounds
+from spmd_rl.config.stages import dynamic_sampling, generation_rounds, partial_rollout
 from spmd_rl.distributed.timeouts import long_phase
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.fusion import run_fused
+from spmd_rl.trainer.partial import carried_rows, partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
@@ -37,6 +40,8 @@ log = logging.getLogger("spmd_rl")
 def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[int]:
     """Round r's prompt p is group r * G + p, its samples (r * G + p) * N + k. Returns the
     sample indices the later stages train on."""
+    if partial_rollout(run.cfg):
+        return partial_round(run, it, timer, m)
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
     select = GroupSelection(G) if dynamic_sampling(run.cfg) else None
     for r in range(generation_rounds(run.cfg)):
@@ -72,14 +77,17 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             run.residency.enter("eval", ("rollout",))
             m.final["eval_accuracy"] = run.evaluator()
     train_idx = _rounds(run, it, timer, m)
+    if not train_idx and run.peer.rank == 0:
+        log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
     for stage in run.graph:
-        if not stage.per_round and stage not in run.fused:
+        if train_idx and not stage.per_round and stage not in run.fused:
             m.add(run_stage(run, it, stage, train_idx, timer))
     dist.barrier()
     run.dock.commit(it)
     seconds = time.perf_counter() - t0
     out = m.finish() | {"world": run.lay.world, "samples": len(train_idx), "iteration_s": seconds}
-    out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph]))  # the largest rank's
+    ran = [s.name for s in run.graph if s.name in timer.times]  # partial rollout may train nothing
+    out |= global_maxes(run.residency.iteration_memory(ran))  # the largest rank's
     out["throughput_eq5"] = throughput(cfg.data.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length,
                                        cfg.rollout.max_response_length, run.lay.world, seconds)
     return out | {f"time_{k}": v for k, v in timer.times.items()}
@@ -107,6 +115,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     state = {"iteration": iteration, "origin": checkpoint.origin_of(cfg.checkpoint.resume),
              "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
              "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
+    if partial_rollout(cfg):
+        state["carry_rows"] = carried_rows(run)
     run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)
     with long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s):  # ranks' writes may be skewed by minutes
         folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep)

@@ -80,9 +80,16 @@ def actor_update(call: StageCall) -> StageResult:
         lr = out["lr"]
         steps += 1
     run.residency.weights_changed()
-    g = dp_sums({k: acc[k] for k in _SUMS}, lay.tp)
+    final = {}
+    if "response_version" in call.stage.inputs:  # partial rollout: how old the trained tokens' policies are
+        lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
+        acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
+        final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
+    g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.tp)
+    if final:
+        final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
-    return StageResult(final={
+    return StageResult(final=final | {
         "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
         "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
         "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),

@@ -46,6 +46,9 @@ class StageResult:
     rewards: torch.Tensor | None = None
     """Reward stage: the round's rewards as a dense [len(expected)] tensor with this rank's
     written scores (0 elsewhere), summed over ranks by dynamic sampling."""
+    pieces: dict[int, Any] | None = None
+    """Partial rollout's rollout stage: every sample of this rank's share (index ->
+    ``trainer.partial.Piece``), its response so far and whether it finished."""
 
 
 StageFn = Callable[[StageCall], StageResult]

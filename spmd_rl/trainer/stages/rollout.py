@@ -4,7 +4,13 @@ by the first sample index, so a rerun of the iteration samples the same response
 
 ``rollout_groups`` yields each prompt group as the engine finishes it (stage fusion streams
 them into the dock); the stage function collects them all, so both paths write the same
-samples."""
+samples.
+
+Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is continued
+from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, request k seeded
+seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
+tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
+far)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,12 @@ from collections.abc import Iterator
 import torch
 
 from spmd_rl.engines.rollout import Sample
+from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+
+
+def _seed(call: StageCall) -> int:
+    return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007 + int(call.batch.indices[0])
 
 
 def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
@@ -24,9 +35,8 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
     idx = batch.indices.tolist()
     if not idx:
         return
-    seed = run.cfg.trainer.seed * 1_000_003 + call.it * 10_007 + idx[0]
     firsts = batch.columns["prompt_ids"][::n]
-    for step in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=seed):
+    for step in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)):
         yield [i for p, _ in step for i in idx[p * n:(p + 1) * n]], [s for _, samples in step for s in samples]
 
 
@@ -41,6 +51,24 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
 @register("actor_rollout")
 def actor_rollout(call: StageCall) -> StageResult:
     if not len(call.batch):
-        return StageResult()
+        return StageResult(pieces={} if call.run.cfg.stream.partial_tokens else None)
+    if call.run.cfg.stream.partial_tokens:
+        return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
     return StageResult(columns=rollout_columns([by_index[i] for i in call.batch.indices.tolist()]))
+
+
+def _continue(call: StageCall) -> StageResult:
+    cfg, cols = call.run.cfg, call.batch.columns
+    limit = cfg.rollout.max_response_length
+    pieces = [Piece.of(row, ids, lp, ver, done) for row, ids, lp, ver, done in
+              zip(cols["prompt_row"], cols["prefix_ids"], cols["prefix_log_prob"], cols["prefix_version"], cols["prefix_done"])]
+    todo = [k for k, p in enumerate(pieces) if not p.done]
+    got = call.run.rollout.continue_samples(
+        [(cols["prompt_ids"][k].tolist() + pieces[k].token_ids, min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids))) for k in todo],
+        seed=_seed(call))
+    for k, s in zip(todo, got):
+        pieces[k].extend(s, call.it, limit)
+    out = rollout_columns([Sample(p.token_ids, p.logprobs) for p in pieces])
+    out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
+    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)))

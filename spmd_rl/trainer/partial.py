@@ -1,0 +1,115 @@
+"""Partial rollout (``stream.partial_tokens`` = B; the MindSpeed RL paper's Table 2, Kimi
+k1.5's partial rollouts): long responses are generated across iterations instead of holding
+every iteration up. One round per iteration:
+
+1. The data loader puts the iteration's G prompt groups. Generation DP group g fills its G/dp
+   slots first with the groups it carries from the previous iteration (oldest first), then with
+   new prompts from the sampler; the ``prefix_*`` columns hold each sample's response so far.
+2. The rollout continues every unfinished sample by at most B tokens (``stages.rollout``).
+3. Every rank learns which groups finished (one all-reduce of a [G] count). The finished
+   groups, the lowest slots first and rounded down to a multiple of the training DP size (every
+   DP rank then trains the same number of groups), are rewarded and trained now. Every other
+   group is carried by the generation DP group that generated it, and continued after the
+   weight update with its tokens, behaviour log-probs and versions.
+
+Invariants (tested): no prompt group is lost or trained twice; over a run, new groups =
+trained groups + groups still carried (the ``partial_*`` metrics). A checkpoint records the
+carried prompts' rows; a resumed run starts them again from their prompts (partial responses
+are not saved). Every trained token has the version that generated it; the lag (iteration -
+version) is logged as ``policy_lag_mean`` / ``policy_lag_max``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.trainer.carry import CarriedGroup
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.iteration_metrics import IterationMetrics
+from spmd_rl.trainer.metrics import StageTimer
+from spmd_rl.trainer.runner import is_writer, run_stage
+from spmd_rl.trainer.stages.samples import encode_text
+
+
+def put_prompts(run: Run, it: int) -> int:
+    """Step 1; returns the number of new prompt groups drawn from the sampler."""
+    lay, G, n = run.lay.gen, run.cfg.data.global_batch_size, run.cfg.rollout.n
+    g, tp_rank = lay.coords(run.peer.rank)
+    per = G // lay.dp
+    reused = min(len(run.carry), per)
+    counts = torch.zeros(lay.dp, dtype=torch.int64)
+    if tp_rank == 0:
+        counts[g] = reused
+    dist.all_reduce(counts)
+    fresh = [per - int(c) for c in counts]
+    rows = run.sampler.next_batch(sum(fresh))
+    start = sum(fresh[:g])
+    mine = run.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start:start + fresh[g]]]
+    del run.carry[:reused]
+    if tp_rank == 0:
+        pieces = [p for grp in mine for p in grp.pieces]
+        prefix = [p.columns() for p in pieces]
+        cols = {"prompt_ids": [torch.tensor(run.prompts.prompt_ids[p.row], dtype=torch.int32) for p in pieces],
+                "answer": [encode_text(run.prompts.answers[p.row]) for p in pieces],
+                "prompt_row": torch.tensor([p.row for p in pieces], dtype=torch.int32),
+                "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
+        cols |= {k: [c[k] for c in prefix] for k in ("prefix_ids", "prefix_log_prob", "prefix_version")}
+        run.dock.put("data", it, cols, list(range(g * per * n, (g + 1) * per * n)))
+    return sum(fresh)
+
+
+def _gen_count(run: Run, value: int) -> int:
+    """Sum over generation DP groups (their TP rank 0) of ``value``."""
+    t = torch.tensor([value if run.lay.gen.coords(run.peer.rank)[1] == 0 else 0], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t)
+
+
+def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[int]:
+    """Steps 1-3 and the per-round stages on the trained groups; returns their sample indices."""
+    G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
+    with timer.stage("prompts"):
+        new = put_prompts(run, it)
+    rollout = run.graph[0]
+    res = run_stage(run, it, rollout, list(range(G * N)), timer)
+    m.add(res)
+    finished = torch.zeros(G, dtype=torch.int64)
+    if is_writer(run, rollout):
+        for i, p in res.pieces.items():
+            finished[i // N] += int(p.done)
+    dist.all_reduce(finished)
+    complete = [q for q in range(G) if int(finished[q]) == N]
+    keep = set(complete[: len(complete) // run.lay.train.dp * run.lay.train.dp])
+    groups: dict[int, list] = {}
+    for i, p in sorted(res.pieces.items()):
+        groups.setdefault(i // N, []).append(p)
+    run.carry += [CarriedGroup(ps[0].row, ps) for q, ps in sorted(groups.items()) if q not in keep]
+    train_idx = [q * N + k for q in sorted(keep) for k in range(N)]
+    if train_idx:
+        for stage in run.graph[1:]:
+            if stage.per_round:
+                m.add(run_stage(run, it, stage, train_idx, timer))
+    m.final |= {"partial_new_groups": float(new), "partial_trained_groups": float(len(keep)),
+                "partial_carried_groups": float(_gen_count(run, len(run.carry)))}
+    return train_idx
+
+
+def carried_rows(run: Run) -> list[int]:
+    """Collective: the dataset rows of every carried group, generation DP group by group."""
+    lay = run.lay.gen
+    g, tp_rank = lay.coords(run.peer.rank)
+    size = torch.tensor([len(run.carry)], dtype=torch.int64)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    buf = torch.zeros(lay.dp, int(size), dtype=torch.int64)  # row + 1; 0 = empty
+    if tp_rank == 0 and run.carry:
+        buf[g, : len(run.carry)] = torch.tensor([c.row + 1 for c in run.carry])
+    dist.all_reduce(buf)
+    return [int(r) - 1 for r in buf.flatten() if r > 0]
+
+
+def restore_carry(run: Run, rows: list[int]) -> None:
+    """A resumed run's carry: the checkpoint's carried rows dealt over the generation DP groups,
+    each started again from its prompt."""
+    g = run.lay.gen.coords(run.peer.rank)[0]
+    run.carry = [CarriedGroup.fresh(r, run.cfg.rollout.n) for r in rows[g::run.lay.gen.dp]]

@@ -1,0 +1,107 @@
+"""Partial rollout (``stream.partial_tokens``): responses continued across iterations.
+
+- The engine's primitive (real vLLM): with a budget below the longest response, greedy
+  responses continued in pieces equal the ones generated at once, token for token, with the
+  same log-probs and the same stop.
+- The trainer (real torchrun, etcd, vLLM): every prompt group drawn is trained once or still
+  carried, whole groups, an even count over the 2 DP ranks; continued tokens of older policies
+  are trained (lag >= 1); a checkpoint records the carried rows and a resumed run keeps the
+  balance.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.rules import check
+from spmd_rl.config.stages import PARTIAL_COLUMNS, stages_for
+from spmd_rl.dock.columns import columns_for
+from spmd_rl.engines.rollout import Sample
+from spmd_rl.trainer.carry import CarriedGroup, Piece
+from tests.conftest import REPO, subprocess_env
+from tests.trainer_util import G, N, train
+
+
+@pytest.mark.slow
+def test_greedy_responses_continued_in_pieces_equal_one_generation(tiny_model):
+    budget, limit = 1, 8
+    out = subprocess.run([sys.executable, str(REPO / "tests/helpers/partial_continuation.py"), str(tiny_model), str(budget), str(limit)],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert max(len(w["ids"]) for w in got["whole"]) > budget  # the budget cuts at least one response
+    assert max(p["pieces"] for p in got["pieces"]) >= 2
+    for whole, pieces in zip(got["whole"], got["pieces"]):
+        assert pieces["ids"] == whole["ids"] and pieces["stopped"] == whole["stopped"]
+        assert max((abs(a - b) for a, b in zip(pieces["logprobs"], whole["logprobs"])), default=0.0) < 1e-4
+
+
+@pytest.mark.slow
+def test_partial_rollout_trains_every_group_once_and_resumes(tiny_model, tmp_path, etcd):
+    """Real torchrun, 2 ranks: responses of about 3-4 tokens with a budget of 2 per iteration."""
+    args = ("stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=4", "rollout.temperature=1.0")
+    rows = train(tmp_path, "partial", etcd.endpoint, *args)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    new = sum(r["partial_new_groups"] for r in rows)
+    trained = sum(r["partial_trained_groups"] for r in rows)
+    assert new == trained + rows[-1]["partial_carried_groups"]  # nothing lost, nothing trained twice
+    assert rows[0]["partial_new_groups"] == G and rows[0]["partial_carried_groups"] > 0  # the budget cut responses
+    for r in rows:
+        assert r["samples"] == r["partial_trained_groups"] * N and r["partial_trained_groups"] % 2 == 0  # whole groups, even over 2 DP ranks
+        assert r["partial_new_groups"] + r["partial_carried_groups"] <= G + rows[0]["partial_carried_groups"]
+        if r["samples"]:
+            assert 0 <= r["policy_lag_mean"] <= r["policy_lag_max"] <= r["iteration"]
+    assert max(r.get("policy_lag_max", 0) for r in rows) >= 1  # continued tokens of an older policy were trained
+    ckpt = tmp_path / "partial/ckpt/iter_000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert len(state["carry_rows"]) == rows[1]["partial_carried_groups"]
+    resumed = train(tmp_path, "partial-resumed", etcd.endpoint, *args, f"checkpoint.resume={ckpt}")
+    assert [r["iteration"] for r in resumed] == [2, 3]
+    assert sum(r["partial_new_groups"] for r in resumed) + len(state["carry_rows"]) == \
+        sum(r["partial_trained_groups"] for r in resumed) + resumed[-1]["partial_carried_groups"]
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["stream.partial_tokens=8"], "not below rollout.max_response_length=8"),
+    (["actor.tis_cap=null"], "must correct"),
+    (["actor.mini_batch_size=8"], "mini-batches of a fixed size"),
+    (["algorithm.name=ppo"], "not supported with ppo"),
+    (["algorithm.name=dapo", "algorithm.dynamic_sampling=true"], "not supported with dapo dynamic sampling"),
+    (["stream.fuse=true"], "stage fusion needs"),
+])
+def test_partial_rollout_config_is_checked(in_repo, overrides, problem):
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["stream.partial_tokens=4", "actor.tis_cap=2.0", *overrides])
+    _, errors = check(cfg, world=2)
+    assert [e.field for e in errors] == ["stream.partial_tokens"] and problem in errors[0].problem, errors
+
+
+def test_partial_rollout_graph_reads_the_prefix_and_versions():
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["stream.partial_tokens=4", "actor.tis_cap=2.0"])
+    graph = stages_for(cfg)
+    assert set(PARTIAL_COLUMNS) <= set(graph[0].inputs) and "response_version" in graph[0].outputs
+    assert "response_version" in graph[-1].inputs  # the update logs each token's policy lag
+    specs = columns_for(graph)
+    assert {c: specs[c].writer for c in PARTIAL_COLUMNS} == dict.fromkeys(PARTIAL_COLUMNS, "data")
+    assert specs["prefix_ids"].ragged and not specs["prefix_done"].ragged and specs["response_version"].dtype == torch.int32
+    plain = stages_for(load_config(REPO / "configs/quickstart.yaml"))
+    assert not set(PARTIAL_COLUMNS) & set(columns_for(plain))
+
+
+def test_a_piece_finishes_on_a_stop_or_at_the_limit():
+    p = Piece(7)
+    p.extend(Sample([4, 5], [-0.1, -0.2]), version=0, limit=6)
+    assert (p.token_ids, p.versions, p.done) == ([4, 5], [0, 0], False)
+    p.extend(Sample([6], [-0.3], stopped=True), version=1, limit=6)
+    assert (p.token_ids, p.logprobs, p.versions, p.done) == ([4, 5, 6], [-0.1, -0.2, -0.3], [0, 0, 1], True)
+    q = Piece(7, [1, 2, 3, 4], [0.0] * 4, [0] * 4)
+    q.extend(Sample([9, 9], [-1.0, -1.0]), version=2, limit=6)
+    assert q.done and q.versions == [0, 0, 0, 0, 2, 2]
+    cols = q.columns()
+    assert cols["prefix_ids"].dtype == torch.int32 and cols["prefix_done"].item() == 1
+    assert CarriedGroup.fresh(3, 4).pieces == [Piece(3)] * 4 and not CarriedGroup.fresh(3, 4).done
