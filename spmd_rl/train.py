@@ -39,6 +39,7 @@ from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.loop import train
+from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.partial import restore_carry
 
 log = logging.getLogger("spmd_rl")
@@ -102,6 +103,9 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
               get_reward(cfg.reward.rule, cfg.reward.format_score))
     if folder is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
+    run.ledger = PromptLedger(MetadataStore(endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)))
+    if peer.rank == 0:
+        run.ledger.restart_at(start)  # the iterations from `start` on are (re)done from here
     if cfg.trainer.eval_interval:
         test = prompts_for(cfg, tok, cfg.data.test_path)
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))

@@ -26,6 +26,15 @@ def test_bench_model_decodes_every_id_and_has_16_token_prompts(tmp_path):
     assert all(isinstance(tok.decode([i]), str) for i in range(300))
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(len(tok(r["prompt"], add_special_tokens=False).input_ids) == 16 for r in rows)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [tok.eos_token_id]
+
+
+def test_long_tail_variant_stops_on_more_tokens(tmp_path):
+    import make_bench_model
+
+    make_bench_model.build(tmp_path, vocab=300, positions=64, prompts=8, seed=0, stop_tokens=5)
+    stops = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
+    assert len(set(stops)) == 6 and all(0 <= t < 300 for t in stops)
 
 
 def test_floor_training_step_runs_and_updates(tiny_model):

@@ -1,17 +1,19 @@
 #!/usr/bin/env python
-"""Streaming modes on a long-tail config, as ratios against the synchronous colocated baseline
-measured in the same run (issue 13's benchmark).
+"""Issue 13's benchmark: the streaming modes against the synchronous colocated baseline, as
+ratios measured in the same run, with the learning each mode still does.
 
-The long tail: the quickstart model with ``rollout.max_response_length=224`` (PL 32 + SL fill its 256 positions). Its answers
-take 2-3 tokens, but at temperature 1 some samples miss the end-of-sequence token and run to
-the limit, so response lengths range from 2 to 224 tokens within one batch.
+**Speed** on a long tail: ``configs/bench_cpu.yaml`` (G=16, N=8, 2 ranks) on the long-tail
+bench model (``make_bench_model.py --stop-tokens 15``: response lengths close to geometric,
+mean about 60) with ``rollout.max_response_length=256``. Printed per mode: the mean steady
+iteration time, samples/s and response tokens/s (what was really generated and trained, from
+the metrics), the stage times, and the ratios to ``sync``.
 
-Each mode trains ``--iterations`` iterations from the same start; the bench prints the mean
-steady iteration time, samples/s (G x N per iteration), response tokens/s (tokens really generated and trained),
-the stage times, and the held-out greedy accuracy before (iteration 0) and after (``spmd-rl
-eval`` on the final checkpoint), because a faster run that learns less does not count.
+**Learning** (``--learn-iterations K``): the quickstart trained K iterations in each mode;
+held-out greedy accuracy before (iteration 0) and after (``spmd-rl eval`` of the final
+checkpoint), because a faster run that learns less does not count.
 
-    python tools/bench_async.py --iterations 20 --rounds 2
+    python tools/make_bench_model.py --out assets/bench-longtail --positions 512 --stop-tokens 15
+    python tools/bench_async.py --iterations 8 --rounds 2 --learn-iterations 200
 """
 
 from __future__ import annotations
@@ -25,67 +27,76 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LONG_TAIL = ["rollout.max_response_length=224"]  # PL 32 + 224 fills the model's 256 positions
-MODES = {
-    "sync": [],
-    "fuse": ["stream.fuse=true"],
+LONG_TAIL = ["model.path=assets/bench-longtail", "data.train_path=assets/bench-longtail/train.jsonl", "rollout.max_response_length=256"]
+MODES = {  # mode: (speed overrides, quickstart overrides)
+    "sync": ([], []),
+    "fuse": (["stream.fuse=true"], ["stream.fuse=true"]),
+    "partial": (["stream.partial_tokens={budget}", "actor.tis_cap=2.0"], ["stream.partial_tokens=4", "actor.tis_cap=2.0"]),
 }
 
 
-def run_mode(name: str, overrides: list[str], args) -> dict:
+def train(config: str, overrides: list[str], iterations: int, name: str, tmp: str, eval_limit: int | None = None) -> list[dict]:
+    extra = [f"trainer.eval_interval={iterations}", f"trainer.eval_limit={eval_limit}"] if eval_limit else []
+    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", config, *overrides, *extra, f"trainer.iterations={iterations}",
+           f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=0", f"logging.dir={tmp}/logs", "logging.progress=false",
+           "checkpoint.resume=never", f"metadata.job=bench-async-{name}"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"{name}: train failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return [json.loads(line) for line in (Path(tmp) / "logs/metrics.jsonl").read_text().splitlines()]
+
+
+def speed(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "spmd_rl.cli", "train", args.config, *LONG_TAIL, *overrides, *args.overrides,
-               f"trainer.iterations={args.iterations}", f"trainer.eval_interval={args.iterations}", f"trainer.eval_limit={args.eval_limit}",
-               f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=0", f"logging.dir={tmp}/logs", "logging.progress=false",
-               "checkpoint.resume=never", f"metadata.job=bench-async-{name}"]
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if res.returncode:
-            sys.exit(f"{name}: train failed ({res.returncode}):\n{res.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "logs/metrics.jsonl").read_text().splitlines()]
-        ckpt = sorted((Path(tmp) / "ckpt").glob("iter_*"))[-1]
-        ev = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", args.test_data,
-                             "--limit", str(args.eval_limit), "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True)
-        if ev.returncode:
-            sys.exit(f"{name}: eval failed ({ev.returncode}):\n{ev.stderr[-3000:]}")
-        final = json.loads(ev.stdout.strip().splitlines()[-1])["accuracy"]
+        rows = train(args.config, LONG_TAIL + [o.format(budget=args.partial_tokens) for o in MODES[name][0]], args.iterations, name, tmp)
     steady = rows[1:] or rows
-    out = {k: statistics.mean(r[k] for r in steady) for k in steady[0] if k.startswith("time_")}
-    out["iteration_s"] = statistics.mean(r["iteration_s"] for r in steady)
-    out["samples_per_s"] = statistics.mean(r["samples"] for r in steady) / out["iteration_s"]
-    out["tokens_per_s"] = statistics.mean(r["samples"] * r["response_length_mean"] for r in steady) / out["iteration_s"]
-    out["response_length_mean"] = statistics.mean(r["response_length_mean"] for r in steady)
-    out["response_length_max"] = max(r["response_length_max"] for r in steady)
-    out["accuracy_start"], out["accuracy_final"] = rows[0]["eval_accuracy"], final
+    seconds = sum(r["iteration_s"] for r in steady)
+    out = {k: statistics.mean(r.get(k, 0.0) for r in steady) for k in steady[0] if k.startswith("time_")}
+    out["iteration_s"] = seconds / len(steady)
+    out["samples_per_s"] = sum(r["samples"] for r in steady) / seconds
+    out["tokens_per_s"] = sum(r["samples"] * r.get("response_length_mean", 0.0) for r in steady) / seconds
+    out["response_length_mean"] = statistics.mean(r.get("response_length_mean", 0.0) for r in steady if r["samples"])
+    out["response_length_max"] = max(r.get("response_length_max", 0.0) for r in steady)
     return out
 
 
-def report(name: str, m: dict, base: dict | None) -> None:
-    stages = "  ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time_"))
-    ratio = f"  x{m['samples_per_s'] / base['samples_per_s']:.2f} samples/s, x{m['tokens_per_s'] / base['tokens_per_s']:.2f} tokens/s vs sync" if base else ""
-    print(f"{name:6s} iteration {m['iteration_s']:.2f} s  {m['samples_per_s']:.1f} samples/s  {m['tokens_per_s']:.0f} response tokens/s{ratio}\n"
-          f"       responses mean {m['response_length_mean']:.1f} max {m['response_length_max']:.0f}  |  {stages}\n"
-          f"       held-out accuracy {m['accuracy_start']:.3f} -> {m['accuracy_final']:.3f} "
-          f"({100 * (m['accuracy_final'] - m['accuracy_start']):+.1f} points)", flush=True)
+def learning(name: str, args) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = train("configs/quickstart.yaml", MODES[name][1], args.learn_iterations, f"learn-{name}", tmp, args.eval_limit)
+        ckpt = sorted((Path(tmp) / "ckpt").glob("iter_*"))[-1]
+        ev = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", "assets/tiny-qwen2/test.jsonl",
+                             "--limit", str(args.eval_limit), "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True)
+        if ev.returncode:
+            sys.exit(f"{name}: eval failed ({ev.returncode}):\n{ev.stderr[-3000:]}")
+    return rows[0]["eval_accuracy"], json.loads(ev.stdout.strip().splitlines()[-1])["accuracy"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/quickstart.yaml")
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
-    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--config", default="configs/bench_cpu.yaml")
+    ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
-    ap.add_argument("--test-data", default="assets/tiny-qwen2/test.jsonl")
-    ap.add_argument("--eval-limit", type=int, default=200)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)} (sync is the baseline)")
+    ap.add_argument("--learn-iterations", type=int, default=0, help="quickstart iterations per mode for the learning check; 0 skips it")
+    ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--partial-tokens", type=int, default=128, help="stream.partial_tokens of the partial mode's speed run")
     args = ap.parse_args()
-    modes = args.modes.split(",")
+    modes = ["sync"] + [m for m in args.modes.split(",") if m != "sync"]
     for r in range(args.rounds):
-        print(f"-- round {r + 1} (long tail: {' '.join(LONG_TAIL)}, {args.iterations} iterations)", flush=True)
+        print(f"-- speed, round {r + 1}: {' '.join(LONG_TAIL)}, {args.iterations} iterations", flush=True)
         base = None
         for name in modes:
-            m = run_mode(name, MODES[name], args)
-            report(name, m, base)
-            base = base or (m if name == "sync" else None)
+            m = speed(name, args)
+            base = base or m
+            stages = "  ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time_"))
+            print(f"{name:8s} {m['iteration_s']:.2f} s/iteration  {m['samples_per_s']:.1f} samples/s  {m['tokens_per_s']:.0f} tokens/s  "
+                  f"x{m['samples_per_s'] / base['samples_per_s']:.2f} samples/s  x{m['tokens_per_s'] / base['tokens_per_s']:.2f} tokens/s vs sync\n"
+                  f"         responses mean {m['response_length_mean']:.1f} max {m['response_length_max']:.0f}  |  {stages}", flush=True)
+    if args.learn_iterations:
+        print(f"-- learning: quickstart, {args.learn_iterations} iterations, held-out greedy accuracy on {args.eval_limit} prompts", flush=True)
+        for name in modes:
+            start, final = learning(name, args)
+            print(f"{name:8s} {start:.3f} -> {final:.3f}  ({100 * (final - start):+.1f} points)  {' '.join(MODES[name][1])}", flush=True)
 
 
 if __name__ == "__main__":

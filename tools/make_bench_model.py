@@ -10,7 +10,13 @@ sample decodes. A random model emits <|im_end|> with probability about 1/1000 pe
 responses run to the length limit almost always: the benchmark measures full-length work.
 ``--positions`` sets max_position_embeddings (PL + SL must fit: 512 for the long-response case).
 
+``--stop-tokens K`` builds the long-tail variant for ``tools/bench_async.py``: K more added
+tokens also end a response (generation_config's eos_token_id list, which vLLM stops on), so a
+response stops with probability about (K + 1) / vocab per token. Lengths are then close to
+geometric: with K = 15, a mean near 60 tokens and a tail that reaches a 256-token limit.
+
     python tools/make_bench_model.py --out assets/bench-qwen2 --positions 512
+    python tools/make_bench_model.py --out assets/bench-longtail --positions 512 --stop-tokens 15
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from make_tiny_model import build_tokenizer  # tools/ is the script's folder
 PROMPT_TOKENS = 16
 
 
-def build(out: Path, vocab: int, positions: int, prompts: int, seed: int) -> None:
+def build(out: Path, vocab: int, positions: int, prompts: int, seed: int, stop_tokens: int = 0) -> None:
     tok = build_tokenizer()
     tok.add_tokens([f"<|v{i:03d}|>" for i in range(vocab - len(tok))])
     assert len(tok) == vocab, (len(tok), vocab)
@@ -40,7 +46,8 @@ def build(out: Path, vocab: int, positions: int, prompts: int, seed: int) -> Non
         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32",
     )
     model = Qwen2ForCausalLM(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    stops = [tok.eos_token_id] + list(range(vocab - stop_tokens, vocab))
+    model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=tok.pad_token_id)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -51,7 +58,7 @@ def build(out: Path, vocab: int, positions: int, prompts: int, seed: int) -> Non
             f.write(json.dumps({"prompt": text, "answer": "0"}) + "\n")
     n = sum(p.numel() for p in model.parameters())
     print(f"[make_bench_model] wrote {out}: {n / 1e6:.2f} M parameters, vocab {vocab}, {positions} positions, "
-          f"{prompts} prompts of {PROMPT_TOKENS} tokens", flush=True)
+          f"{prompts} prompts of {PROMPT_TOKENS} tokens, {len(stops)} stop token(s)", flush=True)
 
 
 def main() -> None:
@@ -61,8 +68,9 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=512, help="max_position_embeddings (>= PL + SL).")
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-tokens", type=int, default=0, help="Extra added tokens that also end a response (the long-tail variant).")
     args = ap.parse_args()
-    build(args.out, args.vocab, args.positions, args.prompts, args.seed)
+    build(args.out, args.vocab, args.positions, args.prompts, args.seed, args.stop_tokens)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.config.stages import Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.reshard.residency import Residency
+from spmd_rl.trainer.ledger import PromptLedger
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Run:
     reward_fn: Any
     evaluator: Callable[[], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
+    ledger: PromptLedger | None = None
+    """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
     carry: list = field(default_factory=list)
     """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
 

@@ -29,6 +29,7 @@ from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.partial import carried_rows, partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
+from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
@@ -37,23 +38,25 @@ from spmd_rl.trainer.stages.samples import put_prompts
 log = logging.getLogger("spmd_rl")
 
 
-def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[int]:
+def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[list[int], StepRecord]:
     """Round r's prompt p is group r * G + p, its samples (r * G + p) * N + k. Returns the
-    sample indices the later stages train on."""
+    sample indices the later stages train on, and the iteration's prompt accounting."""
     if partial_rollout(run.cfg):
         return partial_round(run, it, timer, m)
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
     select = GroupSelection(G) if dynamic_sampling(run.cfg) else None
+    rows: list[int] = []  # dataset row of group q
     for r in range(generation_rounds(run.cfg)):
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
-            put_prompts(run, it, run.sampler.next_batch(G), first_group=r * G)
+            rows += run.sampler.next_batch(G)
+            put_prompts(run, it, rows[r * G:], first_group=r * G)
         results = [] if not run.fused else run_fused(run, it, run.graph[0], run.fused, expected, timer)
         results += [run_stage(run, it, s, expected, timer) for s in run.graph[bool(run.fused):] if s.per_round and s not in run.fused]
         for res in results:
             m.add(res)
         if select is None:
-            return list(range(G * N))
+            return list(range(G * N)), StepRecord(it, rows, rows)
         rewards = next(res.rewards for res in results if res.rewards is not None)
         dist.all_reduce(rewards)
         select.add_round(list(range(r * G, (r + 1) * G)), rewards, N)
@@ -65,7 +68,11 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[i
                     "(raise algorithm.max_extra_rounds)", G - short, G, select.rounds, short)
     m.final |= {"dapo_rounds": select.rounds, "dapo_kept_groups": G - short, "dapo_discarded_groups": select.rounds * G - G + short,
                 "dapo_filler_groups": short}
-    return [q * N + k for q in groups for k in range(N)]
+    kept = set(groups)
+    signal = set(select.kept)
+    dropped = {str(rows[q]): "dynamic sampling: " + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
+               for q in range(len(rows)) if q not in kept}
+    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [rows[q] for q in groups], dropped=dropped)
 
 
 def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
@@ -76,7 +83,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
         with timer.stage("eval"):
             run.residency.enter("eval", ("rollout",))
             m.final["eval_accuracy"] = run.evaluator()
-    train_idx = _rounds(run, it, timer, m)
+    train_idx, record = _rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
     for stage in run.graph:
@@ -84,6 +91,8 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             m.add(run_stage(run, it, stage, train_idx, timer))
     dist.barrier()
     run.dock.commit(it)
+    if run.ledger is not None and run.peer.rank == 0:
+        run.ledger.record(record)
     seconds = time.perf_counter() - t0
     out = m.finish() | {"world": run.lay.world, "samples": len(train_idx), "iteration_s": seconds}
     ran = [s.name for s in run.graph if s.name in timer.times]  # partial rollout may train nothing

@@ -27,13 +27,14 @@ import torch.distributed as dist
 from spmd_rl.trainer.carry import CarriedGroup
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
+from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import is_writer, run_stage
 from spmd_rl.trainer.stages.samples import encode_text
 
 
-def put_prompts(run: Run, it: int) -> int:
-    """Step 1; returns the number of new prompt groups drawn from the sampler."""
+def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
+    """Step 1; returns (the new rows drawn from the sampler, every slot's row)."""
     lay, G, n = run.lay.gen, run.cfg.data.global_batch_size, run.cfg.rollout.n
     g, tp_rank = lay.coords(run.peer.rank)
     per = G // lay.dp
@@ -47,6 +48,10 @@ def put_prompts(run: Run, it: int) -> int:
     start = sum(fresh[:g])
     mine = run.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start:start + fresh[g]]]
     del run.carry[:reused]
+    slot_rows = torch.zeros(G, dtype=torch.int64)  # row + 1 of every slot, filled by its putter
+    if tp_rank == 0:
+        slot_rows[g * per:(g + 1) * per] = torch.tensor([grp.row + 1 for grp in mine])
+    dist.all_reduce(slot_rows)
     if tp_rank == 0:
         pieces = [p for grp in mine for p in grp.pieces]
         prefix = [p.columns() for p in pieces]
@@ -56,21 +61,15 @@ def put_prompts(run: Run, it: int) -> int:
                 "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
         cols |= {k: [c[k] for c in prefix] for k in ("prefix_ids", "prefix_log_prob", "prefix_version")}
         run.dock.put("data", it, cols, list(range(g * per * n, (g + 1) * per * n)))
-    return sum(fresh)
+    return rows, [int(r) - 1 for r in slot_rows]
 
 
-def _gen_count(run: Run, value: int) -> int:
-    """Sum over generation DP groups (their TP rank 0) of ``value``."""
-    t = torch.tensor([value if run.lay.gen.coords(run.peer.rank)[1] == 0 else 0], dtype=torch.int64)
-    dist.all_reduce(t)
-    return int(t)
-
-
-def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> list[int]:
-    """Steps 1-3 and the per-round stages on the trained groups; returns their sample indices."""
+def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[list[int], StepRecord]:
+    """Steps 1-3 and the per-round stages on the trained groups; returns their sample indices
+    and the iteration's prompt accounting."""
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
     with timer.stage("prompts"):
-        new = put_prompts(run, it)
+        new, slot_rows = put_prompts(run, it)
     rollout = run.graph[0]
     res = run_stage(run, it, rollout, list(range(G * N)), timer)
     m.add(res)
@@ -90,9 +89,10 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
         for stage in run.graph[1:]:
             if stage.per_round:
                 m.add(run_stage(run, it, stage, train_idx, timer))
-    m.final |= {"partial_new_groups": float(new), "partial_trained_groups": float(len(keep)),
-                "partial_carried_groups": float(_gen_count(run, len(run.carry)))}
-    return train_idx
+    carried = carried_rows(run)
+    m.final |= {"partial_new_groups": float(len(new)), "partial_trained_groups": float(len(keep)),
+                "partial_carried_groups": float(len(carried))}
+    return train_idx, StepRecord(it, new, [slot_rows[q] for q in sorted(keep)], carried)
 
 
 def carried_rows(run: Run) -> list[int]:
