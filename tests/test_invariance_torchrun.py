@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import G, N, train
 
@@ -86,3 +88,6 @@ def test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16(tiny_model, tmp
     assert r["generated_samples"] == r["dapo_rounds"] * G * N and r["samples"] == G * N
     assert r["adv_zero_groups"] == 0  # the update saw no constant group
     assert r["grad_norm"] > 0 and 0 <= r["logprob_mismatch_mean"] < 0.1  # bf16 rollout vs bf16 trainer
+    (step,) = PromptLedger(MetadataStore([etcd.endpoint], job="t-dapo-ds.ledger")).read()  # the prompt ledger
+    assert problems([step]) == [] and len(step.trained) == G and len(step.sampled) == r["dapo_rounds"] * G
+    assert len(step.dropped) == r["dapo_discarded_groups"] and all(v.startswith("dynamic sampling: ") for v in step.dropped.values())

@@ -43,6 +43,21 @@ def test_greedy_responses_continued_in_pieces_equal_one_generation(tiny_model):
 
 
 @pytest.mark.slow
+def test_the_rollout_stage_continues_a_carried_response_with_its_versions(tiny_model):
+    """The stage function itself, iteration 0 then 1 without a weight update, temperature 0."""
+    budget, limit = 2, 8
+    out = subprocess.run([sys.executable, str(REPO / "tests/helpers/partial_stage.py"), str(tiny_model), str(budget), str(limit)],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert max(len(w) for w in got["whole"]) > budget and all(len(a) <= budget for a in got["after_0"])
+    assert got["carried"] == got["whole"] and all(got["done"])
+    for ids, versions, lps in zip(got["carried"], got["versions"], got["logprobs"]):
+        assert versions == [0] * min(budget, len(ids)) + [1] * max(0, len(ids) - budget)  # who generated each token
+        assert len(lps) == len(ids)
+
+
+@pytest.mark.slow
 def test_partial_rollout_trains_every_group_once_and_resumes(tiny_model, tmp_path, etcd):
     """Real torchrun, 2 ranks: responses of about 3-4 tokens with a budget of 2 per iteration."""
     args = ("stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=4", "rollout.temperature=1.0")

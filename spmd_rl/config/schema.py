@@ -194,7 +194,7 @@ class StreamConfig(Section):
         False, description="Stage fusion: while generation runs, the CPU-side stages (rule reward; GRPO/DAPO group advantage when neither KL-in-reward nor dynamic sampling needs more) run in the same process on the prompt groups that already finished, read through streaming gets."
     )
     micro_batch_size: int = Field(
-        8, gt=0, description="Samples per DP group in each streamed wave (group-granular stages: whole prompt groups, ceil(micro_batch_size / rollout.n) per DP group)."
+        32, gt=0, description="Samples per DP group in each streamed wave (group-granular stages: whole prompt groups, ceil(micro_batch_size / rollout.n) per DP group)."
     )
     partial_tokens: int = Field(
         0, ge=0, description="Partial rollout: each response generates at most this many tokens per iteration. A prompt group with an unfinished response is not trained in that iteration; its responses are continued in the next one, after the weight update, keeping each token's behaviour log-prob and policy version (the TIS weight, actor.tis_cap, corrects the older tokens). 0 = off."
