@@ -4,7 +4,8 @@
 - training layout dp_shard=2 or tp=2 (same generation layout, so the same samples) gives the
   same loss and grad norm, although the two DP ranks hold different token counts;
 - at temperature 0.7 the trainer's log-probs of the sampled tokens equal vLLM's;
-- DAPO dynamic sampling trains only on signal-carrying groups, G of them, in bfloat16.
+- DAPO dynamic sampling trains only on signal-carrying groups, G of them, in bfloat16, and
+  selects the same groups when the reward runs fused into generation (``stream.fuse``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16(tiny_model, tmp
     assert r["generated_samples"] == r["dapo_rounds"] * G * N and r["samples"] == G * N
     assert r["adv_zero_groups"] == 0  # the update saw no constant group
     assert r["grad_norm"] > 0 and 0 <= r["logprob_mismatch_mean"] < 0.1  # bf16 rollout vs bf16 trainer
+    fused = train(tmp_path, "dapo-ds-fused", etcd.endpoint, *ONE, "algorithm.name=dapo", "algorithm.dynamic_sampling=true",
+                  "algorithm.max_extra_rounds=4", "reward.rule=tests.helpers.rewards:half_constant", "model.dtype=bfloat16",
+                  "stream.fuse=true", "stream.micro_batch_size=4")[0]
+    for k in ("dapo_rounds", "dapo_kept_groups", "dapo_discarded_groups", "generated_samples", "grad_norm", "loss"):
+        assert fused[k] == r[k], (k, fused[k], r[k])  # the fused reward (waves, merged per round) selects the same groups
+    assert fused["fused_waves_early"] + fused["fused_waves_late"] > 0
     (step,) = PromptLedger(MetadataStore([etcd.endpoint], job="t-dapo-ds.ledger")).read()  # the prompt ledger
     assert problems([step]) == [] and len(step.trained) == G and len(step.sampled) == r["dapo_rounds"] * G
     assert len(step.dropped) == r["dapo_discarded_groups"] and all(v.startswith("dynamic sampling: ") for v in step.dropped.values())

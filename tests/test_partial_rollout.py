@@ -22,8 +22,10 @@ from spmd_rl.config.loader import load_config
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import PARTIAL_COLUMNS, stages_for
 from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.rollout import Sample
 from spmd_rl.trainer.carry import CarriedGroup, Piece
+from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import G, N, train
 
@@ -120,3 +122,17 @@ def test_a_piece_finishes_on_a_stop_or_at_the_limit():
     cols = q.columns()
     assert cols["prefix_ids"].dtype == torch.int32 and cols["prefix_done"].item() == 1
     assert CarriedGroup.fresh(3, 4).pieces == [Piece(3)] * 4 and not CarriedGroup.fresh(3, 4).done
+
+
+@pytest.mark.slow
+def test_partial_rollout_with_tensor_parallel_generation(tiny_model, tmp_path, etcd):
+    """Generation TP 2 (one generation DP group of both ranks): both TP ranks carry the same
+    groups, only TP rank 0 puts them, and the balance holds."""
+    rows = train(tmp_path, "partial-tp", etcd.endpoint, "stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=3",
+                 "parallel.gen.dp=1", "parallel.gen.tp=2")
+    new = sum(r["partial_new_groups"] for r in rows)
+    assert new == sum(r["partial_trained_groups"] for r in rows) + rows[-1]["partial_carried_groups"]
+    assert rows[0]["partial_carried_groups"] > 0 and sum(r["samples"] for r in rows) > 0
+    (first, *_) = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()
+    assert set(first.carried) <= set(first.sampled)  # iteration 0 carries only what it sampled
+    assert problems(PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()) == []
