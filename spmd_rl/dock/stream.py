@@ -115,9 +115,12 @@ class RecordFeed:
             return self._cond.wait_for(lambda: self.version != seen, timeout_s)
 
     def stop(self) -> None:
+        """Cancel the watch and wait (up to 5 s) for its thread to end."""
         if self._cancel is not None:
             self._cancel()
             self._cancel = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
 
 class StageStream:
