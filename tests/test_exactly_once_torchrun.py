@@ -22,14 +22,10 @@ import pytest
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import descendants
+from tests.torchrun_util import kill_tree, workers_of
 
 ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "3"))
-
-
-def _workers(pid: int) -> list[int]:
-    return [p for p, args in descendants(pid) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
 
 
 @pytest.mark.slow
@@ -54,18 +50,12 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
                     break
                 time.sleep(0.05)
             time.sleep(delay)
-            victims = _workers(proc.pid)
+            victims = workers_of(proc.pid)
             assert victims, "the run ended before the kill"
             os.kill(rng.choice(victims), signal.SIGKILL)
             assert proc.wait(timeout=480) == 0, (tmp_path / "run.log").read_text()[-4000:]
         finally:
-            for pid, _ in descendants(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if proc.poll() is None:
-                proc.kill()
+            kill_tree(proc)
     text = (tmp_path / "run.log").read_text()
     assert "resumed from" in text  # the kill did force a restart
     records = PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()

@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from spmd_rl.trainer.ledger import PromptLedger, problems
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import run_helper
 from tests.trainer_util import G, N, train
 
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
@@ -60,10 +57,7 @@ def test_rollout_logprobs_equal_an_hf_forward_at_the_temperature(tiny_model):
     """Independent reference for the metric above: an HF float32 forward of the sampled tokens
     at T=0.7 equals the rollout engine's log-probs; without the temperature (the old trainer)
     it does not."""
-    out = subprocess.run([sys.executable, str(REPO / "tests/helpers/rollout_logprobs.py"), str(tiny_model), "0.7"],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_helper("rollout_logprobs.py", tiny_model, 0.7)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     prompt = torch.tensor(got["prompt"])
     responses = [torch.tensor(s["ids"]) for s in got["samples"]]

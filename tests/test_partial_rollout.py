@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,17 +24,14 @@ from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.rollout import Sample
 from spmd_rl.trainer.carry import CarriedGroup, Piece
 from spmd_rl.trainer.ledger import PromptLedger, problems
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, run_helper
 from tests.trainer_util import G, N, train
 
 
 @pytest.mark.slow
 def test_greedy_responses_continued_in_pieces_equal_one_generation(tiny_model):
     budget, limit = 1, 8
-    out = subprocess.run([sys.executable, str(REPO / "tests/helpers/partial_continuation.py"), str(tiny_model), str(budget), str(limit)],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_helper("partial_continuation.py", tiny_model, budget, limit)
     assert max(len(w["ids"]) for w in got["whole"]) > budget  # the budget cuts at least one response
     assert max(p["pieces"] for p in got["pieces"]) >= 2
     for whole, pieces in zip(got["whole"], got["pieces"]):
@@ -48,10 +43,7 @@ def test_greedy_responses_continued_in_pieces_equal_one_generation(tiny_model):
 def test_the_rollout_stage_continues_a_carried_response_with_its_versions(tiny_model):
     """The stage function itself, iteration 0 then 1 without a weight update, temperature 0."""
     budget, limit = 2, 8
-    out = subprocess.run([sys.executable, str(REPO / "tests/helpers/partial_stage.py"), str(tiny_model), str(budget), str(limit)],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_helper("partial_stage.py", tiny_model, budget, limit)
     assert max(len(w) for w in got["whole"]) > budget and all(len(a) <= budget for a in got["after_0"])
     assert got["carried"] == got["whole"] and all(got["done"])
     for ids, versions, lps in zip(got["carried"], got["versions"], got["logprobs"]):

@@ -12,7 +12,6 @@ FSDP and the TP layout, with KL in the reward (so the reference and old-log-prob
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -32,8 +31,8 @@ from spmd_rl.reshard.ledger import ROLE_CATEGORIES
 from spmd_rl.trainer.checkpoint import role_folder
 from tests.conftest import REPO
 from tests.dock_dump import columns, dump_env, ledger
-from tests.test_restart_torchrun import ITERS, command, env, workers_of
-from tests.torchrun_util import descendants, wait_for
+from tests.test_restart_torchrun import ITERS, command, env
+from tests.torchrun_util import kill_tree, wait_for, workers_of
 from tests.trainer_util import N, train
 
 GAMMA, LAM, BETA = 0.95, 0.9, 0.05
@@ -125,11 +124,7 @@ def test_ppo_killed_mid_iteration_resumes_bit_exact(tiny_model, tmp_path):
         os.kill(victims[-1], signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()[-4000:]
     finally:
-        for pid, _ in descendants(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
         log.close()
     assert "resumed from" in (tmp_path / "killed.log").read_text()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -27,7 +27,7 @@ import torch
 from spmd_rl.trainer.checkpoint import model_weights
 
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import descendants
+from tests.torchrun_util import kill_tree, workers_of
 
 ITERS = 4
 
@@ -57,11 +57,6 @@ def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
     return model_weights(tmp / name / f"ckpt/iter_{ITERS:06d}")
 
 
-def workers_of(pid: int) -> list[int]:
-    """Worker processes (python -m spmd_rl.train) below the launcher ``pid``."""
-    return [p for p, args in descendants(pid) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
-
-
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
     log = open(tmp_path / "killed.log", "w")
@@ -85,14 +80,8 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
                 recovered = time.monotonic() - killed_at
             time.sleep(0.05)
         assert proc.wait(timeout=60) == 0, (tmp_path / "killed.log").read_text()[-4000:]
-    finally:  # never leave the launcher or its workers behind
-        for pid, _ in descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
+    finally:
+        kill_tree(proc)
         log.close()
     text = (tmp_path / "killed.log").read_text()
     resumed = [line.split("resumed from ")[1].split()[0] for line in text.splitlines() if "resumed from " in line]

@@ -62,6 +62,22 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def workers_of(pid: int) -> list[int]:
+    """Worker processes (python -m spmd_rl.train) below the launcher ``pid``."""
+    return [p for p, args in descendants(pid) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Never leave a launcher or its workers behind: SIGKILL every process below ``proc``, then it."""
+    for pid, _ in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+
+
 def node_agent(tmp: Path, etcd: str, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """One simulated node: ``launch/multi_node.sh`` (torchrun, etcd-v2 rendezvous, 1 worker)
     in its own session, logging to ``tmp/<name>.log``."""

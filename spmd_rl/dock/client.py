@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.columns import ColumnSpec
-from spmd_rl.dock.controller import StageController, read_records
+from spmd_rl.dock.controller import StageController, group_nodes, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
@@ -241,15 +241,12 @@ class TransferDock:
     ) -> DockBatch:
         """This rank's DP group's share of ``expected`` (default: all indices) once every index
         has all ``columns``. ``layout`` is the stage's (dp, tp) layout over the world."""
-        unknown = [c for c in columns if c not in self.specs]
-        if unknown:
-            raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
+        self._check_known(columns)
         if iteration not in self._num_samples:
             raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
-        group_nodes = [layout.dp_group_leader(g) // self.peer.nproc_per_node for g in range(layout.dp)]
         ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
-        plan = ctl.plan(iteration, columns, want, group_nodes, group_size, timeout_s or self.cfg.get_timeout_s)
+        plan = ctl.plan(iteration, columns, want, group_nodes(layout, self.peer.nproc_per_node), group_size, timeout_s or self.cfg.get_timeout_s)
         return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations)
 
     def stream(
@@ -258,12 +255,15 @@ class TransferDock:
     ) -> StageStream:
         """Like ``get``, in waves as the inputs become ready (``dock.stream``). The iteration's
         streams share one watch of its put-records, closed by ``commit``."""
-        unknown = [c for c in columns if c not in self.specs]
-        if unknown:
-            raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
+        self._check_known(columns)
         if iteration not in self._feeds:
             self._feeds[iteration] = RecordFeed(self.meta, iteration)
         return StageStream(self, self._feeds[iteration], stage, iteration, columns, layout, expected, group_size, units_per_group)
+
+    def _check_known(self, columns: Sequence[str]) -> None:
+        unknown = [c for c in columns if c not in self.specs]
+        if unknown:
+            raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
 
     def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
         """Fetch ``columns`` of ``indices`` from the warehouses that hold them."""

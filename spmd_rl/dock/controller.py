@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spmd_rl.config.layout import Layout
 from spmd_rl.dock.assign import Unit, assign
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.errors import DockTimeout, DockUnavailable
@@ -37,6 +38,24 @@ def missing_inputs(loc: Locations, columns: Sequence[str], expected: Sequence[in
         if miss:
             out[c] = miss
     return out
+
+
+def describe_missing(specs: dict[str, ColumnSpec], missing: dict[str, list[int]]) -> str:
+    """What a stage still waits for: each column, the stage that writes it, the missing indices."""
+    return "; ".join(f"column {c!r} (written by stage {specs[c].writer}): missing {describe(m)}" for c, m in missing.items())
+
+
+def fail_if_ranks_lost(meta: MetadataStore, world: int, who: str, doing: str) -> None:
+    """DockUnavailable once any rank of the world has lost its heartbeat key."""
+    lost = set(range(world)) - alive_ranks(meta)
+    if lost:
+        raise DockUnavailable(f"{who}: rank(s) {sorted(lost)} lost (heartbeat expired) while {doing}; "
+                              "exiting so torchrun can restart the group")
+
+
+def group_nodes(layout: Layout, nproc_per_node: int) -> list[int]:
+    """The node of each DP group of ``layout`` (its leader's)."""
+    return [layout.dp_group_leader(g) // nproc_per_node for g in range(layout.dp)]
 
 
 def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], group_size: int) -> list[Unit]:
@@ -77,13 +96,9 @@ class StageController:
             if not missing:
                 return loc
             if self.world is not None and delay >= 0.25:
-                lost = set(range(self.world)) - alive_ranks(self.meta)
-                if lost:
-                    raise DockUnavailable(f"stage {self.stage}: rank(s) {sorted(lost)} lost (heartbeat expired) while waiting "
-                                          f"for iteration {iteration}; exiting so torchrun can restart the group")
+                fail_if_ranks_lost(self.meta, self.world, f"stage {self.stage}", f"waiting for iteration {iteration}")
             if time.monotonic() >= deadline:
-                lines = [f"column {c!r} (written by stage {self.specs[c].writer}): missing {describe(m)}" for c, m in missing.items()]
-                raise DockTimeout(f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; " + "; ".join(lines))
+                raise DockTimeout(f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; " + describe_missing(self.specs, missing))
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
 

@@ -25,13 +25,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-
 from spmd_rl.config.layout import Layout
-from spmd_rl.dock.controller import missing_inputs, split
-from spmd_rl.dock.errors import DockTimeout, DockUnavailable
-from spmd_rl.dock.heartbeat import alive_ranks
+from spmd_rl.dock.controller import describe_missing, fail_if_ranks_lost, group_nodes, missing_inputs, split
+from spmd_rl.dock.errors import DockTimeout
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.records import Locations, PutRecord, describe
+from spmd_rl.dock.records import Locations, PutRecord
 
 if TYPE_CHECKING:
     from spmd_rl.dock.client import DockBatch, TransferDock
@@ -132,7 +130,7 @@ class StageStream:
         self.dock, self.stage, self.iteration = dock, stage, iteration
         self.columns, self.expected, self.group_size = list(columns), list(expected), group_size
         self.dp_index = layout.coords(dock.peer.rank)[0]
-        self.group_nodes = [layout.dp_group_leader(g) // dock.peer.nproc_per_node for g in range(layout.dp)]
+        self.group_nodes = group_nodes(layout, dock.peer.nproc_per_node)
         self.total = len({i // group_size for i in self.expected})
         self.wave = max(1, layout.dp * units_per_group)
         self.timeout_s = timeout_s or dock.cfg.get_timeout_s
@@ -184,16 +182,11 @@ class StageStream:
             yield batch
 
     def _check_peers(self) -> None:
-        if self.dock.heartbeat is None:
-            return
-        lost = set(range(self.dock.peer.world)) - alive_ranks(self.dock.meta)
-        if lost:
-            raise DockUnavailable(f"stage {self.stage}: rank(s) {sorted(lost)} lost (heartbeat expired) while streaming "
-                                  f"iteration {self.iteration}; exiting so torchrun can restart the group")
+        if self.dock.heartbeat is not None:
+            fail_if_ranks_lost(self.dock.meta, self.dock.peer.world, f"stage {self.stage}", f"streaming iteration {self.iteration}")
 
     def _timeout(self) -> None:
         loc = Locations.from_records([r for _, r in self.feed.snapshot()[1]])
         missing = missing_inputs(loc, self.columns, self.expected)
-        lines = [f"column {c!r} (written by stage {self.dock.specs[c].writer}): missing {describe(m)}" for c, m in missing.items()]
         raise DockTimeout(f"stage {self.stage} streamed {len(self.order)} of {self.total} units of iteration {self.iteration} and "
-                          f"waited {self.timeout_s:.1f}s for the next wave; " + "; ".join(lines))
+                          f"waited {self.timeout_s:.1f}s for the next wave; " + describe_missing(self.dock.specs, missing))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from spmd_rl.config.layout import Layouts
@@ -43,9 +44,10 @@ class Run:
     carry: list = field(default_factory=list)
     """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
 
-    @property
+    @cached_property
     def fused(self) -> list[Stage]:
-        """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``)."""
+        """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``),
+        derived once from the graph."""
         return fused_stages(self.cfg, self.graph)
 
     @property

@@ -51,8 +51,9 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
         with timer.stage("prompts"):
             rows += run.sampler.next_batch(G)
             put_prompts(run, it, rows[r * G:], first_group=r * G)
-        results = [] if not run.fused else run_fused(run, it, run.graph[0], run.fused, expected, timer)
-        results += [run_stage(run, it, s, expected, timer) for s in run.graph[bool(run.fused):] if s.per_round and s not in run.fused]
+        inside = [run.graph[0], *run.fused] if run.fused else []  # the rollout with the stages fused into it
+        results = run_fused(run, it, run.graph[0], run.fused, expected, timer) if run.fused else []
+        results += [run_stage(run, it, s, expected, timer) for s in run.graph if s.per_round and s not in inside]
         for res in results:
             m.add(res)
         if select is None:

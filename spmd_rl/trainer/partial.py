@@ -30,7 +30,7 @@ from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import is_writer, run_stage
-from spmd_rl.trainer.stages.samples import encode_text
+from spmd_rl.trainer.stages.samples import prompt_columns
 
 
 def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
@@ -55,10 +55,9 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
     if tp_rank == 0:
         pieces = [p for grp in mine for p in grp.pieces]
         prefix = [p.columns() for p in pieces]
-        cols = {"prompt_ids": [torch.tensor(run.prompts.prompt_ids[p.row], dtype=torch.int32) for p in pieces],
-                "answer": [encode_text(run.prompts.answers[p.row]) for p in pieces],
-                "prompt_row": torch.tensor([p.row for p in pieces], dtype=torch.int32),
-                "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
+        cols = prompt_columns(run, [p.row for p in pieces]) | {
+            "prompt_row": torch.tensor([p.row for p in pieces], dtype=torch.int32),
+            "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
         cols |= {k: [c[k] for c in prefix] for k in ("prefix_ids", "prefix_log_prob", "prefix_version")}
         run.dock.put("data", it, cols, list(range(g * per * n, (g + 1) * per * n)))
     return rows, [int(r) - 1 for r in slot_rows]

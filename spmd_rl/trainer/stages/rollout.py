@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from spmd_rl.config.stages import partial_rollout
 from spmd_rl.engines.rollout import Sample
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -50,9 +51,10 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
 
 @register("actor_rollout")
 def actor_rollout(call: StageCall) -> StageResult:
+    partial = partial_rollout(call.run.cfg)
     if not len(call.batch):
-        return StageResult(pieces={} if call.run.cfg.stream.partial_tokens else None)
-    if call.run.cfg.stream.partial_tokens:
+        return StageResult(pieces={} if partial else None)
+    if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
     return StageResult(columns=rollout_columns([by_index[i] for i in call.batch.indices.tolist()]))

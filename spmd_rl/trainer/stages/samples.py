@@ -44,6 +44,11 @@ def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int
     per = len(prompt_positions) // lay.dp
     mine = range(g * per, (g + 1) * per)
     if tp_rank == 0:
-        ids = [torch.tensor(run.prompts.prompt_ids[prompt_positions[p]], dtype=torch.int32) for p in mine for _ in range(n)]
-        answers = [encode_text(run.prompts.answers[prompt_positions[p]]) for p in mine for _ in range(n)]
-        run.dock.put("data", it, {"prompt_ids": ids, "answer": answers}, [(first_group + p) * n + k for p in mine for k in range(n)])
+        rows = [prompt_positions[p] for p in mine for _ in range(n)]
+        run.dock.put("data", it, prompt_columns(run, rows), [(first_group + p) * n + k for p in mine for k in range(n)])
+
+
+def prompt_columns(run: Run, rows: list[int]) -> dict[str, list[torch.Tensor]]:
+    """The data loader's ``prompt_ids`` and ``answer`` of one sample per dataset row."""
+    return {"prompt_ids": [torch.tensor(run.prompts.prompt_ids[r], dtype=torch.int32) for r in rows],
+            "answer": [encode_text(run.prompts.answers[r]) for r in rows]}
