@@ -24,7 +24,8 @@ from spmd_rl.config.stages import pinned_roles, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.distributed.mesh import build_meshes
+from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.sides import init_sides
 from spmd_rl.distributed.timeouts import set_collective_timeout
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
@@ -78,14 +79,17 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     dist.barrier()
     graph = stages_for(cfg)
     dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
-    meshes = build_meshes(acc, lay)
+    side = init_sides(lay, peer.rank).side  # separated placement: "gen" hosts only vLLM, "train" only the training roles
+    mesh = train_mesh(acc, lay.train)
     tok = load_tokenizer(cfg)
     prompts = prompts_for(cfg, tok, cfg.data.train_path)
-    roles = build_roles(cfg, acc, meshes.train, graph)
+    roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
-                            distributed=peer.world > 1)
-    residency = Residency(Resharder(roles["actor"], rollout, cfg.reshard, cfg.model.dtype), roles, pinned_roles(cfg))
+    rollout = None
+    if side != "train":
+        rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
+                                distributed=peer.world > 1 and side == "both", own_process=side == "gen")
+    residency = Residency(Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg))
     sampler = sampler_for(cfg, len(prompts))
     start = 0
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
@@ -106,7 +110,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     run.ledger = PromptLedger(MetadataStore(endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)))
     if peer.rank == 0:
         run.ledger.restart_at(start)  # the iterations from `start` on are (re)done from here
-    if cfg.trainer.eval_interval:
+    if cfg.trainer.eval_interval and rollout is not None:
         test = prompts_for(cfg, tok, cfg.data.test_path)
         run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
     dist.barrier()  # every rank has loaded and resumed: from here on, the steady-state timeout

@@ -1,8 +1,11 @@
-"""Both parallel layouts over one world: training ``dp_shard x tp`` and generation ``dp x tp``.
+"""Both parallel layouts: training ``dp_shard x tp`` and generation ``dp x tp``.
 
-Ranks are laid out TP-innermost: in a layout with TP degree t, rank r belongs to TP group
-r // t (its DP index) at TP position r % t, so a TP group never spans nodes when t divides
-the ranks per node.
+Colocated (default) both span the whole world. Separated (``parallel.placement: separated``)
+the generation layout spans ranks [0, gen_ranks) and the training layout the rest.
+
+Ranks are laid out TP-innermost from the layout's first rank f: rank r belongs to TP group
+(r - f) // t (its DP index) at TP position (r - f) % t, so a TP group never spans nodes when
+t divides the ranks per node.
 """
 
 from __future__ import annotations
@@ -17,13 +20,21 @@ from spmd_rl.config.schema import Config
 class Layout:
     dp: int
     tp: int
+    first: int = 0
+    """The first global rank of the layout (separated placement: the training side's)."""
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first, self.first + self.dp * self.tp)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(dp index, tp index) of a global rank."""
-        return rank // self.tp, rank % self.tp
+        """(dp index, tp index) of a global rank of this layout."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in this layout (ranks {self.ranks.start}..{self.ranks.stop - 1})")
+        return (rank - self.first) // self.tp, (rank - self.first) % self.tp
 
     def dp_group_leader(self, dp_index: int) -> int:
-        return dp_index * self.tp
+        return self.first + dp_index * self.tp
 
 
 @dataclass(frozen=True)
@@ -40,26 +51,54 @@ class Layouts:
     def node_of(self, rank: int) -> int:
         return rank // self.nproc_per_node
 
+    @property
+    def separated(self) -> bool:
+        return self.train.first > 0
+
+    def side_of(self, rank: int) -> str:
+        """The side a rank is on: gen or train under separated placement, both colocated."""
+        if not self.separated:
+            return "both"
+        return "gen" if rank in self.gen.ranks else "train"
+
 
 def world_size(cfg: Config, world: int | None = None) -> int:
     return world if world is not None else cfg.parallel.nnodes * cfg.parallel.nproc_per_node
 
 
-def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation]) -> Layout:
+def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation], first: int = 0, what: str = "world size") -> Layout:
+    """The layout of ``world`` ranks from ``first`` (``what`` names that rank count in errors)."""
     if world % tp:
-        out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the world size {world}", f"use a divisor of {world}"))
-        return Layout(dp or 1, tp)
+        out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the {what} {world}", f"use a divisor of {world}"))
+        return Layout(dp or 1, tp, first)
     dp_name = "dp_shard" if name == "train" else "dp"
     if dp is None:
-        return Layout(world // tp, tp)
+        return Layout(world // tp, tp, first)
     if dp * tp != world:
         out.append(
             Violation(
-                f"parallel.{name}.{dp_name}", dp, f"{dp_name} x tp = {dp} x {tp} = {dp * tp} != world size {world}",
+                f"parallel.{name}.{dp_name}", dp, f"{dp_name} x tp = {dp} x {tp} = {dp * tp} != {what} {world}",
                 f"set {dp_name}={world // tp} or leave it out to derive it",
             )
         )
-    return Layout(dp, tp)
+    return Layout(dp, tp, first)
+
+
+def _gen_ranks(cfg: Config, world: int, out: list[Violation]) -> int | None:
+    """The generation side's size under separated placement (None when colocated or invalid)."""
+    p = cfg.parallel
+    if p.placement == "colocated":
+        if p.gen_ranks is not None:
+            out.append(Violation("parallel.gen_ranks", p.gen_ranks, "only used by parallel.placement: separated", "remove it, or set placement: separated"))
+        return None
+    if p.gen_ranks is None:
+        out.append(Violation("parallel.gen_ranks", None, "separated placement needs the size of the generation side", f"set it between 1 and {world - 1}"))
+        return None
+    if not 0 < p.gen_ranks < world:
+        out.append(Violation("parallel.gen_ranks", p.gen_ranks, f"leaves no rank to {'train' if p.gen_ranks >= world else 'generate'} in a world of {world}",
+                             f"set it between 1 and {world - 1} (separated placement needs at least 2 ranks)"))
+        return None
+    return p.gen_ranks
 
 
 def resolve_layouts(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
@@ -69,6 +108,11 @@ def resolve_layouts(cfg: Config, world: int | None = None, nproc_per_node: int |
     out: list[Violation] = []
     if w % npn:
         out.append(Violation("parallel.nproc_per_node", npn, f"does not divide the world size {w}", "use ranks per node that divide the world"))
-    train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w, out)
-    gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, w, out)
+    g = _gen_ranks(cfg, w, out)
+    if g is None:
+        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w, out)
+        gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, w, out)
+    else:
+        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w - g, out, first=g, what="training side's rank count")
+        gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, g, out, what="parallel.gen_ranks")
     return Layouts(w, npn, train, gen), out

@@ -27,20 +27,24 @@ def _gib(nbytes: float) -> str:
 def layout_lines(lay: Layouts) -> list[str]:
     lines = [
         f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
-        f"train dp_shard={lay.train.dp} tp={lay.train.tp}; gen dp={lay.gen.dp} tp={lay.gen.tp}",
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}; gen dp={lay.gen.dp} tp={lay.gen.tp}"
+        + (f"; separated: ranks {lay.gen.ranks.start}-{lay.gen.ranks.stop - 1} generate, {lay.train.ranks.start}-{lay.train.ranks.stop - 1} train"
+           if lay.separated else ""),
         f"{'rank':>5} {'node':>5} {'train(dp,tp)':>13} {'gen(dp,tp)':>11}  roles",
     ]
     for r in range(lay.world):
-        tdp, ttp = lay.train.coords(r)
-        gdp, gtp = lay.gen.coords(r)
-        roles = []
-        if r == lay.train.dp_group_leader(tdp):
-            roles.append("train-DP-leader")
-        if r == lay.gen.dp_group_leader(gdp):
-            roles.append("gen-DP-leader")
+        roles, cells = [], []
+        for name, layout in (("train", lay.train), ("gen", lay.gen)):
+            if r not in layout.ranks:
+                cells.append("-")
+                continue
+            dp, tp = layout.coords(r)
+            cells.append(f"({dp},{tp})")
+            if r == layout.dp_group_leader(dp):
+                roles.append(f"{name}-DP-leader")
         if r % lay.nproc_per_node == 0:
             roles.append("warehouse")
-        lines.append(f"{r:>5} {lay.node_of(r):>5} {f'({tdp},{ttp})':>13} {f'({gdp},{gtp})':>11}  {' '.join(roles)}")
+        lines.append(f"{r:>5} {lay.node_of(r):>5} {cells[0]:>13} {cells[1]:>11}  {' '.join(roles)}")
     return lines
 
 

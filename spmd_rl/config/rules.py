@@ -17,6 +17,7 @@ from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.config.stages import fused_stages, stages_for
+from spmd_rl.config.stream_rules import check_partial, check_separated
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
 REGISTERED_RULES = ("exact_match", "math_verify")
@@ -215,32 +216,6 @@ def _check_runtime(cfg: Config) -> list[Violation]:
     return out
 
 
-def _check_partial(cfg: Config) -> list[Violation]:
-    """Partial rollout trains the groups that finished, a multiple of the training DP size, in
-    one optimizer step per epoch; the continued tokens need the TIS correction."""
-    b = cfg.stream.partial_tokens
-    if not b:
-        return []
-    out = []
-    field = "stream.partial_tokens"
-    if b >= cfg.rollout.max_response_length:
-        out.append(Violation(field, b, f"not below rollout.max_response_length={cfg.rollout.max_response_length}, so no response is ever continued",
-                             "use a smaller budget, or 0 to turn partial rollout off"))
-    if cfg.actor.tis_cap is None:
-        out.append(Violation(field, b, "continued responses hold tokens of older policies, which the loss must correct",
-                             "set actor.tis_cap (e.g. 2.0): the TIS weight min(pi_old / pi_behaviour, cap) uses the recorded behaviour log-probs"))
-    if cfg.actor.mini_batch_size != cfg.data.global_batch_size:
-        out.append(Violation(field, b, "the groups that finish vary per iteration, so mini-batches of a fixed size do not fit",
-                             f"set actor.mini_batch_size = data.global_batch_size ({cfg.data.global_batch_size})"))
-    if cfg.algorithm.name == "ppo" or (cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling):
-        out.append(Violation(field, b, f"not supported with {cfg.algorithm.name}{' dynamic sampling' if cfg.algorithm.name == 'dapo' else ''} in this version",
-                             "use algorithm.name: grpo (or dapo without dynamic_sampling), or partial_tokens: 0"))
-    if cfg.stream.fuse:
-        out.append(Violation(field, b, "stage fusion needs the iteration's samples known before generation; partial rollout knows them only after",
-                             "use one of stream.fuse and stream.partial_tokens"))
-    return out
-
-
 def _check_tls(cfg: Config) -> list[Violation]:
     m = cfg.metadata
     out = []
@@ -267,5 +242,6 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_algorithm(cfg)
     out += _check_runtime(cfg)
     out += _check_tls(cfg)
-    out += _check_partial(cfg)
+    out += check_partial(cfg)
+    out += check_separated(cfg)
     return lay, out

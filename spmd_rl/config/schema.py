@@ -155,6 +155,12 @@ class ParallelConfig(Section):
     gen: GenLayout = Field(default_factory=GenLayout, description="Generation layout dp x tp.")
     nproc_per_node: int = Field(1, gt=0, description="Ranks per node (torchrun --nproc-per-node); one warehouse per node.")
     nnodes: int = Field(1, gt=0, description="Nodes at the configured size; world = nnodes x nproc_per_node.")
+    placement: Literal["colocated", "separated"] = Field(
+        "colocated", description="colocated: every rank runs every stage, time-shared (allgather-swap between training and generation). separated (AsyncFlow): the first `gen_ranks` ranks only generate, the others only train; generation of iteration i+1 overlaps training of iteration i, the trainer broadcasts each new policy to the generators, and no update consumes samples more than `stream.max_policy_lag` updates old."
+    )
+    gen_ranks: int | None = Field(
+        None, gt=0, description="separated: how many ranks (the first ones) generate; the other world - gen_ranks train. `gen` and `train` layouts then split these two sides instead of the world."
+    )
 
 
 class DockConfig(Section):
@@ -195,6 +201,9 @@ class StreamConfig(Section):
     )
     micro_batch_size: int = Field(
         32, gt=0, description="Samples per DP group in each streamed wave (group-granular stages: whole prompt groups, ceil(micro_batch_size / rollout.n) per DP group)."
+    )
+    max_policy_lag: int = Field(
+        1, ge=1, description="parallel.placement: separated: the staleness bound k. Iteration i's samples are generated with a policy of at least i - k updates, so generation runs up to k iterations ahead of training."
     )
     partial_tokens: int = Field(
         0, ge=0, description="Partial rollout: each response generates at most this many tokens per iteration. A prompt group with an unfinished response is not trained in that iteration; its responses are continued in the next one, after the weight update, keeping each token's behaviour log-prob and policy version (the TIS weight, actor.tis_cap, corrects the older tokens). 0 = off."

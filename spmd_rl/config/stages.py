@@ -85,6 +85,16 @@ def partial_rollout(cfg: Config) -> bool:
     return cfg.stream.partial_tokens > 0
 
 
+def separated(cfg: Config) -> bool:
+    return cfg.parallel.placement == "separated"
+
+
+def versioned(cfg: Config) -> bool:
+    """Samples may come from an older policy than the one trained (partial rollout, separated
+    placement): the rollout records each token's policy version (``response_version``)."""
+    return partial_rollout(cfg) or separated(cfg)
+
+
 def data_columns(cfg: Config) -> tuple[str, ...]:
     return DATA_COLUMNS + (PARTIAL_COLUMNS if partial_rollout(cfg) else ())
 
@@ -125,12 +135,12 @@ def stages_for(cfg: Config) -> list[Stage]:
     partial = partial_rollout(cfg)
     out = [
         Stage("actor_rollout", ("prompt_ids",) + (PARTIAL_COLUMNS if partial else ()),
-              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if partial else ()), ("rollout",),
+              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()), ("rollout",),
               group_granular=True, layout="gen", per_round=True),
         Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
               ("reward_model",) if model_reward else (), per_round=True),
     ]
-    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if partial else ())
+    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ())
     kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
         out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("ref",)))

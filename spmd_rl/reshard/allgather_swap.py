@@ -29,12 +29,15 @@ from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
 
 class Resharder:
-    def __init__(self, train: Engine, rollout: RolloutEngine, cfg: ReshardConfig, gen_dtype: str):
+    def __init__(self, train: Engine | None, rollout: RolloutEngine | None, cfg: ReshardConfig, gen_dtype: str, acc=None):
+        """Separated placement has one side per rank: the trainers no rollout engine (their
+        gather is broadcast, ``reshard.broadcast``), the generators no actor."""
         self.train = train
         self.rollout = rollout
         self.cfg = cfg
         self.gen_dtype = DTYPES[gen_dtype]
-        self.swap = HostSwap(train.acc)
+        self.acc = acc or train.acc
+        self.swap = HostSwap(self.acc)
         self.ledger = Ledger()
         self.temp_peak = 0
 
@@ -49,13 +52,17 @@ class Resharder:
         return self.train.optimizer_tensors()
 
     def record(self, phase: str, temp: int = 0) -> None:
+        gen = {"rollout_weights": self.rollout.weight_bytes(), "kv_cache": self.rollout.kv_cache_bytes()} if self.rollout is not None else {}
         self.ledger.record(
             phase, actor_params=resident_bytes(self._params()), actor_grads=resident_bytes(self._grads()),
-            actor_optim=resident_bytes(self._optim()), rollout_weights=self.rollout.weight_bytes(), temp=temp,
-            kv_cache=self.rollout.kv_cache_bytes(),
+            actor_optim=resident_bytes(self._optim()), temp=temp, **gen,
         )
 
     # -- gather ----------------------------------------------------------------------------
+    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        """(HF name, generation dtype, full shape) of each tensor ``full_weights`` yields, in order."""
+        return [(name, self.gen_dtype, list(p.shape)) for name, p in self.train.named_weights()]
+
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor in the generation dtype), gathered bucket by bucket. Every rank
         must consume it in the same order (each gather is a collective). Each shard is cast to

@@ -35,13 +35,14 @@ class Residency:
         stale until the first gather (the actor may have been resumed from a checkpoint)."""
         self.resharder = resharder
         self.rollout = resharder.rollout
-        self.acc = resharder.train.acc
+        self.acc = resharder.acc
         self.engines = engines
         self.pinned = set(pinned)
         self.swaps = {role: resharder.swap if role == "actor" else HostSwap(self.acc) for role in engines}
         self.on_host: set[str] = set()
-        self.rollout_awake = True
-        self.actor_version, self.rollout_version = 0, -1
+        self.rollout_awake = self.rollout is not None
+        # separated placement: a generator's weights arrive by broadcast, never by a gather here
+        self.actor_version, self.rollout_version = 0, -1 if resharder.train is not None else 0
         self.ledger = Ledger()
         self.device_bytes: dict[str, int] = {}
 
@@ -105,7 +106,7 @@ class Residency:
             if role in TRAINABLE:
                 row[f"{role}_grads"] = resident_bytes(e.grad_tensors())
                 row[f"{role}_optim"] = resident_bytes(e.optimizer_tensors())
-        if self.rollout.resident():
+        if self.rollout is not None and self.rollout.resident():
             row["rollout_weights"], row["kv_cache"] = self.rollout.weight_bytes(), self.rollout.kv_cache_bytes()
         self.ledger.record(phase, **row)
         allocated = self.acc.memory_allocated()

@@ -2,8 +2,8 @@
 
 ``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule), PPO's
 critic in ``critic/`` (the same), and ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
-its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 writes the trainer state and
-renames the folder, so a folder without ``.tmp`` is always complete.
+its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 (separated placement: the
+training leader, ``distributed.sides``) writes the trainer state and renames the folder, so a folder without ``.tmp`` is always complete.
 
 Lineage. A run started with ``checkpoint.resume=<folder>`` records that folder as the
 ``origin`` of every checkpoint it writes. Resolution (:func:`resume_folder`): ``auto`` takes
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed.sides import side_group, side_leader
 from spmd_rl.engines.safe_dcp import read_full_state
 
 _NAME = re.compile(r"^iter_(\d{6})$")
@@ -90,23 +91,23 @@ def save(root: str | Path, iteration: int, roles: dict, trainer_state: dict, kee
     ``roles``, then prune (module docstring). ``trainer_state`` carries ``origin`` (the lineage)."""
     final = folder_for(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    rank = dist.get_rank()
-    if rank == 0:
+    leader, group = dist.get_rank() == side_leader(), side_group()  # the training side's ranks save
+    if leader:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    dist.barrier(group=group)
     for role in SAVED_ROLES:
         if role in roles:
             roles[role].save(role_folder(tmp, role))
-    dist.barrier()
-    if rank == 0:
+    dist.barrier(group=group)
+    if leader:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in _lineage(root, trainer_state.get("origin"))[:-keep]:
             if old.resolve() != final.resolve():
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 

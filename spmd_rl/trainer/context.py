@@ -31,7 +31,8 @@ class Run:
     """The stage graph of this config (``config.stages.stages_for``), built once; the one that runs."""
     roles: dict[str, Engine]
     """One engine per training-side role: actor, and ref / critic / reward_model when the graph has them."""
-    rollout: RolloutEngine
+    rollout: RolloutEngine | None
+    """None on a training rank of the separated placement."""
     residency: Residency
     tokenizer: Any
     prompts: PromptSet
@@ -41,6 +42,8 @@ class Run:
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
     ledger: PromptLedger | None = None
     """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
+    policy_version: int = 0
+    """Separated placement, on a generator: the updates behind the weights its engine holds."""
     carry: list = field(default_factory=list)
     """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
 

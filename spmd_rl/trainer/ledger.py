@@ -10,7 +10,8 @@ redone, and the ledger always describes the lineage of the newest state. A fresh
 Invariant (``problems``; tested under SIGKILLs at random points): over the recorded
 iterations, every prompt the sampler handed out is trained exactly once, or is still carried,
 or is recorded as dropped with its reason, and never two of these. Per iteration:
-carried before + sampled = trained + carried after + dropped, as disjoint sets. Prompts are
+carried before + sampled = trained + carried after + dropped, as disjoint sets; the policy
+versions that generated the iterations (separated placement) never decrease. Prompts are
 dataset rows, so a run checked this way stays within one epoch of the sampler.
 """
 
@@ -30,6 +31,8 @@ class StepRecord:
     carried: list[int] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     """Row (as a string, JSON's key type) -> why it was not trained."""
+    version: int | None = None
+    """Separated placement: the policy version that generated the iteration's samples."""
 
 
 class PromptLedger:
@@ -40,13 +43,30 @@ class PromptLedger:
         return self.meta.key("step", f"{iteration:08d}")
 
     def restart_at(self, iteration: int) -> None:
-        """Forget the records of iterations >= ``iteration`` (they are about to be redone)."""
+        """Forget the records of iterations >= ``iteration`` and of policy versions >=
+        ``iteration`` (they are about to be redone)."""
         for key, raw in self.meta.get_prefix(self.meta.key("step") + "/"):
             if json.loads(raw)["iteration"] >= iteration:
+                self.meta.delete(key)
+        for key, _ in self.meta.get_prefix(self.meta.key("weights") + "/"):
+            if int(key.rsplit("/", 2)[-2]) >= iteration:
                 self.meta.delete(key)
 
     def record(self, rec: StepRecord) -> None:
         self.meta.put(self._key(rec.iteration), json.dumps(asdict(rec), separators=(",", ":")).encode())
+
+    def record_weights(self, version: int, who: str, digest: str) -> None:
+        """Separated placement: the digest of policy ``version`` as ``who`` ("sent" by the
+        training leader, "received-<rank>" by a generator) saw it (``reshard.broadcast``)."""
+        self.meta.put(self.meta.key("weights", f"{version:08d}", who), digest.encode())
+
+    def weights(self) -> dict[int, dict[str, str]]:
+        """Version -> {who: digest} of every recorded broadcast."""
+        out: dict[int, dict[str, str]] = {}
+        for key, raw in self.meta.get_prefix(self.meta.key("weights") + "/"):
+            version, who = key.rsplit("/", 2)[-2:]
+            out.setdefault(int(version), {})[who] = raw.decode()
+        return out
 
     def read(self) -> list[StepRecord]:
         return [StepRecord(**json.loads(raw)) for _, raw in self.meta.get_prefix(self.meta.key("step") + "/")]
@@ -60,6 +80,7 @@ def problems(records: list[StepRecord], start_carried: list[int] | None = None) 
     if its and its != list(range(its[0], its[0] + len(its))):
         out.append(f"iterations not contiguous: {its}")
     carried, trained, dropped = set(start_carried or []), set(), set()
+    last_version: int | None = None
     for r in records:
         before = carried | set(r.sampled)
         after = set(r.trained) | set(r.carried) | {int(k) for k in r.dropped}
@@ -69,6 +90,9 @@ def problems(records: list[StepRecord], start_carried: list[int] | None = None) 
             out.append(f"iteration {r.iteration}: trained a prompt twice ({sorted(set(r.trained) & trained)[:8]})")
         if before != after or len(r.trained) + len(r.carried) + len(r.dropped) != len(after):
             out.append(f"iteration {r.iteration}: lost {sorted(before - after)[:8]}, appeared {sorted(after - before)[:8]}")
+        if r.version is not None and last_version is not None and r.version < last_version:
+            out.append(f"iteration {r.iteration}: policy version {r.version} after {last_version} (versions must not decrease)")
+        last_version = r.version if r.version is not None else last_version
         trained |= set(r.trained)
         dropped |= {int(k) for k in r.dropped}
         carried = set(r.carried)

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, partial_rollout
+from spmd_rl.distributed import sides
 from spmd_rl.distributed.timeouts import long_phase
-from spmd_rl.trainer import checkpoint
+from spmd_rl.trainer import async_loop, checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.partial import carried_rows, partial_round
@@ -104,6 +105,11 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
 
 
 def train(run: Run, start_iteration: int) -> None:
+    side = sides.current().side
+    if side != "both":  # separated placement: each side runs its half of the iteration (trainer.async_loop)
+        if side == "gen":
+            return async_loop.generate(run, start_iteration)
+        return async_loop.train_side(run, start_iteration, save_checkpoint)
     cfg = run.cfg
     rank0 = run.peer.rank == 0
     metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration)
@@ -130,5 +136,5 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)
     with long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s):  # ranks' writes may be skewed by minutes
         folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep)
-    if run.peer.rank == 0:
+    if run.peer.rank == sides.side_leader():
         log.info("saved checkpoint %s", folder)

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed.sides import side_group
+
 
 def throughput(G: int, N: int, PL: int, SL: int, devices: int, seconds: float) -> float:
     """Paper Eq. (5): T = G x N x (PL + SL) / ND / ETE  [tokens / s / device]."""
@@ -19,24 +21,25 @@ def throughput(G: int, N: int, PL: int, SL: int, devices: int, seconds: float) -
 
 
 def global_sums(values: dict[str, float]) -> dict[str, float]:
-    """All-reduce a dict of sums over the world (each rank adds only what it owns)."""
+    """All-reduce a dict of sums over this rank's side (the world colocated; each rank adds
+    only what it owns)."""
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=side_group())
     return dict(zip(keys, t.tolist()))
 
 
 def global_max(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
     return float(t.item())
 
 
 def global_maxes(values: dict[str, float]) -> dict[str, float]:
-    """All-reduce a dict of values to their maxima over the world, in one collective."""
+    """All-reduce a dict of values to their maxima over this rank's side, in one collective."""
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
     return dict(zip(keys, t.tolist()))
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spmd_rl.config.layout import Layout, Layouts
 from spmd_rl.config.schema import ActorConfig, ReshardConfig, RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.distributed.mesh import build_meshes
+from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.logprobs import split
@@ -47,12 +47,12 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     acc = detect("cpu")
     lay = Layouts(world, world, Layout(int(os.environ["TRAIN_DP"]), int(os.environ["TRAIN_TP"])), Layout(world // int(os.environ["GEN_TP"]), int(os.environ["GEN_TP"])))
-    meshes = build_meshes(acc, lay)
+    mesh = train_mesh(acc, lay.train)
     tok = AutoTokenizer.from_pretrained(MODEL)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in QUESTIONS]
     actor_cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1.0)
-    engine = TrainEngine(MODEL, acc, meshes.train, actor_cfg, "float32", total_steps=10)
-    twin = TrainEngine(MODEL, acc, meshes.train, actor_cfg, "float32", total_steps=10)  # same steps, never swapped
+    engine = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)
+    twin = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)  # same steps, never swapped
     rollout = RolloutEngine(MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=lay.gen.tp, dtype="float32", max_model_len=64)
     resharder = Resharder(engine, rollout, ReshardConfig(mode="allgather_swap", bucket_bytes=64 << 10), "float32")
     naive = Resharder(engine, rollout, ReshardConfig(mode="naive"), "float32")

@@ -8,7 +8,7 @@ import torch
 
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
-from spmd_rl.config.stages import advantage_column
+from spmd_rl.config.stages import advantage_column, separated
 from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.metrics import global_max
 from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, schedule
@@ -81,13 +81,16 @@ def actor_update(call: StageCall) -> StageResult:
         steps += 1
     run.residency.weights_changed()
     final = {}
-    if "response_version" in call.stage.inputs:  # partial rollout: how old the trained tokens' policies are
+    if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
         lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
         acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
         final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
     g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.tp)
     if final:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
+        k = cfg.stream.max_policy_lag
+        if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
+            raise RuntimeError(f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above stream.max_policy_lag={k}")
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     return StageResult(final=final | {
         "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,

@@ -10,7 +10,8 @@ Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is
 from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, request k seeded
 seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
 tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
-far)."""
+far). Under separated placement every token is tagged with the version of the weights the
+generator holds (``Run.policy_version``), up to ``stream.max_policy_lag`` behind ``it``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from spmd_rl.config.stages import partial_rollout
+from spmd_rl.config.stages import partial_rollout, versioned
 from spmd_rl.engines.rollout import Sample
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -57,7 +58,11 @@ def actor_rollout(call: StageCall) -> StageResult:
     if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
-    return StageResult(columns=rollout_columns([by_index[i] for i in call.batch.indices.tolist()]))
+    samples = [by_index[i] for i in call.batch.indices.tolist()]
+    out = rollout_columns(samples)
+    if versioned(call.run.cfg):  # separated placement: the version of the weights the engine holds
+        out["response_version"] = [torch.full((len(s.token_ids),), call.run.policy_version, dtype=torch.int32) for s in samples]
+    return StageResult(columns=out)
 
 
 def _continue(call: StageCall) -> StageResult:

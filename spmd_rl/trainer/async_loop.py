@@ -1,0 +1,159 @@
+"""Separated placement (``parallel.placement: separated``): AsyncFlow's producer-consumer
+workflow on the dock. The generators [0, gen_ranks) only generate, the trainers only train;
+samples meet in the dock, and new weights travel by broadcast (``reshard.broadcast``).
+
+Schedule, with k = ``stream.max_policy_lag`` and s the start iteration:
+
+- the trainers publish their weights once at start (version s), and after the update of
+  iteration i the weights of version i + 1 whenever a generator still needs them
+  (i + 1 + k < trainer.iterations);
+- before generating iteration i, a generator receives versions until it holds i - k.
+
+So iteration i is generated with version max(s, i - k) and trained by update i: a lag of at
+most k (checked on every update, ``stages.actor_update``), and generation of iterations
+i + 1 .. i + k runs while iteration i trains. Both sides derive the same published set
+{s + 1 .. iterations - 1 - k}, so every broadcast has its receiver. The sides share no other
+collective until the final barrier; each iteration's generator metrics (held-out accuracy,
+generation time, version) reach the training leader through etcd next to the iteration's
+put-records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch.distributed as dist
+
+from spmd_rl.distributed import sides
+from spmd_rl.distributed.timeouts import long_phase
+from spmd_rl.reshard import broadcast
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.iteration_metrics import IterationMetrics
+from spmd_rl.trainer.ledger import StepRecord
+from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
+from spmd_rl.trainer.progress import progress_for
+from spmd_rl.trainer.runner import run_stage
+from spmd_rl.trainer.stages.samples import put_prompts
+
+log = logging.getLogger("spmd_rl")
+
+
+def published(start: int, iterations: int, k: int) -> list[int]:
+    """The versions the trainers broadcast after an update: s + 1 .. iterations - 1 - k."""
+    return list(range(start + 1, iterations - k))
+
+
+def generation_version(it: int, start: int, k: int) -> int:
+    """The policy version that generates iteration ``it``: max(s, it - k)."""
+    return max(start, it - k)
+
+
+def _waiting(run: Run):
+    """A side waits on the other for up to a whole iteration: the long-phase timeout (a dead
+    peer is still noticed within about the heartbeat TTL)."""
+    return long_phase(run.cfg.elastic.startup_timeout_s, run.cfg.elastic.collective_timeout_s)
+
+
+def publish(run: Run, version: int) -> None:
+    """Every trainer: gather the actor's weights; the leader broadcasts them and records the digest."""
+    s, res = sides.current(), run.residency
+    res.enter("publish", ("actor",))
+    with _waiting(run):
+        sent = broadcast.send(version, res.resharder.weight_meta(), res.resharder.full_weights(), run.cfg.reshard.bucket_bytes,
+                              s.train_leader, s.sync_group, run.acc.device, run.peer.rank == s.train_leader)
+    if sent is not None and run.ledger is not None:
+        run.ledger.record_weights(version, "sent", sent)
+
+
+def receive(run: Run) -> None:
+    """A generator: take the next published version into its engine; the side's leader records the digest."""
+    s = sides.current()
+    with _waiting(run):
+        version, weights = broadcast.receive(run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device)
+    if version <= run.policy_version:
+        raise RuntimeError(f"received policy version {version} after {run.policy_version}: versions must increase")
+    if run.peer.rank == s.leader and run.ledger is not None:
+        run.ledger.record_weights(version, f"received-{run.peer.rank}", broadcast.digest(t for _, t in weights))
+    run.rollout.update_weights(iter(weights))
+    run.policy_version = version
+
+
+def _generator_key(run: Run, it: int) -> str:
+    return run.dock.meta.key(it, "generator")
+
+
+def generate(run: Run, start: int) -> None:
+    """The generators' loop (module docstring)."""
+    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
+    G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
+    run.policy_version = -1  # nothing received yet: the engine holds the base model, not version `start`
+    receive(run)
+    for it in range(start, cfg.trainer.iterations):
+        while run.policy_version < generation_version(it, start, k):
+            receive(run)
+        timer, out = StageTimer(), {"gen_version": float(run.policy_version)}
+        run.dock.begin_iteration(it, G * N)
+        if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
+            with timer.stage("eval"):
+                out["eval_accuracy"] = run.evaluator()
+        with timer.stage("prompts"):
+            put_prompts(run, it, run.sampler.next_batch(G))
+        run_stage(run, it, run.graph[0], list(range(G * N)), timer)
+        run.dock.release(it)
+        if leader:
+            run.dock.meta.put(_generator_key(run, it), json.dumps(out | {f"time_{n}": v for n, v in timer.times.items()}).encode())
+    with _waiting(run):
+        dist.barrier()
+
+
+def _generator_metrics(run: Run, it: int) -> dict[str, float]:
+    """The generators' metrics of iteration ``it``, written right after its samples."""
+    deadline = time.monotonic() + run.cfg.dock.get_timeout_s
+    while (raw := run.dock.meta.get(_generator_key(run, it))) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the generators wrote no metrics for iteration {it} within dock.get_timeout_s")
+        time.sleep(0.01)
+    return {k: float(v) for k, v in json.loads(raw).items()}
+
+
+def train_side(run: Run, start: int, save_checkpoint) -> None:
+    """The trainers' loop (module docstring): every stage after the rollout, over the training layout."""
+    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
+    G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
+    metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=leader, start_iteration=start)
+    bar = progress_for(leader and cfg.logging.progress, cfg.trainer.iterations, start)
+    publish(run, start)
+    for it in range(start, cfg.trainer.iterations):
+        t0, timer, m = time.perf_counter(), StageTimer(bar.stage), IterationMetrics()
+        run.dock.begin_iteration(it, G * N)
+        rows = run.sampler.next_batch(G)  # the generators' rows: the same sampler, the same order
+        for stage in run.graph[1:]:
+            m.add(run_stage(run, it, stage, list(range(G * N)), timer))
+        out = m.finish()
+        dist.barrier(group=sides.side_group())
+        gen = _generator_metrics(run, it) if leader else {}
+        if leader:
+            run.dock.commit(it, alone=True)
+            if run.ledger is not None:
+                run.ledger.record(StepRecord(it, rows, rows, version=int(gen["gen_version"])))
+        else:
+            run.dock.release(it)
+        if it + 1 in published(start, cfg.trainer.iterations, k):
+            with timer.stage("publish"):
+                publish(run, it + 1)
+        seconds = time.perf_counter() - t0
+        out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
+        out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
+        out["throughput_eq5"] = throughput(G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds)
+        out |= {f"time_{n}": v for n, v in timer.times.items()}
+        metrics.write(it, out)
+        bar.iteration_done(it, out)
+        if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or it + 1 == cfg.trainer.iterations:
+            bar.stage("checkpoint")
+            save_checkpoint(run, it + 1)
+    bar.close()
+    metrics.close()
+    with _waiting(run):
+        dist.barrier()
