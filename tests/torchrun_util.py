@@ -63,8 +63,17 @@ def descendants(pid: int) -> list[tuple[int, str]]:
 
 
 def workers_of(pid: int) -> list[int]:
-    """Worker processes (python -m spmd_rl.train) below the launcher ``pid``."""
-    return [p for p, args in descendants(pid) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
+    """Worker processes (python -m spmd_rl.train) below the launcher ``pid``: direct children
+    of a torchrun agent. A worker's own short-lived children (fork before exec) carry its
+    command line too; killing one of those would leave the run untouched."""
+    agents = {p for p, args in descendants(pid) if "torch.distributed.run" in args}
+    return [p for p, args in _children_of(agents) if "spmd_rl.train" in args and "torch.distributed.run" not in args]
+
+
+def _children_of(parents: set[int]) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    rows = [line.split(None, 2) for line in out]
+    return [(int(p), args) for p, pp, args in rows if int(pp) in parents]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

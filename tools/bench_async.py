@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Issue 13's benchmark: the streaming modes against the synchronous colocated baseline, as
-ratios measured in the same run, with the learning each mode still does.
+"""Issue 13's benchmark: the streaming modes (stage fusion, partial rollout, the asynchronous
+separated placement) against the synchronous colocated baseline, as ratios measured in the
+same run, with the learning each mode still does.
 
 **Speed** on a long tail: ``configs/bench_cpu.yaml`` (G=16, N=8, 2 ranks) on the long-tail
 bench model (``make_bench_model.py --stop-tokens 15``: response lengths close to geometric,
@@ -28,10 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_TAIL = ["model.path=assets/bench-longtail", "data.train_path=assets/bench-longtail/train.jsonl", "rollout.max_response_length=256"]
+SEPARATED = ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1", "actor.tis_cap=2.0"]
+"""AsyncFlow's separated placement with k = 1: rank 0 generates, rank 1 trains."""
 MODES = {  # mode: (speed overrides, quickstart overrides)
     "sync": ([], []),
     "fuse": (["stream.fuse=true"], ["stream.fuse=true"]),
     "partial": (["stream.partial_tokens={budget}", "actor.tis_cap=2.0"], ["stream.partial_tokens=4", "actor.tis_cap=2.0"]),
+    "async": (SEPARATED, SEPARATED),
 }
 
 
