@@ -64,9 +64,9 @@ def speed(name: str, args) -> dict:
     return out
 
 
-def learning(name: str, args) -> tuple[float, float]:
+def learning(name: str, args, seed: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        rows = train("configs/quickstart.yaml", MODES[name][1], args.learn_iterations, f"learn-{name}", tmp, args.eval_limit)
+        rows = train("configs/quickstart.yaml", MODES[name][1] + [f"trainer.seed={seed}"], args.learn_iterations, f"learn-{name}", tmp, args.eval_limit)
         ckpt = sorted((Path(tmp) / "ckpt").glob("iter_*"))[-1]
         ev = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", "assets/tiny-qwen2/test.jsonl",
                              "--limit", str(args.eval_limit), "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True)
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)} (sync is the baseline)")
     ap.add_argument("--learn-iterations", type=int, default=0, help="quickstart iterations per mode for the learning check; 0 skips it")
     ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--seeds", default="0", help="comma-separated trainer.seed values of the learning runs (RL on the tiny task is noisy)")
     ap.add_argument("--partial-tokens", type=int, default=128, help="stream.partial_tokens of the partial mode's speed run")
     args = ap.parse_args()
     modes = ["sync"] + [m for m in args.modes.split(",") if m != "sync"]
@@ -98,9 +99,10 @@ def main() -> None:
                   f"         responses mean {m['response_length_mean']:.1f} max {m['response_length_max']:.0f}  |  {stages}", flush=True)
     if args.learn_iterations:
         print(f"-- learning: quickstart, {args.learn_iterations} iterations, held-out greedy accuracy on {args.eval_limit} prompts", flush=True)
-        for name in modes:
-            start, final = learning(name, args)
-            print(f"{name:8s} {start:.3f} -> {final:.3f}  ({100 * (final - start):+.1f} points)  {' '.join(MODES[name][1])}", flush=True)
+        for seed in (int(x) for x in args.seeds.split(",")):
+            for name in modes:
+                start, final = learning(name, args, seed)
+                print(f"{name:8s} seed {seed}  {start:.3f} -> {final:.3f}  ({100 * (final - start):+.1f} points)  {' '.join(MODES[name][1])}", flush=True)
 
 
 if __name__ == "__main__":
