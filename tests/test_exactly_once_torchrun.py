@@ -48,13 +48,13 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
            "elastic.max_restarts=3"]
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": "crash-test-token-0123456789"}
     after, delay = rng.randint(1, ITERS - 3), rng.uniform(0.0, 1.5)
-    metrics = tmp_path / "logs/metrics.jsonl"
+    saved = tmp_path / f"ckpt/iter_{after:06d}"  # complete once renamed from .tmp: the restart resumes from it
     with open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and proc.poll() is None:
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= after:
+                if saved.is_dir():
                     break
                 time.sleep(0.05)
             time.sleep(delay)
