@@ -74,10 +74,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from spmd_rl.config.layout import Layout, Layouts
+    from spmd_rl.config.layout import Layout
     from spmd_rl.config.schema import ActorConfig, ReshardConfig, RolloutConfig
     from spmd_rl.distributed.accelerator import detect
-    from spmd_rl.distributed.mesh import build_meshes
+    from spmd_rl.distributed.mesh import train_mesh
     from spmd_rl.engines.logprobs import build_batch
     from spmd_rl.engines.rollout import RolloutEngine
     from spmd_rl.engines.train import TrainEngine
@@ -88,8 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         n_params = build_model(folder, args)
-        meshes = build_meshes(acc, Layouts(1, 1, Layout(1, 1), Layout(1, 1)))
-        engine = TrainEngine(folder, acc, meshes.train, ActorConfig(mini_batch_size=1, micro_batch_size=2), "float32")
+        engine = TrainEngine(folder, acc, train_mesh(acc, Layout(1, 1)), ActorConfig(mini_batch_size=1, micro_batch_size=2), "float32")
         batch = build_batch([torch.tensor([1, 2, 3])] * 2, [torch.tensor([4, 5])] * 2, 0)
         engine.train_step([batch], lambda lp, ent, k: -lp.sum())  # creates AdamW state
         rollout = RolloutEngine(folder, acc, RolloutConfig(n=1, max_response_length=4), tp=1, dtype="float32", max_model_len=64, distributed=False)

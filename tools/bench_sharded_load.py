@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from spmd_rl.config.layout import Layout, Layouts
+from spmd_rl.config.layout import Layout
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.distributed.mesh import build_meshes
+from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
 from spmd_rl.engines.parallelize import parallelize
 
@@ -44,7 +44,7 @@ def worker() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     acc = detect("cpu")
     dp, tp = int(os.environ["TRAIN_DP"]), int(os.environ["TRAIN_TP"])
-    mesh = build_meshes(acc, Layouts(world, world, Layout(dp, tp), Layout(world, 1))).train
+    mesh = train_mesh(acc, Layout(dp, tp))
     path = os.environ["MODEL"]
     dist.barrier()
     before = rss_kib()
