@@ -8,8 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 

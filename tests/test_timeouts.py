@@ -12,7 +12,7 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spmd_rl.distributed.timeouts import long_phase, set_collective_timeout
+from spmd_rl.distributed.timeouts import long_phase
 from spmd_rl.dock.etcd_server import free_port
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
-from spmd_rl.config.stages import COLUMNS, Stage
+from spmd_rl.config.stages import Stage
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
