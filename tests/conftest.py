@@ -67,10 +67,10 @@ def subprocess_env() -> dict[str, str]:
 
 def run_helper(script: str, *args: object, timeout: float = 300) -> dict:
     """Run ``tests/helpers/<script>`` in its own process (vLLM changes process state) and return
-    the JSON object on its last stdout line."""
+    the JSON object on its last stdout line that holds one (vLLM may log to stdout at exit)."""
     import json
 
     out = subprocess.run([sys.executable, str(REPO / "tests/helpers" / script), *map(str, args)],
                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

@@ -4,9 +4,14 @@ rank 0 generates, rank 1 trains, with the staleness bound k = 1."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from spmd_rl.trainer.ledger import PromptLedger, problems
+from tests.conftest import run_helper
+from tests.helpers.rollout_logprobs import perturbed
 from tests.trainer_util import G, train
 
 SEPARATED = ("parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
@@ -38,3 +43,30 @@ def test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes(tiny
     assert [r.version for r in records] == [0, 0, 2, 2] and problems(records) == []
     again = ledger.weights()
     assert sorted(again) == [0, 1, 2] and again[2] == weights[2]  # the restored policy is the one first sent as version 2
+
+
+def _hf_logprobs(model, got: dict) -> list[torch.Tensor]:
+    responses = [torch.tensor(s["ids"]) for s in got["samples"]]
+    batch = build_batch([torch.tensor(got["prompt"])] * len(responses), responses, 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = response_logprobs(logits, batch, temperature=0.7)[0]
+    return [lp[k, : len(r)] for k, r in enumerate(responses)]
+
+
+@pytest.mark.slow
+def test_a_generator_engine_samples_from_the_weights_it_was_sent(tiny_model):
+    """The ledger proves the generator received the trainer's bytes; this proves its engine (own
+    process, weights streamed through the weight file) samples from them: its log-probs at
+    T = 0.7 equal an HF float32 forward of the perturbed model, and not of the original."""
+    got = run_helper("rollout_logprobs.py", tiny_model, 0.7, "published")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = _hf_logprobs(model, got)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, t in perturbed(tiny_model):
+            params[name].copy_(t)
+    after = _hf_logprobs(model, got)
+    for s, lp in zip(got["samples"], after):
+        assert (lp - torch.tensor(s["logprobs"])).abs().max() < 1e-4
+    assert max(float((lp - torch.tensor(s["logprobs"])).abs().max()) for s, lp in zip(got["samples"], before)) > 1e-2

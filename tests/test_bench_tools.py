@@ -1,10 +1,12 @@
 """The issue-12 benchmark tools build what they claim: the bench model's tokenizer decodes
 every id the model can sample and its prompts are exactly 16 tokens; the floor's training step
-runs the engines' log-prob path on a real HF model (warm-up plus one timed step)."""
+runs the engines' log-prob path on a real HF model (warm-up plus one timed step); the weight
+stream benchmark's two receivers both write the sent tensors bit for bit."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +47,12 @@ def test_floor_training_step_runs_and_updates(tiny_model):
     responses = [[11, 12], [13], [14, 15, 16], [17]]
     seconds = engine_floor.training(cfg, prompts, responses, pad_id=0, repeats=1)
     assert seconds > 0
+
+
+def test_weight_stream_bench_writes_the_sent_tensors_in_both_modes():
+    from tests.conftest import subprocess_env
+
+    out = subprocess.run([sys.executable, str(REPO / "tools/bench_weight_stream.py"), "--params-m", "0.064", "--bucket-mib", "0.01"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stream / whole peak" in out.stdout and "both files hold the sent tensors bit for bit" in out.stdout, out.stdout

@@ -3,6 +3,7 @@ staleness schedule, the weight broadcast (bit for bit, no pickle) and the versio
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 
@@ -10,10 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import stages_for
+from spmd_rl.engines import weight_file
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.async_loop import generation_version, published
 from spmd_rl.trainer.ledger import StepRecord, problems
@@ -93,7 +96,13 @@ WEIGHTS = {"a.weight": torch.randn(7, 5, generator=_g), "b.bias": torch.randn(3,
            "big": torch.randn(40, 10, generator=_g), "c.weight": torch.randn(2, 2, dtype=torch.float64, generator=_g)}
 
 
-def _peer(rank: int, port: int, limit: int, q) -> None:
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _peer(rank: int, port: int, limit: int, folder: str, q) -> None:
+    """Rank 0 sends WEIGHTS; rank 1 streams them into a weight file (what a generator does),
+    noting how many broadcasts it had received when each tensor was yielded."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cpu = torch.device("cpu")
@@ -101,28 +110,54 @@ def _peer(rank: int, port: int, limit: int, q) -> None:
         meta = [(n, t.dtype, list(t.shape)) for n, t in WEIGHTS.items()]
         q.put(("sent", broadcast.send(7, meta, iter(WEIGHTS.items()), limit, 0, None, cpu, True)))
     else:
-        version, got = broadcast.receive(limit, 0, None, cpu)
-        same = [n for (n, t) in got if torch.equal(t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8),
-                                                     WEIGHTS[n].view(torch.uint8) if WEIGHTS[n].dim() else WEIGHTS[n].reshape(1).view(torch.uint8))]
-        q.put(("received", version, [n for n, _ in got], [t.dtype for _, t in got], same, broadcast.digest(t for _, t in got)))
+        calls, real = [], dist.broadcast
+        dist.broadcast = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        version, meta, stream = broadcast.receive(limit, 0, None, cpu)
+        h, seen = hashlib.sha256(), []
+
+        def tap():
+            for name, t in broadcast.hashed(stream, h):
+                seen.append(len(calls))
+                yield name, t
+
+        path = os.path.join(folder, "w.safetensors")
+        assert weight_file.write(path, meta, tap()) == len(WEIGHTS)
+        got = load_file(path)
+        same = [n for n, t in got.items() if torch.equal(_bits(t), _bits(WEIGHTS[n]))]
+        q.put(("received", version, list(got), [t.dtype for t in got.values()], same, h.hexdigest(), seen))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("limit", [64, 1 << 20])
-def test_broadcast_delivers_the_weights_bit_for_bit(limit):
-    """Two processes, gloo: small buckets (every tensor alone, 'big' above the limit) and one bucket."""
+def test_broadcast_streams_the_weights_bit_for_bit(limit, tmp_path):
+    """Two processes, gloo: small buckets (every tensor alone but 'b.bias' + 'scale', 'big' above
+    the limit) and one bucket. The weight file read back equals what was sent, and each bucket's
+    tensors are yielded before the next bucket is received (2 header broadcasts, then one per bucket)."""
     ctx, port = mp.get_context("spawn"), _free_port()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(r, port, limit, q)) for r in (0, 1)]
+    procs = [ctx.Process(target=_peer, args=(r, port, limit, str(tmp_path), q)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = dict((m[0], m[1:]) for m in (q.get(timeout=120), q.get(timeout=120)))
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    version, names, dtypes, same, digest = got["received"]
-    assert version == 7 and names == list(WEIGHTS) and dtypes == [t.dtype for t in WEIGHTS.values()]
-    assert same == list(WEIGHTS) and digest == got["sent"][0] == broadcast.digest(WEIGHTS.values())
+    version, names, dtypes, same, digest, seen = got["received"]
+    assert version == 7 and sorted(names) == sorted(WEIGHTS) and dtypes == [WEIGHTS[n].dtype for n in names]
+    assert sorted(same) == sorted(WEIGHTS) and digest == got["sent"][0] == broadcast.digest(WEIGHTS.values())
+    assert seen == ([3, 4, 4, 5, 6] if limit == 64 else [3] * 5)
+
+
+def test_the_weight_file_matches_safetensors_and_refuses_a_mismatch(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    meta = [(n, t.dtype, list(t.shape)) for n, t in WEIGHTS.items()]
+    weight_file.write(path, meta, iter(WEIGHTS.items()))
+    got = load_file(path)
+    assert all(torch.equal(_bits(got[n]), _bits(t)) and got[n].shape == t.shape for n, t in WEIGHTS.items())
+    with pytest.raises(ValueError, match="weight 1 is b.bias torch.float32 .*announced b.bias torch.bfloat16"):
+        weight_file.write(path, meta, iter([("a.weight", WEIGHTS["a.weight"]), ("b.bias", WEIGHTS["b.bias"].float())]))
+    with pytest.raises(ValueError, match="weight x: dtype torch.int64"):
+        weight_file.header([("x", torch.int64, [2])])
 
 
 def test_buckets_close_before_the_limit():

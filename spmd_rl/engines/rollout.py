@@ -25,6 +25,7 @@ import torch
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.engines import weight_file
 
 
 RECEIVER = "spmd_rl.engines.weight_receiver.WeightReceiver"
@@ -147,16 +148,19 @@ class RolloutEngine:
         outs = self.llm.generate([{"prompt_token_ids": c} for c, _ in requests], params, use_tqdm=False)
         return [_sample(o.outputs[0]) for o in outs]
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], meta: list[tuple[str, torch.dtype, list[int]]] | None = None) -> None:
         """Load new full weights and drop cached prefixes. In-process they are consumed lazily,
-        one at a time; an engine in its own process reads them from a file written here."""
+        one at a time. An engine in its own process reads them from a private file streamed
+        here (``engines.weight_file``: header from ``meta`` [(name, dtype, shape)] in the
+        iteration order, then one tensor at a time), so neither process holds the whole model
+        twice."""
         is_cpu = self.acc.kind == "cpu"
         if self.own_process:
-            from safetensors.torch import save_file
-
+            if meta is None:
+                raise ValueError("an engine in its own process loads weights from a file whose header needs meta=[(name, dtype, shape)]")
             with tempfile.TemporaryDirectory(prefix="spmd-rl-weights-") as folder:  # mode 0700
                 path = os.path.join(folder, "weights.safetensors")
-                save_file({name: t.contiguous() for name, t in weights}, path)
+                weight_file.write(path, meta, iter(weights))
                 self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})

@@ -11,13 +11,15 @@ import torch
 
 class WeightReceiver:
     def load_weights_file(self, path: str, is_cpu: bool) -> int:
-        """Load every tensor of the file (HF names, full tensors) as new weights; returns how many."""
-        from safetensors.torch import load_file
+        """Load every tensor of the file (HF names, full tensors) as new weights, read one at a
+        time from the mapped file; returns how many."""
+        from safetensors import safe_open
 
-        weights = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names), is_checkpoint_format=True)
         self.refresh_tied_lm_head(is_cpu)
-        return len(weights)
+        return len(names)
 
     def refresh_tied_lm_head(self, is_cpu: bool) -> None:
         """vLLM CPU packs each linear weight into a GEMM closure after loading. A tied LM head

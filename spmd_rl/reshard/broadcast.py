@@ -10,9 +10,10 @@ the sync group (leader + every generator, ``distributed.sides``):
    ``reshard.bucket_bytes`` (a tensor larger than that is a bucket of its own). Both sides cut
    the buckets from the header with ``buckets``, so no size travels twice.
 
-No pickle: the receiver rebuilds each tensor from its header entry and its bytes. Invariant
+No pickle: the receiver rebuilds each tensor from its header entry and its bytes. Invariants
 (tested): the received tensors equal the gathered ones bit for bit, i.e. their ``digest`` is
-the same.
+the same; the receiver yields a bucket's tensors before it receives the next bucket, so a
+generator never holds more than one bucket of the model.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def hashed(tensors: Iterator[tuple[str, torch.Tensor]], h) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``tensors`` through, feeding their bytes to ``h`` (``h.hexdigest()`` at the end
+    equals ``digest`` of the same tensors) without holding them."""
+    for name, t in tensors:
+        h.update(_bytes(t).numpy().data)
+        yield name, t
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().cpu().view(-1).view(torch.uint8)
 
@@ -82,15 +91,22 @@ def send(version: int, meta: list[tuple[str, torch.dtype, list[int]]], weights: 
     return h.hexdigest() if leader else None
 
 
-def receive(limit: int, src: int, group, device: torch.device) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """Generator side: (version, [(name, tensor on host)]) of the next published policy."""
+def receive(limit: int, src: int, group, device: torch.device) -> tuple[int, list[tuple[str, torch.dtype, list[int]]], Iterator[tuple[str, torch.Tensor]]]:
+    """Generator side: (version, [(name, dtype, shape)], tensors) of the next published policy.
+    The header is received here; the tensors arrive lazily, one bucket per step of the
+    iterator, so at most one bucket is held on the host. Each bucket is a collective: the caller
+    must consume the iterator to its end."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=group)
     raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(raw, src=src, group=group)
     header = json.loads(raw.cpu().numpy().tobytes().decode())
     entries = header["tensors"]
-    out: list[tuple[str, torch.Tensor]] = []
+    meta = [(name, DTYPES[dtype], list(shape)) for name, dtype, shape in entries]
+    return int(header["version"]), meta, _tensors(entries, limit, src, group, device)
+
+
+def _tensors(entries: list, limit: int, src: int, group, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     for span in buckets([_nbytes(d, s) for _, d, s in entries], limit):
         flat = torch.empty(sum(_nbytes(*entries[k][1:]) for k in span), dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=src, group=group)
@@ -98,6 +114,9 @@ def receive(limit: int, src: int, group, device: torch.device) -> tuple[int, lis
         for k in span:
             name, dtype, shape = entries[k]
             n = _nbytes(dtype, shape)
-            out.append((name, flat[at:at + n].clone().view(DTYPES[dtype]).view(shape)))  # a fresh, aligned storage per tensor
+            part = flat[at:at + n]
+            if at % DTYPES[dtype].itemsize:  # misaligned for its dtype (after an odd-length 16-bit tensor): copy
+                part = part.clone()
+            yield name, part.view(DTYPES[dtype]).view(shape)  # else a view into the bucket
             at += n
-    return int(header["version"]), out
+        del flat  # before the next bucket is allocated

@@ -20,6 +20,7 @@ put-records.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -68,15 +69,17 @@ def publish(run: Run, version: int) -> None:
 
 
 def receive(run: Run) -> None:
-    """A generator: take the next published version into its engine; the side's leader records the digest."""
+    """A generator: stream the next published version into its engine (one bucket at a time);
+    the side's leader records the digest of what arrived."""
     s = sides.current()
     with _waiting(run):
-        version, weights = broadcast.receive(run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device)
-    if version <= run.policy_version:
-        raise RuntimeError(f"received policy version {version} after {run.policy_version}: versions must increase")
+        version, meta, weights = broadcast.receive(run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device)
+        if version <= run.policy_version:
+            raise RuntimeError(f"received policy version {version} after {run.policy_version}: versions must increase")
+        h = hashlib.sha256()
+        run.rollout.update_weights(broadcast.hashed(weights, h), meta)
     if run.peer.rank == s.leader and run.ledger is not None:
-        run.ledger.record_weights(version, f"received-{run.peer.rank}", broadcast.digest(t for _, t in weights))
-    run.rollout.update_weights(iter(weights))
+        run.ledger.record_weights(version, f"received-{run.peer.rank}", h.hexdigest())
     run.policy_version = version
 
 
