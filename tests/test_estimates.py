@@ -134,3 +134,30 @@ def test_memory_estimate_swap_saves_training_state(in_repo, tiny_model):
     assert mem.train_params == sum(-(-t.numel // 2) for t in arch.tensors()) * 4
     assert mem.gen_weights == numel * 4
     assert mem.generation_peak(swap=False) - mem.generation_peak(swap=True) == 4 * mem.train_params
+
+
+def test_separated_plan_gives_each_side_only_its_own_state(in_repo, tiny_model):
+    """Under the separated placement the generators hold the rollout engine alone and the
+    trainers every other role: no rank is charged the other side's state, nothing is swapped."""
+    from spmd_rl.config.estimates import GB, rank_memory
+    from spmd_rl.config.plan import stage_memory
+    from spmd_rl.config.rules import check
+
+    sep = ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=null", "parallel.train.dp_shard=null", "actor.tis_cap=2.0"]
+    cfg = load_config("configs/quickstart.yaml", sep)
+    lay, violations = check(cfg)
+    assert not violations and lay.separated
+    arch = ModelArch.from_folder(cfg.model.path)
+    numel = sum(t.numel for t in arch.tensors())
+    rows, everything = stage_memory(cfg, arch, lay)
+    by_stage = {name: (roles, b) for name, roles, b in rows}
+    gen = numel * 4 + int(cfg.rollout.kv_cache_gib * GB)  # whole fp32 model (gen.tp = 1) + KV cache
+    assert by_stage["actor_rollout"] == (["rollout"], gen)
+    assert by_stage["actor_update"] == (["actor"], 3 * numel * 4)  # train dp_shard = 1: params + 2 AdamW states
+    assert all("rollout" not in roles for name, (roles, _) in by_stage.items() if name != "actor_rollout")
+    assert everything == max(gen, 3 * numel * 4)
+    res = CliRunner().invoke(app, ["plan", "configs/quickstart.yaml", *sep])
+    assert res.exit_code == 0, res.output
+    mem = rank_memory(cfg, arch, lay)
+    assert "generation ranks 0 (no training state)" in res.output and "training ranks 1:" in res.output
+    assert f"peak {(mem.gen_weights + mem.kv_cache) / GB:.3f} GiB" in res.output and "allgather-swap" not in res.output

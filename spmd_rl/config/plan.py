@@ -48,16 +48,31 @@ def layout_lines(lay: Layouts) -> list[str]:
     return lines
 
 
+def _span(ranks: range) -> str:
+    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
+
+
 def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     mem = rank_memory(cfg, arch, lay)
     gen_bytes = DTYPE_BYTES[cfg.model.dtype]
     tw = arch.split_numel() * gen_bytes
     r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp, tw)
-    return [
+    head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
-        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW):",
+        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW)" + (f", training ranks {_span(lay.train.ranks)}:" if lay.separated else ":"),
         f"  params {_gib(mem.train_params)}   grads {_gib(mem.train_grads)}   optimizer {_gib(mem.train_optim)}",
+    ]
+    if lay.separated:  # disjoint state: nothing to swap, no redundant copy (Eq. 3 is about colocation)
+        return head + [
+            f"  + one gather bucket {_gib(mem.temp_buffer).strip()} while publishing weights; peak {_gib(mem.train_state + mem.temp_buffer).strip()}",
+            f"per-rank generation state, generation ranks {_span(lay.gen.ranks)} (no training state):",
+            f"  weights {_gib(mem.gen_weights)}   KV cache {_gib(mem.kv_cache)}   peak {_gib(mem.gen_weights + mem.kv_cache).strip()}",
+            f"  + one broadcast bucket {_gib(cfg.reshard.bucket_bytes).strip()} of host memory while receiving weights",
+            "separated placement: the sides hold disjoint state, so nothing is swapped and the",
+            "redundant memory of colocated resharding, paper Eq. (3), does not arise (R = 0)",
+        ]
+    return head + [
         "per-rank generation state:",
         f"  weights {_gib(mem.gen_weights)}   KV cache {_gib(mem.kv_cache)}   gather bucket {_gib(mem.temp_buffer)}",
         "peak device memory in the generation stage:",
@@ -73,16 +88,23 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
 def stage_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> tuple[list[tuple[str, list[str], int]], int]:
     """(stage, resident roles, predicted bytes per rank at its entry) for every stage of the graph
     (the residency manager's ledger records the same rows), and the bytes of all the graph's
-    roles resident at once (what a run without the manager would hold)."""
+    roles resident at once (what a run without the manager would hold). Under the separated
+    placement a rank holds only its side's roles: the generators the rollout engine, the
+    trainers every other role."""
     critic = ModelArch.from_folder(cfg.critic.model_path or cfg.model.path) if cfg.algorithm.name == "ppo" else None
     reward = ModelArch.from_folder(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     size = role_bytes(cfg, arch, lay, critic, reward)
     graph = stages_for(cfg)
     rows = []
     for s in graph:
-        roles = sorted(resident_roles(cfg, s, graph))
-        rows.append((s.name, roles, sum(size[r] for r in roles)))
-    return rows, sum(size[r] for r in {r for s in graph for r in s.roles})
+        roles = resident_roles(cfg, s, graph)
+        if lay.separated:  # the generators run the first stage with the rollout engine alone; the trainers the rest without it
+            roles = {"rollout"} if s is graph[0] else roles - {"rollout"}
+        rows.append((s.name, sorted(roles), sum(size[r] for r in roles)))
+    every = {r for s in graph for r in s.roles}
+    if lay.separated:  # per side: the larger of the generators' and the trainers' roles
+        return rows, max(size["rollout"], sum(size[r] for r in every - {"rollout"}))
+    return rows, sum(size[r] for r in every)
 
 
 def residency_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
