@@ -12,8 +12,8 @@ safetensors file, as a generator does before its vLLM engine loads it, in two mo
   ``safetensors.torch.save_file`` writes the dict.
 
 Each mode runs in fresh processes; the receiver's peak RSS growth over the receive is printed
-with the ratio stream / whole and the model bytes, and both files are checked to hold the same
-tensors.
+with the ratio stream / whole and the model bytes, and both files are checked to hold the
+tensors the sender sent (their digests against ``broadcast.send``'s).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.engines import weight_file
 from spmd_rl.reshard import broadcast
 
@@ -53,7 +53,7 @@ def peer(rank: int, port: int, mode: str, params: int, limit: int, folder: str, 
     if rank == 0:
         w = weights(params)
         dist.barrier()
-        broadcast.send(1, [(n, t.dtype, list(t.shape)) for n, t in w], iter(w), limit, 0, None, cpu, True)
+        q.put(("sent", broadcast.send(1, [(n, t.dtype, list(t.shape)) for n, t in w], iter(w), limit, 0, None, cpu, True)))
     else:
         dist.barrier()
         before, path = rss_kib(), os.path.join(folder, f"{mode}.safetensors")
@@ -73,18 +73,16 @@ def peer(rank: int, port: int, mode: str, params: int, limit: int, folder: str, 
 
 
 def run(mode: str, params: int, limit: int, folder: str) -> tuple:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """(mode, peak growth, file size, digest of the file's tensors, digest the sender sent)."""
+    ctx, port = mp.get_context("spawn"), free_port()
     q = ctx.Queue()
     procs = [ctx.Process(target=peer, args=(r, port, mode, params, limit, folder, q)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = q.get(timeout=600)
+    got = dict((m[0], m[1:]) for m in (q.get(timeout=600), q.get(timeout=600)))
     for p in procs:
         p.join(120)
-    return got
+    return (mode, *got[mode], got["sent"][0])
 
 
 def main() -> None:
@@ -96,10 +94,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         res = {mode: run(mode, params, limit, folder) for mode in ("whole", "stream")}
     model = params * 4
-    for mode, (_, grow, size, _) in res.items():
+    for mode, (_, grow, size, _, _) in res.items():
         print(f"  {mode:6s} receiver peak RSS growth {grow / 2**20:8.1f} MiB  ({grow / model:.2f}x model)  file {size / 2**20:.1f} MiB")
     print(f"model {model / 2**20:.1f} MiB, bucket {args.bucket_mib:g} MiB; stream / whole peak: {res['stream'][1] / res['whole'][1]:.2f}")
-    same = len({r[3] for r in res.values()}) == 1
+    same = all(r[3] == r[4] for r in res.values())
     print("both files hold the sent tensors bit for bit" if same else "the files' tensors differ")
 
 

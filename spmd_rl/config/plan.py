@@ -24,11 +24,15 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GB:10.3f} GiB"
 
 
+def _span(ranks: range) -> str:
+    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
+
+
 def layout_lines(lay: Layouts) -> list[str]:
     lines = [
         f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
         f"train dp_shard={lay.train.dp} tp={lay.train.tp}; gen dp={lay.gen.dp} tp={lay.gen.tp}"
-        + (f"; separated: ranks {lay.gen.ranks.start}-{lay.gen.ranks.stop - 1} generate, {lay.train.ranks.start}-{lay.train.ranks.stop - 1} train"
+        + (f"; separated: ranks {_span(lay.gen.ranks)} generate, {_span(lay.train.ranks)} train"
            if lay.separated else ""),
         f"{'rank':>5} {'node':>5} {'train(dp,tp)':>13} {'gen(dp,tp)':>11}  roles",
     ]
@@ -46,10 +50,6 @@ def layout_lines(lay: Layouts) -> list[str]:
             roles.append("warehouse")
         lines.append(f"{r:>5} {lay.node_of(r):>5} {cells[0]:>13} {cells[1]:>11}  {' '.join(roles)}")
     return lines
-
-
-def _span(ranks: range) -> str:
-    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
 def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
