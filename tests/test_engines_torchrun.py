@@ -35,9 +35,12 @@ def test_reshard_swap_rollout(tiny_model, tmp_path, train_dp, train_tp, gen_tp):
         assert r["swap_bit_exact"] == [True] * 4 and r["resident_params_during_gen"] == [0] * 4
         # 3 updates with swaps in between == the same 3 updates never swapped
         assert r["swapped_equals_unswapped"]
-        # bounded gather buffer: one bucket (64 KiB) or the largest tensor; naive gathers it all
-        assert r["temp_peak_swap"] <= max(64 << 10, r["largest_param_bytes"])
-        assert r["temp_peak_naive"] == r["model_bytes"]
+        # bounded gather buffers: two buckets in flight within 64 KiB, or twice a lone tensor's
+        # cost: FSDP over 2 ranks its output plus its half-size input, TP over 2 its TP-local
+        # half plus full_tensor's gather and reorder (bucket_gather); naive gathers all at once
+        lone = 1.5 if train_tp == 1 else 2.5
+        assert r["temp_peak_swap"] <= max(64 << 10, 2 * lone * r["largest_param_bytes"])
+        assert r["temp_peak_naive"] >= r["model_bytes"] // train_tp  # one dp gather of every TP-local tensor
         # the ledger's KV cache is what vLLM allocated (CPU: the 1 GiB VLLM_CPU_KVCACHE_SPACE)
         assert r["ledger_kv_cache"] == 1 << 30
         # ledger: naive minus allgather-swap during generation == the swapped training state,

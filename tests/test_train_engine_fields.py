@@ -130,7 +130,7 @@ def test_compile_compiles_every_layer_and_changes_no_result(tiny_model):
 
 def test_bucketed_gather_in_the_generation_dtype_equals_gather_then_cast(tiny_model):
     """The resharder casts each shard before its gather: the same bits as the full master tensor
-    cast afterwards, and every bucket within its bound (or one tensor when larger)."""
+    cast afterwards, and two buckets in flight within the bound (or a lone tensor twice)."""
     from spmd_rl.config.schema import ReshardConfig
     from spmd_rl.reshard.allgather_swap import Resharder
 
@@ -144,4 +144,4 @@ def test_bucketed_gather_in_the_generation_dtype_equals_gather_then_cast(tiny_mo
     assert got.keys() == want.keys()
     assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
     largest = max(t.numel() * 2 for t in want.values())
-    assert rs.temp_peak <= max(32 << 10, largest)
+    assert rs.temp_peak <= max(32 << 10, 2 * largest)  # two buckets in flight; one rank: a lone tensor is its output

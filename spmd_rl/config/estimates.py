@@ -72,7 +72,10 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         local = t.numel // lay.train.tp if t.train_tp_split else t.numel
         train_numel += -(-local // lay.train.dp)
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
-    temp = max(cfg.reshard.bucket_bytes, arch.largest_tensor_numel() * gb)
+    # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
+    # alone (its gather output plus this rank's 1/dp input) exceeds half of it
+    lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
+    temp = max(cfg.reshard.bucket_bytes, int(2 * lone))
     return RankMemory(
         train_params=train_numel * pb,
         train_grads=train_numel * pb,

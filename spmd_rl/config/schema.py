@@ -192,7 +192,7 @@ class ReshardConfig(Section):
     mode: Literal["allgather_swap", "naive"] = Field(
         "allgather_swap", description="allgather_swap moves the training state to host during generation; naive keeps it resident."
     )
-    bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the temporary full-tensor buffer of one gather bucket.")
+    bucket_bytes: int = Field(256 << 20, gt=0, description="Bound on the gather's temporary bytes for generation: two buckets in flight (one all-gather each, reshard.bucket_gather), or twice a lone tensor that alone exceeds half of it.")
 
 
 class StreamConfig(Section):

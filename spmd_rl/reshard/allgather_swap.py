@@ -1,8 +1,8 @@
 """Resharding flow between the training state and the vLLM state (paper, "Allgather-Swap").
 
 ``to_generation``:
-  1. gather full tensors from their FSDP/TP shards bucket by bucket (at most
-     ``reshard.bucket_bytes`` of temporary full tensors alive, or one tensor if larger),
+  1. gather full tensors from their FSDP/TP shards, one all-gather per bucket (at most
+     ``reshard.bucket_bytes`` of temporaries alive, or one tensor's if larger),
   2. hand each to the rollout engine, which keeps only its TP slice, and free the bucket,
   3. allgather_swap only: move the actor's sharded params, grads and optimizer states to host
      and release their device storage.
@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from spmd_rl.config.schema import ReshardConfig
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.base import DTYPES, Engine
+from spmd_rl.reshard import bucket_gather
 from spmd_rl.reshard.ledger import Ledger
 from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
@@ -64,29 +63,17 @@ class Resharder:
         return [(name, self.gen_dtype, list(p.shape)) for name, p in self.train.named_weights()]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor in the generation dtype), gathered bucket by bucket. Every rank
-        must consume it in the same order (each gather is a collective). Each shard is cast to
-        the generation dtype before its gather (a cast is elementwise, so the result is the same
-        bits as gather-then-cast): a bf16 rollout moves half the bytes of an fp32 master, and no
-        full tensor in the master dtype is ever allocated."""
+        """(HF name, full tensor in the generation dtype), one all-gather per bucket
+        (``reshard.bucket_gather``). Every rank must consume it in the same order (each bucket is
+        a collective). Shards are cast to the generation dtype before the gather (a cast is
+        elementwise, so the result is the same bits as gather-then-cast): a bf16 rollout moves
+        half the bytes of an fp32 master, and no full tensor in the master dtype is allocated."""
         limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
-        params = list(self.train.named_weights())
-        k = 0
-        while k < len(params):
-            bucket, size = [], 0
-            while k < len(params):
-                name, p = params[k]
-                nbytes = p.numel() * self.gen_dtype.itemsize
-                if bucket and size + nbytes > limit:
-                    break
-                local = p.detach().to(self.gen_dtype)  # cast the shard, then gather: no full master-dtype temporary
-                bucket.append((name, local.full_tensor() if isinstance(local, DTensor) else local))
-                size += nbytes
-                k += 1
-            self.temp_peak = max(self.temp_peak, size)
-            self.record("gather", temp=size)
-            yield from bucket
-            del bucket
+        buckets = bucket_gather.plan(list(self.train.named_weights()), self.gen_dtype.itemsize, limit)
+        for bucket, temp in zip(buckets, bucket_gather.in_flight(buckets, self.gen_dtype.itemsize)):
+            self.temp_peak = max(self.temp_peak, temp)
+            self.record("gather", temp=temp)
+            yield from bucket_gather.gather(bucket, self.gen_dtype)
 
     # -- steps (the residency manager composes them per stage) ------------------------------
     def load_rollout(self) -> None:
