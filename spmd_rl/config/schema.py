@@ -79,7 +79,7 @@ class ActorConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")
     accumulate_unsharded: bool = Field(
-        False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and no re-gather of parameters for the next micro-batch; costs (1 - 1/dp_shard) x the full parameters and gradients in compute dtype while it lasts."
+        False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and one parameter all-gather per FSDP module per step instead of one in forward and one in backward per micro-batch; costs (1 - 1/dp_shard) x the full parameters and gradients in compute dtype while it lasts."
     )
     compile: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU)."

@@ -117,15 +117,20 @@ class TrainEngine(Engine):
         assert self.optimizer is not None and self.scheduler is not None, "reference engine has no optimizer"
         self.model.train()
         total_loss = 0.0
-        for k, micro in enumerate(micro_batches):
-            if self.cfg.accumulate_unsharded:  # FSDP2 no-sync: reduce-scatter and reshard after the last one only
-                last = k == len(micro_batches) - 1
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_reshard_after_backward(last)
-            lp, ent = self._forward(micro, with_entropy)
-            loss = loss_fn(lp, ent, k)
-            loss.backward()
-            total_loss += float(loss.detach())
+        try:
+            for k, micro in enumerate(micro_batches):
+                if self.cfg.accumulate_unsharded:  # FSDP2 no-sync: one all-gather per module, reduce-scatter and reshard after the last backward
+                    last = k == len(micro_batches) - 1
+                    self.model.set_reshard_after_forward(False)
+                    self.model.set_requires_gradient_sync(last)
+                    self.model.set_reshard_after_backward(last)
+                lp, ent = self._forward(micro, with_entropy)
+                loss = loss_fn(lp, ent, k)
+                loss.backward()
+                total_loss += float(loss.detach())
+        finally:
+            if self.cfg.accumulate_unsharded:  # forward-only passes reshard after each module again
+                self.model.set_reshard_after_forward(True)
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = global_grad_norm(params)
         coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
