@@ -2,7 +2,7 @@
 torch.chunk's, the plan covers every tensor once in order within half the bound, and under a
 real 2-rank torchrun (FSDP and TP) the gathered tensors equal ``full_tensor()`` cast to the
 generation dtype bit for bit, with one collective per bucket and the live bytes the gather
-allocates (counted from outside, ``tools/live_bytes``) within ``in_flight``."""
+allocates (counted from outside, ``tools/memory_probe``) within ``in_flight``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ etcd and vLLM): a worker is SIGKILLed at a seeded random point; torchrun restart
 which resumes from the newest checkpoint (partial rollout, and the separated placement, where a
 generator may be killed mid-broadcast or a trainer mid-update). The run finishes, and the prompt ledger in etcd
 (``trainer.ledger``) shows every prompt handed out trained exactly once or still carried, for
-every iteration, and the final checkpoint carries what the ledger says.
+every iteration, and the final checkpoint carries what the ledger says. No process of the run,
+the killed rank's vLLM engine core included, outlives it.
 
 ``SPMD_RL_CRASH_RUNS`` sets the number of seeded runs (3 by default; the issue's 10 for a
 measurement)."""
@@ -17,13 +18,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import kill_tree, workers_of
+from tests.torchrun_util import kill_tree, wait_for, workers_of
 
 ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "3"))
@@ -33,6 +35,24 @@ MODES = {  # the modes whose samples outlive an iteration
     "partial": ["stream.partial_tokens=3"],
     "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
 }
+
+
+TOKEN = "crash-test-token-0123456789"
+
+
+def left_behind(token: str) -> list[str]:
+    """Command lines of live processes whose environment holds the job ``token``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"SPMD_RL_JOB_TOKEN={token}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
+            out.append(f"{pid} {cmd[:80]}")
+    return out
 
 
 @pytest.mark.slow
@@ -46,7 +66,7 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
            "actor.mini_batch_size=8", "actor.micro_batch_size=8", *MODES[mode], "actor.tis_cap=2.0",
            "checkpoint.interval=1", "checkpoint.keep=10", f"metadata.job={job}", "dock.port=0", "logging.progress=false",
            "elastic.max_restarts=3"]
-    env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": "crash-test-token-0123456789"}
+    env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN}
     after, delay = rng.randint(1, ITERS - 3), rng.uniform(0.0, 1.5)
     saved = tmp_path / f"ckpt/iter_{after:06d}"  # complete once renamed from .tmp: the restart resumes from it
     with open(tmp_path / "run.log", "w") as log:
@@ -66,6 +86,8 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
             kill_tree(proc)
     text = (tmp_path / "run.log").read_text()
     assert "resumed from" in text  # the kill did force a restart
+    # nothing of the run outlives it: not even the killed rank's engine processes (engines.orphan_watch)
+    wait_for(lambda: not left_behind(TOKEN), 30, f"processes with the run's token to exit: {left_behind(TOKEN)}")
     records = PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()
     assert [r.iteration for r in records] == list(range(ITERS))
     assert problems(records) == []

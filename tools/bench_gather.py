@@ -7,7 +7,7 @@ builds a random ~100M-parameter Qwen2 (fp32) unless the folder exists, shards it
 ``--nproc`` ranks (torchrun, one node) and, per path, prints the best gather time over
 ``--rounds``, the all-gathers issued and the peak RSS growth of one gather (VmHWM reset through
 /proc/self/clear_refs), with the ratios new / old, and for the new path the peak live tensor
-bytes (``tools/live_bytes``; it cannot see inside a DTensor op, so it is not used for the old
+bytes (``tools/memory_probe``; it cannot see inside a DTensor op, so it is not used for the old
 path) against ``bucket_gather.in_flight``. Under torchrun (RANK set) this file is the
 worker, also used by tests/test_bucket_gather.py; worker env: MODEL, TRAIN_DP, TRAIN_TP, DTYPE,
 BUCKET_BYTES, ROUNDS, SPMD_RL_OUT. Every gathered tensor's digest is compared with
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sharded_load import hundred_m_model  # noqa: E402
-from live_bytes import LiveBytes  # noqa: E402
+from memory_probe import LiveBytes, reset_peak_rss, status_kib  # noqa: E402
 
 from spmd_rl.config.layout import Layout  # noqa: E402
 from spmd_rl.distributed.accelerator import detect  # noqa: E402
@@ -62,16 +62,6 @@ def per_bucket(named, dtype: torch.dtype, limit: int) -> Iterator[tuple[str, tor
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()  # the buffer itself, no copy
-
-
-def status_kib(field: str) -> int:
-    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
-
-
-def reset_peak_rss() -> int:
-    """Reset the kernel's peak RSS (VmHWM) to the current RSS and return it, in KiB."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return status_kib("VmRSS")
 
 
 def worker() -> None:
@@ -139,7 +129,7 @@ def main() -> None:
         print(f"  {path:14s} {x['seconds']:.3f} s  {x['collectives']:4d} all-gathers  peak RSS growth {mib(x['peak_rss_growth'])}  "
               f"exact {all(q[path]['exact'] for q in reports)}")
     old, new = r["per_parameter"], r["per_bucket"]
-    print(f"  per_bucket live tensor bytes (tools/live_bytes) peak {mib(new['peak_live'])} within the bound {mib(r['bound'])}: "
+    print(f"  per_bucket live tensor bytes (tools/memory_probe) peak {mib(new['peak_live'])} within the bound {mib(r['bound'])}: "
           f"{new['peak_live'] <= r['bound']}")
     print(f"  ratios per_bucket / per_parameter: time {new['seconds'] / old['seconds']:.2f}, "
           f"peak RSS growth {new['peak_rss_growth'] / max(1, old['peak_rss_growth']):.2f}")

@@ -31,12 +31,8 @@ from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
 from spmd_rl.engines.parallelize import parallelize
 
-
-def rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_probe import status_kib  # noqa: E402
 
 
 def worker() -> None:
@@ -47,13 +43,13 @@ def worker() -> None:
     mesh = train_mesh(acc, Layout(dp, tp))
     path = os.environ["MODEL"]
     dist.barrier()
-    before = rss_kib()
+    before = status_kib("VmRSS")
     if os.environ["MODE"] == "sharded":
         model = build_sharded(path, torch.float32, acc.device, lambda m: parallelize(m, mesh))
     else:
         model = parallelize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(acc.device), mesh)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, since process start
-    after = rss_kib()
+    after = status_kib("VmRSS")
     weights = SafetensorsFolder(path)
     exact = all(torch.equal(p.full_tensor(), weights.read(n)) for n, p in model.named_parameters())
     report = {"rank": rank, "before": before << 10, "peak": peak << 10, "after": after << 10, "exact": exact,

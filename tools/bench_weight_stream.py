@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,19 +33,15 @@ from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.engines import weight_file
 from spmd_rl.reshard import broadcast
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_probe import status_kib  # noqa: E402
+
 TENSORS = 64
 
 
 def weights(params: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(f"layer{k}.weight", torch.randn(params // TENSORS, generator=g)) for k in range(TENSORS)]
-
-
-def rss_kib() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def peer(rank: int, port: int, mode: str, params: int, limit: int, folder: str, q) -> None:
@@ -56,7 +54,7 @@ def peer(rank: int, port: int, mode: str, params: int, limit: int, folder: str, 
         q.put(("sent", broadcast.send(1, [(n, t.dtype, list(t.shape)) for n, t in w], iter(w), limit, 0, None, cpu, True)))
     else:
         dist.barrier()
-        before, path = rss_kib(), os.path.join(folder, f"{mode}.safetensors")
+        before, path = status_kib("VmRSS"), os.path.join(folder, f"{mode}.safetensors")
         _, meta, stream = broadcast.receive(limit, 0, None, cpu)
         if mode == "stream":
             weight_file.write(path, meta, stream)

@@ -25,7 +25,7 @@ import torch
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines import weight_file
+from spmd_rl.engines import orphan_watch, weight_file
 
 
 RECEIVER = "spmd_rl.engines.weight_receiver.WeightReceiver"
@@ -91,8 +91,12 @@ class RolloutEngine:
         self.tp = tp
         self.own_process = own_process
         self._asleep = False
+        before = orphan_watch.children()
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
                        **engine_options(acc.kind, cfg, distributed, own_process))
+        if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
+            self._watch = orphan_watch.OrphanWatch()
+            self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
 
     @property
     def model(self) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Live tensor bytes and collective calls inside a region, counted from the outside.
+"""Memory measured from outside the code under test: live tensor bytes and collective calls
+in a region (``LiveBytes``), and the kernel's RSS counters (``status_kib``, ``reset_peak_rss``).
 
 ``LiveBytes`` is a ``TorchDispatchMode``: every op's output storage that it has not seen is
 added to ``live`` (and ``peak``) and subtracted when the storage is freed (``weakref.finalize``
@@ -12,6 +13,7 @@ holds ``all_gather`` or ``allgather`` are counted in ``collectives``.
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,3 +50,17 @@ class LiveBytes(TorchDispatchMode):
 
 def _ptr(t) -> int | None:
     return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
+
+
+def status_kib(field: str) -> int:
+    """A /proc/self/status counter in KiB: VmRSS (resident now) or VmHWM (peak resident)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak RSS (VmHWM) to the current RSS and return it, in KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_kib("VmRSS")

@@ -1,0 +1,90 @@
+"""Kill the processes an engine started when the rank that started them dies.
+
+An engine in its own process (separated placement: vLLM's engine core, a child of the rank)
+is not watched by anyone: its workers follow the engine core (vLLM's death pipe), but nothing
+follows the rank. A SIGKILLed or OOM-killed rank left its engine core and worker running,
+holding gigabytes of host (and on a GPU, device) memory next to the restarted rank's new
+engine (found in CI: an orphaned ``VLLM::EngineCore`` after the exactly-once SIGKILL test).
+
+``OrphanWatch`` starts a small watcher process in its own session. The rank holds the only
+write end of a pipe to the watcher's stdin; when the rank exits, however it dies, the kernel
+closes that end, the watcher reads EOF and SIGKILLs every process it was given together with
+their descendants, then exits. A pid is identified with its start time (``/proc/<pid>/stat``
+field 22), so a pid the kernel has reused is never hit. Invariant (tested with real
+processes): SIGKILL the rank and its watched children are gone within seconds; a clean exit
+of the rank leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WATCHER = r"""
+import os, signal, sys
+
+def stat(pid):
+    try:
+        raw = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return int(fields[1]), fields[19]  # ppid, start time
+
+watched = [tuple(line.split()) for line in sys.stdin]  # blocks until the rank's write end closes
+targets = {int(pid) for pid, start in watched if (stat(int(pid)) or (0, None))[1] == start}
+while True:  # and their descendants
+    more = {int(p) for p in os.listdir("/proc") if p.isdigit() and (stat(int(p)) or (0, 0))[0] in targets} - targets
+    if not more:
+        break
+    targets |= more
+for pid in targets:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()[19]
+
+
+def children(pid: int | None = None) -> set[int]:
+    """Pids whose parent is ``pid`` (default: this process)."""
+    me, out = pid or os.getpid(), set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                raw = Path(f"/proc/{p}/stat").read_text()
+            except OSError:
+                continue
+            if int(raw[raw.rindex(")") + 2:].split()[1]) == me:
+                out.add(int(p))
+    return out
+
+
+class OrphanWatch:
+    """A watcher of this rank's death: ``watch(children() - before)`` after starting an engine."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", WATCHER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     start_new_session=True, text=True)
+
+    def watch(self, pids: set[int]) -> None:
+        for pid in sorted(pids):
+            start = start_time(pid)
+            if start is not None:
+                self.proc.stdin.write(f"{pid} {start}\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """Kill the watched processes now (the same path as the rank's death) and reap the watcher."""
+        self.proc.stdin.close()
+        self.proc.wait()
