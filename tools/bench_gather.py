@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sharded_load import hundred_m_model  # noqa: E402
+from bench_sharded_load import hundred_m_model, run_workers  # noqa: E402
 from memory_probe import LiveBytes, reset_peak_rss, status_kib  # noqa: E402
 
 from spmd_rl.config.layout import Layout  # noqa: E402
@@ -99,13 +98,10 @@ def worker() -> None:
 
 def launch(model: Path, out: Path, dp: int, tp: int, dtype: str, bucket_bytes: int, rounds: int) -> list[dict]:
     """Run the worker under torchrun (one node, dp * tp ranks); the ranks' reports."""
-    env = dict(os.environ) | {"MODEL": str(model), "SPMD_RL_OUT": str(out), "TRAIN_DP": str(dp), "TRAIN_TP": str(tp), "DTYPE": dtype,
-                              "BUCKET_BYTES": str(bucket_bytes), "ROUNDS": str(rounds), "OMP_NUM_THREADS": "1",
-                              "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks go back to the kernel when freed: RSS follows live bytes
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"gather benchmark failed:\n{done.stderr[-3000:]}")
+    env = {"MODEL": str(model), "SPMD_RL_OUT": str(out), "TRAIN_DP": str(dp), "TRAIN_TP": str(tp), "DTYPE": dtype,
+           "BUCKET_BYTES": str(bucket_bytes), "ROUNDS": str(rounds),
+           "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks go back to the kernel when freed: RSS follows live bytes
+    run_workers(__file__, dp * tp, env, "gather benchmark")
     return [json.loads((out / f"gather-rank{r}.json").read_text()) for r in range(dp * tp)]
 
 

@@ -73,14 +73,19 @@ def hundred_m_model(folder: Path) -> tuple[int, int]:
     return sum(p.numel() * 4 for p in shapes.parameters()), sum(p.numel() * 4 for p in shapes.model.layers[0].parameters())
 
 
+def run_workers(script: str, nproc: int, env: dict[str, str], what: str) -> None:
+    """Run ``script`` as the worker under standalone torchrun (one node, ``nproc`` ranks, one
+    thread each); exit with its stderr's tail if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
+    done = subprocess.run(cmd, env=dict(os.environ) | {"OMP_NUM_THREADS": "1"} | env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+
+
 def launch(model: Path, out: Path, mode: str, dp: int, tp: int) -> list[dict]:
     """Run the worker under torchrun (one node, dp * tp ranks); the ranks' reports."""
-    env = dict(os.environ) | {"MODEL": str(model), "SPMD_RL_OUT": str(out), "MODE": mode, "TRAIN_DP": str(dp),
-                              "TRAIN_TP": str(tp), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{mode} build failed:\n{done.stderr[-3000:]}")
+    run_workers(__file__, dp * tp, {"MODEL": str(model), "SPMD_RL_OUT": str(out), "MODE": mode, "TRAIN_DP": str(dp), "TRAIN_TP": str(tp)},
+                f"{mode} build")
     return [json.loads((out / f"load-{mode}-rank{r}.json").read_text()) for r in range(dp * tp)]
 
 
