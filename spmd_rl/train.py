@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         train(run, start)
+    except DockUnavailable as exc:  # a fetch found its warehouse lost before the peer watch did: leave the same way
+        _peer_lost(str(exc))
     finally:
         run.dock.close()
     return 0

@@ -1,5 +1,5 @@
 """The dispatch benchmark runs end to end (loopback, tiny sizes) and its warehouse byte counts
-follow the paper's Eqs. (2) and (4) exactly for the data part. Times are printed, not asserted."""
+follow the paper's Eqs. (2) and (4) exactly for the data part, with and without the in-process path. Times are printed, not asserted."""
 
 from __future__ import annotations
 
@@ -27,3 +27,5 @@ def test_bench_dispatch_bytes_follow_eq2_eq4(tmp_path):
     eq4 = tcv_per_warehouse(8, 2, 4, 16, 32, 5, 3, C=0, S=2) * gb
     assert list(results["centralized"]["warehouse_bytes"].values()) == [eq2]
     assert list(results["distributed"]["warehouse_bytes"].values()) == [eq4, eq4]
+    # the in-process path to a rank's own warehouse counts the same bytes as the wire
+    assert results["distributed-wire"]["warehouse_bytes"] == results["distributed"]["warehouse_bytes"]

@@ -1,5 +1,7 @@
 """Bad requests to a real dock (real etcd process, real warehouse server, one process):
-each is refused with a message naming the problem, and nothing stored before is lost."""
+each is refused with a message naming the problem, and nothing stored before is lost. The
+dock's own warehouse is reached both in process (``dock.local``) and over the wire, and both
+refuse alike."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ STAGES = [Stage("actor_rollout", ("prompt_ids",), ("response_ids",)), Stage("rew
 ONE = Layout(1, 1)
 
 
-@pytest.fixture
+@pytest.fixture(params=[True, False], ids=["in-process", "wire"])
 def dock(etcd, request):
-    meta = MetadataStore([etcd.endpoint], job=f"errors-{request.node.name}")
-    d = TransferDock(DockConfig(port=0, get_timeout_s=1.0), meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN).start()
+    meta = MetadataStore([etcd.endpoint], job=f"errors-{request.node.name}".replace("[", "-").replace("]", ""))
+    d = TransferDock(DockConfig(port=0, get_timeout_s=1.0), meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN,
+                     in_process=request.param).start()
     d.begin_iteration(0, 4)
     yield d
     d.close()

@@ -56,11 +56,11 @@ def worker(spec: dict) -> None:
     specs = {"prompt_ids": ColumnSpec("prompt_ids", torch.int32, True, "data")}
     specs |= {c: ColumnSpec(c, torch.float32, True, "rollout") for c in items}
     specs |= {c: ColumnSpec(c, torch.float32, False, "rollout") for c in scalars}
-    cfg = DockConfig(mode=spec["mode"], interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
+    cfg = DockConfig(mode=spec["mode"].removesuffix("-wire"), interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
                      get_timeout_s=600, bucket_bytes=8 << 20)
     meta = MetadataStore([spec["etcd"]], job=f"bench-{spec['mode']}-{spec['tag']}")
     peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-    dock = TransferDock(cfg, meta, specs, peer, spec["token"]).start()
+    dock = TransferDock(cfg, meta, specs, peer, spec["token"], in_process=not spec["mode"].endswith("-wire")).start()
     lay = Layout(world, 1)
     total = G * N
     per = total // world
@@ -161,7 +161,9 @@ def main() -> None:
     ap.add_argument("--SL", type=int, default=1024)
     ap.add_argument("--n", type=int, default=5, help="Response-length items per sample.")
     ap.add_argument("--M", type=int, default=3, help="Scalars per sample.")
-    ap.add_argument("--modes", default="centralized,distributed")
+    ap.add_argument("--modes", default="centralized,distributed-wire,distributed",
+                    help="centralized | distributed; a -wire suffix sends the serving rank's own requests over the wire too "
+                         "(no in-process path, dock.local: the baseline of that lever)")
     ap.add_argument("--netns", action="store_true", help="One network namespace per node with tc tbf limits (root).")
     ap.add_argument("--rate-mbs", type=float, default=50.0, help="Per-node link limit in MB/s with --netns.")
     ap.add_argument("--timeout", type=float, default=900)
@@ -192,14 +194,13 @@ def main() -> None:
     print(f"Eq. (2) total {eq2 / 2**20:.2f} MiB; Eq. (4) per warehouse {eq4_meta / 2**20:.3f} MiB "
           f"(data part {eq4 / 2**20:.3f} MiB; the 8(C+1)M metadata part goes to etcd here)")
     for mode, r in results.items():
-        expect = eq4 if mode == "distributed" else eq2
-        full = eq4_meta if mode == "distributed" else eq2
+        expect = eq4 if mode.startswith("distributed") else eq2
+        full = eq4_meta if mode.startswith("distributed") else eq2
         per = ", ".join(f"node{k} {b / 2**20:.3f} MiB ({(b - expect) / expect * 100:+.2f}% data, {(b - full) / full * 100:+.2f}% full eq.)"
                         for k, b in r["warehouse_bytes"].items())
         print(f"  {mode:12s} dispatch {r['time']:8.3f} s   warehouses: {per}")
-    if {"centralized", "distributed"} <= results.keys():
-        ratio = results["centralized"]["time"] / results["distributed"]["time"]
-        print(f"  ratio centralized / distributed dispatch time: {ratio:.2f}x")
+    for mode in (m for m in results if m.startswith("distributed") and "centralized" in results):
+        print(f"  ratio centralized / {mode} dispatch time: {results['centralized']['time'] / results[mode]['time']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

@@ -24,10 +24,11 @@ from tensordict import TensorDict
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
-from spmd_rl.dock.columns import ColumnSpec
+from spmd_rl.dock.columns import ColumnSpec, as_samples
 from spmd_rl.dock.controller import StageController, group_nodes, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
+from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.stream import RecordFeed, StageStream
@@ -76,37 +77,20 @@ class DockBatch:
         return torch.nested.nested_tensor(self.columns[name], layout=torch.jagged)
 
 
-def _as_samples(name: str, value: Any, n: int, spec: ColumnSpec) -> list[torch.Tensor]:
-    """Validate one column of a put against its spec and return per-sample tensors."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        value = list(value.unbind())
-    if spec.ragged:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in value):
-            raise DockRequestError(f"column {name!r} is ragged: pass a list (or nested tensor) of 1-D tensors, one per index")
-        samples = list(value)
-    else:
-        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != spec.shape or value.dim() < 1:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise DockRequestError(f"column {name!r} must be a tensor of shape [B, {', '.join(map(str, spec.shape))}] (per-sample {spec.shape}), got {got}")
-        samples = list(value.unbind(0))
-    if len(samples) != n:
-        raise DockRequestError(f"column {name!r} has {len(samples)} samples for {n} indices")
-    bad = {str(v.dtype) for v in samples if v.dtype != spec.dtype}
-    if bad:
-        raise DockRequestError(f"column {name!r} must be {spec.dtype}, got {', '.join(sorted(bad))}: cast it before put")
-    return [v.detach().cpu() for v in samples]
-
-
 class TransferDock:
-    def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str):
+    def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str,
+                 in_process: bool = True):
+        """``in_process``: reach the warehouse this process serves directly (``dock.local``);
+        False sends those requests over the wire too (the baseline of ``tools/bench_dispatch``)."""
         self.cfg = cfg
+        self.in_process = in_process
         self.meta = meta
         self.specs = specs
         self.peer = peer
         self.token = token
         self.centralized = cfg.mode == "centralized"
         self.server: WarehouseServer | None = None
-        self._clients: dict[int, WarehouseClient] = {}
+        self._clients: dict[int, WarehouseClient | InProcessWarehouse] = {}
         self._num_samples: dict[int, int] = {}
         self._feeds: dict[int, RecordFeed] = {}
         self._seq = 0
@@ -164,7 +148,9 @@ class TransferDock:
             self.server.stop()
             self.server = None
 
-    def _client(self, node: int) -> WarehouseClient:
+    def _client(self, node: int) -> WarehouseClient | InProcessWarehouse:
+        if node not in self._clients and self.in_process and self.server is not None and node == self.home_node:
+            self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes)
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)
@@ -224,7 +210,7 @@ class TransferDock:
         for name, value in data.items():
             if name not in self.specs:
                 raise DockRequestError(f"unknown column {name!r}; known columns: {', '.join(sorted(self.specs))}")
-            columns[name] = _as_samples(name, value, len(idx), self.specs[name])
+            columns[name] = as_samples(name, value, len(idx), self.specs[name])
         loc = Locations.from_records(read_records(self.meta, iteration))
         for name in columns:
             dup = [i for i in idx if loc.has(name, i)]

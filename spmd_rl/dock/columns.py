@@ -8,10 +8,12 @@ paper's B = 4 bytes), per-token values float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, Stage
+from spmd_rl.dock.errors import DockRequestError
 
 
 @dataclass(frozen=True)
@@ -39,3 +41,24 @@ def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
         name: ColumnSpec(name, _DTYPES.get(name, torch.float32), COLUMNS[name] != "scalar", writer)
         for name, writer in writers.items()
     }
+
+
+def as_samples(name: str, value: Any, n: int, spec: ColumnSpec) -> list[torch.Tensor]:
+    """Validate one column of a put against its spec and return per-sample tensors."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = list(value.unbind())
+    if spec.ragged:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in value):
+            raise DockRequestError(f"column {name!r} is ragged: pass a list (or nested tensor) of 1-D tensors, one per index")
+        samples = list(value)
+    else:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != spec.shape or value.dim() < 1:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise DockRequestError(f"column {name!r} must be a tensor of shape [B, {', '.join(map(str, spec.shape))}] (per-sample {spec.shape}), got {got}")
+        samples = list(value.unbind(0))
+    if len(samples) != n:
+        raise DockRequestError(f"column {name!r} has {len(samples)} samples for {n} indices")
+    bad = {str(v.dtype) for v in samples if v.dtype != spec.dtype}
+    if bad:
+        raise DockRequestError(f"column {name!r} must be {spec.dtype}, got {', '.join(sorted(bad))}: cast it before put")
+    return [v.detach().cpu() for v in samples]

@@ -1,9 +1,12 @@
 """One node's samples in host memory: ``{iteration: {column: {index: tensor}}}``; a ragged
 column holds one unpadded 1-D tensor per sample. A put is atomic: it is fully validated
-before anything is stored, so a refused put leaves earlier data intact."""
+before anything is stored, so a refused put leaves earlier data intact. Stored tensors are
+owned by the store and never written in place (a put stores its own copy, a reader gets a
+copy), so references handed out under the lock stay valid after it is released."""
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 
 import torch
@@ -29,9 +32,11 @@ def unflatten(flat: torch.Tensor, n: int, lengths: list[int] | None) -> list[tor
 
 
 class WarehouseStore:
-    """The in-memory columns of one node; not thread-safe (owned by the server thread)."""
+    """The in-memory columns of one node. Thread-safe: the server thread and, for the node's
+    own rank, the in-process path (``dock.local``) both use it; every method holds one lock."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.data: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
         self.ragged: dict[int, dict[str, bool]] = {}
         self.bytes_in = 0
@@ -39,44 +44,61 @@ class WarehouseStore:
         self.bytes_out_by_iter: dict[int, int] = defaultdict(int)
 
     def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
-        cols = self.data.get(iteration, {})
-        kinds = self.ragged.get(iteration, {})
-        for name in columns:
-            if kinds.get(name, ragged[name]) != ragged[name]:
-                raise DockRequestError(f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it otherwise")
-            dup = [i for i in indices if i in cols.get(name, {})]
-            if dup:
-                raise DockRequestError(f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of iteration {iteration}: duplicate put")
-        if len(set(indices)) != len(indices):
-            raise DockRequestError("indices of one put must be distinct")
-        cols = self.data.setdefault(iteration, {})
-        self.ragged.setdefault(iteration, {}).update(ragged)
-        for name, values in columns.items():
-            store = cols.setdefault(name, {})
-            for i, v in zip(indices, values):
-                store[i] = v
-                self.bytes_in += v.numel() * v.element_size()
+        with self._lock:
+            cols = self.data.get(iteration, {})
+            kinds = self.ragged.get(iteration, {})
+            for name in columns:
+                if kinds.get(name, ragged[name]) != ragged[name]:
+                    raise DockRequestError(f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it otherwise")
+                dup = [i for i in indices if i in cols.get(name, {})]
+                if dup:
+                    raise DockRequestError(f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of iteration {iteration}: duplicate put")
+            if len(set(indices)) != len(indices):
+                raise DockRequestError("indices of one put must be distinct")
+            cols = self.data.setdefault(iteration, {})
+            self.ragged.setdefault(iteration, {}).update(ragged)
+            for name, values in columns.items():
+                store = cols.setdefault(name, {})
+                for i, v in zip(indices, values):
+                    store[i] = v
+                    self.bytes_in += v.numel() * v.element_size()
 
-    def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
-        cols = self.data.get(iteration, {})
-        out = {}
-        for name in names:
-            store = cols.get(name, {})
-            missing = [i for i in indices if i not in store]
-            if missing:
-                raise DockRequestError(f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}")
-            out[name] = [store[i] for i in indices]
-        return out
+    def get(self, iteration: int, indices: list[int], names: list[str]) -> tuple[dict[str, list[torch.Tensor]], dict[str, bool]]:
+        """(per-column stored tensors in the order of ``indices``, whether each column is ragged).
+        The tensors are the store's own: callers copy them out and never write to them."""
+        with self._lock:
+            cols = self.data.get(iteration, {})
+            out = {}
+            for name in names:
+                store = cols.get(name, {})
+                missing = [i for i in indices if i not in store]
+                if missing:
+                    raise DockRequestError(f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}")
+                out[name] = [store[i] for i in indices]
+            kinds = self.ragged.get(iteration, {})
+            return out, {name: kinds[name] for name in names}
+
+    def count_out(self, iteration: int, nbytes: int) -> None:
+        """Account ``nbytes`` of payload read out of ``iteration`` (Eq. (4)'s read side)."""
+        with self._lock:
+            self.bytes_out += nbytes
+            self.bytes_out_by_iter[iteration] += nbytes
 
     def delete(self, iteration: int, indices: list[int], names: list[str]) -> None:
-        cols = self.data.get(iteration, {})
-        for name in names:
-            for i in indices:
-                cols.get(name, {}).pop(i, None)
+        with self._lock:
+            cols = self.data.get(iteration, {})
+            for name in names:
+                for i in indices:
+                    cols.get(name, {}).pop(i, None)
 
     def drop(self, iteration: int) -> None:
-        self.data.pop(iteration, None)
-        self.ragged.pop(iteration, None)
+        with self._lock:
+            self.data.pop(iteration, None)
+            self.ragged.pop(iteration, None)
 
-    def samples(self) -> int:
-        return sum(len(col) for cols in self.data.values() for col in cols.values())
+    def stats(self) -> dict[str, object]:
+        """Payload bytes in and out (in total and read out per iteration) and samples held."""
+        with self._lock:
+            return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                    "samples": sum(len(col) for cols in self.data.values() for col in cols.values()),
+                    "bytes_out_by_iter": {str(k): v for k, v in self.bytes_out_by_iter.items()}}

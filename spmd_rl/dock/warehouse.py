@@ -182,13 +182,10 @@ class WarehouseServer:
         raise DockRequestError(f"unknown op {str(op)[:40]!r}")
 
     def _stats(self) -> list[list]:
-        s = self.store
-        return [encode({"bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "samples": s.samples(),
-                        "bytes_out_by_iter": {str(k): v for k, v in s.bytes_out_by_iter.items()}, "refused": self.refused,
-                        "rejected": self.rejected, "last": True}, [])]
+        return [encode({**self.store.stats(), "refused": self.refused, "rejected": self.rejected, "last": True}, [])]
 
     def _reply_get(self, it: int, indices: list[int], names: list[str]) -> list[list]:
-        cols = self.store.get(it, indices, names)
+        cols, ragged = self.store.get(it, indices, names)
         per_sample = [sum(cols[n][k].numel() * cols[n][k].element_size() for n in names) for k in range(len(indices))]
         chunks, start, acc = [], 0, 0
         for k, b in enumerate(per_sample):
@@ -201,17 +198,12 @@ class WarehouseServer:
         for c, (a, b) in enumerate(chunks):
             meta, flats = {}, []
             for n in names:
-                vals = cols[n][a:b]
-                ragged = self.store.ragged[it][n]
-                flat, lengths = flatten(vals, ragged)
-                meta[n] = {"ragged": ragged, "lengths": lengths}
+                flat, lengths = flatten(cols[n][a:b], ragged[n])
+                meta[n] = {"ragged": ragged[n], "lengths": lengths}
                 flats.append(flat)
-            nbytes = sum(f.numel() * f.element_size() for f in flats)
-            self.store.bytes_out += nbytes
-            self.store.bytes_out_by_iter[it] += nbytes
+            self.store.count_out(it, sum(f.numel() * f.element_size() for f in flats))
             replies.append(encode({"chunk": c, "last": c == len(chunks) - 1, "indices": indices[a:b], "columns": meta}, flats))
         return replies
-
 
 
 class WarehouseClient:
