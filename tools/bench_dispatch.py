@@ -7,7 +7,8 @@ written once and read twice, and M scalars are written once and read seven times
 iteration moves G x N x B x (2PL + 3n x SL + 8M) bytes through the dock. S simulated nodes
 (one torchrun agent and one rank each): generation DP = S writes, training DP = S reads.
 
-Printed per mode: wall time of the dispatch (slowest rank), payload bytes through each
+Printed per mode: wall time of the dispatch (slowest rank; median of the steady iterations
+after a cold first one, which also opens the connections), payload bytes through each
 warehouse (in + out) against Eq. (4) (distributed: total / S) or Eq. (2) (centralized: all of
 it through one), and the ratio centralized / distributed measured in this run.
 
@@ -69,24 +70,26 @@ def worker(spec: dict) -> None:
     data = {"prompt_ids": [torch.randint(0, 1000, (PL,), generator=g, dtype=torch.int32) for _ in mine]}
     data |= {c: [torch.randn(SL, generator=g) for _ in mine] for c in items}
     data |= {c: torch.randn(len(mine), generator=g) for c in scalars}
-    dock.begin_iteration(0, total)
-    dist.barrier()
-    t0 = time.perf_counter()
-    dock.put("rollout", 0, data, mine)
-    dock.get("reader_a", 0, ["prompt_ids", *items, *scalars], lay)
-    dock.get("reader_b", 0, [*items, *scalars], lay)
-    for k in range(5):
-        dock.get(f"reader_s{k}", 0, scalars, lay)
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
-    st = dock.warehouse_stats() if dock.server is not None else None
-    row = torch.tensor([elapsed, st["bytes_in"] if st else -1, st["bytes_out"] if st else -1], dtype=torch.float64)
-    rows = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    times = []
+    for it in range(spec["iterations"]):  # the first is cold (connections, etcd clients); the rest are steady
+        dock.begin_iteration(it, total)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dock.put("rollout", it, data, mine)
+        dock.get("reader_a", it, ["prompt_ids", *items, *scalars], lay)
+        dock.get("reader_b", it, [*items, *scalars], lay)
+        for k in range(5):
+            dock.get(f"reader_s{k}", it, scalars, lay)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        dock.commit(it)
+    st = dock.warehouse_stats() if dock.server is not None else None  # cumulative over the iterations
+    row = torch.tensor([*times, st["bytes_in"] if st else -1, st["bytes_out"] if st else -1], dtype=torch.float64)
+    rows = [torch.zeros_like(row) for _ in range(world)]
     dist.all_gather(rows, row)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps([r.tolist() for r in rows]))
     dist.barrier()
-    dock.commit(0)
     dock.close()
     dist.destroy_process_group()
 
@@ -129,7 +132,7 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
     out = tmp / f"{mode}.json"
     spec = {"mode": mode, "etcd": etcd_endpoint, "out": str(out), "token": "bench-token-0123456789abcdef", "tag": tag,
-            "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M}
+            "iterations": args.iterations, "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M}
     master = addrs[0] if addrs else "127.0.0.1"
     port = free_port("127.0.0.1")
     procs = []
@@ -146,7 +149,10 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
     if any(codes):
         raise SystemExit(f"{mode}: agents exited {codes}; logs in {tmp}")
     rows = json.loads(out.read_text())
-    return {"time": max(r[0] for r in rows), "warehouse_bytes": {k: r[1] + r[2] for k, r in enumerate(rows) if r[1] >= 0}}
+    per_iter = [max(r[i] for r in rows) for i in range(args.iterations)]  # the slowest rank of each iteration
+    steady = sorted(per_iter[1:]) or per_iter
+    return {"cold": per_iter[0], "time": steady[len(steady) // 2], "iterations": per_iter,
+            "warehouse_bytes": {k: (r[-2] + r[-1]) / args.iterations for k, r in enumerate(rows) if r[-2] >= 0}}
 
 
 def main() -> None:
@@ -166,6 +172,7 @@ def main() -> None:
                          "(no in-process path, dock.local: the baseline of that lever)")
     ap.add_argument("--netns", action="store_true", help="One network namespace per node with tc tbf limits (root).")
     ap.add_argument("--rate-mbs", type=float, default=50.0, help="Per-node link limit in MB/s with --netns.")
+    ap.add_argument("--iterations", type=int, default=4, help="Iterations per mode; the time is the median of all but the first (cold) one.")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
@@ -198,7 +205,7 @@ def main() -> None:
         full = eq4_meta if mode.startswith("distributed") else eq2
         per = ", ".join(f"node{k} {b / 2**20:.3f} MiB ({(b - expect) / expect * 100:+.2f}% data, {(b - full) / full * 100:+.2f}% full eq.)"
                         for k, b in r["warehouse_bytes"].items())
-        print(f"  {mode:12s} dispatch {r['time']:8.3f} s   warehouses: {per}")
+        print(f"  {mode:16s} dispatch {r['time']:7.3f} s (steady median; cold {r['cold']:.3f} s)   warehouses: {per}")
     for mode in (m for m in results if m.startswith("distributed") and "centralized" in results):
         print(f"  ratio centralized / {mode} dispatch time: {results['centralized']['time'] / results[mode]['time']:.2f}x")
     if args.json:
