@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from spmd_rl.dock.errors import DockRequestError, DockUnavailable
+from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.store import flatten, unflatten
-from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse import WarehouseServer, check_frame_limit
 from spmd_rl.dock.wire import dtype_name
 
 
@@ -56,9 +56,7 @@ class InProcessWarehouse:
             for dtype in {v.dtype for v in values}:
                 dtype_name(dtype)  # the wire's dtype table: what remote readers could not decode is refused here too
         big = max((sum(v.numel() * v.element_size() for v in vals) for vals in columns.values()), default=0)
-        if big > self.max_message_bytes:
-            raise DockRequestError(f"a put frame of {big} bytes exceeds dock.max_message_bytes={self.max_message_bytes} "
-                                   "(the warehouse would drop the connection): raise it or put fewer samples at once")
+        check_frame_limit("put", big, self.max_message_bytes)
         owned = {name: _owned(values, ragged[name]) for name, values in columns.items()}
         self.server.store.put(iteration, list(indices), owned, {name: ragged[name] for name in columns})
 

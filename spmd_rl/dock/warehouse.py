@@ -62,6 +62,14 @@ def _peer_of(frame) -> str:
         return f"id:{bytes(frame.buffer[:8]).hex()}"
 
 
+def check_frame_limit(op: Any, nbytes: int, limit: int) -> None:
+    """Refuse, before sending, a frame the warehouse would drop (libzmq's ``MAXMSGSIZE``); the
+    in-process path applies it too, so a put is refused alike whichever rank makes it."""
+    if nbytes > limit:
+        raise DockRequestError(f"a {op} frame of {nbytes} bytes exceeds dock.max_message_bytes={limit} "
+                               "(the warehouse would drop the connection): raise it or put fewer samples at once")
+
+
 class WarehouseServer:
     """Background thread serving a :class:`WarehouseStore` on ``tcp://interface:port``."""
 
@@ -232,9 +240,7 @@ class WarehouseClient:
         """Send one request and collect every reply chunk; raise on an error reply."""
         frames = seal(self.key, b"req", encode(header, tensors or []))
         big = max(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        if big > self.max_message_bytes:
-            raise DockRequestError(f"a {header.get('op')} frame of {big} bytes exceeds dock.max_message_bytes={self.max_message_bytes} "
-                                   "(the warehouse would drop the connection): raise it or put fewer samples at once")
+        check_frame_limit(header.get("op"), big, self.max_message_bytes)
         self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self._sock.send_multipart(frames, copy=False)
         replies = []
