@@ -102,6 +102,7 @@ COVERED = {
     "dock.bucket_bytes": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
+    "dock.buffer_pool_bytes": "test_host_pool.py::test_dock_returns_the_same_data_with_and_without_the_pool_and_reuses_buffers",
     "stream.max_policy_lag": "test_separated.py::test_every_broadcast_has_its_receiver_and_the_lag_is_bounded",
     "stream.fuse": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "stream.partial_tokens": "test_partial_rollout.py::test_partial_rollout_trains_every_group_once_and_resumes",

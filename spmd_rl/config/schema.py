@@ -175,6 +175,9 @@ class DockConfig(Section):
         1 << 30, gt=0, description="Largest frame a warehouse accepts (zmq.MAXMSGSIZE); a peer sending more is disconnected, a put bigger than this is refused by the client."
     )
     get_timeout_s: float = Field(600.0, gt=0.0, description="How long a stage waits for its input columns before failing with what is missing.")
+    buffer_pool_bytes: int = Field(
+        512 << 20, ge=0, description="Host bytes of freed copy buffers (1 MiB and up) the rank serving a warehouse keeps mapped for its next puts and gets, instead of faulting in fresh pages every iteration; 0 keeps none."
+    )
 
 
 class MetadataConfig(Section):

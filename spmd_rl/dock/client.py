@@ -28,6 +28,7 @@ from spmd_rl.dock.columns import ColumnSpec, as_samples
 from spmd_rl.dock.controller import StageController, group_nodes, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
+from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
@@ -150,7 +151,8 @@ class TransferDock:
 
     def _client(self, node: int) -> WarehouseClient | InProcessWarehouse:
         if node not in self._clients and self.in_process and self.server is not None and node == self.home_node:
-            self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes)
+            self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes,
+                                                     HostPool(self.cfg.buffer_pool_bytes))
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)

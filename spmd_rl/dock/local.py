@@ -20,24 +20,28 @@ from typing import Any
 import torch
 
 from spmd_rl.dock.errors import DockUnavailable
+from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.store import flatten, unflatten
 from spmd_rl.dock.warehouse import WarehouseServer, check_frame_limit
 from spmd_rl.dock.wire import dtype_name
 
 
-def _owned(values: list[torch.Tensor], ragged: bool) -> list[torch.Tensor]:
-    """Per-sample views of one fresh flat copy of ``values`` (a single copy, as the wire's decode)."""
-    flat, lengths = flatten(values, ragged)  # torch.cat / torch.stack always allocate
-    return unflatten(flat, len(values), lengths)
+def _owned(values: list[torch.Tensor], ragged: bool, pool: HostPool) -> tuple[list[torch.Tensor], int]:
+    """(Per-sample views of one flat copy of ``values``, its payload bytes): a single copy, as
+    the wire's decode, in a buffer no live tensor shares (``pool`` reuses only freed ones)."""
+    flat, lengths = flatten(values, ragged, pool.empty)
+    return unflatten(flat, len(values), lengths), flat.numel() * flat.element_size()
 
 
 class InProcessWarehouse:
     """This process's own warehouse, reached without serialization, MAC or socket."""
 
-    def __init__(self, server: WarehouseServer, name: str, max_message_bytes: int):
+    def __init__(self, server: WarehouseServer, name: str, max_message_bytes: int, pool: HostPool):
         """``max_message_bytes``: the wire's frame limit, applied to each column of a put here
-        too, so whether a put is refused does not depend on which rank makes it."""
+        too, so whether a put is refused does not depend on which rank makes it. ``pool``: the
+        copies' buffers (``dock.buffer_pool_bytes``)."""
         self.server = server
+        self.pool = pool
         self.max_message_bytes = max_message_bytes
         self.name = name
         self.address = server.address
@@ -57,16 +61,16 @@ class InProcessWarehouse:
                 dtype_name(dtype)  # the wire's dtype table: what remote readers could not decode is refused here too
         big = max((sum(v.numel() * v.element_size() for v in vals) for vals in columns.values()), default=0)
         check_frame_limit("put", big, self.max_message_bytes)
-        owned = {name: _owned(values, ragged[name]) for name, values in columns.items()}
+        owned = {name: _owned(values, ragged[name], self.pool)[0] for name, values in columns.items()}
         self.server.store.put(iteration, list(indices), owned, {name: ragged[name] for name in columns})
 
     def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
         """Per-column list of per-sample tensors (copies), in the order of ``indices``."""
         self._check("get")
         cols, ragged = self.server.store.get(iteration, list(indices), names)
-        out = {name: _owned(cols[name], ragged[name]) for name in names}
-        self.server.store.count_out(iteration, sum(v.numel() * v.element_size() for vals in out.values() for v in vals))
-        return out
+        copies = {name: _owned(cols[name], ragged[name], self.pool) for name in names}
+        self.server.store.count_out(iteration, sum(nbytes for _, nbytes in copies.values()))
+        return {name: views for name, (views, _) in copies.items()}
 
     def delete(self, iteration: int, indices: list[int], names: list[str]) -> None:
         self.server.store.delete(iteration, list(indices), names)

@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from spmd_rl.dock.errors import DockRequestError
 
 
-def flatten(values: list[torch.Tensor], ragged: bool) -> tuple[torch.Tensor, list[int] | None]:
-    """Samples -> (one flat tensor, per-sample lengths for ragged columns)."""
+def flatten(values: list[torch.Tensor], ragged: bool, empty: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+            ) -> tuple[torch.Tensor, list[int] | None]:
+    """Samples -> (one flat tensor, per-sample lengths for ragged columns). ``empty(numel,
+    dtype)`` allocates the flat tensor (``dock.host_pool``); default: torch's allocator."""
+    if not values:
+        return torch.empty(0), [] if ragged else None
+    lengths = [v.numel() for v in values] if ragged else None
+    if empty is None:
+        return (torch.cat([v.reshape(-1) for v in values]) if ragged else torch.stack(values)), lengths
+    out = empty(sum(v.numel() for v in values), values[0].dtype)
     if ragged:
-        return (torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)), [v.numel() for v in values]
-    return torch.stack(values) if values else torch.empty(0), None
+        return torch.cat([v.reshape(-1) for v in values], out=out), lengths
+    return torch.stack(values, out=out.view(len(values), *values[0].shape)), None
 
 
 def unflatten(flat: torch.Tensor, n: int, lengths: list[int] | None) -> list[torch.Tensor]:
