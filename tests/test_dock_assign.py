@@ -9,9 +9,13 @@ from hypothesis import strategies as st
 
 from spmd_rl.dock.assign import Unit, assign
 
-units_st = st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3)), min_size=0, max_size=120).map(
+varied_st = st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3)), min_size=0, max_size=120).map(
     lambda xs: [Unit(k, t, n) for k, (t, n) in enumerate(xs)]
 )
+equal_st = st.tuples(st.integers(1, 500), st.lists(st.integers(0, 3), min_size=1, max_size=120)).map(
+    lambda x: [Unit(k, x[0], n) for k, n in enumerate(x[1])]
+)
+units_st = st.one_of(varied_st, equal_st)  # equal sizes take the quota path (_assign_equal)
 groups_st = st.lists(st.integers(0, 3), min_size=1, max_size=8)
 
 
@@ -71,3 +75,19 @@ def test_equal_units_in_node_blocks_stay_local(nodes, groups_per_node, per_group
     units = [Unit(k, tokens, k // per_node) for k in range(nodes * per_node)]
     out = assign(units, group_nodes)
     assert all(k // per_node == group_nodes[g] for g, keys in enumerate(out) for k in keys)
+
+
+@settings(max_examples=300, deadline=None)
+@given(equal_st, groups_st)
+def test_equal_units_keep_the_most_local_split_the_quotas_allow(units, group_nodes):
+    """Quotas n // d (+1 for the first n % d groups): no split with them keeps more units on
+    their own node than sum over nodes of min(units there, quota of the groups there)."""
+    d, n = len(group_nodes), len(units)
+    quota = [n // d + (g < n % d) for g in range(d)]
+    out = assign(units, group_nodes)
+    assert [len(keys) for keys in out] == quota
+    node_of = {u.key: u.node for u in units}
+    local = sum(node_of[k] == group_nodes[g] for g, keys in enumerate(out) for k in keys)
+    best = sum(min(sum(u.node == node for u in units), sum(q for q, gn in zip(quota, group_nodes) if gn == node))
+               for node in set(group_nodes))
+    assert local == best

@@ -14,6 +14,8 @@ largest unit to least-loaded group. Sorted pairing keeps the bound whatever unit
 holds: for loads l_i <= l_j and units x_i >= x_j, (l_i + x_i) - (l_j + x_j) <= x_i <= L and
 (l_j + x_j) - (l_i + x_i) <= l_j - l_i <= L. A last, partial round goes sorted to the
 least-loaded groups (same argument; groups left out keep loads >= the ones that receive).
+Units that are all of one size take a direct quota split with the same guarantees
+(``_assign_equal``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def assign(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[list[int]]
         raise ValueError("no DP groups to assign to")
     if len({u.key for u in units}) != len(units):
         raise ValueError("unit keys must be unique")
+    if units and len({u.tokens for u in units}) == 1:
+        return _assign_equal(units, group_nodes)
     pool = _Pool(units)
     bound = pool.order[0].tokens if units else 0
     loads = [0] * d
@@ -88,4 +92,29 @@ def assign(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[list[int]]
         for g, u in pairs:
             loads[g] += u.tokens
             out[g].append(u.key)
+    return [sorted(keys) for keys in out]
+
+
+def _assign_equal(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[list[int]]:
+    """Units of one size (fixed-length or scalar-only stages): any split whose group sizes
+    differ by at most one keeps the token bound, so the dealing above reduces to quotas. Group
+    g gets n // d units, the first n % d groups one more; each group takes its node's units
+    (by key) up to its quota, then the leftover units (by key) fill the remaining quotas. The
+    local count is sum over nodes of min(units there, quota of the groups there): the most any
+    split with these quotas can keep local."""
+    d, n = len(group_nodes), len(units)
+    quota = [n // d + (g < n % d) for g in range(d)]
+    by_node: dict[int, list[int]] = {}
+    for u in sorted(units, key=lambda u: u.key):
+        by_node.setdefault(u.node, []).append(u.key)
+    out: list[list[int]] = []
+    for g, node in enumerate(group_nodes):
+        mine = by_node.get(node, [])
+        out.append(mine[:quota[g]])
+        by_node[node] = mine[quota[g]:]
+    rest = sorted(k for keys in by_node.values() for k in keys)
+    for g in range(d):
+        need = quota[g] - len(out[g])
+        out[g] += rest[:need]
+        rest = rest[need:]
     return [sorted(keys) for keys in out]

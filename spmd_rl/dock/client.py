@@ -266,21 +266,27 @@ class TransferDock:
         return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
 
     def _fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
-        out: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in columns}
-        pos = {i: k for k, i in enumerate(indices)}
-        requests: dict[tuple[int, tuple[str, ...]], list[int]] = {}
-        for i in indices:
-            by_node: dict[int, list[str]] = {}
-            for c in columns:
-                by_node.setdefault(loc.node[c][i], []).append(c)
-            for node, cols in by_node.items():
-                requests.setdefault((node, tuple(cols)), []).append(i)
-        for (node, cols), idx in sorted(requests.items()):
-            got = self._client(node).get(iteration, idx, list(cols))
-            for c in cols:
-                for i, v in zip(idx, got[c]):
-                    out[c][pos[i]] = v
-        return out  # type: ignore[return-value]
+        """One request per (node, columns placed alike): columns whose indices live on the same
+        nodes travel together; a column held by one node comes back in ``indices`` order as is."""
+        out: dict[str, list[torch.Tensor]] = {}
+        placed: dict[tuple[int, ...], list[str]] = {}
+        for c in columns:
+            placed.setdefault(tuple(map(loc.node[c].__getitem__, indices)), []).append(c)
+        for nodes, cols in placed.items():
+            per_node: dict[int, list[int]] = {}
+            for k, node in enumerate(nodes):
+                per_node.setdefault(node, []).append(k)
+            if len(per_node) == 1:
+                out |= self._client(nodes[0]).get(iteration, indices, cols)
+                continue
+            parts: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in cols}
+            for node, ks in sorted(per_node.items()):
+                got = self._client(node).get(iteration, [indices[k] for k in ks], cols)
+                for c in cols:
+                    for k, v in zip(ks, got[c]):
+                        parts[c][k] = v
+            out |= parts  # type: ignore[arg-type]
+        return {c: out[c] for c in columns}
 
     def warehouse_stats(self) -> dict[str, Any] | None:
         return self._client(self.home_node).stats() if self.server is not None else None

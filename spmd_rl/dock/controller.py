@@ -32,12 +32,8 @@ def read_records(meta: MetadataStore, iteration: int) -> list[PutRecord]:
 
 
 def missing_inputs(loc: Locations, columns: Sequence[str], expected: Sequence[int]) -> dict[str, list[int]]:
-    out = {}
-    for c in columns:
-        miss = [i for i in expected if not loc.has(c, i)]
-        if miss:
-            out[c] = miss
-    return out
+    want = list(expected)
+    return {c: miss for c in columns if (miss := loc.missing(c, want))}
 
 
 def describe_missing(specs: dict[str, ColumnSpec], missing: dict[str, list[int]]) -> str:

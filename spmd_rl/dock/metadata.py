@@ -7,7 +7,8 @@ small so another client can replace it.
 
 TLS (``EtcdTLS``): the session verifies etcd against the job's CA and presents the client
 certificate; it ignores $REQUESTS_CA_BUNDLE and proxy variables, which requests would
-otherwise let override the CA. A refused handshake fails at once with the fix, not after
+otherwise let override the CA. Plain HTTP ignores proxy variables too: etcd is reached
+directly, never through a proxy a user set for the outside world. A refused handshake fails at once with the fix, not after
 ``retry_s``.
 
 Keys live under ``/<job>/``; per-iteration data under ``/<job>/<iteration>/``. Values are bytes
@@ -85,7 +86,9 @@ class MetadataStore:
             host, _, port = self.endpoints[self._current % len(self.endpoints)].rpartition(":")
             host = host.removeprefix("https://").removeprefix("http://")
             if self.tls is None:
-                client = Etcd3Client(host=host, port=int(port), timeout=self._timeout)
+                session = requests.Session()
+                session.trust_env = False  # no proxy variables (nor their lookup on every request) between a rank and etcd
+                client = Etcd3Client(host=host, port=int(port), timeout=self._timeout, session=session)
             else:
                 client = Etcd3Client(host=host, port=int(port), protocol="https", timeout=self._timeout, session=self.tls.session())
             self._local.client = client

@@ -61,7 +61,8 @@ class PutRecord:
 
 @dataclass
 class Locations:
-    """Where every written (column, index) lives and its length (ragged columns)."""
+    """Where every written (column, index) lives and its length (ragged columns); ``writer``
+    names the stage and rank that wrote it."""
 
     node: dict[str, dict[int, int]] = field(default_factory=dict)
     length: dict[str, dict[int, int]] = field(default_factory=dict)
@@ -71,20 +72,26 @@ class Locations:
     def from_records(cls, records: list[PutRecord]) -> "Locations":
         loc = cls()
         for r in records:
+            label = f"{r.stage} (rank {r.rank})"
             for c in r.columns:
                 nodes = loc.node.setdefault(c, {})
                 writers = loc.writer.setdefault(c, {})
-                for k, i in enumerate(r.indices):
-                    if i in nodes:
-                        raise DockRequestError(
-                            f"column {c!r} index {i} written twice: by stage {writers[i]} and by stage {r.stage} (rank {r.rank}); "
-                            "each column of a sample is written once per iteration"
-                        )
-                    nodes[i] = r.node
-                    writers[i] = f"{r.stage} (rank {r.rank})"
+                if not nodes.keys().isdisjoint(r.indices):
+                    i = next(i for i in r.indices if i in nodes)
+                    raise DockRequestError(
+                        f"column {c!r} index {i} written twice: by stage {writers[i]} and by stage {r.stage} (rank {r.rank}); "
+                        "each column of a sample is written once per iteration"
+                    )
+                nodes.update(dict.fromkeys(r.indices, r.node))
+                writers.update(dict.fromkeys(r.indices, label))
                 if c in r.lengths:
                     loc.length.setdefault(c, {}).update(zip(r.indices, r.lengths[c]))
         return loc
 
     def has(self, column: str, index: int) -> bool:
         return index in self.node.get(column, {})
+
+    def missing(self, column: str, indices: list[int]) -> list[int]:
+        """The ``indices`` not written for ``column``, in their order."""
+        nodes = self.node.get(column, {})
+        return [] if nodes.keys() >= set(indices) else [i for i in indices if i not in nodes]
