@@ -51,6 +51,9 @@ def test_live_buffers_are_never_shared_and_freed_ones_are_reused():
     c = pool.empty(4 * MiB // 4, torch.float32).fill_(3.0)
     assert faults() - before < 16, "a reused buffer's pages are already mapped"
     assert pool.reused == 1 and torch.equal(b, torch.full_like(b, 2.0)) and c.sum().item() == 3.0 * c.numel()
+    d = pool.empty(4 * MiB // 4, torch.float32).fill_(4.0)  # c holds the only freed region
+    assert pool.mapped == 3 and pool.idle_bytes == 0 and d.data_ptr() != c.data_ptr()
+    assert c.sum().item() == 3.0 * c.numel()
 
 
 def test_idle_bytes_stay_within_the_bound_and_zero_keeps_none():
