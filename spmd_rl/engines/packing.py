@@ -1,0 +1,91 @@
+"""Padding-free micro-batches: a right-padded ``SeqBatch`` packed into fewer rows (issue 12's
+"padding-free sequences" lever).
+
+Layout. With L_b = the length of sample b (prompt + response) and W = max_b L_b, samples are
+placed longest first into rows of width W, each into the first row that still has room (first
+fit decreasing), at column offset o_b of row r_b. ``position_ids`` restart at 0 for every
+sample, so HF's mask builder (``masking_utils.find_packed_sequence_indices``: a new sequence
+starts wherever the position does not grow by one) gives each sample a causal mask of its own
+tokens only. A row's free tail continues the positions of its last sample, so it is causal
+after it and changes nothing it attends to; nothing reads its outputs.
+
+Invariant (tested against the padded forward and float64): for every real response token j
+of sample b, the packed log-prob is that of position o_b + P_b + j - 1 of row r_b, and it
+equals the padded forward's log-prob up to float rounding; the gradient is the same. The LM
+head runs only on the N real response-predicting positions (a pre-hook on ``lm_head`` selects
+them), so the logits are [N, V] with N = the micro-batch's response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmd_rl.engines.logprobs import SeqBatch
+from spmd_rl.engines.token_logprob import token_logprob
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # [rows, W]
+    position_ids: torch.Tensor  # [rows, W]
+    flat_predictor: torch.Tensor  # [N] index into the flattened [rows * W] of each real response token's predictor
+    targets: torch.Tensor  # [N] the response token each predicts
+
+
+def place(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """(width W, (row, offset) of each sample): first fit decreasing into rows of width
+    W = max length; rows are filled in the order they are opened."""
+    width = max(lengths, default=1)
+    free: list[int] = []  # room left in each row
+    where: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[b]), len(free))
+        if row == len(free):
+            free.append(width)
+        where[b] = (row, width - free[row])
+        free[row] -= lengths[b]
+    return width, where
+
+
+def pack(batch: SeqBatch) -> Packed:
+    """The packed layout of ``batch`` (module docstring); nothing is copied per token in Python."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    width, where = place(lengths)
+    rows = 1 + max((r for r, _ in where), default=0)
+    ids = torch.full((rows, width), int(batch.input_ids[0, 0]) if len(batch) else 0, dtype=batch.input_ids.dtype)
+    pos = torch.arange(width).repeat(rows, 1)
+    for b in sorted(range(len(where)), key=lambda b: where[b]):  # left to right in each row
+        (r, o), n = where[b], lengths[b]
+        ids[r, o : o + n] = batch.input_ids[b, :n]
+        pos[r, o:] = torch.arange(width - o)  # restarts here; a free tail continues it
+    start = torch.tensor([r * width + o for r, o in where], dtype=torch.long)
+    flat_predictor = (start[:, None] + batch.predictor)[batch.mask]
+    return Packed(ids, pos, flat_predictor, batch.targets[batch.mask])
+
+
+def packed_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, temperature: float = 1.0,
+                             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logprobs.lm_response_logprobs`` computed on the packed layout of ``batch`` (host
+    tensors; the model runs on ``device``): (log-probs [B, R], entropies [B, R] or None) on
+    ``device``, 0 where masked."""
+    p = pack(batch)
+    device = device or batch.input_ids.device
+    p = Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets)))
+    mask = batch.mask.to(device)
+
+    def select(_module, args):  # [rows, W, H] -> [1, N, H]: the head sees only the predictors
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1])[p.flat_predictor][None],) + tuple(args[1:])
+
+    hook = model.lm_head.register_forward_pre_hook(select)
+    try:
+        logits = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False).logits[0]
+    finally:
+        hook.remove()
+    lp, ent = token_logprob(logits, p.targets, temperature, with_entropy)
+    out = torch.zeros(mask.shape, dtype=lp.dtype, device=device).masked_scatter(mask, lp)
+    if not with_entropy:
+        return out, None
+    return out, torch.zeros_like(out).masked_scatter(mask, ent)

@@ -1,0 +1,106 @@
+"""Padding-free micro-batches (``engines.packing``): the layout keeps every sample whole and
+apart, and the packed forward gives the padded forward's log-probs, entropies and gradients,
+checked against a float64 HF forward; ``actor.pack_sequences`` really changes what the model
+sees and nothing it learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from spmd_rl.config.schema import ActorConfig
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.engines.base import local
+from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
+from spmd_rl.engines.packing import pack, packed_response_logprobs, place
+from spmd_rl.engines.train import TrainEngine
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=24))
+def test_every_sample_gets_its_own_span_in_a_row_as_wide_as_the_longest(lengths):
+    width, where = place(lengths)
+    assert width == max(lengths)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for (row, off), n in zip(where, lengths):
+        assert 0 <= off and off + n <= width
+        spans.setdefault(row, []).append((off, off + n))
+    assert sorted(spans) == list(range(len(spans)))  # no empty row
+    for row in spans.values():
+        row.sort()
+        assert all(a[1] <= b[0] for a, b in zip(row, row[1:]))  # disjoint
+    # first fit decreasing: a row is opened only when no open row has room, so any two rows
+    # together hold more than one row can
+    loads = [sum(e - s for s, e in row) for row in spans.values()]
+    assert all(a + b > width for i, a in enumerate(loads) for b in loads[i + 1:])
+
+
+def test_packing_fills_rows_and_restarts_positions():
+    b = build_batch([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
+                    [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])], 0)
+    p = pack(b)  # lengths 6, 2, 3 -> one row of 6 and one of 2 + 3
+    assert p.input_ids.tolist() == [[5, 6, 11, 12, 13, 14], [8, 9, 16, 7, 15, 5]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]  # the free tail (any id) continues the last sample
+    assert p.targets.tolist() == [11, 12, 13, 14, 15, 16]
+    assert p.flat_predictor.tolist() == [1, 2, 3, 4, 9, 7]
+
+
+def _long_tail_batch(vocab: int, n: int = 9, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g) for _ in range(n)]
+    responses = [torch.randint(3, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g) for _ in range(n)]
+    return build_batch(prompts, responses, 0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_logprobs_entropies_and_grads_equal_the_padded_forward(tiny_model, temperature):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").float()
+    model.config.use_cache = False
+    batch = _long_tail_batch(model.config.vocab_size)
+    assert pack(batch).input_ids.shape[0] < len(batch)  # really packed
+
+    def run(f, m):
+        m.zero_grad()
+        lp, ent = f(m, batch.trim(), True, temperature)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    lp, ent, grads = run(packed_response_logprobs, model)
+    lp_pad, ent_pad, grads_pad = run(lm_response_logprobs, model)
+    assert torch.allclose(lp, lp_pad, atol=1e-5) and torch.allclose(ent, ent_pad, atol=1e-5)
+    for n in grads:
+        assert (grads[n] - grads_pad[n]).abs().max() <= 1e-5 * grads_pad[n].abs().max() + 1e-8, n  # float rounding
+    assert (lp[~batch.trim().mask] == 0).all() and (lp[batch.trim().mask] < 0).all()
+    ref, ref_ent, _ = run(lm_response_logprobs, model.double())  # independent reference: a float64 trunk, padded
+    for got, pad, want in ((lp, lp_pad, ref), (ent, ent_pad, ref_ent)):  # packing adds no error to float32's own
+        assert (got - want).abs().max() <= 2 * (pad - want).abs().max() + 1e-6
+    lp64, _, _ = run(packed_response_logprobs, model)  # float64 trunk packed: the float32 log-softmax's rounding apart
+    assert torch.allclose(lp64, ref, atol=1e-6)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_pack_sequences_changes_what_the_model_sees_and_not_the_step(tiny_model):
+    """actor.pack_sequences acts: the packed engine's forward gets fewer rows; the log-probs,
+    the gradient norm and AdamW's first moment ((1 - beta1) g, no clipping) of one step from
+    the same weights on the same loss are the same either way, up to float rounding."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    batch = _long_tail_batch(AutoConfig.from_pretrained(tiny_model).vocab_size, n=8, seed=3)
+    out = {}
+    for packed in (True, False):
+        cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e6, pack_sequences=packed)
+        e = TrainEngine(tiny_model, detect("cpu"), mesh, cfg, "float32", total_steps=10, temperature=0.8)
+        rows = []
+        hook = e.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[0]))
+        lp, _ = e.infer(batch, 4)
+        step = e.train_step([batch[:4], batch[4:]], lambda lp, ent, k: -(lp.sum() + 0.1 * ent.sum()) / 100, with_entropy=True)
+        hook.remove()
+        moments = torch.cat([local(s["exp_avg"]).flatten() for s in e.optimizer.state.values()])
+        out[packed] = lp, rows, step["grad_norm"], moments
+    assert sum(out[True][1]) < sum(out[False][1]) == 4 * len(out[False][1])
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    assert out[True][2] == pytest.approx(out[False][2], rel=1e-5)
+    assert (out[True][3] - out[False][3]).abs().max() <= 1e-5 * out[False][3].abs().max()
