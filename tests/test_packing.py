@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.base import local
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
-from spmd_rl.engines.packing import pack, packed_response_logprobs, place
+from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_values, place
 from spmd_rl.engines.train import TrainEngine
 
 
@@ -104,3 +104,29 @@ def test_pack_sequences_changes_what_the_model_sees_and_not_the_step(tiny_model)
     assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
     assert out[True][2] == pytest.approx(out[False][2], rel=1e-5)
     assert (out[True][3] - out[False][3]).abs().max() <= 1e-5 * out[False][3].abs().max()
+
+
+def test_packed_values_and_their_grads_equal_the_padded_value_head(tiny_model):
+    """The critic's head: V[b, j] = score(h[b, P_b + j - 1]) on the packed rows equals the
+    padded forward's, gradients included."""
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.num_labels, config.classifier_dropout = 1, 0.0  # as engines.hf_weights builds the critic
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model, config=config).float()
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # a checkpoint's head; a fresh critic's is zero
+    batch = _long_tail_batch(model.config.vocab_size, seed=5).trim()
+
+    def run(packed: bool):
+        model.zero_grad()
+        if packed:
+            v = packed_values(model, batch)
+        else:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            v = out[..., 0].float().gather(1, batch.predictor) * batch.mask
+        (v ** 2).sum().backward()
+        return v.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (v, g), (v_pad, g_pad) = run(True), run(False)
+    assert v.abs().max() > 0.1 and torch.allclose(v, v_pad, atol=1e-5)
+    for n in g:
+        assert (g[n] - g_pad[n]).abs().max() <= 1e-5 * g_pad[n].abs().max() + 1e-8, n

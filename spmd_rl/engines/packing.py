@@ -65,27 +65,43 @@ def pack(batch: SeqBatch) -> Packed:
     return Packed(ids, pos, flat_predictor, batch.targets[batch.mask])
 
 
+def _packed_head(model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch,
+                 device: torch.device) -> tuple[torch.Tensor, Packed, torch.Tensor]:
+    """(``head``'s outputs [N, out] at the N response-predicting positions, the layout on
+    ``device``, the mask on ``device``): the model runs once on the packed rows, and a
+    pre-hook hands ``head`` only the hidden states of those positions."""
+    p = pack(batch)
+    p = Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets)))
+
+    def select(_module, args):  # [rows, W, H] -> [1, N, H]
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1])[p.flat_predictor][None],) + tuple(args[1:])
+
+    hook = head.register_forward_pre_hook(select)
+    try:
+        out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False).logits[0]
+    finally:
+        hook.remove()
+    return out, p, batch.mask.to(device)
+
+
+def _unflatten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N] values of the mask's True entries (row-major) -> [B, R], 0 elsewhere; differentiable."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).masked_scatter(mask, values)
+
+
 def packed_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, temperature: float = 1.0,
                              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs.lm_response_logprobs`` computed on the packed layout of ``batch`` (host
     tensors; the model runs on ``device``): (log-probs [B, R], entropies [B, R] or None) on
     ``device``, 0 where masked."""
-    p = pack(batch)
-    device = device or batch.input_ids.device
-    p = Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets)))
-    mask = batch.mask.to(device)
-
-    def select(_module, args):  # [rows, W, H] -> [1, N, H]: the head sees only the predictors
-        hidden = args[0]
-        return (hidden.reshape(-1, hidden.shape[-1])[p.flat_predictor][None],) + tuple(args[1:])
-
-    hook = model.lm_head.register_forward_pre_hook(select)
-    try:
-        logits = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False).logits[0]
-    finally:
-        hook.remove()
+    logits, p, mask = _packed_head(model, model.lm_head, batch, device or batch.input_ids.device)
     lp, ent = token_logprob(logits, p.targets, temperature, with_entropy)
-    out = torch.zeros(mask.shape, dtype=lp.dtype, device=device).masked_scatter(mask, lp)
-    if not with_entropy:
-        return out, None
-    return out, torch.zeros_like(out).masked_scatter(mask, ent)
+    return _unflatten(lp, mask), _unflatten(ent, mask) if with_entropy else None
+
+
+def packed_values(model: torch.nn.Module, batch: SeqBatch, device: torch.device | None = None) -> torch.Tensor:
+    """A value-head model's (``AutoModelForTokenClassification``, one label) values [B, R] of
+    the states predicting each response token, on the packed layout; 0 where masked."""
+    values, _, mask = _packed_head(model, model.score, batch, device or batch.input_ids.device)
+    return _unflatten(values[:, 0].float(), mask)
