@@ -5,11 +5,13 @@ in one process that owns every core, with none of spmd-rl around them.
 - generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,
   same SL, same dtype), after one warm-up call;
 - training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
-  padded, the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
+  padded, in the order drawn; the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
   backward in micro-batches of ``actor.micro_batch_size x train DP``, AdamW), after one warm-up
   step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
   differs, as the FSDP engine's mixed precision does; decoder layers compiled when
-  ``actor.compile`` (vLLM's own compilation follows ``rollout.enforce_eager``).
+  ``actor.compile``; each micro-batch packed padding-free when ``actor.pack_sequences``
+  (``engines.packing``, as the engine does) (vLLM's own compilation follows
+  ``rollout.enforce_eager``).
 
 floor = generation + training. Prints one JSON line (seconds, medians over ``--repeats``).
 
@@ -37,6 +39,7 @@ from spmd_rl.data.prompts import load_tokenizer, prompts_for  # noqa: E402
 from spmd_rl.engines.base import DTYPES  # noqa: E402
 from spmd_rl.engines.parallelize import apply_compile  # noqa: E402
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split  # noqa: E402
+from spmd_rl.engines.packing import packed_response_logprobs  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -83,14 +86,15 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
     tokens = batch.mask.sum()
     micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard
     cast = torch.autocast("cpu", dtype=compute) if compute != master else contextlib.nullcontext()
+    logprobs = packed_response_logprobs if cfg.actor.pack_sequences else lm_response_logprobs
 
     def step():
         model.train()
         for k, m in enumerate(split(batch, micro)):
             with cast:
-                lp, _ = lm_response_logprobs(model, m, False, cfg.rollout.temperature)
+                lp, _ = logprobs(model, m.trim(), False, cfg.rollout.temperature)
             a = adv[k * micro : k * micro + len(m)]
-            (-(lp * a * m.mask).sum() / tokens).backward()
+            (-(lp * a[:, : lp.shape[1]] * m.trim().mask).sum() / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
