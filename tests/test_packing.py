@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.base import local
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
-from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_values, place
+from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
 from spmd_rl.engines.train import TrainEngine
 
 
@@ -47,6 +47,7 @@ def test_packing_fills_rows_and_restarts_positions():
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]  # the free tail (any id) continues the last sample
     assert p.targets.tolist() == [11, 12, 13, 14, 15, 16]
     assert p.flat_predictor.tolist() == [1, 2, 3, 4, 9, 7]
+    assert p.last.tolist() == [5, 10, 8]
 
 
 def _long_tail_batch(vocab: int, n: int = 9, seed: int = 0):
@@ -130,3 +131,23 @@ def test_packed_values_and_their_grads_equal_the_padded_value_head(tiny_model):
     assert v.abs().max() > 0.1 and torch.allclose(v, v_pad, atol=1e-5)
     for n in g:
         assert (g[n] - g_pad[n]).abs().max() <= 1e-5 * g_pad[n].abs().max() + 1e-8, n
+
+
+def test_packed_scores_equal_the_padded_reward_model(tiny_model):
+    """The reward model's score at each sample's last token: packed (several samples per row)
+    equals the padded forward read at the last real token."""
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, config=config).float()
+    batch = _long_tail_batch(model.config.vocab_size, seed=7).trim()
+    assert pack(batch).input_ids.shape[0] < len(batch)
+    seen = []
+    hook = model.score.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    hook.remove()
+    last = batch.attention_mask.sum(1) - 1
+    want = seen[0][torch.arange(len(batch)), last, 0]
+    got = packed_scores(model, batch)
+    assert got.shape == (len(batch),) and want.abs().max() > 0.01
+    assert torch.allclose(got, want, atol=1e-5)

@@ -82,7 +82,7 @@ class ActorConfig(Section):
         False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and one parameter all-gather per FSDP module per step instead of one in forward and one in backward per micro-batch; costs (1 - 1/dp_shard) x the full parameters and gradients in compute dtype while it lasts."
     )
     pack_sequences: bool = Field(
-        True, description="Padding-free log-prob and update passes of the actor, reference and critic: each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token. The same log-probs and gradients up to float rounding; false computes every sample right-padded."
+        True, description="Padding-free forward and update passes of every FSDP role (actor, reference, critic, reward model): each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token (the reward model's score head is read at each sample's last token). The same log-probs and gradients up to float rounding; false computes every sample right-padded."
     )
     compile: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU)."

@@ -32,6 +32,7 @@ class Packed:
     position_ids: torch.Tensor  # [rows, W]
     flat_predictor: torch.Tensor  # [N] index into the flattened [rows * W] of each real response token's predictor
     targets: torch.Tensor  # [N] the response token each predicts
+    last: torch.Tensor  # [B] flat index of each sample's last token
 
 
 def place(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
@@ -62,7 +63,11 @@ def pack(batch: SeqBatch) -> Packed:
         pos[r, o:] = torch.arange(width - o)  # restarts here; a free tail continues it
     start = torch.tensor([r * width + o for r, o in where], dtype=torch.long)
     flat_predictor = (start[:, None] + batch.predictor)[batch.mask]
-    return Packed(ids, pos, flat_predictor, batch.targets[batch.mask])
+    return Packed(ids, pos, flat_predictor, batch.targets[batch.mask], start + torch.tensor(lengths, dtype=torch.long) - 1)
+
+
+def _on(p: Packed, device: torch.device) -> Packed:
+    return Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets, p.last)))
 
 
 def _packed_head(model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch,
@@ -70,8 +75,7 @@ def _packed_head(model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch,
     """(``head``'s outputs [N, out] at the N response-predicting positions, the layout on
     ``device``, the mask on ``device``): the model runs once on the packed rows, and a
     pre-hook hands ``head`` only the hidden states of those positions."""
-    p = pack(batch)
-    p = Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets)))
+    p = _on(pack(batch), device)
 
     def select(_module, args):  # [rows, W, H] -> [1, N, H]
         hidden = args[0]
@@ -105,3 +109,18 @@ def packed_values(model: torch.nn.Module, batch: SeqBatch, device: torch.device 
     the states predicting each response token, on the packed layout; 0 where masked."""
     values, _, mask = _packed_head(model, model.score, batch, device or batch.input_ids.device)
     return _unflatten(values[:, 0].float(), mask)
+
+
+def packed_scores(model: torch.nn.Module, batch: SeqBatch, device: torch.device | None = None) -> torch.Tensor:
+    """A reward model's (``AutoModelForSequenceClassification``, one label) scores [B]: the
+    head at each sample's last token, on the packed layout. The head runs on every packed
+    position (one output each) and is read at the last tokens; the model's own pooling, which
+    assumes one sample per row, is not used."""
+    p = _on(pack(batch), device or batch.input_ids.device)
+    seen: list[torch.Tensor] = []
+    hook = model.score.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False)
+    finally:
+        hook.remove()
+    return seen[0].reshape(-1, seen[0].shape[-1])[p.last, 0].float()

@@ -30,7 +30,7 @@ from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs, split
-from spmd_rl.engines.packing import packed_response_logprobs, packed_values
+from spmd_rl.engines.packing import packed_response_logprobs, packed_scores, packed_values
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 
@@ -81,14 +81,17 @@ class TrainEngine(Engine):
     # -- forward ------------------------------------------------------------------------------
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
-        padding that no sample uses), packed for the LM and value heads when ``cfg.pack_sequences``
+        padding that no sample uses), packed when ``cfg.pack_sequences``
         (``engines.packing``), and padded back to the micro-batch's response width."""
         width = micro.mask.shape[1]
-        if self.head != "score" and self.cfg.pack_sequences:
+        if self.cfg.pack_sequences:
+            micro, dev = micro.trim(), self.acc.device
+            if self.head == "score":
+                return packed_scores(self.model, micro, dev), None
             if self.head == "lm":
-                out, ent = packed_response_logprobs(self.model, micro.trim(), with_entropy, self.temperature, self.acc.device)
+                out, ent = packed_response_logprobs(self.model, micro, with_entropy, self.temperature, dev)
             else:
-                out, ent = packed_values(self.model, micro.trim(), self.acc.device), None
+                out, ent = packed_values(self.model, micro, dev), None
             pad = (0, width - out.shape[1])
             return torch.nn.functional.pad(out, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
         micro = micro.trim().to(self.acc.device)
