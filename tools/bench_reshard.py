@@ -5,9 +5,12 @@ Builds a random-weight Qwen2 model of the given size, a training engine (FSDP2, 
 initialised by one step) and an in-process vLLM engine, then for each path times
 train -> generation (gather + weight load [+ swap to host]) and generation -> train, and reads
 the memory ledger's generation-stage bytes. The swap bandwidth is printed against a plain host
-memcpy of the same bytes into already-touched memory, measured in this run, for the swap with
-one copy thread and with parallel copies (``HostSwap(threads=...)``). On a GPU the
-allocator's ``max_memory_allocated`` during generation is printed too.
+memcpy of the same bytes into already-touched memory (torch's ``copy_``, all intra-op threads),
+for the resharder's own swap, for one copy thread and for parallel copies
+(``HostSwap(threads=...)``). The memcpy is timed right before every swap round trip and each
+round gives its own ratios, of which the median is printed (this machine's memcpy alone varies
+by 1.5x between moments). On a GPU the allocator's ``max_memory_allocated`` during
+generation is printed too.
 
     python tools/bench_reshard.py --hidden 512 --layers 8          # ~30 M params, CPU
 """
@@ -42,17 +45,31 @@ def build_model(folder: Path, args) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def memcpy_gbs(nbytes: int, repeats: int = 3) -> float:
+def swap_vs_memcpy(swap, rounds: int) -> dict:
+    """Median over ``rounds`` of (memcpy GiB/s, swap D2H and H2D GiB/s, their ratios to that
+    round's memcpy); each round times a plain copy of ``swap.nbytes`` into touched memory
+    right before its offload + reload."""
+    import statistics
+
     import torch
 
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)  # touched: no page faults in the timed copy
-    best = float("inf")
-    for _ in range(repeats):
+    src = torch.ones(swap.nbytes, dtype=torch.uint8)
+    dst = torch.zeros(swap.nbytes, dtype=torch.uint8)  # touched: no page faults in the timed copy
+    rows = []
+    for _ in range(rounds):
         t0 = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1024**3
+        t1 = time.perf_counter()
+        swap.offload()
+        t2 = time.perf_counter()
+        swap.reload()
+        t3 = time.perf_counter()
+        rows.append((t1 - t0, t2 - t1, t3 - t2))
+    gib = swap.nbytes / 1024**3
+    med = {k: statistics.median(f(r) for r in rows) for k, f in (
+        ("memcpy", lambda r: gib / r[0]), ("d2h", lambda r: gib / r[1]), ("h2d", lambda r: gib / r[2]),
+        ("d2h_ratio", lambda r: r[0] / r[1]), ("h2d_ratio", lambda r: r[0] / r[2]))}
+    return med | {"rounds": rounds}
 
 
 def main() -> None:
@@ -63,6 +80,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bucket-mib", type=float, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="Reshard round trips per path (best time is printed).")
+    ap.add_argument("--swap-rounds", type=int, default=7, help="Swap round trips, each after its own memcpy (medians are printed).")
     ap.add_argument("--tokenizer", default=str(REPO / "assets/tiny-qwen2"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -95,7 +113,7 @@ def main() -> None:
         results = {}
         for mode in ("naive", "allgather_swap"):
             rs = Resharder(engine, rollout, ReshardConfig(mode=mode, bucket_bytes=int(args.bucket_mib * 2**20)), "float32")
-            fwd, back, swap_s = [], [], []
+            fwd, back = [], []
             for _ in range(args.rounds):
                 acc.reset_peak_memory_stats()
                 t0 = time.perf_counter()
@@ -108,34 +126,18 @@ def main() -> None:
                 t3 = time.perf_counter()
                 fwd.append(t1 - t0)
                 back.append(t3 - t2)
-                if mode == "allgather_swap":  # time the swap alone, both directions
-                    t4 = time.perf_counter()
-                    rs.swap.offload()
-                    t5 = time.perf_counter()
-                    rs.swap.reload()
-                    swap_s.append((t5 - t4, time.perf_counter() - t5))
             results[mode] = {"to_generation_s": min(fwd), "to_training_s": min(back), "generation_bytes": rs.ledger.total("generate"),
-                             "temp_peak": rs.temp_peak, "device_peak": device_peak, "swap_bytes": rs.swap.nbytes,
-                             "swap_d2h_s": min(s[0] for s in swap_s) if swap_s else None,
-                             "swap_h2d_s": min(s[1] for s in swap_s) if swap_s else None}
+                             "temp_peak": rs.temp_peak, "device_peak": device_peak}
             if mode == "allgather_swap":
                 print(rs.ledger.table())
+                swaps = {"resharder's swap": swap_vs_memcpy(rs.swap, args.swap_rounds)}
         from spmd_rl.reshard.swap import HostSwap
 
-        threads = {}
         for k in (1, torch.get_num_threads()):  # the swap alone: sequential vs parallel copies, same tensors
             swap = HostSwap(acc, threads=k)
             swap.track(engine.param_tensors() + engine.grad_tensors() + engine.optimizer_tensors())
-            times = []
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                swap.offload()
-                t1 = time.perf_counter()
-                swap.reload()
-                times.append((t1 - t0, time.perf_counter() - t1))
-            threads[k] = (swap.nbytes / min(t[0] for t in times) / 1024**3, swap.nbytes / min(t[1] for t in times) / 1024**3)
+            swaps[f"{k} copy thread(s)"] = swap_vs_memcpy(swap, args.swap_rounds)
     n, s = results["naive"], results["allgather_swap"]
-    memcpy = memcpy_gbs(s["swap_bytes"])
     mib = 2**20
     print(f"\nmodel {n_params / 1e6:.1f} M params (fp32 master + AdamW), device {acc.kind}, bucket {args.bucket_mib:g} MiB")
     for name, r in results.items():
@@ -144,14 +146,12 @@ def main() -> None:
               f"generation-stage bytes {r['generation_bytes'] / mib:9.1f} MiB  gather buffer peak {r['temp_peak'] / mib:7.1f} MiB{dev}")
     print(f"  saved in generation: {(n['generation_bytes'] - s['generation_bytes']) / mib:.1f} MiB "
           f"({n['generation_bytes'] / max(1, s['generation_bytes']):.2f}x less)")
-    d2h = s["swap_bytes"] / s["swap_d2h_s"] / 1024**3
-    h2d = s["swap_bytes"] / s["swap_h2d_s"] / 1024**3
-    print(f"  swap {s['swap_bytes'] / mib:.1f} MiB: D2H {d2h:.2f} GiB/s, H2D {h2d:.2f} GiB/s; plain host memcpy {memcpy:.2f} GiB/s "
-          f"(ratios {d2h / memcpy:.2f}, {h2d / memcpy:.2f})")
-    for k, (off, on) in threads.items():
-        print(f"  swap with {k} copy thread(s): D2H {off:.2f} GiB/s, H2D {on:.2f} GiB/s (ratios to memcpy {off / memcpy:.2f}, {on / memcpy:.2f})")
+    print(f"  swap of {rs.swap.nbytes / mib:.1f} MiB, medians of {args.swap_rounds} rounds, each against the memcpy just before it:")
+    for name, m in swaps.items():
+        print(f"    {name:18s} D2H {m['d2h']:6.2f} GiB/s, H2D {m['h2d']:6.2f} GiB/s; memcpy {m['memcpy']:6.2f} GiB/s; "
+              f"ratios to memcpy D2H {m['d2h_ratio']:.2f}, H2D {m['h2d_ratio']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "memcpy_gbs": memcpy, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "results": results, "swaps": swaps}, indent=1))
     # the process group stays up: vLLM tears down its own groups at exit
 
 
