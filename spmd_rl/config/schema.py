@@ -85,7 +85,7 @@ class ActorConfig(Section):
         True, description="Padding-free forward and update passes of every FSDP role (actor, reference, critic, reward model): each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token (the reward model's score head is read at each sample's last token). The same log-probs and gradients up to float rounding; false computes every sample right-padded."
     )
     compile: bool = Field(
-        False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU)."
+        False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU); with pack_sequences, the first micro-batch with packed rows compiles a second graph (block mask instead of none)."
     )
 
 
