@@ -15,6 +15,7 @@ checkpoint), because a faster run that learns less does not count.
 
     python tools/make_bench_model.py --out assets/bench-longtail --positions 512 --stop-tokens 15
     python tools/bench_async.py --iterations 8 --rounds 2 --learn-iterations 200
+    python tools/bench_async.py --modes sync,partial model.dtype=bfloat16   # overrides: every run
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def train(config: str, overrides: list[str], iterations: int, name: str, tmp: st
 
 def speed(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        rows = train(args.config, LONG_TAIL + [o.format(budget=args.partial_tokens) for o in MODES[name][0]], args.iterations, name, tmp)
+        rows = train(args.config, LONG_TAIL + args.overrides + [o.format(budget=args.partial_tokens) for o in MODES[name][0]],
+                     args.iterations, name, tmp)
     steady = rows[1:] or rows
     seconds = sum(r["iteration_s"] for r in steady)
     out = {k: statistics.mean(r.get(k, 0.0) for r in steady) for k in steady[0] if k.startswith("time_")}
@@ -66,7 +68,8 @@ def speed(name: str, args) -> dict:
 
 def learning(name: str, args, seed: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        rows = train("configs/quickstart.yaml", MODES[name][1] + [f"trainer.seed={seed}"], args.learn_iterations, f"learn-{name}", tmp, args.eval_limit)
+        rows = train("configs/quickstart.yaml", args.overrides + MODES[name][1] + [f"trainer.seed={seed}"], args.learn_iterations,
+                     f"learn-{name}", tmp, args.eval_limit)
         ckpt = sorted((Path(tmp) / "ckpt").glob("iter_*"))[-1]
         ev = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", "assets/tiny-qwen2/test.jsonl",
                              "--limit", str(args.eval_limit), "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True)
@@ -78,6 +81,7 @@ def learning(name: str, args, seed: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/bench_cpu.yaml")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every run, speed and learning (e.g. model.dtype=bfloat16)")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)} (sync is the baseline)")
@@ -88,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     modes = ["sync"] + [m for m in args.modes.split(",") if m != "sync"]
     for r in range(args.rounds):
-        print(f"-- speed, round {r + 1}: {' '.join(LONG_TAIL)}, {args.iterations} iterations", flush=True)
+        print(f"-- speed, round {r + 1}: {' '.join(LONG_TAIL + args.overrides)}, {args.iterations} iterations", flush=True)
         base = None
         for name in modes:
             m = speed(name, args)
