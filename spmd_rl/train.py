@@ -27,6 +27,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.sides import init_sides
 from spmd_rl.distributed.timeouts import set_collective_timeout
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
@@ -184,4 +185,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)

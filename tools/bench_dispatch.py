@@ -91,7 +91,6 @@ def worker(spec: dict) -> None:
         Path(spec["out"]).write_text(json.dumps([r.tolist() for r in rows]))
     dist.barrier()
     dock.close()
-    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- network namespaces
@@ -157,8 +156,9 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker(json.loads(sys.argv[2]))
-        return
+        from spmd_rl.distributed.teardown import exit_after
+
+        exit_after(lambda: worker(json.loads(sys.argv[2])))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes (one rank each).")
     ap.add_argument("--G", type=int, default=32)

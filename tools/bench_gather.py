@@ -35,6 +35,7 @@ from memory_probe import LiveBytes, reset_peak_rss, status_kib  # noqa: E402
 from spmd_rl.config.layout import Layout  # noqa: E402
 from spmd_rl.distributed.accelerator import detect  # noqa: E402
 from spmd_rl.distributed.mesh import train_mesh  # noqa: E402
+from spmd_rl.distributed.teardown import exit_after  # noqa: E402
 from spmd_rl.engines.hf_weights import build_sharded  # noqa: E402
 from spmd_rl.engines.parallelize import parallelize  # noqa: E402
 from spmd_rl.reshard import bucket_gather  # noqa: E402
@@ -93,7 +94,6 @@ def worker() -> None:
         report[path] = {"exact": exact, "collectives": live.collectives, "peak_live": live.peak, "peak_rss_growth": rss_growth,
                         "seconds": min(times)}
     Path(os.environ["SPMD_RL_OUT"], f"gather-rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
 
 
 def launch(model: Path, out: Path, dp: int, tp: int, dtype: str, bucket_bytes: int, rounds: int) -> list[dict]:
@@ -132,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    worker() if "RANK" in os.environ else main()
+    exit_after(worker) if "RANK" in os.environ else main()

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from spmd_rl.config.layout import Layout
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
 from spmd_rl.engines.parallelize import parallelize
 
@@ -55,7 +56,6 @@ def worker() -> None:
     report = {"rank": rank, "before": before << 10, "peak": peak << 10, "after": after << 10, "exact": exact,
               "local_param_bytes": sum(p.to_local().numel() * 4 for p in model.parameters())}
     Path(os.environ["SPMD_RL_OUT"], f"load-{os.environ['MODE']}-rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
 
 
 def hundred_m_model(folder: Path) -> tuple[int, int]:
@@ -106,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    worker() if "RANK" in os.environ else main()
+    exit_after(worker) if "RANK" in os.environ else main()

@@ -18,6 +18,7 @@ from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.train import TrainEngine
 
@@ -53,8 +54,7 @@ def main() -> None:
         report[name] = {"step_gathers": step_gathers, "infer_gathers": GATHERS["n"], "steps": steps, "logprobs": lp.flatten().tolist(),
                         "fsdp_modules": sum(isinstance(m, FSDPModule) for m in engine.model.modules())}
     Path(os.environ["SPMD_RL_OUT"], f"accumulate-rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
 from spmd_rl.config.stages import Stage
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import Peer, TransferDock
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
@@ -84,8 +85,7 @@ def main() -> None:
     left = meta.get_prefix(meta.key(0) + "/")
     Path(os.environ["SPMD_RL_OUT"], f"meta{rank}.json").write_text(json.dumps(len(left)))
     dock.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

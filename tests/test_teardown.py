@@ -1,0 +1,82 @@
+"""``teardown.exit_after``: a rank's process ends with its work's status, after the process
+group was destroyed, the ``atexit`` handlers ran and stdio was flushed, without the interpreter
+finalization in which gloo's worker threads can abort the process (see the module docstring).
+``status_of`` maps what the work did to the status ``sys.exit`` would give."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _raise(exc: BaseException):
+    def work():
+        raise exc
+    return work
+
+
+@pytest.mark.parametrize("work, status, printed", [
+    (lambda: None, 0, ""), (lambda: 0, 0, ""), (lambda: 2, 2, ""),
+    (_raise(SystemExit(2)), 2, ""), (_raise(SystemExit(None)), 0, ""), (_raise(SystemExit("bad config")), 1, "bad config"),
+    (_raise(KeyboardInterrupt()), 130, ""), (_raise(ValueError("boom")), 1, "ValueError: boom"),
+])
+def test_status_is_what_sys_exit_would_give(work, status, printed, capsys):
+    from spmd_rl.distributed.teardown import status_of
+
+    assert status_of(work) == status
+    err = capsys.readouterr().err
+    assert printed in err and (err == "") == (printed == "")
+
+
+_SCRIPT = textwrap.dedent("""
+    import atexit, gc, sys, weakref
+    import torch.distributed as dist
+    from spmd_rl.dock.etcd_server import free_port
+    from spmd_rl.distributed.teardown import exit_after
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    refs = []
+    real = dist.destroy_process_group
+
+    def destroy():
+        with open(out + ".destroy", "w") as f:
+            f.write(str(all(r() is None for r in refs)))  # the work's objects were collected first
+        real()
+
+    dist.destroy_process_group = destroy
+    atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+
+    class Holder:  # in a reference cycle, as meshes and DTensors are: only a collection frees it
+        def __init__(self):
+            self.me = self
+
+    def work():
+        gc.disable()
+        h = Holder()
+        refs.append(weakref.ref(h))
+        dist.all_reduce(__import__("torch").ones(1))
+        sys.stdout.write("unflushed output")  # no newline, block-buffered into a pipe
+        return int(sys.argv[2]) if sys.argv[2] != "raise" else 1 // 0
+
+    exit_after(work)
+    open(out + ".returned", "w").write("exit_after returned")
+""")
+
+
+@pytest.mark.parametrize("arg, status", [("3", 3), ("raise", 1)])
+def test_exit_after_ends_the_process_cleanly(tmp_path, arg, status):
+    out = tmp_path / "r"
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(out), arg], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "unflushed output"
+    assert (out.parent / "r.destroy").read_text() == "True"
+    assert (out.parent / "r.atexit").read_text() == "ran"
+    assert not (out.parent / "r.returned").exists()
+    assert ("ZeroDivisionError" in done.stderr) == (arg == "raise")
