@@ -31,6 +31,7 @@ def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
             assert r["samples"] == G * N  # every sample got a reward, an advantage and an update
             assert all(map(lambda k: torch.isfinite(torch.tensor(r[k])).item(), ("loss", "grad_norm", "entropy")))
             assert r["grad_norm"] >= 0 and 0 <= r["accuracy"] <= 1
+            assert 0 < r["generation_s_min"] <= r["generation_s_max"] <= r["iteration_s"]  # the two generation ranks' times
     # the same seed and weights give the same samples in both modes
     assert runs["distributed"][0]["reward_mean"] == runs["centralized"][0]["reward_mean"]
     a = model_weights(tmp_path / "distributed/ckpt/iter_000004")

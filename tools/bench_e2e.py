@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """End-to-end benchmark: run ``spmd-rl train`` on a config for a few iterations and print the
 mean time of every stage, the iteration time, the tokens/s and the paper's throughput T
-(Eq. 5, tokens / s / device), leaving out the first (warm-up) iteration. In the same run:
+(Eq. 5, tokens / s / device), leaving out the first (warm-up) iteration, and how long the
+fastest generation rank waited for the slowest (the bound on what balancing the generation work
+across ranks could save). In the same run:
 
 - the engines' floor (``tools/engine_floor.py``: vLLM generation alone + one plain training
   step of the same batch, one process owning every core), and the ratio iteration / floor;
@@ -51,6 +53,7 @@ def spmd_rl(args) -> dict:
     out["eq5"] = statistics.mean(r["throughput_eq5"] for r in steady)
     out["response_length_mean"] = statistics.mean(r["response_length_mean"] for r in steady)
     out["mismatch"] = statistics.mean(r["logprob_mismatch_mean"] for r in steady)
+    out["generation_wait_s"] = statistics.mean(r["generation_s_max"] - r["generation_s_min"] for r in steady)
     out["iterations"] = len(steady)
     return out
 
@@ -79,6 +82,9 @@ def main() -> None:
         print(f"  {'iteration':14s} {run['iteration_s']:8.3f} s  (first iteration {run['first_iteration_s']:.3f} s)")
         print(f"  tokens/s       {tps:8.0f}  (mean response {run['response_length_mean']:.1f} tokens; "
               f"T Eq. 5 {run['eq5']:.0f} tokens/s/device; rollout/train log-prob mismatch {run['mismatch']:.2e})")
+        print(f"  generation     slowest - fastest rank {run['generation_wait_s']:.3f} s "
+              f"({100 * run['generation_wait_s'] / run['iteration_s']:.1f} % of the iteration: the most a better "
+              f"balance of the generation work could save)")
         if args.floor:
             fl = _json_tail([sys.executable, "tools/engine_floor.py", args.config, *args.overrides], "engine_floor")
             print(f"  floor          {fl['floor_s']:8.3f} s  (generation {fl['floor_generation_s']:.3f} s + training step "

@@ -43,6 +43,14 @@ def global_maxes(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def generation_spread(seconds: float) -> dict[str, float]:
+    """This rank's rollout-stage seconds as ``global_maxes`` inputs: ``generation_s_max`` is the
+    slowest generation rank's time and ``-generation_s_min`` reduces to the fastest one's (negate
+    it after the reduction). Their difference is how long the fastest rank waited for the
+    slowest: the most a better balance of the generation work could save."""
+    return {"generation_s_max": seconds, "generation_s_min": -seconds}
+
+
 class StageTimer:
     def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
         """``on_stage(name)`` is called as each stage starts (the progress bar)."""
