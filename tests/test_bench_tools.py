@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
@@ -56,3 +58,20 @@ def test_weight_stream_bench_writes_the_sent_tensors_in_both_modes():
                          env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stream / whole peak" in out.stdout and "both files hold the sent tensors bit for bit" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_floor_flat_generation_has_the_same_tokens_and_no_tail(tiny_model):
+    """``engine_floor --flat``: the no-tail run gives every sample the sampled run's mean
+    length, and the streaming bound is (generation + training) / (flat generation + training)."""
+    from tests.conftest import subprocess_env
+
+    cmd = [sys.executable, str(REPO / "tools/engine_floor.py"), "configs/quickstart.yaml", f"model.path={tiny_model}",
+           "data.global_batch_size=4", "actor.mini_batch_size=4", "rollout.n=2", "rollout.max_response_length=16", "--flat",
+           "--repeats", "1", "--threads", "1"]
+    out = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["samples"] == 8 and r["flat_response_lengths"] == [max(1, round(r["response_tokens"] / 8))]
+    want = (r["floor_generation_s"] + r["floor_training_s"]) / (r["flat_generation_s"] + r["floor_training_s"])
+    assert r["streaming_bound"] == pytest.approx(want)

@@ -15,7 +15,14 @@ in one process that owns every core, with none of spmd-rl around them.
 
 floor = generation + training. Prints one JSON line (seconds, medians over ``--repeats``).
 
+``--flat`` also times generating the same number of response tokens with no long tail (every
+sample exactly the mean response length, EOS ignored) and prints the **streaming bound**
+(generation + training) / (flat generation + training): the most any streaming mode (stage
+fusion, partial rollout, asynchronous) can gain by hiding the tail, when, as on a few cores, no
+core sits idle while the tail is generated.
+
     python tools/engine_floor.py configs/bench_cpu.yaml
+    python tools/engine_floor.py configs/bench_cpu.yaml model.path=assets/bench-longtail rollout.max_response_length=256 --flat
 """
 
 from __future__ import annotations
@@ -52,23 +59,30 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def generation(cfg, prompts: list[list[int]], repeats: int):
+def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) -> dict:
+    """``floor_generation_s`` and the ``responses``; with ``flat``, ``flat_generation_s`` and the
+    distinct response lengths of that run (one: the mean)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.rollout.kv_cache_gib))))
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=cfg.model.path, dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
               seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager, enable_prefix_caching=False)
-    params = SamplingParams(n=cfg.rollout.n, max_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, logprobs=0)
     outs: list = []
 
-    def run():
-        outs[:] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    def timed(length: int, **fixed) -> float:
+        """Median seconds of generating every prompt's N samples of at most ``length`` tokens."""
+        params = SamplingParams(n=cfg.rollout.n, max_tokens=length, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                logprobs=0, **fixed)
+        return _median_time(lambda: outs.__setitem__(slice(None), llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                                use_tqdm=False)), repeats)
 
-    t = _median_time(run, repeats)
-    responses = [list(c.token_ids) for o in outs for c in o.outputs]
-    return t, responses
+    got = {"floor_generation_s": timed(cfg.rollout.max_response_length), "responses": [list(c.token_ids) for o in outs for c in o.outputs]}
+    if flat:  # the same tokens, no tail
+        mean = max(1, round(sum(map(len, got["responses"])) / len(got["responses"])))
+        got["flat_generation_s"] = timed(mean, min_tokens=mean, ignore_eos=True)
+        got["flat_response_lengths"] = sorted({len(c.token_ids) for o in outs for c in o.outputs})
+    return got
 
 
 def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int) -> float:
@@ -108,16 +122,20 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--flat", action="store_true", help="Also time the same response tokens with no tail; print the streaming bound.")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     tok = load_tokenizer(cfg)
     ps = prompts_for(cfg, tok, cfg.data.train_path)
     prompts = [list(ps.prompt_ids[i]) for i in range(cfg.data.global_batch_size)]
-    t_gen, responses = generation(cfg, prompts, args.repeats)
-    t_train = training(cfg, prompts, responses, tok.pad_token_id, args.repeats)
-    print(json.dumps({"floor_generation_s": t_gen, "floor_training_s": t_train, "floor_s": t_gen + t_train,
-                      "response_tokens": sum(map(len, responses)), "samples": len(responses)}))
+    out = generation(cfg, prompts, args.repeats, args.flat)
+    responses = out.pop("responses")
+    t_gen, t_train = out["floor_generation_s"], training(cfg, prompts, responses, tok.pad_token_id, args.repeats)
+    out |= {"floor_training_s": t_train, "floor_s": t_gen + t_train, "response_tokens": sum(map(len, responses)), "samples": len(responses)}
+    if args.flat:
+        out["streaming_bound"] = (t_gen + t_train) / (out["flat_generation_s"] + t_train)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
