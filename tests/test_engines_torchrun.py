@@ -6,6 +6,7 @@ buffer) are checked through the ledger and the temporary peak."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_reshard_swap_rollout(tiny_model, tmp_path, train_dp, train_tp, gen_tp):
     env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TRAIN_DP": str(train_dp),
                              "TRAIN_TP": str(train_tp), "GEN_TP": str(gen_tp)}
     run_nodes(REPO / "tests/helpers/engine_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
+    assert not list(Path("/dev/shm").glob("*cpushm*"))  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm_shm)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # before and after three weight updates: vLLM greedy == HF greedy on the training weights

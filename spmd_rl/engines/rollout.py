@@ -25,7 +25,7 @@ import torch
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines import orphan_watch, weight_file
+from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
 
 
 RECEIVER = "spmd_rl.engines.weight_receiver.WeightReceiver"
@@ -97,6 +97,8 @@ class RolloutEngine:
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
             self._watch = orphan_watch.OrphanWatch()
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
+        else:  # every rank has mapped its communicators' segments: their names must not outlive it
+            vllm_shm.unlink_segment_names()
 
     @property
     def model(self) -> torch.nn.Module:
