@@ -80,3 +80,23 @@ def test_exit_after_ends_the_process_cleanly(tmp_path, arg, status):
     assert (out.parent / "r.atexit").read_text() == "ran"
     assert not (out.parent / "r.returned").exists()
     assert ("ZeroDivisionError" in done.stderr) == (arg == "raise")
+
+
+_MP_TARGETS = {"tools/bench_weight_stream.py"}
+"""Scripts whose process groups live in ``multiprocessing`` children: those end through
+multiprocessing's own exit, which flushes their result queues."""
+
+
+def test_every_script_that_joins_a_process_group_ends_through_exit_after():
+    """Each torchrun entry point (the trainer, the tools' and test helpers' workers) that
+    initialises a process group ends its ``__main__`` block through ``exit_after``."""
+    scripts = [REPO / "spmd_rl/train.py", *sorted((REPO / "tools").glob("*.py")), *sorted((REPO / "tests/helpers").glob("*.py"))]
+    joiners = [p for p in scripts if "init_process_group(" in p.read_text()]
+    assert len(joiners) >= 8  # the scan still finds the workers
+    missing = []
+    for p in joiners:
+        rel = str(p.relative_to(REPO))
+        main_block = p.read_text().partition('if __name__ == "__main__":')[2]
+        if rel not in _MP_TARGETS and "exit_after(" not in main_block:
+            missing.append(rel)
+    assert not missing, f"end these through spmd_rl.distributed.teardown.exit_after: {missing}"

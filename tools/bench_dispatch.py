@@ -155,10 +155,6 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        from spmd_rl.distributed.teardown import exit_after
-
-        exit_after(lambda: worker(json.loads(sys.argv[2])))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes (one rank each).")
     ap.add_argument("--G", type=int, default=32)
@@ -213,4 +209,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        from spmd_rl.distributed.teardown import exit_after
+
+        exit_after(lambda: worker(json.loads(sys.argv[2])))
+    else:
+        main()

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.store import flatten, unflatten
 from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
 
@@ -77,8 +78,7 @@ def main() -> None:
     client.close()
     if server is not None:
         server.stop()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -17,6 +17,7 @@ from spmd_rl.config.layout import Layout, Layouts
 from spmd_rl.config.schema import ActorConfig, ReshardConfig, RolloutConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.logprobs import split
@@ -118,4 +119,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)
