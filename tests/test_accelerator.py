@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.etcd_server import free_port
-from spmd_rl.trainer.metrics import global_max, global_sums
+from spmd_rl.trainer.metrics import global_max, global_maxes, global_sums
 
 
 def test_device_backends_include_a_cpu_backend():
@@ -22,5 +22,7 @@ def test_metrics_collectives_on_a_group_built_like_the_device_one():
     try:
         assert global_sums({"a": 1.5, "b": 2.0}) == {"a": 1.5, "b": 2.0}
         assert global_max(3.0) == 3.0
+        # maxima and minima in one collective; a minimum comes back with its own sign
+        assert global_maxes({"m": 2.0, "a": -1.0}, mins={"g": 0.25}) == {"m": 2.0, "a": -1.0, "g": 0.25}
     finally:
         dist.destroy_process_group()

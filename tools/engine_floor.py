@@ -74,8 +74,11 @@ def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) 
         """Median seconds of generating every prompt's N samples of at most ``length`` tokens."""
         params = SamplingParams(n=cfg.rollout.n, max_tokens=length, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 logprobs=0, **fixed)
-        return _median_time(lambda: outs.__setitem__(slice(None), llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                                                use_tqdm=False)), repeats)
+
+        def run():
+            outs[:] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        return _median_time(run, repeats)
 
     got = {"floor_generation_s": timed(cfg.rollout.max_response_length), "responses": [list(c.token_ids) for o in outs for c in o.outputs]}
     if flat:  # the same tokens, no tail

@@ -16,7 +16,6 @@ frees the memory when the last rank exits, however it exits.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -38,13 +37,7 @@ def segment_paths() -> list[Path]:
     return paths
 
 
-def unlink_segment_names() -> list[Path]:
-    """Unlink this rank's segments by name (the mappings stay); returns those unlinked."""
-    gone = []
+def unlink_segment_names() -> None:
+    """Unlink this rank's segments by name (the mappings stay)."""
     for path in segment_paths():
-        try:
-            os.unlink(path)
-            gone.append(path)
-        except FileNotFoundError:
-            pass
-    return gone
+        path.unlink(missing_ok=True)

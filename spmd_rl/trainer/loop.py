@@ -31,7 +31,7 @@ from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.partial import carried_rows, partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
-from spmd_rl.trainer.metrics import MetricsLog, StageTimer, generation_spread, global_maxes, throughput
+from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.stages.samples import put_prompts
@@ -98,9 +98,10 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     seconds = time.perf_counter() - t0
     out = m.finish() | {"world": run.lay.world, "samples": len(train_idx), "iteration_s": seconds}
     ran = [s.name for s in run.graph if s.name in timer.times]  # partial rollout may train nothing
-    gen_s = timer.times.get(run.graph[0].name, 0.0)  # this rank's rollout stage
-    out |= global_maxes(run.residency.iteration_memory(ran) | generation_spread(gen_s))  # the largest rank's
-    out["generation_s_min"] = -out["generation_s_min"]
+    # the largest rank's memory; the slowest and fastest rank's rollout stage (their gap is how
+    # long the fastest waited: the most a better balance of the generation work could save)
+    gen_s = timer.times.get(run.graph[0].name, 0.0)
+    out |= global_maxes(run.residency.iteration_memory(ran) | {"generation_s_max": gen_s}, mins={"generation_s_min": gen_s})
     out["throughput_eq5"] = throughput(cfg.data.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length,
                                        cfg.rollout.max_response_length, run.lay.world, seconds)
     return out | {f"time_{k}": v for k, v in timer.times.items()}

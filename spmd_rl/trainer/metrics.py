@@ -35,20 +35,15 @@ def global_max(value: float) -> float:
     return float(t.item())
 
 
-def global_maxes(values: dict[str, float]) -> dict[str, float]:
-    """All-reduce a dict of values to their maxima over this rank's side, in one collective."""
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+def global_maxes(values: dict[str, float], mins: dict[str, float] | None = None) -> dict[str, float]:
+    """All-reduce a dict of values to their maxima over this rank's side, and ``mins`` to their
+    minima (min x = -max(-x)), in one collective. Keys must not repeat between the two."""
+    mins = mins or {}
+    keys, low = sorted(values), sorted(mins)
+    t = torch.tensor([float(values[k]) for k in keys] + [-float(mins[k]) for k in low], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
-    return dict(zip(keys, t.tolist()))
-
-
-def generation_spread(seconds: float) -> dict[str, float]:
-    """This rank's rollout-stage seconds as ``global_maxes`` inputs: ``generation_s_max`` is the
-    slowest generation rank's time and ``-generation_s_min`` reduces to the fastest one's (negate
-    it after the reduction). Their difference is how long the fastest rank waited for the
-    slowest: the most a better balance of the generation work could save."""
-    return {"generation_s_max": seconds, "generation_s_min": -seconds}
+    got = t.tolist()
+    return dict(zip(keys, got)) | {k: -v for k, v in zip(low, got[len(keys):])}
 
 
 class StageTimer:
