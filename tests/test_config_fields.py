@@ -26,6 +26,7 @@ COVERED = {
     "actor.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.mini_batch_size": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
     "actor.micro_batch_size": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
+    "actor.micro_batch_tokens": "test_stage_fields.py::test_token_budget_splits_by_tokens_and_keeps_the_objective",
     "actor.ppo_epochs": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
     "actor.loss_agg_mode": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
     "actor.policy_loss": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",

@@ -1,6 +1,7 @@
 """End-to-end invariants of the update under real torchrun (2 ranks, real etcd, real vLLM):
 
-- the same iteration with micro-batches of 16 or 4 samples gives the same loss and grad norm;
+- the same iteration with micro-batches of 16 or 4 samples, or of at most 100 tokens, gives the
+  same loss and grad norm;
 - training layout dp_shard=2 or tp=2 (same generation layout, so the same samples) gives the
   same loss and grad norm, although the two DP ranks hold different token counts;
 - at temperature 0.7 the trainer's log-probs of the sampled tokens equal vLLM's;
@@ -30,13 +31,17 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.slow
 def test_micro_batch_size_does_not_change_the_objective(tiny_model, tmp_path, etcd):
-    rows = {m: train(tmp_path, f"micro{m}", etcd.endpoint, *ONE, f"actor.micro_batch_size={m}",
-                     "actor.loss_agg_mode=seq-mean-token-mean", "algorithm.kl_coef=0.05")[0] for m in (16, 4)}
-    a, b = rows[16], rows[4]
-    assert a["reward_mean"] == b["reward_mean"]  # the same samples
-    assert a["ref_resident_bytes"] == b["ref_resident_bytes"] == 0  # ref.offload_to_host (default): on host between uses
-    assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
-    assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
+    split = {16: (), 4: (), "tokens": ("actor.micro_batch_tokens=100",)}  # 16 samples per rank, about 30 tokens each
+    rows = {m: train(tmp_path, f"micro{m}", etcd.endpoint, *ONE, f"actor.micro_batch_size={16 if m == 'tokens' else m}", *extra,
+                     "actor.loss_agg_mode=seq-mean-token-mean", "algorithm.kl_coef=0.05")[0] for m, extra in split.items()}
+    a = rows[16]
+    assert (a["micro_batches"], rows[4]["micro_batches"]) == (1, 4)
+    assert 1 < rows["tokens"]["micro_batches"] < 16  # by tokens, the same count on both ranks (else FSDP would hang)
+    for b in (rows[4], rows["tokens"]):
+        assert a["reward_mean"] == b["reward_mean"]  # the same samples
+        assert a["ref_resident_bytes"] == b["ref_resident_bytes"] == 0  # ref.offload_to_host (default): on host between uses
+        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
+        assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
 
 
 @pytest.mark.slow

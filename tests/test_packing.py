@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.base import local
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
+from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split
 from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
 from spmd_rl.engines.train import TrainEngine
 
@@ -96,7 +96,7 @@ def test_pack_sequences_changes_what_the_model_sees_and_not_the_step(tiny_model)
         e = TrainEngine(tiny_model, detect("cpu"), mesh, cfg, "float32", total_steps=10, temperature=0.8)
         rows = []
         hook = e.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[0]))
-        lp, _ = e.infer(batch, 4)
+        lp, _ = e.infer(split(batch, 4))
         step = e.train_step([batch[:4], batch[4:]], lambda lp, ent, k: -(lp.sum() + 0.1 * ent.sum()) / 100, with_entropy=True)
         hook.remove()
         moments = torch.cat([local(s["exp_avg"]).flatten() for s in e.optimizer.state.values()])

@@ -69,6 +69,8 @@ def reference_gae(col: dict[str, dict[int, torch.Tensor]]) -> tuple[dict[int, to
 def test_ppo_gae_and_residency(tiny_model, tmp_path, etcd, layout):
     dump = tmp_path / "dump"
     overrides = (*PPO, *LAYOUTS[layout], "trainer.iterations=2")
+    if layout == "fsdp":  # the critic's value forward and update in micro-batches of at most 100 tokens
+        overrides += ("actor.micro_batch_tokens=100",)
     if layout == "tp":  # the critic from its own folder: a value model with a non-zero head
         torch.manual_seed(0)
         AutoModelForTokenClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(tmp_path / "critic")
@@ -76,6 +78,9 @@ def test_ppo_gae_and_residency(tiny_model, tmp_path, etcd, layout):
     rows = train(tmp_path, layout, etcd.endpoint, *overrides, extra_env=dump_env(dump))
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:
+        # 16 samples of about 30 tokens per rank: 2 of micro_batch_size 8, more under 100 tokens (fsdp);
+        # tp: all 32 samples on each rank, 4 micro-batches of 8
+        assert r["micro_batches"] > 2 if layout == "fsdp" else r["micro_batches"] == 4
         assert r["value_loss"] > 0 and "critic_grad_norm" in r and r["critic_lr"] == 1e-3  # algorithm.critic_lr, not the actor's
     assert (rows[0]["values_mean"] == 0) == (layout == "fsdp")  # the actor's folder has no value head: it starts at zero
     assert rows[0]["kl_reward"] == 0 and rows[1]["kl_reward"] != 0  # the actor equals the reference until its first step

@@ -29,7 +29,7 @@ class TinyEngine(Engine):
     def __init__(self, acc, model):
         self.acc, self.model = acc, model
 
-    def infer(self, batch, micro_batch_size, with_entropy=False):
+    def infer(self, micro_batches, with_entropy=False):
         raise NotImplementedError
 
     def train_step(self, micro_batches, loss_fn, with_entropy=False):

@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch
+from spmd_rl.engines.logprobs import build_batch, split
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.rewards.registry import exact_match
 from spmd_rl.reshard.ledger import ROLE_CATEGORIES
@@ -44,19 +44,19 @@ def test_score_engine_equals_hf_forward(tiny_reward_model):
                for q in ("3+4=", "12+30=", "99+1=")]
     responses = [torch.tensor(tok.encode(a, add_special_tokens=False) + e) for a, e in (("7", [tok.eos_token_id]), ("41", []), ("100", [tok.eos_token_id]))]
     engine = _engine(tiny_reward_model, "score")
-    got, _ = engine.infer(build_batch(prompts, responses, tok.pad_token_id), micro_batch_size=2)  # micro-batches pad differently
+    got, _ = engine.infer(split(build_batch(prompts, responses, tok.pad_token_id), 2))  # micro-batches pad differently
     torch.testing.assert_close(got, _hf_scores(tiny_reward_model, prompts, responses), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.usefixtures("world_of_one")
 def test_value_head_zero_from_actor_and_read_from_its_own_folder(tiny_model, tmp_path):
     batch = build_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [torch.tensor([11, 12]), torch.tensor([13, 14, 15])], 0)
-    fresh, _ = _engine(tiny_model, "value").infer(batch, 2)
+    fresh, _ = _engine(tiny_model, "value").infer(split(batch, 2))
     assert fresh.abs().max() == 0  # the actor's folder has no value head: it starts at zero
     torch.manual_seed(0)
     own = AutoModelForTokenClassification.from_pretrained(tiny_model, num_labels=1)  # random head
     own.save_pretrained(tmp_path / "critic")
-    values, _ = _engine(tmp_path / "critic", "value").infer(batch, 2)
+    values, _ = _engine(tmp_path / "critic", "value").infer(split(batch, 2))
     with torch.no_grad():
         want = own.eval()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0].gather(1, batch.predictor) * batch.mask
     torch.testing.assert_close(values, want, atol=1e-5, rtol=1e-5)

@@ -163,6 +163,60 @@ def test_update_reads_its_fields(override):
     assert not (torch.allclose(want_lp, base_lp, atol=1e-6) and torch.allclose(want_ent, base_ent, atol=1e-6)), "field has no effect here"
 
 
+class CountingEngine(FakeEngine):
+    """Also records (samples, tokens) of every micro-batch of the first optimizer step."""
+
+    def _step(self, micro_batches, loss_fn):
+        if self.first is None:
+            self.seen = [(len(m), int(m.attention_mask.sum())) for m in micro_batches]
+        super()._step(micro_batches, loss_fn)
+
+
+@pytest.mark.parametrize("packed,want", [("true", [(1, 7), (2, 13), (3, 12)]), ("false", [(1, 7), (1, 7), (2, 11), (2, 7)])])
+def test_token_budget_splits_by_tokens_and_keeps_the_objective(packed, want):
+    """Samples of 7, 7, 6, 5, 4, 3 tokens (longest first) under a 13-token budget: packed, a
+    micro-batch holds up to 13 real tokens; padded, count x longest <= 13. Either way the
+    gradient is the one objective over the whole mini-batch."""
+    cfg = _cfg(*BASE, "actor.entropy_coef=0.3", "actor.micro_batch_size=6", "actor.micro_batch_tokens=13", f"actor.pack_sequences={packed}",
+               "data.max_prompt_length=2", "rollout.max_response_length=5")
+    lengths, lp, old, roll, ref, ent, adv, mask = _data()
+    ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
+    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
+                     "seq_advantage": [torch.tensor(float(a)) for a in adv],
+                     "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
+    engine = CountingEngine(lp.float(), ent.float())
+    final = run_named(_run(cfg, dock, engine), "actor_update").final
+    assert engine.seen == want
+    assert final["micro_batches"] == len(want)
+    want_lp, want_ent = _reference_grads(cfg)
+    assert torch.allclose(engine.first[0].double(), want_lp, atol=1e-6)
+    assert torch.allclose(engine.first[1].double(), want_ent, atol=1e-6)
+
+
+class InferEngine:
+    """A forward-only role whose output row is the sample's index at every position."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, int]] = []
+
+    def infer(self, micro_batches, with_entropy=False):
+        self.seen = [(len(m), int(m.attention_mask.sum())) for m in micro_batches]
+        rows = torch.cat([rows_of(m) for m in micro_batches]).float()
+        return rows[:, None].expand(-1, micro_batches[0].mask.shape[1]).clone(), None
+
+
+def test_forward_stage_splits_by_tokens_and_returns_each_sample_its_own_row():
+    cfg = _cfg(*BASE, "actor.micro_batch_size=6", "actor.micro_batch_tokens=13", "data.max_prompt_length=2", "rollout.max_response_length=5")
+    lengths = _data()[0]
+    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths]})
+    ref = InferEngine()
+    run_named(_run(cfg, dock, None, ref=ref), "ref_logprob")
+    assert ref.seen == [(1, 7), (2, 13), (3, 12)]  # the update's micro-batches (test above)
+    got = dock.puts["ref_log_prob"]
+    assert [t.numel() for t in got] == lengths
+    assert [set(t.tolist()) for t in got] == [{float(k)} for k in range(B)]
+
+
 def test_kl_in_reward_leaves_the_loss_without_kl():
     # use_kl_loss=false: the KL goes into the rewards (test_ppo_stages), the update reads no
     # reference log-probs and its objective has no KL term

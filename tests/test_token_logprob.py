@@ -121,13 +121,14 @@ def test_trim_drops_only_unused_padding_and_changes_no_log_prob(tiny_model):
 def test_length_order_sorts_within_mini_batches_only():
     from types import SimpleNamespace
 
-    from spmd_rl.trainer.stages.minibatch import length_order, schedule
+    from spmd_rl.trainer.stages.minibatch import length_order, mini_batches
 
     cfg = SimpleNamespace(actor=SimpleNamespace(mini_batch_size=2, ppo_epochs=1), rollout=SimpleNamespace(n=4))
     lengths = torch.tensor([3, 9, 1, 7, 5, 5, 2, 8, 4, 6, 10, 1])  # this rank: 12 rows; dp 2 -> 4 rows per mini-batch
     order = length_order(cfg, 2, lengths)
     assert sorted(order.tolist()) == list(range(12))
-    for _, sl in schedule(cfg, 2, 12):
+    assert mini_batches(cfg, 2, 12) == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    for sl in mini_batches(cfg, 2, 12):
         got = order[sl]
         assert set(got.tolist()) == set(range(12)[sl])  # same membership: the same optimizer steps
         assert lengths[got].tolist() == sorted(lengths[sl].tolist(), reverse=True)

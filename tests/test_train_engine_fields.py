@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch
+from spmd_rl.engines.logprobs import build_batch, split
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.engines.base import local
 
@@ -82,7 +82,7 @@ def test_bf16_compute_keeps_the_lm_head_in_float32(tiny_model):
     hooks = [decoder_layers(e.model)[0].register_forward_hook(record("layer")), e.model.lm_head.register_forward_hook(record("head"))]
     g = torch.Generator().manual_seed(0)
     batch = build_batch([torch.randint(3, 200, (12,), generator=g) for _ in range(4)], [torch.randint(3, 200, (6,), generator=g) for _ in range(4)], 0)
-    lp, _ = e.infer(batch, 4)
+    lp, _ = e.infer(split(batch, 4))
     for h in hooks:
         h.remove()
     assert seen == {"layer": torch.bfloat16, "head": torch.float32}
@@ -103,7 +103,7 @@ def test_accumulate_unsharded_gives_the_same_step(tiny_model):
         a = plain.train_step(micro, lambda lp, ent, k: -lp.sum())
         b = accum.train_step(micro, lambda lp, ent, k: -lp.sum())
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    assert torch.allclose(plain.infer(_batch(), 2)[0], accum.infer(_batch(), 2)[0], atol=1e-6)
+    assert torch.allclose(plain.infer(split(_batch(), 2))[0], accum.infer(split(_batch(), 2))[0], atol=1e-6)
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(p, DTensor) for p in accum.model.parameters())  # resharded after the last micro-batch
@@ -120,12 +120,12 @@ def test_compile_compiles_every_layer_and_changes_no_result(tiny_model):
     assert all(getattr(l, "_compiled_call_impl", None) is not None for l in decoder_layers(compiled.model))
     assert all(getattr(l, "_compiled_call_impl", None) is None for l in decoder_layers(eager.model))
     wide = build_batch([torch.tensor([5, 6, 7, 8])] * 2, [torch.tensor([11, 12, 13, 14, 15]), torch.tensor([9])], 0)
-    assert torch.allclose(eager.infer(wide, 2)[0], compiled.infer(wide, 2)[0], atol=1e-5)
+    assert torch.allclose(eager.infer(split(wide, 2))[0], compiled.infer(split(wide, 2))[0], atol=1e-5)
     for batch in (_batch(), wide):
         a = eager.train_step([batch], lambda lp, ent, k: -lp.sum())
         b = compiled.train_step([batch], lambda lp, ent, k: -lp.sum())
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
-    assert torch.allclose(eager.infer(wide, 2)[0], compiled.infer(wide, 2)[0], atol=1e-3)
+    assert torch.allclose(eager.infer(split(wide, 2))[0], compiled.infer(split(wide, 2))[0], atol=1e-3)
 
 
 def test_bucketed_gather_in_the_generation_dtype_equals_gather_then_cast(tiny_model):

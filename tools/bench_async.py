@@ -63,6 +63,7 @@ def speed(name: str, args) -> dict:
     out["tokens_per_s"] = sum(r["samples"] * r.get("response_length_mean", 0.0) for r in steady) / seconds
     out["response_length_mean"] = statistics.mean(r.get("response_length_mean", 0.0) for r in steady if r["samples"])
     out["response_length_max"] = max(r.get("response_length_max", 0.0) for r in steady)
+    out["micro_batches"] = statistics.mean(r.get("micro_batches", 0.0) for r in steady)  # per optimizer step and rank
     return out
 
 
@@ -100,7 +101,8 @@ def main() -> None:
             stages = "  ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time_"))
             print(f"{name:8s} {m['iteration_s']:.2f} s/iteration  {m['samples_per_s']:.1f} samples/s  {m['tokens_per_s']:.0f} tokens/s  "
                   f"x{m['samples_per_s'] / base['samples_per_s']:.2f} samples/s  x{m['tokens_per_s'] / base['tokens_per_s']:.2f} tokens/s vs sync\n"
-                  f"         responses mean {m['response_length_mean']:.1f} max {m['response_length_max']:.0f}  |  {stages}", flush=True)
+                  f"         responses mean {m['response_length_mean']:.1f} max {m['response_length_max']:.0f}  "
+                  f"micro-batches {m['micro_batches']:.1f}  |  {stages}", flush=True)
     if args.learn_iterations:
         print(f"-- learning: quickstart, {args.learn_iterations} iterations, held-out greedy accuracy on {args.eval_limit} prompts", flush=True)
         for seed in (int(x) for x in args.seeds.split(",")):

@@ -5,8 +5,9 @@ in one process that owns every core, with none of spmd-rl around them.
 - generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,
   same SL, same dtype), after one warm-up call;
 - training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
-  padded, in the order drawn; the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
-  backward in micro-batches of ``actor.micro_batch_size x train DP``, AdamW), after one warm-up
+  padded, longest first as the trainer orders them; the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
+  backward in micro-batches of ``actor.micro_batch_size x train DP`` samples, and at most
+  ``actor.micro_batch_tokens x train DP`` tokens when that is set; AdamW), after one warm-up
   step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
   differs, as the FSDP engine's mixed precision does; decoder layers compiled when
   ``actor.compile``; each micro-batch packed padding-free when ``actor.pack_sequences``
@@ -45,8 +46,9 @@ from spmd_rl.config.loader import load_config  # noqa: E402
 from spmd_rl.data.prompts import load_tokenizer, prompts_for  # noqa: E402
 from spmd_rl.engines.base import DTYPES  # noqa: E402
 from spmd_rl.engines.parallelize import apply_compile  # noqa: E402
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split  # noqa: E402
+from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs  # noqa: E402
 from spmd_rl.engines.packing import packed_response_logprobs  # noqa: E402
+from spmd_rl.trainer.stages.micro import token_runs  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -101,17 +103,21 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
     batch = build_batch(ps, [torch.tensor(r) for r in responses], pad_id)
     adv = torch.randn(len(batch), 1).expand(-1, batch.mask.shape[1])
     tokens = batch.mask.sum()
-    micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard
+    dp = cfg.parallel.train.dp_shard  # this one process does the work of the DP ranks
+    budget = cfg.actor.micro_batch_tokens and cfg.actor.micro_batch_tokens * dp
+    order = torch.argsort(batch.attention_mask.sum(1), descending=True, stable=True)  # as the trainer orders
+    batch, adv = batch[order], adv[order]
+    runs = token_runs(batch.attention_mask.sum(1).tolist(), cfg.actor.micro_batch_size * dp, budget, cfg.actor.pack_sequences)
     cast = torch.autocast("cpu", dtype=compute) if compute != master else contextlib.nullcontext()
     logprobs = packed_response_logprobs if cfg.actor.pack_sequences else lm_response_logprobs
 
     def step():
         model.train()
-        for k, m in enumerate(split(batch, micro)):
+        for r in runs:
+            m = batch[r].trim()
             with cast:
-                lp, _ = logprobs(model, m.trim(), False, cfg.rollout.temperature)
-            a = adv[k * micro : k * micro + len(m)]
-            (-(lp * a[:, : lp.shape[1]] * m.trim().mask).sum() / tokens).backward()
+                lp, _ = logprobs(model, m, False, cfg.rollout.temperature)
+            (-(lp * adv[r, : lp.shape[1]] * m.mask).sum() / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

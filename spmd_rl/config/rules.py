@@ -51,6 +51,10 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
         for field, micro in (("actor.micro_batch_size", cfg.actor.micro_batch_size), ("ref.micro_batch_size", cfg.ref.micro_batch_size)):
             if micro is not None and per_rank % micro:
                 out.append(Violation(field, micro, f"does not divide the {per_rank} samples each rank gets per mini-batch", f"use a divisor of {per_rank}"))
+    budget, longest = cfg.actor.micro_batch_tokens, cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if budget is not None and budget < longest:
+        out.append(Violation("actor.micro_batch_tokens", budget, f"is below one full-length sample (data.max_prompt_length + rollout.max_response_length = {longest})",
+                             f"use at least {longest}, or null for micro_batch_size samples per micro-batch"))
     return out
 
 

@@ -60,7 +60,10 @@ class ActorConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     mini_batch_size: int = Field(gt=0, description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`.")
-    micro_batch_size: int = Field(gt=0, description="Samples per forward/backward on one rank (gradient accumulation unit).")
+    micro_batch_size: int = Field(gt=0, description="Samples per forward/backward on one rank (gradient accumulation unit); with `micro_batch_tokens`, the most samples per micro-batch.")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0, description="Token budget per forward/backward on one rank (verl's ppo_max_token_len_per_gpu): consecutive samples of the length-ordered mini-batch share a micro-batch while it computes at most this many tokens (their summed lengths with `pack_sequences`, count x longest without); every DP rank then runs the largest rank's count. Applies to the actor and critic updates and the reference, old log-prob and value forwards; null = `micro_batch_size` samples each. At least data.max_prompt_length + rollout.max_response_length."
+    )
     ppo_epochs: int = Field(1, gt=0, description="Passes over the iteration's samples in the update stage.")
     grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
     clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip: ratio is clipped below at 1 - clip_ratio_low.")

@@ -38,9 +38,10 @@ class Engine(ABC):
     trainable: bool
 
     @abstractmethod
-    def infer(self, batch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The role's outputs for ``batch`` without gradients: per-token log-probs [B, R] (and
-        entropies) of a policy, per-token values [B, R] of a critic, scores [B] of a reward model."""
+    def infer(self, micro_batches: list, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The role's outputs without gradients, one forward per micro-batch (the caller splits,
+        as for ``train_step``), concatenated: per-token log-probs [B, R] (and entropies) of a
+        policy, per-token values [B, R] of a critic, scores [B] of a reward model."""
 
     @abstractmethod
     def train_step(self, micro_batches: list, loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:

@@ -29,7 +29,7 @@ from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
-from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs, split
+from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
 from spmd_rl.engines.packing import packed_response_logprobs, packed_scores, packed_values
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
@@ -113,11 +113,11 @@ class TrainEngine(Engine):
         return torch.nn.functional.pad(out, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 
     @torch.no_grad()
-    def infer(self, batch: SeqBatch, micro_batch_size: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's outputs (module docstring) in micro-batches: ([B, R] log-probs or values, or
-        [B] scores; [B, R] entropies of an LM when asked)."""
+    def infer(self, micro_batches: list[SeqBatch], with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's outputs (module docstring) for the micro-batches, concatenated in order:
+        ([B, R] log-probs or values, or [B] scores; [B, R] entropies of an LM when asked)."""
         self.model.eval()
-        outs = [self._forward(m, with_entropy) for m in split(batch, micro_batch_size)]
+        outs = [self._forward(m, with_entropy) for m in micro_batches]
         lp = torch.cat([o[0] for o in outs]).cpu()
         ent = torch.cat([o[1] for o in outs]).cpu() if with_entropy else None
         return lp, ent

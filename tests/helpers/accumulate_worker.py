@@ -19,7 +19,7 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines.logprobs import build_batch
+from spmd_rl.engines.logprobs import build_batch, split
 from spmd_rl.engines.train import TrainEngine
 
 GATHERS = {"n": 0}
@@ -49,8 +49,8 @@ def main() -> None:
         steps = [first, engine.train_step(micro, lambda lp, ent, k: -lp.sum())]
         step_gathers = GATHERS["n"]
         GATHERS["n"] = 0
-        lp, _ = engine.infer(micro[0], 2)
-        engine.infer(micro[0], 2)
+        lp, _ = engine.infer(split(micro[0], 2))
+        engine.infer(split(micro[0], 2))
         report[name] = {"step_gathers": step_gathers, "infer_gathers": GATHERS["n"], "steps": steps, "logprobs": lp.flatten().tolist(),
                         "fsdp_modules": sum(isinstance(m, FSDPModule) for m in engine.model.modules())}
     Path(os.environ["SPMD_RL_OUT"], f"accumulate-rank{rank}.json").write_text(json.dumps(report))

@@ -80,7 +80,7 @@ def main():
         greedy = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in my_prompts]
         report["greedy_equal"].append(all(g[: len(s.token_ids)] == s.token_ids for g, s in zip(greedy, samples)))
         seqs = build_batch([torch.tensor(p) for p in my_prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id)
-        lp, _ = engine.infer(seqs, micro_batch_size=8)
+        lp, _ = engine.infer(split(seqs, 8))
         diffs = [abs(lp[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids))]
         report["max_logprob_diff"].append(max(diffs))
         # vLLM weights that vLLM CPU does not repack, against this rank's TP slice: bit for bit

@@ -9,9 +9,9 @@ import torch
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
 from spmd_rl.config.stages import advantage_column, separated
-from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.metrics import global_max
-from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, schedule
+from spmd_rl.trainer.stages.micro import micro_plan
+from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, mini_batches
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
@@ -40,45 +40,46 @@ def actor_update(call: StageCall) -> StageResult:
     ref, old = (None if t is None else t[order] for t in (ref, old))
     objective = get_policy_loss(a.policy_loss)
     clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
-    micro = a.micro_batch_size
+    minis = mini_batches(cfg, lay.dp, len(batch))
+    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, a.micro_batch_size)
     acc = dict.fromkeys(_SUMS, 0.0) | {"mismatch_max": 0.0}
     steps, grad_norm, lr = 0, 0.0, 0.0
-    for epoch, sl in schedule(cfg, lay.dp, len(batch)):
-        mini = seqs[sl]
-        norm = mini_batch_norm(mini.mask, lay.tp)
+    for epoch in range(a.ppo_epochs):
+        for sl, micros in zip(minis, plan):
+            norm = mini_batch_norm(seqs.mask[sl], lay.tp)
 
-        def loss_fn(lp, ent, k, sl=sl, mini=mini, norm=norm, first_epoch=epoch == 0):
-            s = slice(sl.start + k * micro, sl.start + (k + 1) * micro)
-            mask = mini.mask[k * micro : (k + 1) * micro].to(lp.device)
-            m = mask.to(lp.dtype)
-            old_lp = old[s].to(lp.device) if old is not None else lp.detach()
-            roll = rollout[s].to(lp.device)
-            weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
-            out = objective(lp, old_lp, adv[s].to(lp.device), mask, clip, norm, weight)
-            loss = out.loss
-            if ref is not None:
-                kl = kl_estimate(lp, ref[s].to(lp.device), cfg.algorithm.kl_estimator)
-                acc["kl"] += float((kl.detach() * m).sum())
-                if cfg.algorithm.use_kl_loss:
-                    loss = loss + cfg.algorithm.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
-            acc["entropy"] += float((ent.detach() * m).sum())
-            if a.entropy_coef:
-                loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
-            acc["loss"] += float(loss.detach())
-            acc["clipped"] += out.clipped_tokens
-            acc["tokens"] += float(m.sum())
-            if first_epoch:
-                diff = (old_lp.detach() - roll) * m
-                acc["mismatch_sum"] += float(diff.abs().sum())
-                acc["mismatch_tokens"] += float(m.sum())
-                acc["mismatch_max"] = max(acc["mismatch_max"], float(diff.abs().max()) if m.numel() else 0.0)
-                acc["rollout_kl"] += float((-diff).sum())
-            return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
+            def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
+                s = micros[k]
+                mask = seqs.mask[s].to(lp.device)
+                m = mask.to(lp.dtype)
+                old_lp = old[s].to(lp.device) if old is not None else lp.detach()
+                roll = rollout[s].to(lp.device)
+                weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
+                out = objective(lp, old_lp, adv[s].to(lp.device), mask, clip, norm, weight)
+                loss = out.loss
+                if ref is not None:
+                    kl = kl_estimate(lp, ref[s].to(lp.device), cfg.algorithm.kl_estimator)
+                    acc["kl"] += float((kl.detach() * m).sum())
+                    if cfg.algorithm.use_kl_loss:
+                        loss = loss + cfg.algorithm.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
+                acc["entropy"] += float((ent.detach() * m).sum())
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
+                acc["loss"] += float(loss.detach())
+                acc["clipped"] += out.clipped_tokens
+                acc["tokens"] += float(m.sum())
+                if first_epoch:
+                    diff = (old_lp.detach() - roll) * m
+                    acc["mismatch_sum"] += float(diff.abs().sum())
+                    acc["mismatch_tokens"] += float(m.sum())
+                    acc["mismatch_max"] = max(acc["mismatch_max"], float(diff.abs().max()) if m.numel() else 0.0)
+                    acc["rollout_kl"] += float((-diff).sum())
+                return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
-        out = run.roles["actor"].train_step(split(mini, micro), loss_fn, with_entropy=True)
-        grad_norm += out["grad_norm"]
-        lr = out["lr"]
-        steps += 1
+            out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True)
+            grad_norm += out["grad_norm"]
+            lr = out["lr"]
+            steps += 1
     run.residency.weights_changed()
     final = {}
     if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
@@ -96,4 +97,5 @@ def actor_update(call: StageCall) -> StageResult:
         "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
         "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
         "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),
-        "rollout_kl": g["rollout_kl"] / mt})
+        "rollout_kl": g["rollout_kl"] / mt,
+        "micro_batches": sum(map(len, plan)) / max(len(plan), 1)})  # per optimizer step, the same on every rank

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.config.stages import ref_micro_batch_size
-from spmd_rl.trainer.stages.minibatch import length_order
+from spmd_rl.trainer.stages.micro import micro_plan
+from spmd_rl.trainer.stages.minibatch import length_order, mini_batches
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import ragged, seq_batch
 
@@ -22,8 +23,10 @@ def forward_stage(call: StageCall) -> StageResult:
     role = ENGINE_OF[call.stage.name]
     micro = ref_micro_batch_size(run.cfg) if role == "ref" else run.cfg.actor.micro_batch_size
     seqs = seq_batch(run, batch)
-    order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order
-    got, _ = run.roles[role].infer(seqs[order], micro)
+    order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order and micro-batches
+    seqs = seqs[order]
+    plan = micro_plan(run.cfg, seqs.attention_mask.sum(1), mini_batches(run.cfg, run.lay.train.dp, len(batch)), micro)
+    got, _ = run.roles[role].infer([seqs[s] for mini in plan for s in mini])
     out = torch.empty_like(got)
     out[order] = got
     (column,) = call.stage.outputs

@@ -10,8 +10,6 @@ once), divided by global counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from spmd_rl.algos.policy_loss import LossNorm
@@ -35,14 +33,12 @@ def _per_rank(cfg: Config, dp: int) -> int:
     return cfg.actor.mini_batch_size * cfg.rollout.n // dp
 
 
-def schedule(cfg: Config, dp: int, local_samples: int) -> Iterator[tuple[int, slice]]:
-    """(epoch, this rank's rows of the mini-batch): ``actor.ppo_epochs`` passes over the
-    iteration's samples in mini-batches of ``actor.mini_batch_size`` prompts (x N samples, over
-    all DP ranks), one optimizer step each."""
+def mini_batches(cfg: Config, dp: int, local_samples: int) -> list[slice]:
+    """This rank's rows of each mini-batch of one epoch: ``actor.mini_batch_size`` prompts (x N
+    samples, over all DP ranks), one optimizer step each. ``actor.ppo_epochs`` passes repeat
+    them in the same order."""
     per_rank = _per_rank(cfg, dp)
-    for epoch in range(cfg.actor.ppo_epochs):
-        for start in range(0, local_samples, per_rank):
-            yield epoch, slice(start, start + per_rank)
+    return [slice(start, min(start + per_rank, local_samples)) for start in range(0, local_samples, per_rank)]
 
 
 def length_order(cfg: Config, dp: int, lengths: torch.Tensor) -> torch.Tensor:

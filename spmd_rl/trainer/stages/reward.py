@@ -15,6 +15,7 @@ import torch
 
 from spmd_rl.algos.core import overlong_penalty
 from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.engines.logprobs import split
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 
@@ -29,7 +30,7 @@ def reward(call: StageCall) -> StageResult:
     rule = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     sums: dict[str, float] = {}
     if cfg.reward.kind == "model":
-        model_score, _ = run.roles["reward_model"].infer(seq_batch(run, batch), ref_micro_batch_size(cfg))
+        model_score, _ = run.roles["reward_model"].infer(split(seq_batch(run, batch), ref_micro_batch_size(cfg)))
         scores = model_score.float() + cfg.reward.rule_weight * rule
         sums |= {"reward_model_sum": float(model_score.sum()), "reward_rule_sum": float(rule.sum())}
     else:
