@@ -1,22 +1,39 @@
 """engines.orphan_watch with real processes: a SIGKILLed "rank" takes the children it handed
-to its watcher (and their descendants) with it; a pid whose start time does not match (a
-reused pid) is left alone."""
+to its watcher (and their descendants) with it, and the names of the shared memory they had
+mapped; a pid whose start time does not match (a reused pid) is left alone."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import wait_for
 
+WORKER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)  # what shm_open does: a segment only its creator would unlink
+os.ftruncate(fd, 1 << 20)
+seg = mmap.mmap(fd, 1 << 20)
+seg[:5] = b"hello"
+tmp = sys.argv[1] + ".tmp"  # what sem_open does: map a temporary file, link it to the name, unlink the temporary
+fd = os.open(tmp, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 32)
+sem = mmap.mmap(fd, 32)
+os.link(tmp, sys.argv[1] + ".sem")
+os.unlink(tmp)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
 RANK = """
 import subprocess, sys, time
 from spmd_rl.engines.orphan_watch import OrphanWatch, children
 before = children()
-engine = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', "
-                          "'import time; time.sleep(600)']); print(w.pid, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+engine = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+                          "stdout=subprocess.PIPE, text=True); print(w.stdout.readline().strip(), flush=True); time.sleep(600)", *sys.argv[1:]],
+                          stdout=subprocess.PIPE, text=True)
 worker = int(engine.stdout.readline())
 watch = OrphanWatch()
 watch.watch(children() - before - {watch.proc.pid})
@@ -34,15 +51,21 @@ def alive(pid: int) -> bool:
 
 
 def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
-    rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env())
+    segment = Path(f"/dev/shm/spmd-rl-test-{uuid.uuid4().hex}")
+    rank = subprocess.Popen([sys.executable, "-c", RANK, WORKER, str(segment)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env())
     try:
         engine, worker, watcher = map(int, rank.stdout.readline().split())
         assert alive(engine) and alive(worker) and alive(watcher)
+        assert segment.exists() and Path(f"{segment}.sem").exists()
         rank.kill()
         rank.wait()
         wait_for(lambda: not (alive(engine) or alive(worker) or alive(watcher)), 15, "the dead rank's engine, its worker and the watcher to exit")
+        # the worker's segment and semaphore: their creator was killed before it could unlink them
+        assert not segment.exists() and not Path(f"{segment}.sem").exists()
     finally:
         rank.kill()
+        segment.unlink(missing_ok=True)
+        Path(f"{segment}.sem").unlink(missing_ok=True)
 
 
 def test_a_pid_with_another_start_time_is_not_killed():

@@ -121,3 +121,26 @@ def wait_for(cond, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - t0
+
+
+def shm_names() -> set[str]:
+    """The names in /dev/shm now."""
+    return set(os.listdir("/dev/shm"))
+
+
+def mapped_shm_names() -> set[str]:
+    """The /dev/shm names some live process maps (its own and other jobs' segments in use)."""
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        out |= {line.rsplit("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line and not line.endswith(" (deleted)")}
+    return out
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Names that appeared in /dev/shm since ``before`` and that no live process maps: shared
+    memory whose creator died before it could unlink it."""
+    return (shm_names() - before) - mapped_shm_names()

@@ -10,9 +10,21 @@ engine (found in CI: an orphaned ``VLLM::EngineCore`` after the exactly-once SIG
 write end of a pipe to the watcher's stdin; when the rank exits, however it dies, the kernel
 closes that end, the watcher reads EOF and SIGKILLs every process it was given together with
 their descendants, then exits. A pid is identified with its start time (``/proc/<pid>/stat``
-field 22), so a pid the kernel has reused is never hit. Invariant (tested with real
-processes): SIGKILL the rank and its watched children are gone within seconds; a clean exit
-of the rank leaves nothing behind either.
+field 22), so a pid the kernel has reused is never hit.
+
+A killed engine cannot unlink its shared memory: on CPU, vLLM's engine core runs a
+multiprocessing executor whose message queues are ``/dev/shm/psm_*`` segments of 160 and 240
+MiB (sparse until written) and whose locks are named semaphores (``sem.mp-*``); only their
+creators' finalisers (or the rank's resource tracker, which torchrun kills with the rank's
+process group) unlink them. So the watcher also unlinks every ``/dev/shm`` name whose inode
+the processes it kills have mapped. It matches inodes, not names, because a semaphore's
+creator maps the temporary file that ``sem_open`` then linked to the name. The segments are the
+engine's own (nothing outside its process tree opens them), and the memory goes when the last
+mapping does.
+
+Invariant (tested with real processes): SIGKILL the rank and its watched children are gone
+within seconds, and so are the names of the shared memory they had mapped; a clean exit of the
+rank leaves nothing behind either.
 """
 
 from __future__ import annotations
@@ -33,6 +45,13 @@ def stat(pid):
     fields = raw[raw.rindex(")") + 2:].split()
     return int(fields[1]), fields[19]  # ppid, start time
 
+def shm_inodes(pid):  # by inode: a semaphore maps under the temporary name sem_open linked it from
+    try:
+        lines = open(f"/proc/{pid}/maps").read().splitlines()
+    except OSError:
+        return set()
+    return {int(f[4]) for f in (line.split(None, 5) for line in lines) if len(f) == 6 and f[5].startswith("/dev/shm/")}
+
 watched = [tuple(line.split()) for line in sys.stdin]  # blocks until the rank's write end closes
 targets = {int(pid) for pid, start in watched if (stat(int(pid)) or (0, None))[1] == start}
 while True:  # and their descendants
@@ -40,10 +59,17 @@ while True:  # and their descendants
     if not more:
         break
     targets |= more
+inodes = set().union(*(shm_inodes(pid) for pid in targets))
 for pid in targets:
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
+        pass
+for name in os.listdir("/dev/shm") if inodes else []:  # their creators die before they could unlink them
+    try:
+        if os.stat(f"/dev/shm/{name}").st_ino in inodes:
+            os.unlink(f"/dev/shm/{name}")
+    except OSError:
         pass
 """
 
