@@ -38,12 +38,14 @@ def run_cost(lengths: Sequence[int], packed: bool) -> int:
 def token_runs(lengths: Sequence[int], max_samples: int, budget: int | None, packed: bool) -> list[slice]:
     """Greedy runs of consecutive rows (the fewest for this order): a row joins the current run
     while the run stays within ``max_samples`` samples and ``budget`` tokens."""
-    runs, start = [], 0
-    for k in range(1, len(lengths) + 1):
-        grown = lengths[start:k]
-        if k - start > max_samples or (budget is not None and k - start > 1 and run_cost(grown, packed) > budget):
-            runs.append(slice(start, k - 1))
-            start = k - 1
+    runs, start, total, longest = [], 0, 0, 0
+    for k, n in enumerate(lengths):
+        total, longest = total + n, max(longest, n)
+        count = k - start + 1
+        cost = total if packed else count * longest
+        if count > 1 and (count > max_samples or (budget is not None and cost > budget)):
+            runs.append(slice(start, k))
+            start, total, longest = k, n, n
     if lengths:
         runs.append(slice(start, len(lengths)))
     return runs
