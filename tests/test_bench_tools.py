@@ -75,3 +75,15 @@ def test_floor_flat_generation_has_the_same_tokens_and_no_tail(tiny_model):
     assert r["samples"] == 8 and r["flat_response_lengths"] == [max(1, round(r["response_tokens"] / 8))]
     want = (r["floor_generation_s"] + r["floor_training_s"]) / (r["flat_generation_s"] + r["floor_training_s"])
     assert r["streaming_bound"] == pytest.approx(want)
+
+
+def test_same_node_bench_moves_through_shared_memory():
+    """The bench's second process really used the shared-memory path (it asserts the warehouse
+    did not refuse its memory) and reports both paths and their ratio."""
+    from tests.conftest import subprocess_env
+
+    out = subprocess.run([sys.executable, str(REPO / "tools/bench_same_node.py"), "--mib", "0.5", "--samples", "16", "--repeats", "2"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = out.stdout
+    assert "wire" in out and "shared memory" in out and "wire / shared memory: get" in out

@@ -16,7 +16,7 @@ from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockRequestError, DockTimeout, DockUnavailable
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.warehouse import WarehouseClient
+from spmd_rl.dock.warehouse_client import WarehouseClient
 
 TOKEN = "unit-test-token-0123456789abcdef"
 STAGES = [Stage("actor_rollout", ("prompt_ids",), ("response_ids",)), Stage("reward", (), ("reward",))]

@@ -18,7 +18,8 @@ from spmd_rl.dock.columns import ColumnSpec, columns_for
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse_client import WarehouseClient
 from spmd_rl.dock.wire import WireError
 
 TOKEN = "unit-test-token-0123456789abcdef"

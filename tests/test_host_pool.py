@@ -76,6 +76,28 @@ def test_small_blocks_and_dtypes():
         assert t.dtype == dtype and t.shape == (MiB,) and t.data_ptr() % 64 == 0
 
 
+def test_a_memfd_pool_shares_every_buffer_and_closes_its_fd_with_the_last_view():
+    """dock.same_node's buffers: a memfd of the given name whatever the size, reused like the
+    others; one the pool does not keep closes its fd once no tensor views it."""
+    import gc
+    import os
+
+    pool = HostPool(size_class(MiB), memfd_name="spmd-rl-dock-test")
+    small, region = pool.region(100)
+    assert region.fd >= 0 and os.readlink(f"/proc/self/fd/{region.fd}") == "/memfd:spmd-rl-dock-test (deleted)"
+    assert os.fstat(region.fd).st_ino == region.ino and small.numel() == 100
+    big = pool.empty(MiB // 4, torch.float32).fill_(2.0)
+    del small, region
+    gc.collect()
+    assert pool.idle_bytes == size_class(100)  # the small one is kept: it fits the bound
+    other, spare = pool.region(3 * MiB)  # exceeds the bound once freed: not kept
+    fd = spare.fd
+    del other, spare
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}") != "/memfd:spmd-rl-dock-test (deleted)"
+    assert big.sum().item() == 2.0 * big.numel()
+
+
 def test_buffers_freed_in_other_threads_return_to_the_pool():
     pool = HostPool(64 * MiB)
     held = [pool.empty(MiB, torch.uint8) for _ in range(4)]

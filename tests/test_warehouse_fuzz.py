@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spmd_rl.dock.auth import job_key, seal
-from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse_client import WarehouseClient
 from spmd_rl.dock.wire import DTYPES, encode
 
 TOKEN = "fuzz-test-token-0123456789abcdef"

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.store import flatten, unflatten
-from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse_client import WarehouseClient
 
 TOKEN = "bench-tp-fetch-token-0123456789"
 

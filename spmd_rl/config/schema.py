@@ -182,7 +182,7 @@ class DockConfig(Section):
     )
     get_timeout_s: float = Field(600.0, gt=0.0, description="How long a stage waits for its input columns before failing with what is missing.")
     buffer_pool_bytes: int = Field(
-        512 << 20, ge=0, description="Host bytes of freed copy buffers (1 MiB and up) the rank serving a warehouse keeps mapped for its next puts and gets, instead of faulting in fresh pages every iteration; 0 keeps none."
+        512 << 20, ge=0, description="Host bytes of freed copy buffers each rank keeps mapped for its next puts and gets, instead of faulting in fresh pages every iteration: the rank serving a warehouse (buffers of 1 MiB and up) and its node's other ranks (their shared-memory buffers); 0 keeps none."
     )
 
 

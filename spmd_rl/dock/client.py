@@ -3,7 +3,8 @@
 Distributed mode: a rank puts into its own node's warehouse (served by the node's local-rank-0
 process) and publishes one put-record in etcd; a stage's get waits for its inputs through its
 controller, takes its DP group's share of the split, and fetches each (column, index) from the
-warehouse that holds it. Centralized mode (the paper's replay-buffer baseline): rank 0 serves
+warehouse that holds it: its own node's in process (the serving rank, ``dock.local``) or
+through shared memory (the node's other ranks, ``dock.same_node``). Centralized mode (the paper's replay-buffer baseline): rank 0 serves
 the only warehouse and every put and get goes through it.
 
 Within a DP group every TP rank computes the same split and fetches its own copy (no extra
@@ -28,12 +29,13 @@ from spmd_rl.dock.columns import ColumnSpec, as_samples
 from spmd_rl.dock.controller import StageController, group_nodes, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
-from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.stream import RecordFeed, StageStream
-from spmd_rl.dock.warehouse import WarehouseClient, WarehouseServer
+from spmd_rl.dock.same_node import SameNodeWarehouse
+from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse_client import WarehouseClient
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,8 @@ class DockBatch:
 class TransferDock:
     def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str,
                  in_process: bool = True):
-        """``in_process``: reach the warehouse this process serves directly (``dock.local``);
+        """``in_process``: reach this node's warehouse without the wire: directly when this
+        process serves it (``dock.local``), else through shared memory (``dock.same_node``);
         False sends those requests over the wire too (the baseline of ``tools/bench_dispatch``)."""
         self.cfg = cfg
         self.in_process = in_process
@@ -115,7 +118,8 @@ class TransferDock:
             self.heartbeat = Heartbeat(self.meta, self.peer.rank, heartbeat_ttl_s).start()
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
-            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes, self.cfg.max_message_bytes).start()
+            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes, self.cfg.max_message_bytes,
+                                          self.cfg.buffer_pool_bytes).start()
             if heartbeat_ttl_s:
                 self._warehouse_beat = Heartbeat(self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive",
                                                  healthy=self.server.serving).start()
@@ -152,7 +156,7 @@ class TransferDock:
     def _client(self, node: int) -> WarehouseClient | InProcessWarehouse:
         if node not in self._clients and self.in_process and self.server is not None and node == self.home_node:
             self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes,
-                                                     HostPool(self.cfg.buffer_pool_bytes))
+                                                     self.server.pool)
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)
@@ -160,9 +164,11 @@ class TransferDock:
             if self.heartbeat is not None:  # liveness-bounded fetches: a lost warehouse fails at once
                 key = self.meta.key("warehouse_alive", node)
                 alive = lambda: self.meta.get(key) is not None  # noqa: E731
-            self._clients[node] = WarehouseClient(json.loads(raw)["address"], self.token, timeout_s=self.cfg.get_timeout_s,
-                                                  max_message_bytes=self.cfg.max_message_bytes, alive=alive,
-                                                  name=f"warehouse of node {node}")
+            kwargs = dict(timeout_s=self.cfg.get_timeout_s, max_message_bytes=self.cfg.max_message_bytes, alive=alive,
+                          name=f"warehouse of node {node}")
+            address = json.loads(raw)["address"]
+            self._clients[node] = (SameNodeWarehouse(address, self.token, self.cfg.buffer_pool_bytes, **kwargs)
+                                   if node == self.peer.node and self.in_process else WarehouseClient(address, self.token, **kwargs))
         return self._clients[node]
 
     def _wait_key(self, key: str) -> bytes:

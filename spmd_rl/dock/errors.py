@@ -8,7 +8,12 @@ class DockError(Exception):
 
 class DockRequestError(DockError, ValueError):
     """A bad request to the dock: unknown column, index out of range, dtype/shape mismatch,
-    duplicate put, wrong token. Nothing already stored is changed by a refused request."""
+    duplicate put, wrong token. Nothing already stored is changed by a refused request.
+    ``kind``: the class name of the warehouse's own error, when a warehouse refused it."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 class DockTimeout(DockError, TimeoutError):

@@ -10,17 +10,24 @@ it returns to the pool when the last tensor that views it is freed (a ``weakref.
 the array the tensor's storage keeps alive), in whatever thread that happens. Sizes are rounded
 up to one of 8 classes per power of two (at most 12.5 % slack).
 
+With ``memfd_name`` every buffer is a ``memfd`` instead (``region``): a file with no name in
+any file system, which a same-node warehouse opens through ``/proc/<pid>/fd/<fd>`` to read or
+write it (``dock.shm``); the fd closes, and the memory goes, with the last view of the buffer,
+so a killed rank leaves nothing behind in ``/dev/shm``.
+
 Invariants (``tests/test_host_pool.py``): a buffer is never handed out while a tensor of it
 is alive; a freed buffer of the same size class is reused (no new page faults); the idle
 bytes the pool keeps never exceed ``max_idle_bytes`` (0: nothing is kept, every buffer is
-fresh); blocks under ``min_bytes`` come from torch's allocator as before.
+fresh); blocks under ``min_bytes`` come from torch's allocator as before (never for a memfd pool).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,11 +40,30 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+@dataclass(eq=False)
+class Region:
+    """One mapped buffer; ``fd`` and ``ino`` name its memfd (-1 and 0 when anonymous)."""
+    mm: mmap.mmap
+    fd: int = -1
+    ino: int = 0
+
+
+def _map(nbytes: int, memfd_name: str | None) -> Region:
+    if memfd_name is None:
+        return Region(mmap.mmap(-1, nbytes))
+    fd = os.memfd_create(memfd_name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    region = Region(mmap.mmap(fd, nbytes), fd, os.fstat(fd).st_ino)
+    weakref.finalize(region, os.close, fd)
+    return region
+
+
 class HostPool:
-    def __init__(self, max_idle_bytes: int, min_bytes: int = 1 << 20):
+    def __init__(self, max_idle_bytes: int, min_bytes: int = 1 << 20, memfd_name: str | None = None):
         self.max_idle_bytes = max_idle_bytes
-        self.min_bytes = min_bytes
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self.memfd_name = memfd_name
+        self.min_bytes = 0 if memfd_name else min_bytes
+        self._free: dict[int, list[Region]] = {}
         self._idle = 0
         self._lock = threading.RLock()  # a finalizer may run in a thread that already holds it (GC)
         self.reused = 0
@@ -50,8 +76,13 @@ class HostPool:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D uninitialised tensor of ``numel`` elements, from the pool when it is big enough."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes < self.min_bytes or self.max_idle_bytes == 0:
+        if self.memfd_name is None and (nbytes < self.min_bytes or self.max_idle_bytes == 0):
             return torch.empty(numel, dtype=dtype)
+        return self.region(nbytes)[0].view(dtype)
+
+    def region(self, nbytes: int) -> tuple[torch.Tensor, Region]:
+        """(An uninitialised uint8 tensor of ``nbytes`` at offset 0 of a pooled buffer, that
+        buffer); the buffer returns to the pool when the last tensor viewing it is freed."""
         cls = size_class(nbytes)
         with self._lock:
             free = self._free.get(cls)
@@ -62,12 +93,12 @@ class HostPool:
             else:
                 self.mapped += 1
         if region is None:
-            region = mmap.mmap(-1, cls)
-        arr = np.frombuffer(region, dtype=np.uint8, count=nbytes)
+            region = _map(cls, self.memfd_name)
+        arr = np.frombuffer(region.mm, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._release, region, cls)
-        return torch.from_numpy(arr).view(dtype)
+        return torch.from_numpy(arr), region
 
-    def _release(self, region: mmap.mmap, cls: int) -> None:
+    def _release(self, region: Region, cls: int) -> None:
         """Back to the free list, unless that would exceed the idle bound (then it is unmapped
         once the array's buffer export is released, right after this call)."""
         with self._lock:

@@ -1,5 +1,5 @@
 """The in-process path to the warehouse this process serves: same calls as
-:class:`~spmd_rl.dock.warehouse.WarehouseClient`, no wire.
+:class:`~spmd_rl.dock.warehouse_client.WarehouseClient`, no wire.
 
 The rank that serves its node's warehouse (local rank 0) puts every one of its samples there
 and reads 1/S of its inputs from it. Over the wire each such byte is copied into one flat
@@ -22,7 +22,8 @@ import torch
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.store import flatten, unflatten
-from spmd_rl.dock.warehouse import WarehouseServer, check_frame_limit
+from spmd_rl.dock.warehouse import WarehouseServer
+from spmd_rl.dock.warehouse_client import check_frame_limit
 from spmd_rl.dock.wire import dtype_name
 
 

@@ -17,6 +17,7 @@ Ops:
 - ``put``    {iter, indices, columns: {name: {ragged, lengths?}}} + one flat tensor per column
 - ``get``    {iter, indices, columns}  -> replies in chunks of at most ``bucket_bytes``, each
              {chunk, last, indices, columns: {name: {ragged, lengths?}}} + one flat tensor per column
+- ``put`` / ``get`` with ``shm``: a same-node rank's payload through its own memory (``dock.shm``)
 - ``delete`` {iter, indices, columns}  (roll back a put whose metadata record failed)
 - ``drop``   {iter}                    (free a committed iteration)
 - ``stats``  {}                        -> {bytes_in, bytes_out, samples, by_iteration, refused, rejected}
@@ -28,7 +29,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ import zmq
 
 from spmd_rl.dock.auth import job_key, seal, verify
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
+from spmd_rl.dock.host_pool import HostPool
+from spmd_rl.dock.shm import put_columns, serve_get
 from spmd_rl.dock.store import WarehouseStore, flatten, unflatten
 from spmd_rl.dock.wire import WireError, decode, encode
 
@@ -62,20 +64,17 @@ def _peer_of(frame) -> str:
         return f"id:{bytes(frame.buffer[:8]).hex()}"
 
 
-def check_frame_limit(op: Any, nbytes: int, limit: int) -> None:
-    """Refuse, before sending, a frame the warehouse would drop (libzmq's ``MAXMSGSIZE``); the
-    in-process path applies it too, so a put is refused alike whichever rank makes it."""
-    if nbytes > limit:
-        raise DockRequestError(f"a {op} frame of {nbytes} bytes exceeds dock.max_message_bytes={limit} "
-                               "(the warehouse would drop the connection): raise it or put fewer samples at once")
-
-
 class WarehouseServer:
     """Background thread serving a :class:`WarehouseStore` on ``tcp://interface:port``."""
 
-    def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20, max_message_bytes: int = 1 << 30):
+    def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20, max_message_bytes: int = 1 << 30,
+                 pool_bytes: int = 512 << 20):
+        """``pool_bytes``: idle bytes of freed buffers ``pool`` keeps for the next puts that
+        arrive through shared memory and for the serving rank's in-process copies."""
         self.key = job_key(token)
+        self.pool = HostPool(pool_bytes)
         self.bucket_bytes = bucket_bytes
+        self.max_message_bytes = max_message_bytes
         self.store = WarehouseStore()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -152,7 +151,7 @@ class WarehouseServer:
         except (DockRequestError, WireError) as exc:
             self.rejected += 1
             self._note("rejected", peer, str(exc))
-            return [encode({"error": f"{type(exc).__name__}: {exc}", "last": True}, [])]
+            return [encode({"error": f"{type(exc).__name__}: {exc}", "kind": type(exc).__name__, "last": True}, [])]
         except Exception as exc:  # noqa: BLE001 - the server thread must outlive any one request
             self.rejected += 1
             self._note("failed", peer, f"{type(exc).__name__}: {exc}")
@@ -171,6 +170,10 @@ class WarehouseServer:
         indices = head.get("indices")
         if not isinstance(indices, list) or not all(_is_int(i) for i in indices):
             raise DockRequestError("indices must be a list of integers")
+        if op == "put" and "shm" in head and not tensors:
+            cols, ragged = put_columns(self.key, indices, head.get("columns"), head["shm"], self.max_message_bytes, self.pool)
+            self.store.put(it, indices, cols, ragged)
+            return [encode({"ok": True, "last": True}, [])]
         if op == "put":
             specs = head.get("columns")
             if not isinstance(specs, dict) or len(specs) != len(tensors) or not all(_valid_spec(n, v) for n, v in specs.items()):
@@ -183,7 +186,8 @@ class WarehouseServer:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DockRequestError("columns must be a list of names")
         if op == "get":
-            return self._reply_get(it, indices, names)
+            answer = serve_get(self.store, self.key, it, indices, names, head["shm"]) if "shm" in head else None
+            return [encode(answer | {"last": True}, [])] if answer else self._reply_get(it, indices, names)
         if op == "delete":
             self.store.delete(it, indices, names)
             return [encode({"ok": True, "last": True}, [])]
@@ -212,81 +216,3 @@ class WarehouseServer:
             self.store.count_out(it, sum(f.numel() * f.element_size() for f in flats))
             replies.append(encode({"chunk": c, "last": c == len(chunks) - 1, "indices": indices[a:b], "columns": meta}, flats))
         return replies
-
-
-class WarehouseClient:
-    """One DEALER connection to one warehouse; one outstanding request at a time."""
-
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0, max_message_bytes: int = 1 << 30,
-                 alive: Callable[[], bool] | None = None, name: str = "warehouse"):
-        """``alive``: checked about every second while waiting for a reply; once it is False the
-        request fails at once instead of waiting ``timeout_s`` for a dead warehouse."""
-        self.alive = alive
-        self.name = name
-        self.address = address
-        self.key = job_key(token)
-        self.max_message_bytes = max_message_bytes
-        self.timeout_ms = int(timeout_s * 1000)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def request(self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> list[tuple[dict, list[torch.Tensor]]]:
-        """Send one request and collect every reply chunk; raise on an error reply."""
-        frames = seal(self.key, b"req", encode(header, tensors or []))
-        big = max(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        check_frame_limit(header.get("op"), big, self.max_message_bytes)
-        self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        self._sock.send_multipart(frames, copy=False)
-        replies = []
-        deadline = time.monotonic() + self.timeout_ms / 1000
-        while True:
-            if not self._sock.poll(min(1000, self.timeout_ms)):
-                if self.alive is not None and not self.alive():
-                    raise DockUnavailable(f"{self.name} at {self.address} is lost (its liveness key in etcd is gone) during "
-                                          f"{header.get('op')}; exiting so torchrun can restart the group")
-                if time.monotonic() < deadline:
-                    continue
-                raise DockUnavailable(f"{self.name} at {self.address} did not answer {header.get('op')} within {self.timeout_ms / 1000:.0f}s")
-            raw = [f.buffer for f in self._sock.recv_multipart(copy=False)]
-            self.bytes_received += sum(f.nbytes for f in raw)
-            if not verify(self.key, b"rep", raw):
-                raise DockRequestError(f"{self.name} at {self.address}: the reply does not authenticate with this job's key: "
-                                       "wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN) or not this job's warehouse")
-            head, out = decode(raw[1:])
-            if "error" in head:
-                raise DockRequestError(f"warehouse {self.address}: {head['error']}")
-            replies.append((head, out))
-            if head.get("last"):
-                return replies
-
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
-        meta, flats = {}, []
-        for name, values in columns.items():
-            flat, lengths = flatten(values, ragged[name])
-            meta[name] = {"ragged": ragged[name], "lengths": lengths}
-            flats.append(flat)
-        self.request({"op": "put", "iter": iteration, "indices": list(indices), "columns": meta}, flats)
-
-    def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
-        """Per-column list of per-sample tensors, in the order of ``indices``."""
-        out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        for head, flats in self.request({"op": "get", "iter": iteration, "indices": list(indices), "columns": names}):
-            n = len(head["indices"])
-            for (name, spec), flat in zip(head["columns"].items(), flats):
-                out[name] += unflatten(flat, n, spec["lengths"] if spec["ragged"] else None)
-        return out
-
-    def delete(self, iteration: int, indices: list[int], names: list[str]) -> None:
-        self.request({"op": "delete", "iter": iteration, "indices": list(indices), "columns": names})
-
-    def drop(self, iteration: int) -> None:
-        self.request({"op": "drop", "iter": iteration})
-
-    def stats(self) -> dict[str, Any]:
-        return self.request({"op": "stats"})[0][0]

@@ -1,7 +1,7 @@
 """A torchrun worker for the dock integration test: generation DP writes, training DP reads.
 
 Env: SPMD_RL_ETCD (endpoint), SPMD_RL_OUT (folder for per-rank JSON results), DOCK_MODE,
-G, N, GEN_TP, TRAIN_TP. Sample content is a pure function of the index, so every reader can
+G, N, GEN_TP, TRAIN_TP, RLEN (responses are 1 to RLEN - 1 tokens). Sample content is a pure function of the index, so every reader can
 check every byte it receives.
 """
 
@@ -26,7 +26,7 @@ TOKEN = "integration-test-token-0123456789"
 def sample(i: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + i)
     plen = int(torch.randint(3, 12, (1,), generator=g))
-    rlen = int(torch.randint(1, 40, (1,), generator=g))
+    rlen = int(torch.randint(1, int(os.environ.get("RLEN", 40)), (1,), generator=g))
     return {
         "prompt_ids": torch.randint(0, 2**31 - 1, (plen,), generator=g, dtype=torch.int32),
         "response_ids": torch.randint(0, 2**31 - 1, (rlen,), generator=g, dtype=torch.int32),
@@ -72,7 +72,8 @@ def main() -> None:
     tokens = int(td["response_ids_length"].sum() + td["prompt_ids_length"].sum())
     dist.barrier()
     stats = dock.warehouse_stats()
-    out = {"rank": rank, "node": peer.node, "indices": got.indices.tolist(), "grouped": grouped.indices.tolist(),
+    home = dock._clients.get(peer.node)
+    out = {"shm_bytes": getattr(home, "shm_bytes", None), "rank": rank, "node": peer.node, "indices": got.indices.tolist(), "grouped": grouped.indices.tolist(),
            "mismatches": mismatches, "tokens": tokens, "stats": stats,
            "padded_shape": list(td["response_ids"].shape)}
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
