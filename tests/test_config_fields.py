@@ -104,6 +104,7 @@ COVERED = {
     "dock.bucket_bytes": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
+    "dock.tp_relay_min_bytes": "test_dock_relay.py::test_tp_ranks_receive_their_own_share_with_one_remote_copy",
     "dock.buffer_pool_bytes": "test_host_pool.py::test_dock_returns_the_same_data_with_and_without_the_pool_and_reuses_buffers",
     "stream.max_policy_lag": "test_separated.py::test_every_broadcast_has_its_receiver_and_the_lag_is_bounded",
     "stream.fuse": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",

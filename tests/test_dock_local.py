@@ -76,7 +76,7 @@ def test_same_data_counts_and_refusals_as_the_wire(etcd):
         try:
             handled = counting(d.server)
             results[in_process] = flow(d)
-            assert isinstance(d._client(0), InProcessWarehouse) is in_process
+            assert isinstance(d.client(0), InProcessWarehouse) is in_process
             # the in-process rank sends its server nothing but the stats it asks for
             assert (handled[0] == 0) if in_process else handled[0] > 5
         finally:
@@ -142,7 +142,7 @@ def test_remote_peers_are_served_while_the_rank_uses_the_store(etcd):
     t = threading.Thread(target=remote)
     t.start()
     try:
-        local = d._client(0)
+        local = d.client(0)
         for i in range(n):
             local.put(0, [i], {"prompt_ids": [torch.full((8,), i, dtype=torch.int32)]}, {"prompt_ids": True})
         t.join(timeout=60)

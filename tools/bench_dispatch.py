@@ -5,7 +5,14 @@ One iteration's sample flow with the traffic pattern behind the paper's Eq. (2):
 prompt (PL tokens) is written once and read once, each of n response-length items (SL) is
 written once and read twice, and M scalars are written once and read seven times, so one
 iteration moves G x N x B x (2PL + 3n x SL + 8M) bytes through the dock. S simulated nodes
-(one torchrun agent and one rank each): generation DP = S writes, training DP = S reads.
+(one torchrun agent and, by default, one rank each): every rank writes, training DP = S reads.
+
+With ``--nproc-per-node K --train-tp T`` each node runs K ranks and the readers are DP groups of
+T TP ranks (a TP group never spans nodes); ``--long-tail`` draws each sample's response length
+from [SL/16, SL], so the token balance sends part of a DP group's share from other nodes; a
+``-norelay`` mode suffix turns off the TP leader fetch (``dock.tp_relay_min_bytes: null``, its
+baseline). Readers of TP groups add relay traffic to their node's warehouse beyond Eq. (4), and
+``--long-tail`` moves fewer bytes than Eq. (4)'s fixed SL counts.
 
 Printed per mode: wall time of the dispatch (slowest rank; median of the steady iterations
 after a cold first one, which also opens the connections), payload bytes through each
@@ -14,6 +21,8 @@ it through one), and the ratio centralized / distributed measured in this run.
 
     python tools/bench_dispatch.py --nodes 4                      # loopback, no limit
     sudo python tools/bench_dispatch.py --nodes 4 --netns --rate-mbs 50   # namespaces + tc tbf
+    sudo python tools/bench_dispatch.py --nodes 4 --nproc-per-node 2 --train-tp 2 --long-tail \
+        --netns --rate-mbs 300 --modes distributed-norelay,distributed   # TP leader fetch
 """
 
 from __future__ import annotations
@@ -57,18 +66,20 @@ def worker(spec: dict) -> None:
     specs = {"prompt_ids": ColumnSpec("prompt_ids", torch.int32, True, "data")}
     specs |= {c: ColumnSpec(c, torch.float32, True, "rollout") for c in items}
     specs |= {c: ColumnSpec(c, torch.float32, False, "rollout") for c in scalars}
-    cfg = DockConfig(mode=spec["mode"].removesuffix("-wire"), interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
-                     get_timeout_s=600, bucket_bytes=8 << 20)
+    mode = spec["mode"].removesuffix("-norelay")
+    cfg = DockConfig(mode=mode.removesuffix("-wire"), interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
+                     get_timeout_s=600, bucket_bytes=8 << 20, tp_relay_min_bytes=None if spec["mode"].endswith("-norelay") else 1 << 20)
     meta = MetadataStore([spec["etcd"]], job=f"bench-{spec['mode']}-{spec['tag']}")
     peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-    dock = TransferDock(cfg, meta, specs, peer, spec["token"], in_process=not spec["mode"].endswith("-wire")).start()
-    lay = Layout(world, 1)
+    dock = TransferDock(cfg, meta, specs, peer, spec["token"], in_process=not mode.endswith("-wire")).start()
+    lay = Layout(world // spec["tp"], spec["tp"])
     total = G * N
     per = total // world
     mine = list(range(rank * per, (rank + 1) * per))
     g = torch.Generator().manual_seed(rank)
     data = {"prompt_ids": [torch.randint(0, 1000, (PL,), generator=g, dtype=torch.int32) for _ in mine]}
-    data |= {c: [torch.randn(SL, generator=g) for _ in mine] for c in items}
+    lengths = torch.randint(max(1, SL // 16), SL + 1, (len(mine),), generator=g).tolist() if spec["long_tail"] else [SL] * len(mine)
+    data |= {c: [torch.randn(k, generator=g) for k in lengths] for c in items}
     data |= {c: torch.randn(len(mine), generator=g) for c in scalars}
     times = []
     for it in range(spec["iterations"]):  # the first is cold (connections, etcd clients); the rest are steady
@@ -131,14 +142,15 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
     out = tmp / f"{mode}.json"
     spec = {"mode": mode, "etcd": etcd_endpoint, "out": str(out), "token": "bench-token-0123456789abcdef", "tag": tag,
-            "iterations": args.iterations, "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M}
+            "iterations": args.iterations, "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M,
+            "tp": args.train_tp, "long_tail": args.long_tail}
     master = addrs[0] if addrs else "127.0.0.1"
     port = free_port("127.0.0.1")
     procs = []
     for k in range(args.nodes):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", f"--node-rank={k}",
-               "--nproc-per-node=1", f"--master-addr={master}", f"--master-port={port}",
+               f"--nproc-per-node={args.nproc_per_node}", f"--master-addr={master}", f"--master-port={port}",
                str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
         if addrs:
             cmd = ["ip", "netns", "exec", f"spmdrl{k}"] + cmd
@@ -156,7 +168,10 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes (one rank each).")
+    ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes.")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="Ranks per node (each writes 1/world of the samples).")
+    ap.add_argument("--train-tp", type=int, default=1, help="TP size of the reading layout; must divide --nproc-per-node.")
+    ap.add_argument("--long-tail", action="store_true", help="Response lengths drawn from [SL/16, SL] instead of all SL.")
     ap.add_argument("--G", type=int, default=32)
     ap.add_argument("--N", type=int, default=8)
     ap.add_argument("--PL", type=int, default=256)
@@ -165,15 +180,17 @@ def main() -> None:
     ap.add_argument("--M", type=int, default=3, help="Scalars per sample.")
     ap.add_argument("--modes", default="centralized,distributed-wire,distributed",
                     help="centralized | distributed; a -wire suffix sends the serving rank's own requests over the wire too "
-                         "(no in-process path, dock.local: the baseline of that lever)")
+                         "(no in-process path, dock.local: the baseline of that lever); -norelay: no TP leader fetch")
     ap.add_argument("--netns", action="store_true", help="One network namespace per node with tc tbf limits (root).")
     ap.add_argument("--rate-mbs", type=float, default=50.0, help="Per-node link limit in MB/s with --netns.")
     ap.add_argument("--iterations", type=int, default=4, help="Iterations per mode; the time is the median of all but the first (cold) one.")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
-    if (args.G * args.N) % args.nodes:
-        raise SystemExit("G x N must be divisible by --nodes")
+    if (args.G * args.N) % (args.nodes * args.nproc_per_node):
+        raise SystemExit("G x N must be divisible by --nodes x --nproc-per-node")
+    if args.nproc_per_node % args.train_tp:
+        raise SystemExit("--train-tp must divide --nproc-per-node (a TP group stays within a node)")
 
     from spmd_rl.config.estimates import tcv_centralized, tcv_per_warehouse
     from spmd_rl.dock.etcd_server import EmbeddedEtcd
@@ -204,6 +221,9 @@ def main() -> None:
         print(f"  {mode:16s} dispatch {r['time']:7.3f} s (steady median; cold {r['cold']:.3f} s)   warehouses: {per}")
     for mode in (m for m in results if m.startswith("distributed") and "centralized" in results):
         print(f"  ratio centralized / {mode} dispatch time: {results['centralized']['time'] / results[mode]['time']:.2f}x")
+    for mode in (m for m in results if m.endswith("-norelay") and m.removesuffix("-norelay") in results):
+        print(f"  ratio {mode} / {mode.removesuffix('-norelay')} dispatch time (TP leader fetch): "
+              f"{results[mode]['time'] / results[mode.removesuffix('-norelay')]['time']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

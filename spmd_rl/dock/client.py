@@ -7,8 +7,9 @@ warehouse that holds it: its own node's in process (the serving rank, ``dock.loc
 through shared memory (the node's other ranks, ``dock.same_node``). Centralized mode (the paper's replay-buffer baseline): rank 0 serves
 the only warehouse and every put and get goes through it.
 
-Within a DP group every TP rank computes the same split and fetches its own copy (no extra
-collective); see the issue note for the measurement behind this choice.
+Within a DP group every TP rank computes the same split. Its remote part is fetched once, by
+the group's TP leader, and relayed to the TP ranks on the leader's node through their node's
+warehouse (``dock.relay``) when it is big enough to pay; otherwise every TP rank fetches its own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tensordict import TensorDict
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
+from spmd_rl.dock.batch import DockBatch
 from spmd_rl.dock.columns import ColumnSpec, as_samples
 from spmd_rl.dock.controller import StageController, group_nodes, read_records
 from spmd_rl.dock.errors import DockRequestError, DockTimeout
@@ -32,8 +34,9 @@ from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
-from spmd_rl.dock.stream import RecordFeed, StageStream
+from spmd_rl.dock.relay import plan_relay, relayed_fetch
 from spmd_rl.dock.same_node import SameNodeWarehouse
+from spmd_rl.dock.stream import RecordFeed, StageStream
 from spmd_rl.dock.warehouse import WarehouseServer
 from spmd_rl.dock.warehouse_client import WarehouseClient
 
@@ -49,35 +52,6 @@ class Peer:
     node: int
     local_rank: int
     nproc_per_node: int
-
-
-@dataclass
-class DockBatch:
-    """A stage's share: sample indices (ascending) and per-column lists of per-sample tensors."""
-
-    indices: torch.Tensor
-    columns: dict[str, list[torch.Tensor]]
-    ragged: frozenset[str]
-
-    def __len__(self) -> int:
-        return int(self.indices.numel())
-
-    def padded(self, pad: Mapping[str, float | int] | None = None) -> TensorDict:
-        """TensorDict of batch size [B]: ragged columns right-padded to the longest sample (pad
-        value per column, default 0) with ``<name>_length``; fixed columns stacked."""
-        out: dict[str, torch.Tensor] = {"index": self.indices}
-        for name, values in self.columns.items():
-            if name in self.ragged:
-                lengths = torch.tensor([v.numel() for v in values], dtype=torch.int64)
-                out[name] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=(pad or {}).get(name, 0))
-                out[f"{name}_length"] = lengths
-            else:
-                out[name] = torch.stack(values) if values else torch.empty(0)
-        return TensorDict(out, batch_size=[len(self)])
-
-    def jagged(self, name: str) -> torch.Tensor:
-        """A ragged column as a jagged nested tensor."""
-        return torch.nested.nested_tensor(self.columns[name], layout=torch.jagged)
 
 
 class TransferDock:
@@ -97,6 +71,8 @@ class TransferDock:
         self._clients: dict[int, WarehouseClient | InProcessWarehouse] = {}
         self._num_samples: dict[int, int] = {}
         self._feeds: dict[int, RecordFeed] = {}
+        self.relay_calls: dict[int, dict[str, int]] = {}
+        """Per iteration and stage, the last relayed fetch's number (``dock.relay``)."""
         self._seq = 0
         self.heartbeat: Heartbeat | None = None
         self._warehouse_beat: Heartbeat | None = None
@@ -153,7 +129,7 @@ class TransferDock:
             self.server.stop()
             self.server = None
 
-    def _client(self, node: int) -> WarehouseClient | InProcessWarehouse:
+    def client(self, node: int) -> WarehouseClient | InProcessWarehouse:
         if node not in self._clients and self.in_process and self.server is not None and node == self.home_node:
             self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes,
                                                      self.server.pool)
@@ -189,7 +165,7 @@ class TransferDock:
         this rank is the only one committing (separated placement's training leader; the other
         ranks ``release``), so it drops the iteration on every warehouse itself."""
         for node in self.warehouse_nodes() if alone else [self.home_node] if self.server is not None else []:
-            self._client(node).drop(iteration)
+            self.client(node).drop(iteration)
         if alone or self.peer.rank == 0:
             self.meta.delete_prefix(self.meta.key(iteration) + "/")
         self.release(iteration)
@@ -198,6 +174,7 @@ class TransferDock:
         """Forget this rank's local state of the iteration (its sample count, its watch); the
         data stays until a ``commit``."""
         self._num_samples.pop(iteration, None)
+        self.relay_calls.pop(iteration, None)
         if (feed := self._feeds.pop(iteration, None)) is not None:
             feed.stop()
 
@@ -225,7 +202,7 @@ class TransferDock:
             if dup:
                 raise DockRequestError(f"column {name!r} already written for indices {dup[:8]} by {loc.writer[name][dup[0]]}: duplicate put")
         ragged = {n: self.specs[n].ragged for n in columns}
-        client = self._client(self.home_node)
+        client = self.client(self.home_node)
         client.put(iteration, idx, columns, ragged)
         record = PutRecord(stage, self.peer.rank, self.home_node, list(columns), idx,
                            {n: [v.numel() for v in vals] for n, vals in columns.items() if ragged[n]})
@@ -248,7 +225,7 @@ class TransferDock:
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
         ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
         plan = ctl.plan(iteration, columns, want, group_nodes(layout, self.peer.nproc_per_node), group_size, timeout_s or self.cfg.get_timeout_s)
-        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations)
+        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, stage, layout)
 
     def stream(
         self, stage: str, iteration: int, columns: Sequence[str], layout: Layout, expected: Sequence[int],
@@ -266,12 +243,14 @@ class TransferDock:
         if unknown:
             raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
 
-    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
-        """Fetch ``columns`` of ``indices`` from the warehouses that hold them."""
-        fetched = self._fetch(iteration, indices, columns, loc)
+    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations, stage: str, layout: Layout) -> DockBatch:
+        """Fetch ``columns`` of ``indices`` (this rank's DP group's share of ``stage`` in
+        ``layout``) from the warehouses that hold them, or through the TP leader (``dock.relay``)."""
+        relay = plan_relay(self, stage, iteration, layout, indices, columns, loc)
+        fetched = self.fetch(iteration, indices, columns, loc) if relay is None else relayed_fetch(self, iteration, indices, columns, loc, relay)
         return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
 
-    def _fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
+    def fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
         """One request per (node, columns placed alike): columns whose indices live on the same
         nodes travel together; a column held by one node comes back in ``indices`` order as is."""
         out: dict[str, list[torch.Tensor]] = {}
@@ -283,11 +262,11 @@ class TransferDock:
             for k, node in enumerate(nodes):
                 per_node.setdefault(node, []).append(k)
             if len(per_node) == 1:
-                out |= self._client(nodes[0]).get(iteration, indices, cols)
+                out |= self.client(nodes[0]).get(iteration, indices, cols)
                 continue
             parts: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in cols}
             for node, ks in sorted(per_node.items()):
-                got = self._client(node).get(iteration, [indices[k] for k in ks], cols)
+                got = self.client(node).get(iteration, [indices[k] for k in ks], cols)
                 for c in cols:
                     for k, v in zip(ks, got[c]):
                         parts[c][k] = v
@@ -295,4 +274,4 @@ class TransferDock:
         return {c: out[c] for c in columns}
 
     def warehouse_stats(self) -> dict[str, Any] | None:
-        return self._client(self.home_node).stats() if self.server is not None else None
+        return self.client(self.home_node).stats() if self.server is not None else None

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from spmd_rl.config.loader import load_config
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.dock.client import DockBatch
+from spmd_rl.dock.batch import DockBatch
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages import StageCall, stage_fn

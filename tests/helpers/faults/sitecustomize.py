@@ -65,7 +65,7 @@ def _pause(plan: dict) -> None:
         return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
 
     wrap(TrainEngine, "save", "checkpoint", iteration_of_folder)
-    get, fetch = TransferDock.get, TransferDock._fetch
+    get, fetch = TransferDock.get, TransferDock.fetch
 
     def get_noting_stage(self, stage, *args, **kwargs):
         self._test_stage = stage
@@ -76,7 +76,7 @@ def _pause(plan: dict) -> None:
             at("reward_fetch", iteration)
         return fetch(self, iteration, *args, **kwargs)
 
-    TransferDock.get, TransferDock._fetch = get_noting_stage, fetch_paused
+    TransferDock.get, TransferDock.fetch = get_noting_stage, fetch_paused
     run_iteration, done = loop.run_iteration, []
 
     def held(run, it, *args, **kwargs):
