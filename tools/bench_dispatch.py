@@ -8,11 +8,14 @@ iteration moves G x N x B x (2PL + 3n x SL + 8M) bytes through the dock. S simul
 (one torchrun agent and, by default, one rank each): every rank writes, training DP = S reads.
 
 With ``--nproc-per-node K --train-tp T`` each node runs K ranks and the readers are DP groups of
-T TP ranks (a TP group never spans nodes); ``--long-tail`` draws each sample's response length
-from [SL/16, SL], so the token balance sends part of a DP group's share from other nodes; a
-``-norelay`` mode suffix turns off the TP leader fetch (``dock.tp_relay_min_bytes: null``, its
-baseline). Readers of TP groups add relay traffic to their node's warehouse beyond Eq. (4), and
-``--long-tail`` moves fewer bytes than Eq. (4)'s fixed SL counts.
+T TP ranks (a TP group never spans nodes). ``--writer-nodes W`` lets only the first W nodes'
+ranks write, as the generation nodes of a separated placement do, so the other nodes' DP groups
+read their whole share from another node; ``--long-tail`` draws each sample's response length
+from [SL/16, SL], so the token balance sends part of a share from other nodes. A ``-norelay``
+mode suffix turns off the TP leader fetch (``dock.tp_relay_min_bytes: null``, its baseline;
+``--relay-min-bytes`` sets the field for the other modes). Relayed shares add their bytes to the
+reading node's warehouse (in and out) beyond Eq. (4), and ``--long-tail`` moves fewer bytes
+than Eq. (4)'s fixed SL counts.
 
 Printed per mode: wall time of the dispatch (slowest rank; median of the steady iterations
 after a cold first one, which also opens the connections), payload bytes through each
@@ -21,7 +24,7 @@ it through one), and the ratio centralized / distributed measured in this run.
 
     python tools/bench_dispatch.py --nodes 4                      # loopback, no limit
     sudo python tools/bench_dispatch.py --nodes 4 --netns --rate-mbs 50   # namespaces + tc tbf
-    sudo python tools/bench_dispatch.py --nodes 4 --nproc-per-node 2 --train-tp 2 --long-tail \
+    sudo python tools/bench_dispatch.py --nodes 4 --nproc-per-node 2 --train-tp 2 --writer-nodes 1 \
         --netns --rate-mbs 300 --modes distributed-norelay,distributed   # TP leader fetch
 """
 
@@ -68,14 +71,15 @@ def worker(spec: dict) -> None:
     specs |= {c: ColumnSpec(c, torch.float32, False, "rollout") for c in scalars}
     mode = spec["mode"].removesuffix("-norelay")
     cfg = DockConfig(mode=mode.removesuffix("-wire"), interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
-                     get_timeout_s=600, bucket_bytes=8 << 20, tp_relay_min_bytes=None if spec["mode"].endswith("-norelay") else 1 << 20)
+                     get_timeout_s=600, bucket_bytes=8 << 20, tp_relay_min_bytes=None if spec["mode"].endswith("-norelay") else spec["relay_min_bytes"])
     meta = MetadataStore([spec["etcd"]], job=f"bench-{spec['mode']}-{spec['tag']}")
     peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dock = TransferDock(cfg, meta, specs, peer, spec["token"], in_process=not mode.endswith("-wire")).start()
     lay = Layout(world // spec["tp"], spec["tp"])
     total = G * N
-    per = total // world
-    mine = list(range(rank * per, (rank + 1) * per))
+    writers = spec["writer_nodes"] * peer.nproc_per_node  # the first ranks, node by node
+    per = total // writers
+    mine = list(range(rank * per, (rank + 1) * per)) if rank < writers else []
     g = torch.Generator().manual_seed(rank)
     data = {"prompt_ids": [torch.randint(0, 1000, (PL,), generator=g, dtype=torch.int32) for _ in mine]}
     lengths = torch.randint(max(1, SL // 16), SL + 1, (len(mine),), generator=g).tolist() if spec["long_tail"] else [SL] * len(mine)
@@ -86,7 +90,8 @@ def worker(spec: dict) -> None:
         dock.begin_iteration(it, total)
         dist.barrier()
         t0 = time.perf_counter()
-        dock.put("rollout", it, data, mine)
+        if mine:
+            dock.put("rollout", it, data, mine)
         dock.get("reader_a", it, ["prompt_ids", *items, *scalars], lay)
         dock.get("reader_b", it, [*items, *scalars], lay)
         for k in range(5):
@@ -143,7 +148,8 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
     out = tmp / f"{mode}.json"
     spec = {"mode": mode, "etcd": etcd_endpoint, "out": str(out), "token": "bench-token-0123456789abcdef", "tag": tag,
             "iterations": args.iterations, "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M,
-            "tp": args.train_tp, "long_tail": args.long_tail}
+            "tp": args.train_tp, "long_tail": args.long_tail, "relay_min_bytes": args.relay_min_bytes,
+            "writer_nodes": args.writer_nodes or args.nodes}
     master = addrs[0] if addrs else "127.0.0.1"
     port = free_port("127.0.0.1")
     procs = []
@@ -167,10 +173,16 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
 
 
 def main() -> None:
+    from spmd_rl.config.schema import DockConfig
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes.")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="Ranks per node (each writes 1/world of the samples).")
     ap.add_argument("--train-tp", type=int, default=1, help="TP size of the reading layout; must divide --nproc-per-node.")
+    ap.add_argument("--relay-min-bytes", type=int, default=DockConfig.model_fields["tp_relay_min_bytes"].default,
+                    help="dock.tp_relay_min_bytes of the modes without -norelay (default: the field's default).")
+    ap.add_argument("--writer-nodes", type=int, default=None,
+                    help="Only the first K nodes' ranks write (separated placement's generation nodes); default: every node.")
     ap.add_argument("--long-tail", action="store_true", help="Response lengths drawn from [SL/16, SL] instead of all SL.")
     ap.add_argument("--G", type=int, default=32)
     ap.add_argument("--N", type=int, default=8)
@@ -187,8 +199,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
-    if (args.G * args.N) % (args.nodes * args.nproc_per_node):
-        raise SystemExit("G x N must be divisible by --nodes x --nproc-per-node")
+    if not 0 < (args.writer_nodes or args.nodes) <= args.nodes:
+        raise SystemExit("--writer-nodes must be between 1 and --nodes")
+    if (args.G * args.N) % ((args.writer_nodes or args.nodes) * args.nproc_per_node):
+        raise SystemExit("G x N must be divisible by the writing ranks (--writer-nodes or --nodes, x --nproc-per-node)")
     if args.nproc_per_node % args.train_tp:
         raise SystemExit("--train-tp must divide --nproc-per-node (a TP group stays within a node)")
 
