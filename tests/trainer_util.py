@@ -31,4 +31,5 @@ def train(tmp: Path, name: str, etcd: str, *overrides: str, check: bool = True, 
     (tmp / name / "stderr.log").write_text(res.stderr)
     if check:
         assert res.returncode == 0, res.stderr[-4000:]
+        assert "Traceback" not in res.stderr, res.stderr[-4000:]  # a run that succeeds ends quietly, vLLM's shutdown too
     return [json.loads(line) for line in (tmp / name / "logs/metrics.jsonl").read_text().splitlines()]

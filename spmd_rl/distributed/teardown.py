@@ -9,8 +9,10 @@ without an active exception", SIGABRT; seen in a core dump of ``tools/bench_gath
 device meshes keep their groups alive, so no ordering of Python-side cleanup closes the window.
 torchrun then reports a finished job as failed and an elastic agent restarts it.
 
-Invariant: after the work returns, the groups are destroyed, the ``atexit`` handlers run
-(logging, multiprocessing children, ``weakref.finalize``), stdio is flushed, and the process
+Invariant: after the work returns, the ``atexit`` handlers run (logging, multiprocessing
+children, ``weakref.finalize``, among them vLLM's engine shutdown, which destroys its own process
+groups and raised "Invalid process group specified" when they were destroyed before it), then
+the groups are destroyed, stdio is flushed, and the process
 ends with ``os._exit(status)``: exactly what a normal exit does, minus the finalization.
 """
 
@@ -50,9 +52,9 @@ def exit_after(work: Callable[[], int | None]) -> NoReturn:
     """Run ``work`` and end this process with its status (see the module docstring)."""
     code = status_of(work)
     gc.collect()  # objects only work's frame held: files closed, engines released
+    atexit._run_exitfuncs()  # before the destroy: vLLM's finalizer destroys its own groups, which must still exist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
