@@ -6,7 +6,7 @@ exactly the samples it would fetch itself, bit for bit, with the relay and witho
 relay the remote share leaves node 0's warehouse once for group 1, not once per TP rank, and
 the difference is exactly that share's bytes; a TP rank waiting for a leader whose heartbeat
 expired fails within seconds, not ``dock.get_timeout_s``; the relay stays off at TP 1 and
-below ``dock.tp_relay_min_bytes``.
+below ``dock.tp_relay_min_bytes``; a streamed wave's poll never waits for the leader.
 """
 
 from __future__ import annotations
@@ -129,6 +129,24 @@ def test_a_tp_rank_does_not_wait_for_a_lost_leader(etcd):
         with pytest.raises(DockUnavailable, match=r"rank\(s\) \[2\] lost"):
             docks[3].get("actor_update", 0, ["response_ids", "reward"], TRAIN)
         assert time.monotonic() - t0 < 15  # dock.get_timeout_s is 60
+    finally:
+        for d in reversed(docks):
+            d.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_wave_never_waits_for_the_tp_leader(etcd):
+    """Stage fusion polls between generation steps, where a TP peer may be inside a collective
+    with this rank: a poll that waited for the leader's relay could deadlock, so waves are
+    fetched by each rank itself, however remote and big they are."""
+    docks = four_ranks(etcd, "relay-stream", 0)
+    try:
+        t0 = time.monotonic()
+        wave = docks[3].stream("actor_update", 0, ["response_ids", "reward"], TRAIN, range(N), units_per_group=N).poll()
+        assert time.monotonic() - t0 < 10  # dock.get_timeout_s is 60; the leader (rank 2) never polls
+        want = responses()
+        assert len(wave) > 0 and all(torch.equal(v, want[i]) for v, i in zip(wave.columns["response_ids"], wave.indices.tolist()))
+        assert not [k for k, _ in docks[3].meta.get_prefix(docks[3].meta.key(0, "relay"))]
     finally:
         for d in reversed(docks):
             d.close()

@@ -225,7 +225,7 @@ class TransferDock:
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
         ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
         plan = ctl.plan(iteration, columns, want, group_nodes(layout, self.peer.nproc_per_node), group_size, timeout_s or self.cfg.get_timeout_s)
-        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, stage, layout)
+        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, (stage, layout))
 
     def stream(
         self, stage: str, iteration: int, columns: Sequence[str], layout: Layout, expected: Sequence[int],
@@ -243,11 +243,14 @@ class TransferDock:
         if unknown:
             raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
 
-    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations, stage: str, layout: Layout) -> DockBatch:
-        """Fetch ``columns`` of ``indices`` (this rank's DP group's share of ``stage`` in
-        ``layout``) from the warehouses that hold them, or through the TP leader (``dock.relay``)."""
-        relay = plan_relay(self, stage, iteration, layout, indices, columns, loc)
-        fetched = self.fetch(iteration, indices, columns, loc) if relay is None else relayed_fetch(self, iteration, indices, columns, loc, relay)
+    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations,
+                 relay: tuple[str, Layout] | None = None) -> DockBatch:
+        """Fetch ``columns`` of ``indices`` from the warehouses that hold them. ``relay``: (stage,
+        layout) of a blocking get whose TP ranks all make the same call, so the TP leader may
+        fetch the remote part for them (``dock.relay``); a streamed wave passes None, because a
+        rank polling between generation steps must never wait for another rank's fetch."""
+        plan = plan_relay(self, relay[0], iteration, relay[1], indices, columns, loc) if relay else None
+        fetched = self.fetch(iteration, indices, columns, loc) if plan is None else relayed_fetch(self, iteration, indices, columns, loc, plan)
         return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
 
     def fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:

@@ -14,13 +14,16 @@ The relay runs only where it can pay: TP > 1, distributed mode, at least one oth
 the leader's node, and at least ``dock.tp_relay_min_bytes`` of the share held on other nodes
 (waiting for the leader costs an etcd round trip). Every rank decides from the same put-records,
 so the group agrees without a message. ``<call>`` counts this stage's relayed fetches in the
-iteration; every rank of the group makes the same calls in the same order (SPMD), so the names
-agree too.
+iteration; every rank of the group makes the same blocking gets in the same order (SPMD), so
+the names agree too. Only a blocking ``get`` relays: a streamed wave (``dock.stream``) is
+fetched by each rank itself, because stage fusion polls between generation steps, where a TP
+peer may be inside a collective with the polling rank and a wait for the leader could deadlock.
 
 Invariants (``tests/test_dock_relay.py``): the samples each TP rank receives are the ones it
 would fetch itself, bit for bit; each remote byte of the share leaves its warehouse once per
 DP group instead of once per TP rank; a TP rank waiting for a leader whose heartbeat expired
-fails at once (``DockUnavailable``) instead of waiting ``dock.get_timeout_s``.
+fails at once (``DockUnavailable``) instead of waiting ``dock.get_timeout_s``; a poll never
+waits for the leader.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class StageStream:
                  expected: Sequence[int], group_size: int = 1, units_per_group: int = 1, timeout_s: float | None = None):
         self.dock, self.stage, self.iteration = dock, stage, iteration
         self.columns, self.expected, self.group_size = list(columns), list(expected), group_size
-        self.layout, self.dp_index = layout, layout.coords(dock.peer.rank)[0]
+        self.dp_index = layout.coords(dock.peer.rank)[0]
         self.group_nodes = group_nodes(layout, dock.peer.nproc_per_node)
         self.total = len({i // group_size for i in self.expected})
         self.wave = max(1, layout.dp * units_per_group)
@@ -160,7 +160,7 @@ class StageStream:
         members = set(keys)
         wave = [i for i in self.expected if i // self.group_size in members]
         mine = split(loc, self.columns, wave, self.group_nodes, self.group_size)[self.dp_index]
-        return self.dock.batch_of(self.iteration, mine, self.columns, loc, self.stage, self.layout)
+        return self.dock.batch_of(self.iteration, mine, self.columns, loc)  # no TP relay: a poll never waits on a peer
 
     def next(self) -> "DockBatch | None":
         """Block until the next wave (None once every wave was delivered)."""
