@@ -1,7 +1,9 @@
 """The dock across 4 real ranks on 2 simulated nodes (two torchrun agents on loopback) with a
 real etcd: generation DP=4 writes, training DP=2 (TP=2) reads; both dock modes. Responses are
 long enough that the ranks which do not serve their node's warehouse move their payloads
-through shared memory (``dock.same_node``)."""
+through shared memory (``dock.same_node``). ``relay``: only node 0's ranks write, so training
+DP group 1 (node 1) finds its whole share remote and its TP leader fetches it for both
+(``dock.relay``, ``dock.tp_relay_min_bytes: 0``), with every byte still bit-exact."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ G, N, RLEN = 8, 4, 3000
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["distributed", "centralized"])
+@pytest.mark.parametrize("mode", ["distributed", "centralized", "relay"])
 def test_gen_dp4_writes_train_dp2_reads(etcd, tmp_path, mode):
+    relay = mode == "relay"
+    mode = "distributed" if relay else mode
     env = QUIET_CHILD_ENV | {
         "SPMD_RL_ETCD": etcd.endpoint, "SPMD_RL_OUT": str(tmp_path), "DOCK_MODE": mode,
         "G": str(G), "N": str(N), "GEN_TP": "1", "TRAIN_TP": "2", "RLEN": str(RLEN),
-    }
+    } | ({"WRITERS": "2", "RELAY_MIN": "0"} if relay else {})
     run_nodes(REPO / "tests/helpers/dock_worker.py", nnodes=2, nproc_per_node=2, env=env, log_dir=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["node"] for r in ranks] == [0, 0, 1, 1]
@@ -47,6 +51,13 @@ def test_gen_dp4_writes_train_dp2_reads(etcd, tmp_path, mode):
         assert set(served) == {0, 2} and all(v > 0 for v in served.values())
     else:
         assert set(served) == {0}
+    # the TP leader fetch: group 1 (ranks 2, 3) got both stages' shares through rank 2; node 1's
+    # warehouse took them in once (nothing else is written there) and served them to rank 3
+    if relay:
+        assert [r["relayed"] for r in ranks] == [[], [], ["actor_update", "advantage"], ["actor_update", "advantage"]]
+        assert ranks[2]["stats"]["bytes_in"] > 0 and ranks[2]["stats"]["bytes_out"] >= ranks[2]["stats"]["bytes_in"]
+    else:
+        assert all(r["relayed"] == [] for r in ranks)
     # commit freed every warehouse and the iteration's metadata
     assert all(r.get("after_commit_samples", 0) == 0 for r in ranks)
     assert all(json.loads((tmp_path / f"meta{r}.json").read_text()) == 0 for r in range(4))

@@ -1,8 +1,10 @@
 """A torchrun worker for the dock integration test: generation DP writes, training DP reads.
 
 Env: SPMD_RL_ETCD (endpoint), SPMD_RL_OUT (folder for per-rank JSON results), DOCK_MODE,
-G, N, GEN_TP, TRAIN_TP, RLEN (responses are 1 to RLEN - 1 tokens). Sample content is a pure function of the index, so every reader can
-check every byte it receives.
+G, N, GEN_TP, TRAIN_TP, RLEN (responses are 1 to RLEN - 1 tokens), optional WRITERS (only the
+first WRITERS ranks generate, as a separated placement's generation nodes do) and RELAY_MIN
+(``dock.tp_relay_min_bytes``). Sample content is a pure function of the index, so every reader
+can check every byte it receives.
 """
 
 import json
@@ -41,19 +43,22 @@ def main() -> None:
     npn = int(os.environ["LOCAL_WORLD_SIZE"])
     peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), npn)
     G, N = int(os.environ["G"]), int(os.environ["N"])
-    gen = Layout(world // int(os.environ["GEN_TP"]), int(os.environ["GEN_TP"]))
+    writers = int(os.environ.get("WRITERS", world))
+    gen = Layout(writers // int(os.environ["GEN_TP"]), int(os.environ["GEN_TP"]))
     train = Layout(world // int(os.environ["TRAIN_TP"]), int(os.environ["TRAIN_TP"]))
     stages = [Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob")), Stage("reward", (), ("reward",))]
     specs = columns_for(stages)
-    meta = MetadataStore([os.environ["SPMD_RL_ETCD"]], job=f"dock-test-{os.environ['DOCK_MODE']}")
-    dock = TransferDock(DockConfig(mode=os.environ["DOCK_MODE"], port=0, get_timeout_s=60), meta, specs, peer, TOKEN).start()
+    meta = MetadataStore([os.environ["SPMD_RL_ETCD"]], job=f"dock-test-{os.environ['DOCK_MODE']}-w{writers}")
+    relay_min = int(os.environ.get("RELAY_MIN", DockConfig.model_fields["tp_relay_min_bytes"].default))
+    cfg = DockConfig(mode=os.environ["DOCK_MODE"], port=0, get_timeout_s=60, tp_relay_min_bytes=relay_min)
+    dock = TransferDock(cfg, meta, specs, peer, TOKEN).start()
     dist.barrier()
     dock.begin_iteration(0, G * N)
 
-    gdp, gtp = gen.coords(rank)
+    gdp, gtp = gen.coords(rank) if rank < writers else (None, None)
     per_group = G * N // gen.dp
-    mine = list(range(gdp * per_group, (gdp + 1) * per_group))
     if gtp == 0:  # one writer per generation DP group
+        mine = list(range(gdp * per_group, (gdp + 1) * per_group))
         rows = [sample(i) for i in mine]
         cols = {c: [r[c] for r in rows] for c in ("prompt_ids", "response_ids", "rollout_log_prob")}
         dock.put("actor_rollout", 0, cols, mine)
@@ -73,7 +78,8 @@ def main() -> None:
     dist.barrier()
     stats = dock.warehouse_stats()
     home = dock._clients.get(peer.node)
-    out = {"shm_bytes": getattr(home, "shm_bytes", None), "rank": rank, "node": peer.node, "indices": got.indices.tolist(), "grouped": grouped.indices.tolist(),
+    relayed = sorted(dock.relay_calls.get(0, {}))  # the stages whose share came through the TP leader
+    out = {"shm_bytes": getattr(home, "shm_bytes", None), "relayed": relayed, "rank": rank, "node": peer.node, "indices": got.indices.tolist(), "grouped": grouped.indices.tolist(),
            "mismatches": mismatches, "tokens": tokens, "stats": stats,
            "padded_shape": list(td["response_ids"].shape)}
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
