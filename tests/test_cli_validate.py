@@ -24,6 +24,11 @@ def test_quickstart_is_valid(in_repo, tiny_model):
     assert "train dp_shard=2 tp=1" in res.output
 
 
+def test_the_tp_relay_threshold_is_accepted_where_a_tp_group_can_use_it(in_repo, tiny_model):
+    res = run("validate", QUICK, "dock.tp_relay_min_bytes=0", "parallel.train.tp=2", "parallel.train.dp_shard=1")
+    assert res.exit_code == 0, res.output
+
+
 def test_console_script_exit_codes(in_repo, tiny_model):
     exe = [sys.executable, "-m", "spmd_rl.cli"]
     ok = subprocess.run(exe + ["validate", QUICK], capture_output=True, text=True)
@@ -60,6 +65,8 @@ BROKEN = [
     (["reward.offload_to_host=false"], None, "reward.offload_to_host"),
     (["elastic.max_nodes=2"], None, "elastic.rdzv_endpoint"),
     (["dock.max_message_bytes=1024"], None, "dock.max_message_bytes"),
+    (["dock.tp_relay_min_bytes=0"], None, "dock.tp_relay_min_bytes"),  # TP 1 on both layouts
+    (["dock.tp_relay_min_bytes=0", "dock.mode=centralized", "parallel.train.tp=2", "parallel.train.dp_shard=1"], None, "dock.tp_relay_min_bytes"),
     (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
     (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
     (["rollout.engine=hf"], None, "rollout.engine"),

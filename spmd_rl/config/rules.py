@@ -220,6 +220,20 @@ def _check_runtime(cfg: Config) -> list[Violation]:
     return out
 
 
+def _check_relay(cfg: Config, lay: Layouts) -> list[Violation]:
+    """``dock.tp_relay_min_bytes`` set to a size where no TP leader fetch can happen."""
+    d = cfg.dock
+    if "tp_relay_min_bytes" not in d.model_fields_set or d.tp_relay_min_bytes is None:
+        return []
+    if d.mode == "centralized":
+        return [Violation("dock.tp_relay_min_bytes", d.tp_relay_min_bytes, "the TP leader fetch relays through each node's own warehouse; dock.mode is centralized",
+                          "remove it, or set dock.mode: distributed")]
+    if lay.train.tp == 1 and lay.gen.tp == 1:
+        return [Violation("dock.tp_relay_min_bytes", d.tp_relay_min_bytes, "there is no TP group to relay to: parallel.train.tp and parallel.gen.tp are 1",
+                          "remove it, or use tensor parallelism")]
+    return []
+
+
 def _check_tls(cfg: Config) -> list[Violation]:
     m = cfg.metadata
     out = []
@@ -245,6 +259,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_reward(cfg)
     out += _check_algorithm(cfg)
     out += _check_runtime(cfg)
+    out += _check_relay(cfg, lay)
     out += _check_tls(cfg)
     out += check_partial(cfg)
     out += check_separated(cfg)

@@ -182,7 +182,7 @@ class DockConfig(Section):
     )
     get_timeout_s: float = Field(600.0, gt=0.0, description="How long a stage waits for its input columns before failing with what is missing.")
     tp_relay_min_bytes: int | None = Field(
-        1 << 20, ge=0, description="TP leader fetch (dock.relay): when a DP group's share holds at least this many bytes on other nodes, its TP rank 0 fetches them once and the TP ranks on its node read them from their own node's warehouse, instead of each pulling its own copy across the network; null: every TP rank fetches its own."
+        1 << 20, ge=0, description="TP leader fetch (dock.relay): when a DP group's share holds at least this many bytes on other nodes, its TP rank 0 fetches them once and the TP ranks on its node read them from their own node's warehouse, instead of each pulling its own copy across the network; null: every TP rank fetches its own. Refused by validate where no fetch can relay (dock.mode centralized, or TP 1 on both layouts)."
     )
     buffer_pool_bytes: int = Field(
         512 << 20, ge=0, description="Host bytes of freed copy buffers each rank keeps mapped for its next puts and gets, instead of faulting in fresh pages every iteration: the rank serving a warehouse (buffers of 1 MiB and up) and its node's other ranks (their shared-memory buffers); 0 keeps none."
