@@ -150,3 +150,10 @@ def test_a_streamed_wave_never_waits_for_the_tp_leader(etcd):
     finally:
         for d in reversed(docks):
             d.close()
+
+
+def test_the_leader_fetches_in_buckets():
+    from spmd_rl.dock.relay import _chunks
+
+    assert _chunks([5, 5, 5, 20, 1], 10) == [(0, 2), (2, 3), (3, 4), (4, 5)]  # a sample over the bucket goes alone
+    assert _chunks([3], 1) == [(0, 1)]

@@ -56,18 +56,21 @@ class Relay:
     leader: bool
     remote: tuple[int, ...]
     """Positions, in the share, of the samples with an input on another node than the leader's."""
+    sizes: tuple[int, ...]
+    """Payload bytes of each of those samples' ``columns`` (the leader's fetch buckets)."""
 
 
-def remote_bytes(dock: "TransferDock", loc: Locations, columns: Sequence[str], indices: Sequence[int], positions: Sequence[int]) -> int:
-    """Payload bytes of ``columns`` at ``positions`` of ``indices``, from the put-records."""
-    total = 0
+def sample_bytes(dock: "TransferDock", loc: Locations, columns: Sequence[str], indices: Sequence[int]) -> list[int]:
+    """Payload bytes of ``columns`` of each of ``indices``, from the put-records."""
+    out = [0] * len(indices)
     for c in columns:
         spec = dock.specs[c]
         item = torch.empty(0, dtype=spec.dtype).element_size()
         per = loc.length.get(c, {})
-        for k in positions:
-            total += item * (per.get(indices[k], 0) if spec.ragged else max(1, int(torch.Size(spec.shape).numel())))
-    return total
+        fixed = max(1, int(torch.Size(spec.shape).numel()))
+        for k, i in enumerate(indices):
+            out[k] += item * (per.get(i, 0) if spec.ragged else fixed)
+    return out
 
 
 def plan_relay(dock: "TransferDock", stage: str, iteration: int, layout: Layout, indices: Sequence[int],
@@ -82,11 +85,12 @@ def plan_relay(dock: "TransferDock", stage: str, iteration: int, layout: Layout,
     if dock.peer.node != node or sum(r // npn == node for r in range(leader, leader + layout.tp)) < 2:
         return None
     remote = tuple(k for k, i in enumerate(indices) if any(loc.node[c][i] != node for c in columns))
-    if not remote or remote_bytes(dock, loc, columns, indices, remote) < threshold:
+    sizes = tuple(sample_bytes(dock, loc, columns, [indices[k] for k in remote]))
+    if not remote or sum(sizes) < threshold:
         return None
     calls = dock.relay_calls.setdefault(iteration, {})
     calls[stage] = call = calls.get(stage, -1) + 1
-    return Relay(f"relay/{stage}/{call}/{dp}", dock.peer.rank == leader, remote)
+    return Relay(f"relay/{stage}/{call}/{dp}", dock.peer.rank == leader, remote, sizes)
 
 
 def relayed_fetch(dock: "TransferDock", iteration: int, indices: list[int], columns: list[str], loc: Locations,
@@ -106,7 +110,7 @@ def relayed_fetch(dock: "TransferDock", iteration: int, indices: list[int], colu
 
     key = dock.meta.key(iteration, relay.name)
     if relay.leader:
-        for a, b in _chunks(dock, loc, columns, indices, relay.remote):
+        for a, b in _chunks(relay.sizes, dock.cfg.bucket_bytes):
             part = relay.remote[a:b]
             got = dock.fetch(iteration, [indices[k] for k in part], columns, loc)
             home.put(iteration, [indices[k] for k in part], {names[c]: got[c] for c in columns},
@@ -121,17 +125,15 @@ def relayed_fetch(dock: "TransferDock", iteration: int, indices: list[int], colu
     return out  # type: ignore[return-value]
 
 
-def _chunks(dock: "TransferDock", loc: Locations, columns: Sequence[str], indices: Sequence[int],
-            positions: Sequence[int]) -> list[tuple[int, int]]:
-    """Runs of ``positions`` of at most ``dock.bucket_bytes`` each (one sample may exceed it)."""
+def _chunks(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """Runs [a, b) of ``sizes`` of at most ``bucket_bytes`` each (one sample may exceed it)."""
     runs, start, acc = [], 0, 0
-    for j, k in enumerate(positions):
-        b = remote_bytes(dock, loc, columns, indices, [k])
-        if j > start and acc + b > dock.cfg.bucket_bytes:
+    for j, b in enumerate(sizes):
+        if j > start and acc + b > bucket_bytes:
             runs.append((start, j))
             start, acc = j, 0
         acc += b
-    return runs + [(start, len(positions))]
+    return runs + [(start, len(sizes))]
 
 
 def _wait_for_leader(dock: "TransferDock", key: str, iteration: int) -> None:
