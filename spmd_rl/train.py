@@ -33,6 +33,7 @@ from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
@@ -127,11 +128,11 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     training mesh: the actor always; the reference, PPO's critic (value head on the actor's or
     its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
     needed = {r for s in graph for r in s.roles}
-    temp = cfg.rollout.temperature
+    policy = SamplingPolicy.of(cfg.rollout)
     dtype = cfg.model.dtype
-    roles = {"actor": TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, total_steps=_total_steps(cfg), temperature=temp)}
+    roles = {"actor": TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, total_steps=_total_steps(cfg), policy=policy)}
     if "ref" in needed:
-        roles["ref"] = TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, trainable=False, temperature=temp)
+        roles["ref"] = TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, trainable=False, policy=policy)
     if "critic" in needed:
         critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr})
         roles["critic"] = TrainEngine(cfg.critic.model_path or cfg.model.path, acc, mesh, critic_cfg, dtype,

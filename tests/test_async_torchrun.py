@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import run_helper
 from tests.helpers.rollout_logprobs import perturbed
@@ -53,7 +54,7 @@ def _hf_logprobs(model, got: dict) -> list[torch.Tensor]:
     batch = build_batch([torch.tensor(got["prompt"])] * len(responses), responses, 0)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    lp = response_logprobs(logits, batch, temperature=0.7)[0]
+    lp = response_logprobs(logits, batch, policy=SamplingPolicy(0.7))[0]
     return [lp[k, : len(r)] for k, r in enumerate(responses)]
 
 

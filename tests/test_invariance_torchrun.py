@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import run_helper
 from tests.trainer_util import G, N, train
@@ -69,12 +70,44 @@ def test_rollout_logprobs_equal_an_hf_forward_at_the_temperature(tiny_model):
     batch = build_batch([prompt] * len(responses), responses, 0)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    right = response_logprobs(logits, batch, temperature=0.7)[0]
+    right = response_logprobs(logits, batch, policy=SamplingPolicy(0.7))[0]
     wrong = response_logprobs(logits, batch)[0]
     for k, s in enumerate(got["samples"]):
         vllm = torch.tensor(s["logprobs"])
         assert (right[k, : len(vllm)] - vllm).abs().max() < 1e-4
     assert max(float((wrong[k, : len(s["ids"])] - torch.tensor(s["logprobs"])).abs().max()) for k, s in enumerate(got["samples"])) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [SamplingPolicy(1.0, top_p=0.7), SamplingPolicy(1.2, top_k=3), SamplingPolicy(0.9, top_k=4, top_p=0.8)], ids=str)
+def test_rollout_logprobs_under_top_p_top_k_are_the_trainers(tiny_model, policy):
+    """With top-p / top-k the rollout's log-probs are of the truncated policy; the trainer's
+    kernel (``token_logprob`` with the same policy) on an HF float32 forward equals them, and so
+    does an HF reference built from transformers' own warpers. The untruncated softmax(logits / T),
+    what the trainer computed before, differs (so this test fails on the old trainer)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    got = run_helper("rollout_logprobs.py", tiny_model, policy.temperature, f"top_p={policy.top_p}", f"top_k={policy.top_k}", "n=16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    responses = [torch.tensor(s["ids"]) for s in got["samples"]]
+    batch = build_batch([torch.tensor(got["prompt"])] * len(responses), responses, 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    trainer = response_logprobs(logits, batch, policy=policy)[0]
+    untruncated = response_logprobs(logits, batch, policy=SamplingPolicy(policy.temperature))[0]
+    x = TemperatureLogitsWarper(policy.temperature)(None, logits.double().flatten(0, 1))
+    x = TopKLogitsWarper(policy.top_k)(None, x) if policy.top_k > 0 else x
+    x = TopPLogitsWarper(policy.top_p)(None, x) if policy.top_p < 1 else x
+    hf = torch.log_softmax(x, -1).view(*logits.shape)
+    worst_old = 0.0
+    for k, s in enumerate(got["samples"]):
+        vllm, r = torch.tensor(s["logprobs"]), len(s["ids"])
+        pos = batch.predictor[k, :r]
+        ref = hf[k, pos, torch.tensor(s["ids"])].float()
+        assert ref.isfinite().all()  # every sampled token is in HF's kept set
+        assert (trainer[k, :r] - vllm).abs().max() < 1e-4 and (ref - vllm).abs().max() < 1e-4
+        worst_old = max(worst_old, float((untruncated[k, :r] - vllm).abs().max()))
+    assert worst_old > 1e-2, worst_old
 
 
 @pytest.mark.slow

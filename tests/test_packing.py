@@ -17,6 +17,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.base import local
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split
 from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
+from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.engines.train import TrainEngine
 
 
@@ -66,7 +67,7 @@ def test_packed_logprobs_entropies_and_grads_equal_the_padded_forward(tiny_model
 
     def run(f, m):
         m.zero_grad()
-        lp, ent = f(m, batch.trim(), True, temperature)
+        lp, ent = f(m, batch.trim(), True, SamplingPolicy(temperature))
         (lp.sum() + 0.3 * ent.sum()).backward()
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
@@ -93,7 +94,7 @@ def test_pack_sequences_changes_what_the_model_sees_and_not_the_step(tiny_model)
     out = {}
     for packed in (True, False):
         cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e6, pack_sequences=packed)
-        e = TrainEngine(tiny_model, detect("cpu"), mesh, cfg, "float32", total_steps=10, temperature=0.8)
+        e = TrainEngine(tiny_model, detect("cpu"), mesh, cfg, "float32", total_steps=10, policy=SamplingPolicy(0.8))
         rows = []
         hook = e.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[0]))
         lp, _ = e.infer(split(batch, 4))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, logit_window, response_logprobs
-from spmd_rl.engines.token_logprob import token_logprob
+from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -26,7 +26,7 @@ def test_values_and_gradients_match_float64_autograd(temperature, chunk_elements
     targets = torch.randint(0, 11, (3, 5))
     g_lp, g_ent = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
     a = logits.clone().requires_grad_(True)
-    lp, ent = token_logprob(a, targets, temperature, with_entropy=True, chunk_elements=chunk_elements)
+    lp, ent = token_logprob(a, targets, SamplingPolicy(temperature), with_entropy=True, chunk_elements=chunk_elements)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     b = logits.clone().requires_grad_(True)
     rlp, rent = _reference(b, targets, temperature)
@@ -41,7 +41,7 @@ def test_gradcheck_finite_differences():
     torch.manual_seed(1)
     logits = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 7, (4,))
-    fn = lambda x: token_logprob(x, targets, 0.9, with_entropy=True, chunk_elements=14)  # noqa: E731
+    fn = lambda x: token_logprob(x, targets, SamplingPolicy(0.9), with_entropy=True, chunk_elements=14)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (logits,), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=False)
 
 
@@ -58,7 +58,7 @@ def test_no_float32_vocab_tensor_is_saved_for_backward():
             fn()
         return seen
 
-    fused = saved(lambda: token_logprob(logits, targets, 1.0, with_entropy=True, chunk_elements=4096))
+    fused = saved(lambda: token_logprob(logits, targets, SamplingPolicy(), with_entropy=True, chunk_elements=4096))
     unfused = saved(lambda: torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]))
     assert not [s for s in fused if s[0] == torch.float32 and s[1] >= n * vocab], fused
     assert [s for s in unfused if s[0] == torch.float32 and s[1] >= n * vocab]
@@ -71,7 +71,7 @@ def test_bf16_logits_match_the_float32_formula_of_the_same_values():
     torch.manual_seed(2)
     logits = (torch.randn(6, 50) * 4).bfloat16()
     targets = torch.randint(0, 50, (6,))
-    lp, ent = token_logprob(logits, targets, 1.0, with_entropy=True)
+    lp, ent = token_logprob(logits, targets, SamplingPolicy(), with_entropy=True)
     rlp, rent = _reference(logits.float(), targets, 1.0)
     assert torch.allclose(lp.double(), rlp, atol=1e-5) and torch.allclose(ent.double(), rent, atol=1e-5)
 
@@ -86,10 +86,10 @@ def test_windowed_lm_path_equals_the_full_forward(tiny_model):
     responses = [torch.tensor([20, 21]), torch.tensor([22, 23, 24, 25]), torch.tensor([26])]
     batch = build_batch(prompts, responses, 0)
     assert logit_window(batch) == (2, 6)  # shortest prompt ends at 3 (predictor 2); longest sample ends at 7
-    lp, ent = lm_response_logprobs(model, batch, with_entropy=True, temperature=0.8)
+    lp, ent = lm_response_logprobs(model, batch, with_entropy=True, policy=SamplingPolicy(0.8))
     grads_window = torch.autograd.grad(lp.sum() + ent.sum(), model.model.embed_tokens.weight)[0]
     full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    rlp, rent = response_logprobs(full, batch, with_entropy=True, temperature=0.8)
+    rlp, rent = response_logprobs(full, batch, with_entropy=True, policy=SamplingPolicy(0.8))
     grads_full = torch.autograd.grad(rlp.sum() + rent.sum(), model.model.embed_tokens.weight)[0]
     assert torch.allclose(lp, rlp, atol=1e-5) and torch.allclose(ent, rent, atol=1e-5)
     assert torch.allclose(grads_window, grads_full, atol=1e-5)
@@ -133,3 +133,77 @@ def test_length_order_sorts_within_mini_batches_only():
         assert set(got.tolist()) == set(range(12)[sl])  # same membership: the same optimizer steps
         assert lengths[got].tolist() == sorted(lengths[sl].tolist(), reverse=True)
     assert order[4:8].tolist() == [7, 4, 5, 6]  # stable among equal lengths
+
+
+def _hf_warped(logits: torch.Tensor, policy: SamplingPolicy) -> torch.Tensor:
+    """Independent reference: transformers' own warpers (temperature, then top-k, then top-p,
+    as ``generate`` orders them) in float64, then log_softmax: [n, V] (-inf where dropped)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    x = TemperatureLogitsWarper(policy.temperature)(None, logits.double().reshape(-1, logits.shape[-1]))
+    if policy.top_k > 0:
+        x = TopKLogitsWarper(policy.top_k)(None, x)
+    if policy.top_p < 1:
+        x = TopPLogitsWarper(policy.top_p)(None, x)
+    return torch.log_softmax(x, -1)
+
+
+def _hf_truncated(logits: torch.Tensor, targets: torch.Tensor, policy: SamplingPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lp, entropy) of each row under ``_hf_warped``."""
+    logp = _hf_warped(logits, policy)
+    ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    return logp.gather(-1, targets.reshape(-1, 1)).squeeze(-1).view(targets.shape), ent.view(targets.shape)
+
+
+TRUNCATED = [SamplingPolicy(1.0, top_p=0.8), SamplingPolicy(0.7, top_k=5), SamplingPolicy(1.3, top_k=8, top_p=0.6)]
+
+
+@pytest.mark.parametrize("policy", TRUNCATED, ids=str)
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 100])
+def test_truncated_policy_equals_transformers_warpers(policy, chunk_elements):
+    """Top-k / top-p: the log-prob of a token in the kept set and the entropy equal log_softmax
+    of HF's warped logits (float64); without the truncation they do not (the test can fail)."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 40, dtype=torch.float64) * 2.5
+    warped = _hf_warped(logits, policy)
+    targets = torch.stack([torch.multinomial(row.exp(), 1)[0] for row in warped])  # drawn from the truncated policy
+    lp, ent = token_logprob(logits, targets, policy, with_entropy=True, chunk_elements=chunk_elements)
+    rlp, rent = _hf_truncated(logits, targets, policy)
+    assert torch.allclose(lp.double(), rlp, atol=1e-5) and torch.allclose(ent.double(), rent, atol=1e-5)
+    plain, _ = token_logprob(logits, targets, SamplingPolicy(policy.temperature))
+    assert (plain.double() - rlp).abs().max() > 1e-2  # the untruncated softmax is another distribution
+
+
+@pytest.mark.parametrize("policy", TRUNCATED, ids=str)
+def test_truncated_policy_gradients_match_float64_autograd(policy):
+    """The gradient flows through the kept logits only and equals autograd of the masked
+    log_softmax (the kept set held fixed)."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, 30, dtype=torch.float64) * 2
+    warped = _hf_warped(logits, policy)
+    targets = torch.stack([torch.multinomial(row.exp(), 1)[0] for row in warped])
+    g_lp, g_ent = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    a = logits.clone().requires_grad_(True)
+    lp, ent = token_logprob(a, targets, policy, with_entropy=True, chunk_elements=60)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    b = logits.clone().requires_grad_(True)
+    rlp, rent = _hf_truncated(b, targets, policy)
+    ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-5)
+    assert (a.grad[warped.isinf()] == 0).all()  # nothing flows into a dropped token
+
+
+def test_a_target_outside_the_kept_set_stays_finite():
+    """vLLM sampled the token, so it was in vLLM's set; if the trainer's rounding drops it at the
+    boundary the log-prob is taken over the kept set plus the target, never -inf."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
+    lp, ent = token_logprob(logits, torch.tensor([3]), SamplingPolicy(top_k=1), with_entropy=True)
+    x = torch.tensor([5.0, -1.0])
+    assert torch.allclose(lp, (x[1] - torch.logsumexp(x, 0))[None]) and ent.isfinite().all()
+
+
+def test_policy_of_the_rollout_config():
+    from spmd_rl.config.schema import RolloutConfig
+
+    assert SamplingPolicy.of(RolloutConfig(n=2, max_response_length=4, temperature=0.7, top_p=0.9, top_k=20)) == SamplingPolicy(0.7, 20, 0.9)
+    assert SamplingPolicy.of(RolloutConfig(n=2, max_response_length=4, temperature=0.0, top_p=0.9, top_k=20)) == SamplingPolicy()  # greedy: vLLM drops both

@@ -2,8 +2,9 @@
 
 A sample is s = prompt ++ response. In the right-padded batch, response token j of sample b
 sits at position P_b + j and is predicted by the logits at P_b + j - 1, so
-logprob[b, j] = log_softmax(logits[b, P_b + j - 1] / T)[s_b[P_b + j]] with T the sampling
-temperature (the policy that generated the response is softmax(logits / T)); entropy
+logprob[b, j] = log pi(s_b[P_b + j] | logits[b, P_b + j - 1]) with pi the sampling policy
+(``token_logprob.SamplingPolicy``: softmax(logits / T), renormalised over the top-k / top-p set
+when those are on: the distribution vLLM drew the token from); entropy
 H[b, j] = -sum_v p_v log p_v of that distribution. Float32 log-softmax whatever the logits'
 dtype; padded response positions (j >= R_b) are masked out by ``mask``.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.engines.token_logprob import token_logprob
+from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
 
 
 @dataclass
@@ -83,16 +84,16 @@ def logit_window(batch: SeqBatch) -> tuple[int, int]:
 
 
 def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool = False,
-                      temperature: float = 1.0, first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [B, R], entropies [B, R] or None) of the response tokens under
-    softmax(logits / temperature); 0 where masked. ``logits`` [B, K, V] are those of positions
+                      policy: SamplingPolicy = SamplingPolicy(), first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [B, R], entropies [B, R] or None) of the response tokens under the sampling
+    ``policy``; 0 where masked. ``logits`` [B, K, V] are those of positions
     first .. first + K - 1 (all T positions by default); the log-softmax is the fused, chunked
     ``token_logprob``, which never holds a whole float32 [B, K, V]."""
     k = logits.shape[1]
     targets = batch.input_ids[:, first + 1 : first + k + 1].to(logits.device)  # the token each position predicts
     if targets.shape[1] < k:  # the last position predicts nothing; any id will do
         targets = torch.nn.functional.pad(targets, (0, k - targets.shape[1]))
-    lp_all, ent_all = token_logprob(logits, targets, temperature, with_entropy)
+    lp_all, ent_all = token_logprob(logits, targets, policy, with_entropy)
     where = (batch.predictor - first).clamp(0, k - 1)
     lp = lp_all.gather(1, where) * batch.mask
     ent = ent_all.gather(1, where) * batch.mask if with_entropy else None
@@ -100,10 +101,10 @@ def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool 
 
 
 def lm_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         policy: SamplingPolicy = SamplingPolicy()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An HF causal LM's response log-probs: the LM head runs only on ``logit_window``
     (``logits_to_keep``), then ``response_logprobs``."""
     lo, hi = logit_window(batch)
     keep = torch.arange(lo, hi, device=batch.input_ids.device)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
-    return response_logprobs(logits, batch, with_entropy, temperature, first=lo)
+    return response_logprobs(logits, batch, with_entropy, policy, first=lo)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd_rl.engines.logprobs import SeqBatch
-from spmd_rl.engines.token_logprob import token_logprob
+from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
 
 
 @dataclass
@@ -94,13 +94,13 @@ def _unflatten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).masked_scatter(mask, values)
 
 
-def packed_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, temperature: float = 1.0,
+def packed_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, policy: SamplingPolicy = SamplingPolicy(),
                              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs.lm_response_logprobs`` computed on the packed layout of ``batch`` (host
     tensors; the model runs on ``device``): (log-probs [B, R], entropies [B, R] or None) on
     ``device``, 0 where masked."""
     logits, p, mask = _packed_head(model, model.lm_head, batch, device or batch.input_ids.device)
-    lp, ent = token_logprob(logits, p.targets, temperature, with_entropy)
+    lp, ent = token_logprob(logits, p.targets, policy, with_entropy)
     return _unflatten(lp, mask), _unflatten(ent, mask) if with_entropy else None
 
 

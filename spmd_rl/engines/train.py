@@ -33,6 +33,7 @@ from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
 from spmd_rl.engines.packing import packed_response_logprobs, packed_scores, packed_values
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
+from spmd_rl.engines.token_logprob import SamplingPolicy
 
 
 
@@ -53,13 +54,13 @@ class TrainEngine(Engine):
     """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
 
     def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
-                 trainable: bool = True, total_steps: int = 1, temperature: float = 1.0, head: str = "lm"):
-        """``temperature``: the rollout's sampling temperature T; every log-prob and entropy is
-        of softmax(logits / T), the policy that sampled (T = 0, greedy, counts as 1)."""
+                 trainable: bool = True, total_steps: int = 1, policy: SamplingPolicy = SamplingPolicy(), head: str = "lm"):
+        """``policy``: the rollout's sampling policy (temperature, top-k, top-p); every log-prob
+        and entropy is of that distribution (``engines.token_logprob``)."""
         self.head = head
         self.acc = acc
         self.cfg = cfg
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.policy = policy
         master = DTYPES[cfg.param_dtype]
         compute = DTYPES[compute_dtype]
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
@@ -89,7 +90,7 @@ class TrainEngine(Engine):
             if self.head == "score":
                 return packed_scores(self.model, micro, dev), None
             if self.head == "lm":
-                out, ent = packed_response_logprobs(self.model, micro, with_entropy, self.temperature, dev)
+                out, ent = packed_response_logprobs(self.model, micro, with_entropy, self.policy, dev)
             else:
                 out, ent = packed_values(self.model, micro, dev), None
             pad = (0, width - out.shape[1])
@@ -108,7 +109,7 @@ class TrainEngine(Engine):
             values = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
             out, ent = values[..., 0].float().gather(1, micro.predictor) * micro.mask, None
         else:
-            out, ent = lm_response_logprobs(self.model, micro, with_entropy, self.temperature)
+            out, ent = lm_response_logprobs(self.model, micro, with_entropy, self.policy)
         pad = (0, width - out.shape[1])
         return torch.nn.functional.pad(out, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 

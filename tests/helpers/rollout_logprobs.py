@@ -1,6 +1,7 @@
 """Sample from a model folder through the project's RolloutEngine (single process) and print
 one JSON line: the prompt ids, and per sample the token ids and the rollout log-probs
-(run as a subprocess: vLLM changes process state). Args: FOLDER TEMPERATURE [published].
+(run as a subprocess: vLLM changes process state). Args: FOLDER TEMPERATURE [published]
+[top_p=P] [top_k=K] [n=N].
 
 ``published``: the engine runs in its own process (as on a generator of the separated
 placement) and samples after ``update_weights`` loaded ``perturbed(FOLDER)``, streamed
@@ -28,8 +29,11 @@ def perturbed(folder: str) -> list[tuple[str, torch.Tensor]]:
 
 
 if __name__ == "__main__":
-    folder, temperature, published = sys.argv[1], float(sys.argv[2]), sys.argv[3:] == ["published"]
-    cfg = RolloutConfig(n=4, max_response_length=8, temperature=temperature)
+    folder, temperature, published = sys.argv[1], float(sys.argv[2]), "published" in sys.argv[3:]
+    opts = dict(a.split("=") for a in sys.argv[3:] if "=" in a)
+    n = int(opts.get("n", 4))
+    cfg = RolloutConfig(n=n, max_response_length=8, temperature=temperature, top_p=float(opts.get("top_p", 1.0)),
+                        top_k=int(opts.get("top_k", -1)))
     engine = RolloutEngine(folder, detect("cpu"), cfg, tp=1, dtype="float32", max_model_len=64, seed=0, distributed=False,
                            own_process=published)
     if published:
@@ -40,5 +44,5 @@ if __name__ == "__main__":
     tok = AutoTokenizer.from_pretrained(folder)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False).input_ids
-    samples = engine.generate([prompt], n=4, max_tokens=8, seed=1)
+    samples = engine.generate([prompt], n=n, max_tokens=8, seed=1)
     print(json.dumps({"prompt": prompt, "samples": [{"ids": s.token_ids, "logprobs": s.logprobs} for s in samples]}))
