@@ -28,9 +28,7 @@ def world_of_one():
     collectives must run without torchrun."""
     import torch.distributed as dist
 
-    from spmd_rl.dock.etcd_server import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     yield
     dist.destroy_process_group()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 
 import pytest
 import torch
@@ -85,12 +84,6 @@ def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start,
     assert received == sent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _g = torch.Generator().manual_seed(0)  # the same values in every spawned process
 WEIGHTS = {"a.weight": torch.randn(7, 5, generator=_g), "b.bias": torch.randn(3, generator=_g).to(torch.bfloat16), "scale": torch.tensor(2.5),
            "big": torch.randn(40, 10, generator=_g), "c.weight": torch.randn(2, 2, dtype=torch.float64, generator=_g)}
@@ -100,11 +93,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _peer(rank: int, port: int, limit: int, folder: str, q) -> None:
+def _peer(rank: int, init: str, limit: int, folder: str, q) -> None:
     """Rank 0 sends WEIGHTS; rank 1 streams them into a weight file (what a generator does),
     noting how many broadcasts it had received when each tensor was yielded."""
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     cpu = torch.device("cpu")
     if rank == 0:
         meta = [(n, t.dtype, list(t.shape)) for n, t in WEIGHTS.items()]
@@ -133,9 +125,9 @@ def test_broadcast_streams_the_weights_bit_for_bit(limit, tmp_path):
     """Two processes, gloo: small buckets (every tensor alone but 'b.bias' + 'scale', 'big' above
     the limit) and one bucket. The weight file read back equals what was sent, and each bucket's
     tensors are yielded before the next bucket is received (2 header broadcasts, then one per bucket)."""
-    ctx, port = mp.get_context("spawn"), _free_port()
+    ctx, init = mp.get_context("spawn"), f"file://{tmp_path / 'store'}"  # a file store: no port to race for
     q = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(r, port, limit, str(tmp_path), q)) for r in (0, 1)]
+    procs = [ctx.Process(target=_peer, args=(r, init, limit, str(tmp_path), q)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = dict((m[0], m[1:]) for m in (q.get(timeout=120), q.get(timeout=120)))

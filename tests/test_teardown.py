@@ -36,11 +36,10 @@ def test_status_is_what_sys_exit_would_give(work, status, printed, capsys):
 _SCRIPT = textwrap.dedent("""
     import atexit, gc, sys, weakref
     import torch.distributed as dist
-    from spmd_rl.dock.etcd_server import free_port
     from spmd_rl.distributed.teardown import exit_after
 
     out = sys.argv[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     refs = []
     real = dist.destroy_process_group
 

@@ -13,11 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from spmd_rl.distributed.timeouts import long_phase
-from spmd_rl.dock.etcd_server import free_port
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank: int, init: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     sub = dist.new_group([0, 1])  # like a device-mesh subgroup: created under the initial timeout
     with long_phase(30.0, steady_s=1.0):  # start-up or a checkpoint write
         if rank == 1:
@@ -34,12 +33,12 @@ def _worker(rank: int, port: int, out: dict) -> None:
     os._exit(0)  # skip destroy: the other rank may be gone
 
 
-def test_steady_timeout_fires_and_long_phase_waits():
-    port = free_port()
+def test_steady_timeout_fires_and_long_phase_waits(tmp_path):
+    init = f"file://{tmp_path / 'store'}"  # a file store: no port to race for
     with mp.Manager() as m:
         out = m.dict()
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, init, out)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:

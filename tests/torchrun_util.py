@@ -16,8 +16,19 @@ from tests.conftest import REPO, subprocess_env
 
 def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float = 180) -> list[str]:
     """Start ``nnodes`` torchrun agents (static rendezvous, distinct --node-rank), wait for all,
-    and return their logs; raise with the logs if any agent failed."""
-    port = free_port()
+    and return their logs; raise with the logs if any agent failed. The master port is picked
+    before node 0 binds it: when another process took it in between, launch again on a new one."""
+    for attempt in range(3):
+        codes, texts = _launch(script, nnodes, nproc_per_node, env, log_dir, timeout_s, free_port())
+        if not any(codes):
+            return texts
+        if not any("EADDRINUSE" in t or "address already in use" in t for t in texts):
+            break
+    raise AssertionError(f"agents exited {codes}:\n" + "\n".join(t[-4000:] for t in texts))
+
+
+def _launch(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float,
+            port: int) -> tuple[list[int], list[str]]:
     full_env = subprocess_env() | env
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     procs, logs = [], []
@@ -37,10 +48,7 @@ def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str
                 p.kill()
         for log in logs:
             log.close()
-    texts = [(log_dir / f"agent{n}.log").read_text() for n in range(nnodes)]
-    if any(codes):
-        raise AssertionError(f"agents exited {codes}:\n" + "\n".join(t[-4000:] for t in texts))
-    return texts
+    return codes, [(log_dir / f"agent{n}.log").read_text() for n in range(nnodes)]
 
 
 QUIET_CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -92,6 +92,7 @@ class RolloutEngine:
         self.own_process = own_process
         self._asleep = False
         before = orphan_watch.children()
+        vllm_shm.name_per_job()
         self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
                        **engine_options(acc.kind, cfg, distributed, own_process))
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)

@@ -1,5 +1,13 @@
 """``spmd-rl train`` on one node: start the embedded etcd when ``metadata.endpoints`` is empty,
-create the job token, run torchrun for this node, stop etcd at exit (also on failure)."""
+create the job token, run torchrun for this node, stop etcd at exit (also on failure).
+
+Invariant: the launcher takes its whole tree with it. torchrun starts each worker in a new
+session and nothing tells torchrun that the launcher died, so a SIGKILLed ``spmd-rl train``
+used to leave torchrun, its workers and their vLLM engines running. An ``OrphanWatch`` holds
+torchrun: when the launcher exits, however it dies, the watcher SIGKILLs torchrun and every
+process below it (collected before the first kill) and unlinks the shared memory they mapped.
+The embedded etcd dies with the launcher through PR_SET_PDEATHSIG.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,10 @@ from pathlib import Path
 
 from spmd_rl.config.schema import Config
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
+from spmd_rl.engines.orphan_watch import OrphanWatch
+
+GRACE_S = 30.0
+"""Seconds torchrun gets after Ctrl-C to stop its workers before the watcher kills the tree."""
 
 
 def rendezvous_args(cfg: Config) -> list[str]:
@@ -51,7 +63,19 @@ def run_local(config: Path, overrides: list[str], cfg: Config, nproc_per_node: i
             etcd = EmbeddedEtcd().start()
             env["SPMD_RL_ETCD"] = etcd.endpoint
             print(f"[spmd-rl] embedded etcd at {etcd.endpoint}", file=sys.stderr, flush=True)
-        return subprocess.call(torchrun_command(config, overrides, cfg, nproc_per_node), env=env)
+        watch = OrphanWatch()
+        with subprocess.Popen(torchrun_command(config, overrides, cfg, nproc_per_node), env=env) as torchrun:
+            watch.watch({torchrun.pid})
+            try:
+                return torchrun.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it stop its workers first
+                try:
+                    torchrun.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise
+            finally:
+                watch.close()  # torchrun has exited (or this launcher is interrupted): nothing of it stays
     finally:
         if etcd is not None:
             etcd.stop()
