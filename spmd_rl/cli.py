@@ -141,6 +141,15 @@ def evaluate(
     typer.echo(json.dumps(result | {"model": str(model)}))
 
 
+@app.command(name="config-reference")
+def config_reference() -> None:
+    """Print the configuration reference (every field, type, default, range, description) as
+    Markdown; docs/config.md is this output."""
+    from spmd_rl.config.reference import render
+
+    typer.echo(render(), nl=False)
+
+
 def main() -> None:
     app()
 

@@ -90,6 +90,10 @@ BROKEN = [
     (["metadata.cert_file=assets/tiny-qwen2/config.json", "metadata.key_file=assets/tiny-qwen2/config.json"], None, "metadata.ca_file"),
     (["metadata.ca_file=/no/such/ca.crt"], None, "metadata.ca_file"),
     (["model"], None, "model"),
+    (["actor.betas=[0.9,1.5]"], None, "actor.betas.1"),  # a tuple's elements are range-checked too
+    (["actor.betas=[-0.1,0.99]"], None, "actor.betas.0"),
+    (["trainer.seed=-1"], None, "trainer.seed"),
+    (["reward.rule_weight=-1"], None, "reward.rule_weight"),
 ]
 
 

@@ -59,6 +59,13 @@ def test_plain_text_and_certless_clients_are_refused(tls_etcd):
     good = MetadataStore([endpoint], "tls-good", tls=tls)
     good.put(good.key("k"), b"v")
     assert good.get(good.key("k")) == b"v"
+    # the peer port (client port + 1) serves TLS too: plain HTTP there gets no member list
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        peer = requests.get(f"http://{host}:{int(port) + 1}/members", timeout=5)
+    except requests.ConnectionError:
+        peer = None
+    assert peer is None or (peer.status_code == 400 and "HTTPS" in peer.text), (peer.status_code, peer.text[:200])
 
 
 @pytest.mark.slow

@@ -7,9 +7,11 @@ size or to files on disk live in ``rules.py`` so that all violations can be repo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class Section(BaseModel):
@@ -58,7 +60,7 @@ class ActorConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear LR warm-up.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
     mini_batch_size: int = Field(gt=0, description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`.")
     micro_batch_size: int = Field(gt=0, description="Samples per forward/backward on one rank (gradient accumulation unit); with `micro_batch_tokens`, the most samples per micro-batch.")
     micro_batch_tokens: int | None = Field(
@@ -107,7 +109,7 @@ class RewardConfig(Section):
         None, description="Reward-model HF folder (a sequence classifier with one label and the policy's tokenizer), required when `kind: model`; tools/make_tiny_model.py builds one in <out>/reward_model."
     )
     rule_weight: float = Field(
-        0.0, description="kind: model only: reward = model score + rule_weight x rule score (both are logged, as reward_model_mean and reward_rule_mean). With kind: rule the rule alone is the reward."
+        0.0, ge=0.0, le=100.0, description="kind: model only: reward = model score + rule_weight x rule score (both are logged, as reward_model_mean and reward_rule_mean). With kind: rule the rule alone is the reward."
     )
     offload_to_host: bool = Field(True, description="kind: model only: keep the reward model's weights in host memory outside the reward stage.")
     format_score: float = Field(
@@ -259,7 +261,7 @@ class ElasticConfig(Section):
 
 class TrainerConfig(Section):
     iterations: int = Field(gt=0, description="RL iterations to run.")
-    seed: int = Field(0, description="Seed of data order, sampling and init.")
+    seed: int = Field(0, ge=0, lt=2**31, description="Seed of data order, sampling and init.")
     deterministic: bool = Field(False, description="Deterministic algorithms and sampling (for resume-equality tests).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu, then cuda, then cpu.")
     eval_interval: int = Field(
