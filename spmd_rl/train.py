@@ -28,7 +28,8 @@ from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.sides import init_sides
 from spmd_rl.distributed.timeouts import set_collective_timeout
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore

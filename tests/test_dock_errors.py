@@ -11,7 +11,8 @@ import torch
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
 from spmd_rl.config.stages import Stage
-from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockRequestError, DockTimeout, DockUnavailable
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
@@ -48,7 +49,7 @@ def test_put_get_round_trip(dock):
 
 
 def test_unknown_column(dock):
-    with pytest.raises(DockRequestError, match="unknown column 'logits'.*known columns: answer, prompt_ids, response_ids, reward"):
+    with pytest.raises(DockRequestError, match="unknown column 'logits'.*known columns: answer, prompt_ids, prompt_row, response_ids, reward"):
         dock.put("x", 0, {"logits": ids(1)}, [0])
     with pytest.raises(DockRequestError, match="unknown column"):
         dock.get("x", 0, ["logits"], ONE)

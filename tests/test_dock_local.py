@@ -13,7 +13,8 @@ import torch
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
 from spmd_rl.config.stages import Stage
-from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import ColumnSpec, columns_for
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
 from spmd_rl.dock.local import InProcessWarehouse

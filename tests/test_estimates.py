@@ -88,8 +88,9 @@ def test_plan_prints_paper_figures(in_repo, tiny_model):
     cfg = load_config("configs/paper_qwen25_32b.yaml")
     n, m, c = flow_counts(stages_for(cfg))
     # GRPO with KL: the paper's n = 5 response-length items counts a per-token advantage; here
-    # GRPO's advantage travels as one scalar per sample, so n = 4 and M = 4 scalars (+ index)
-    assert (n, m, c) == (4, 4, 6)
+    # GRPO's advantage travels as one scalar per sample, so n = 4; M = 5 scalars (+ index): the
+    # paper's 4 plus prompt_row, which the update reads for the prompt ledger
+    assert (n, m, c) == (4, 5, 6)
     central = tcv_centralized(256, 8, 4, 2048, 8192, n, m)
     per_wh = tcv_per_warehouse(256, 8, 4, 2048, 8192, n, m, c, 2)
     assert f"Eq. (2):   {central:12.6f} GB" in res.output

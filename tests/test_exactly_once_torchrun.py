@@ -1,7 +1,9 @@
-"""Exactly-once prompts across crashes (partial rollout, real torchrun with 2 ranks, real
-etcd and vLLM): a worker is SIGKILLed at a seeded random point; torchrun restarts the group,
-which resumes from the newest checkpoint (partial rollout, and the separated placement, where a
-generator may be killed mid-broadcast or a trainer mid-update). The run finishes, and the prompt ledger in etcd
+"""Exactly-once prompts across crashes (real torchrun with 2 ranks, real etcd and vLLM): a
+worker is SIGKILLed at a seeded random point; torchrun restarts the group, which resumes from
+the newest checkpoint (synchronous GRPO, DAPO dynamic sampling, partial rollout, and the
+separated placement, where a generator may be killed mid-broadcast or a trainer mid-update).
+The ledger holds what the putters wrote and what the update read (``trainer.observed``), so a
+rank whose sampler drifts fails it (the last test). The run finishes, and the prompt ledger in etcd
 (``trainer.ledger``) shows every prompt handed out trained exactly once or still carried, for
 every iteration, and the final checkpoint carries what the ledger says. No process of the run,
 the killed rank's vLLM engine core included, outlives it.
@@ -31,8 +33,10 @@ ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "3"))
 
 
-MODES = {  # the modes whose samples outlive an iteration
-    "partial": ["stream.partial_tokens=3"],
+MODES = {
+    "sync": [],
+    "dapo": ["algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2"],
+    "partial": ["stream.partial_tokens=3"],  # samples outlive an iteration
     "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
 }
 
@@ -102,3 +106,23 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
         assert all(r.iteration - 1 <= r.version <= r.iteration for r in records), [(r.iteration, r.version) for r in records]
     print(f"{mode} seed {seed}: killed after {after} iterations + {delay:.2f} s; {len(trained)} groups trained once, "
           f"{len(records[-1].carried)} carried at the end")
+
+
+@pytest.mark.slow
+def test_a_rank_whose_sampler_drifts_fails_the_ledger(tiny_model, tmp_path, etcd):
+    """Rank 1's sampler skips one prompt position (``tests/helpers/faults``, kind "desync"): it
+    puts rows rank 0's sampler never handed out. The run itself goes on, but the ledger, built
+    from what the putters wrote and the update read, names both sides of the drift."""
+    job = "crash-desync"
+    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", f"checkpoint.dir={tmp_path}/ckpt",
+           f"logging.dir={tmp_path}/logs", "trainer.iterations=1", "data.global_batch_size=8", "rollout.n=4",
+           "actor.mini_batch_size=8", "actor.micro_batch_size=8", f"metadata.job={job}", "dock.port=0", "logging.progress=false"]
+    env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN,
+                              "PYTHONPATH": f"{REPO}:{REPO / 'tests/helpers/faults'}",
+                              "SPMD_RL_TEST_FAULTS": json.dumps({"kind": "desync", "rank": 1})}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    records = PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()
+    assert len(records) == 1 and records[0].trained_samples == 8 * 4
+    found = problems(records)
+    assert any("sampled but never put" in p for p in found) and any("neither sampled nor carried" in p for p in found), found

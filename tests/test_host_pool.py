@@ -16,7 +16,8 @@ import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
-from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.host_pool import HostPool, size_class
 from spmd_rl.dock.metadata import MetadataStore

@@ -68,6 +68,7 @@ def test_a_sample_over_the_budget_runs_alone_and_split_to_reaches_any_count():
         split_to(runs, lengths, 9, packed=True)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_lengths_run_the_same_number_of_micro_batches(tmp_path):
     """Two gloo ranks plan three mini-batches whose greedy counts differ per rank (one collective)."""
     run_nodes(REPO / "tests/helpers/micro_plan_worker.py", nnodes=1, nproc_per_node=2, env={"SPMD_RL_OUT": str(tmp_path)}, log_dir=tmp_path)

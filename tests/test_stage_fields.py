@@ -45,6 +45,7 @@ class FakeDock:
 
 
 PROMPTS = [torch.tensor([7, 8 + k], dtype=torch.int32) for k in range(B)]  # sample k is recognisable in any order
+ROWS = [torch.tensor(k, dtype=torch.int32) for k in range(B)]
 
 
 def rows_of(micro) -> torch.Tensor:
@@ -110,7 +111,7 @@ def run_named(run, name: str):
 def _stage_grads(cfg):
     lengths, lp, old, roll, ref, ent, adv, mask = _data()
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": PROMPTS,
+    dock = FakeDock({"prompt_ids": PROMPTS, "prompt_row": ROWS,
                      "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
                      "seq_advantage": [torch.tensor(float(a)) for a in adv],
                      "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
@@ -181,7 +182,7 @@ def test_token_budget_splits_by_tokens_and_keeps_the_objective(packed, want):
                "data.max_prompt_length=2", "rollout.max_response_length=5")
     lengths, lp, old, roll, ref, ent, adv, mask = _data()
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
+    dock = FakeDock({"prompt_ids": PROMPTS, "prompt_row": ROWS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
                      "seq_advantage": [torch.tensor(float(a)) for a in adv],
                      "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
     engine = CountingEngine(lp.float(), ent.float())

@@ -48,6 +48,7 @@ from spmd_rl.engines.base import DTYPES  # noqa: E402
 from spmd_rl.engines.parallelize import apply_compile  # noqa: E402
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs  # noqa: E402
 from spmd_rl.engines.packing import packed_response_logprobs  # noqa: E402
+from spmd_rl.engines.token_logprob import SamplingPolicy  # noqa: E402
 from spmd_rl.trainer.stages.micro import token_runs  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
         for r in runs:
             m = batch[r].trim()
             with cast:
-                lp, _ = logprobs(model, m, False, cfg.rollout.temperature)
+                lp, _ = logprobs(model, m, False, SamplingPolicy.of(cfg.rollout))
             (-(lp * adv[r, : lp.shape[1]] * m.mask).sum() / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()

@@ -41,14 +41,15 @@ COLUMNS: dict[str, ColumnKind] = {
 DAPO: a group-normalised reward, the same for every token). ``answer`` is the reference answer
 of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader. Partial
 rollout adds ``response_version`` (the policy version, i.e. the number of updates, that
-generated each token) and the data loader's ``prompt_row`` (the prompt's dataset row) and
-``prefix_*`` (the response so far of a continued sample, empty for a new one, and whether it
+generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new one, and whether it
 already finished)."""
 
-DATA_COLUMNS = ("prompt_ids", "answer")
-"""Written by the data loader (``put_prompts``), before the first stage."""
+DATA_COLUMNS = ("prompt_ids", "answer", "prompt_row")
+"""Written by the data loader (``put_prompts``), before the first stage. ``prompt_row`` is the
+prompt's dataset row: partial rollout carries groups by it, and the update reads it so the
+prompt ledger records the rows it trained as observed in the dock (``trainer.ledger``)."""
 
-PARTIAL_COLUMNS = ("prompt_row", "prefix_ids", "prefix_log_prob", "prefix_version", "prefix_done")
+PARTIAL_COLUMNS = ("prefix_ids", "prefix_log_prob", "prefix_version", "prefix_done")
 """Also written by the data loader under partial rollout (``trainer.partial``)."""
 
 
@@ -134,7 +135,7 @@ def stages_for(cfg: Config) -> list[Stage]:
     model_reward = cfg.reward.kind == "model"
     partial = partial_rollout(cfg)
     out = [
-        Stage("actor_rollout", ("prompt_ids",) + (PARTIAL_COLUMNS if partial else ()),
+        Stage("actor_rollout", ("prompt_ids",) + (("prompt_row",) + PARTIAL_COLUMNS if partial else ()),
               ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()), ("rollout",),
               group_granular=True, layout="gen", per_round=True),
         Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
@@ -159,7 +160,7 @@ def stages_for(cfg: Config) -> list[Stage]:
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
     else:
         out.append(Stage("advantage", ("reward",) + kl_cols, ("seq_advantage",), group_granular=True))
-    out.append(Stage("actor_update", seq + (advantage_column(cfg),) + update_extra, (), ("actor",)))
+    out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
 
 

@@ -43,7 +43,7 @@ from spmd_rl.dock.errors import DockTimeout
 from spmd_rl.dock.records import Locations
 
 if TYPE_CHECKING:
-    from spmd_rl.dock.client import TransferDock
+    from spmd_rl.dock.fetch import Fetcher
 
 log = logging.getLogger(__name__)
 _LIVENESS_EVERY_S = 1.0
@@ -60,7 +60,7 @@ class Relay:
     """Payload bytes of each of those samples' ``columns`` (the leader's fetch buckets)."""
 
 
-def sample_bytes(dock: "TransferDock", loc: Locations, columns: Sequence[str], indices: Sequence[int]) -> list[int]:
+def sample_bytes(dock: "Fetcher", loc: Locations, columns: Sequence[str], indices: Sequence[int]) -> list[int]:
     """Payload bytes of ``columns`` of each of ``indices``, from the put-records."""
     out = [0] * len(indices)
     for c in columns:
@@ -73,7 +73,7 @@ def sample_bytes(dock: "TransferDock", loc: Locations, columns: Sequence[str], i
     return out
 
 
-def plan_relay(dock: "TransferDock", stage: str, iteration: int, layout: Layout, indices: Sequence[int],
+def plan_relay(dock: "Fetcher", stage: str, iteration: int, layout: Layout, indices: Sequence[int],
                columns: Sequence[str], loc: Locations) -> Relay | None:
     """The relay of this rank's fetch of ``indices``, or None where it does not pay (module)."""
     threshold, npn = dock.cfg.tp_relay_min_bytes, dock.peer.nproc_per_node
@@ -93,7 +93,7 @@ def plan_relay(dock: "TransferDock", stage: str, iteration: int, layout: Layout,
     return Relay(f"relay/{stage}/{call}/{dp}", dock.peer.rank == leader, remote, sizes)
 
 
-def relayed_fetch(dock: "TransferDock", iteration: int, indices: list[int], columns: list[str], loc: Locations,
+def relayed_fetch(dock: "Fetcher", iteration: int, indices: list[int], columns: list[str], loc: Locations,
                   relay: Relay) -> dict[str, list[torch.Tensor]]:
     """The leader fetches the remote part first and stores it on its node, then its local part;
     the other TP ranks there fetch their local part meanwhile, then the relayed one."""
@@ -136,7 +136,7 @@ def _chunks(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int]]:
     return runs + [(start, len(sizes))]
 
 
-def _wait_for_leader(dock: "TransferDock", key: str, iteration: int) -> None:
+def _wait_for_leader(dock: "Fetcher", key: str, iteration: int) -> None:
     """Until the leader's key exists: an etcd watch from the read that missed it (no polling),
     with a look at the ranks' heartbeats and at the key itself every ``_LIVENESS_EVERY_S``."""
     revision, kvs = dock.meta.get_prefix_at(key)

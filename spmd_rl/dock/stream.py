@@ -33,7 +33,7 @@ from spmd_rl.dock.records import Locations, PutRecord
 
 if TYPE_CHECKING:
     from spmd_rl.dock.batch import DockBatch
-    from spmd_rl.dock.client import TransferDock
+    from spmd_rl.dock.fetch import Fetcher
 
 log = logging.getLogger(__name__)
 _IDLE_S = 1.0
@@ -126,7 +126,7 @@ class StageStream:
     """This rank's DP group's share of each wave of a stage's ready inputs (module docstring).
     ``poll`` never blocks; ``next`` and iteration wait for the next wave."""
 
-    def __init__(self, dock: "TransferDock", feed: RecordFeed, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
+    def __init__(self, dock: "Fetcher", feed: RecordFeed, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
                  expected: Sequence[int], group_size: int = 1, units_per_group: int = 1, timeout_s: float | None = None):
         self.dock, self.stage, self.iteration = dock, stage, iteration
         self.columns, self.expected, self.group_size = list(columns), list(expected), group_size
@@ -160,7 +160,7 @@ class StageStream:
         members = set(keys)
         wave = [i for i in self.expected if i // self.group_size in members]
         mine = split(loc, self.columns, wave, self.group_nodes, self.group_size)[self.dp_index]
-        return self.dock.batch_of(self.iteration, mine, self.columns, loc)  # no TP relay: a poll never waits on a peer
+        return self.dock.plain_batch(self.iteration, mine, self.columns, loc)  # no TP relay: a poll never waits on a peer
 
     def next(self) -> "DockBatch | None":
         """Block until the next wave (None once every wave was delivered)."""

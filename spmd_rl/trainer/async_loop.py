@@ -36,6 +36,7 @@ from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
+from spmd_rl.trainer.observed import trained_groups
 from spmd_rl.trainer.stages.samples import put_prompts
 
 log = logging.getLogger("spmd_rl")
@@ -102,23 +103,27 @@ def generate(run: Run, start: int) -> None:
             with timer.stage("eval"):
                 out["eval_accuracy"] = run.evaluator()
         with timer.stage("prompts"):
-            put_prompts(run, it, run.sampler.next_batch(G))
+            put = put_prompts(run, it, run.sampler.next_batch(G))
         run_stage(run, it, run.graph[0], list(range(G * N)), timer)
         run.dock.release(it)
         if leader:
-            run.dock.meta.put(_generator_key(run, it), json.dumps(out | {f"time_{n}": v for n, v in timer.times.items()}).encode())
+            report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}
+            run.dock.meta.put(_generator_key(run, it), json.dumps(report).encode())
     with _waiting(run):
         dist.barrier()
 
 
-def _generator_metrics(run: Run, it: int) -> dict[str, float]:
-    """The generators' metrics of iteration ``it``, written right after its samples."""
+def _generator_report(run: Run, it: int) -> tuple[dict[str, float], list[int]]:
+    """The generators' metrics of iteration ``it``, written right after its samples, and the
+    rows their putters wrote (the ledger's ``put``)."""
     deadline = time.monotonic() + run.cfg.dock.get_timeout_s
     while (raw := run.dock.meta.get(_generator_key(run, it))) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the generators wrote no metrics for iteration {it} within dock.get_timeout_s")
         time.sleep(0.01)
-    return {k: float(v) for k, v in json.loads(raw).items()}
+    report = json.loads(raw)
+    put = report.pop("put_rows")
+    return {k: float(v) for k, v in report.items()}, put
 
 
 def train_side(run: Run, start: int, save_checkpoint) -> None:
@@ -131,16 +136,20 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
     for it in range(start, cfg.trainer.iterations):
         t0, timer, m = time.perf_counter(), StageTimer(bar.stage), IterationMetrics()
         run.dock.begin_iteration(it, G * N)
-        rows = run.sampler.next_batch(G)  # the generators' rows: the same sampler, the same order
+        rows = run.sampler.next_batch(G)  # what the generators should have drawn: the same sampler, the same order
+        consumed: list[tuple[int, int]] = []
         for stage in run.graph[1:]:
-            m.add(run_stage(run, it, stage, list(range(G * N)), timer))
+            res = run_stage(run, it, stage, list(range(G * N)), timer)
+            m.add(res)
+            consumed += res.consumed or []
+        trained, read = trained_groups(consumed, G * N, N)  # observed in the dock (trainer.observed)
         out = m.finish()
         dist.barrier(group=sides.side_group())
-        gen = _generator_metrics(run, it) if leader else {}
+        gen, put = _generator_report(run, it) if leader else ({}, [])
         if leader:
             run.dock.commit(it, alone=True)
             if run.ledger is not None:
-                run.ledger.record(StepRecord(it, rows, rows, version=int(gen["gen_version"])))
+                run.ledger.record(StepRecord(it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N))
         else:
             run.dock.release(it)
         if it + 1 in published(start, cfg.trainer.iterations, k):

@@ -12,7 +12,8 @@ from spmd_rl.config.schema import Config
 from spmd_rl.data.prompts import PromptSet
 from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.dock.client import Peer, TransferDock
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.config.stages import Stage, fused_stages
 from spmd_rl.engines.base import Engine

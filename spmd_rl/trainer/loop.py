@@ -31,6 +31,7 @@ from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.partial import carried_rows, partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
+from spmd_rl.trainer.observed import trained_groups
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
@@ -46,19 +47,20 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
         return partial_round(run, it, timer, m)
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
     select = GroupSelection(G) if dynamic_sampling(run.cfg) else None
-    rows: list[int] = []  # dataset row of group q
+    rows: list[int] = []  # dataset row of group q, as the sampler handed it out
+    put: list[int] = []  # and as the putters wrote it
     for r in range(generation_rounds(run.cfg)):
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
             rows += run.sampler.next_batch(G)
-            put_prompts(run, it, rows[r * G:], first_group=r * G)
+            put += put_prompts(run, it, rows[r * G:], first_group=r * G)
         inside = [run.graph[0], *run.fused] if run.fused else []  # the rollout with the stages fused into it
         results = run_fused(run, it, run.graph[0], run.fused, expected, timer) if run.fused else []
         results += [run_stage(run, it, s, expected, timer) for s in run.graph if s.per_round and s not in inside]
         for res in results:
             m.add(res)
         if select is None:
-            return list(range(G * N)), StepRecord(it, rows, rows)
+            return list(range(G * N)), StepRecord(it, rows, rows, put=put)
         rewards = next(res.rewards for res in results if res.rewards is not None)
         dist.all_reduce(rewards)
         select.add_round(list(range(r * G, (r + 1) * G)), rewards, N)
@@ -74,7 +76,7 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
     signal = set(select.kept)
     dropped = {str(rows[q]): "dynamic sampling: " + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
                for q in range(len(rows)) if q not in kept}
-    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [rows[q] for q in groups], dropped=dropped)
+    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [rows[q] for q in groups], dropped=dropped, put=put)
 
 
 def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
@@ -88,9 +90,16 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     train_idx, record = _rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
+    consumed: list[tuple[int, int]] = []
     for stage in run.graph:
         if train_idx and not stage.per_round and stage not in run.fused:
-            m.add(run_stage(run, it, stage, train_idx, timer))
+            res = run_stage(run, it, stage, train_idx, timer)
+            m.add(res)
+            consumed += res.consumed or []
+    # the ledger's "trained" is what the update read, not the selection above (trainer.observed)
+    size = generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n
+    record.trained, record.trained_samples = trained_groups(consumed, size, cfg.rollout.n)
+    record.group_size = cfg.rollout.n
     dist.barrier()
     run.dock.commit(it)
     if run.ledger is not None and run.peer.rank == 0:

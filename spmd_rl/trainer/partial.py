@@ -56,7 +56,6 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
         pieces = [p for grp in mine for p in grp.pieces]
         prefix = [p.columns() for p in pieces]
         cols = prompt_columns(run, [p.row for p in pieces]) | {
-            "prompt_row": torch.tensor([p.row for p in pieces], dtype=torch.int32),
             "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
         cols |= {k: [c[k] for c in prefix] for k in ("prefix_ids", "prefix_log_prob", "prefix_version")}
         run.dock.put("data", it, cols, list(range(g * per * n, (g + 1) * per * n)))
@@ -91,7 +90,7 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
     carried = carried_rows(run)
     m.final |= {"partial_new_groups": float(len(new)), "partial_trained_groups": float(len(keep)),
                 "partial_carried_groups": float(len(carried))}
-    return train_idx, StepRecord(it, new, [slot_rows[q] for q in sorted(keep)], carried)
+    return train_idx, StepRecord(it, new, [slot_rows[q] for q in sorted(keep)], carried, put=[r for r in slot_rows if r >= 0])
 
 
 def carried_rows(run: Run) -> list[int]:

@@ -55,6 +55,8 @@ def publish(run: Run, it: int, stage: Stage, indices, result: StageResult, write
             run.dock.put(stage.name, it, result.columns, indices)
     if not writer:
         result.sums = dict.fromkeys(result.sums, 0.0)
+        if result.consumed is not None:
+            result.consumed = []
         if result.rewards is not None:
             result.rewards.zero_()
     return result

@@ -93,7 +93,8 @@ def actor_update(call: StageCall) -> StageResult:
         if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
             raise RuntimeError(f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above stream.max_policy_lag={k}")
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
-    return StageResult(final=final | {
+    consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
+    return StageResult(consumed=consumed, final=final | {
         "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
         "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
         "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),

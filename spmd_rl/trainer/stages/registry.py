@@ -46,6 +46,10 @@ class StageResult:
     rewards: torch.Tensor | None = None
     """Reward stage: the round's rewards as a dense [len(expected)] tensor with this rank's
     written scores (0 elsewhere), summed over ranks by dynamic sampling."""
+    consumed: list[tuple[int, int]] | None = None
+    """actor_update: (sample index, dataset row) of every sample this rank's share read from the
+    dock, the row as its ``prompt_row`` column holds it (the ledger's observed ``trained``); the
+    runner empties it on non-writers."""
     pieces: dict[int, Any] | None = None
     """Partial rollout's rollout stage: every sample of this rank's share (index ->
     ``trainer.partial.Piece``), its response so far and whether it finished."""

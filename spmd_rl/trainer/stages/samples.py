@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines.logprobs import SeqBatch, build_batch
 from spmd_rl.trainer.context import Run
 
@@ -35,20 +37,27 @@ def seq_batch(run: Run, batch) -> SeqBatch:
     return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id)
 
 
-def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int = 0) -> None:
+def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int = 0) -> list[int]:
     """Generation DP group g writes the prompts (and reference answers) of its slice of the
     round's batch, prompt p (global group id q = first_group + p) repeated N times under
-    indices q * N + k."""
+    indices q * N + k. Collective over this side's ranks: returns the dataset row of each prompt
+    p as its putter wrote it (the prompt ledger's observed ``put``)."""
     lay, n = run.lay.gen, run.cfg.rollout.n
     g, tp_rank = lay.coords(run.peer.rank)
     per = len(prompt_positions) // lay.dp
     mine = range(g * per, (g + 1) * per)
+    put = torch.zeros(len(prompt_positions), dtype=torch.int64)  # row + 1 of each prompt, filled by its putter
     if tp_rank == 0:
         rows = [prompt_positions[p] for p in mine for _ in range(n)]
-        run.dock.put("data", it, prompt_columns(run, rows), [(first_group + p) * n + k for p in mine for k in range(n)])
+        cols = prompt_columns(run, rows)
+        run.dock.put("data", it, cols, [(first_group + p) * n + k for p in mine for k in range(n)])
+        put[g * per:(g + 1) * per] = cols["prompt_row"][::n].long() + 1
+    dist.all_reduce(put, group=side_group())
+    return [int(r) - 1 for r in put]
 
 
-def prompt_columns(run: Run, rows: list[int]) -> dict[str, list[torch.Tensor]]:
-    """The data loader's ``prompt_ids`` and ``answer`` of one sample per dataset row."""
+def prompt_columns(run: Run, rows: list[int]) -> dict[str, list[torch.Tensor] | torch.Tensor]:
+    """The data loader's ``prompt_ids``, ``answer`` and ``prompt_row`` of one sample per dataset row."""
     return {"prompt_ids": [torch.tensor(run.prompts.prompt_ids[r], dtype=torch.int32) for r in rows],
-            "answer": [encode_text(run.prompts.answers[r]) for r in rows]}
+            "answer": [encode_text(run.prompts.answers[r]) for r in rows],
+            "prompt_row": torch.tensor(rows, dtype=torch.int32)}

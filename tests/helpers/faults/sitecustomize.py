@@ -17,6 +17,9 @@ Plans (``dir`` is a folder the test and the workers share):
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
   ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
   ``D/ledger_rank<r>.jsonl`` (phase, bytes by category).
+- ``{"kind": "desync", "rank": r}``: the sampler of global rank r skips its first prompt
+  position once, as a rank whose data order drifted from the others' would (the prompt
+  ledger must see it: a putter writes rows the leader's sampler never handed out).
 - ``{"kind": "stop_warehouse", "iteration": k, "dir": D}``: in the first incarnation
   (TORCHELASTIC_RESTART_COUNT 0), the warehouse server thread stops when the first put of
   iteration k arrives, while its rank lives on; writes ``D/stopped`` with the time.
@@ -113,6 +116,21 @@ def _dump(plan: dict) -> None:
     TransferDock.put, Residency.record = put_saving, record_saving
 
 
+def _desync(plan: dict) -> None:
+    from spmd_rl.data.sampler import PromptSampler
+
+    if os.environ.get("RANK") != str(plan["rank"]):
+        return
+    original, skipped = PromptSampler.next_batch, []
+
+    def drifted(self, n):
+        if not skipped:
+            skipped.append(original(self, 1))
+        return original(self, n)
+
+    PromptSampler.next_batch = drifted
+
+
 def _stop_warehouse(plan: dict) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
@@ -137,4 +155,4 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker's stacks, on demand
     _plan = json.loads(_PLAN)
-    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump}[_plan["kind"]](_plan)
+    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync}[_plan["kind"]](_plan)
