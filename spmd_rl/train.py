@@ -36,6 +36,7 @@ from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.vllm_logs import quiet_vllm
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
 from spmd_rl.rewards import get_reward
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args[0], args[1:])
         logging.getLogger().setLevel(cfg.logging.level if peer.rank == 0 else logging.WARNING)
+        quiet_vllm(cfg.logging.dir, peer.rank)  # before vLLM is imported
         run, start = build(cfg, peer)
     except (ConfigError, ValueError) as exc:
         print(f"INVALID {exc}", file=sys.stderr)

@@ -57,8 +57,13 @@ def in_repo(monkeypatch):
     return REPO
 
 
+TEST_OWNER = "SPMD_RL_TEST_OWNER"
+"""Every process the tests start carries ``TEST_OWNER=<pytest's pid>`` (``torchrun_util.OwnShm``
+finds the test's own processes by it, never another job's)."""
+
+
 def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = dict(os.environ) | {TEST_OWNER: str(os.getpid())}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -47,8 +48,15 @@ def test_floor_training_step_runs_and_updates(tiny_model):
     cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "rollout.n=2", "actor.lr=1e-2"])
     prompts = [[5, 6, 7], [8, 9]]
     responses = [[11, 12], [13], [14, 15, 16], [17]]
-    seconds = engine_floor.training(cfg, prompts, responses, pad_id=0, repeats=1)
-    assert seconds > 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seconds = engine_floor.training(cfg, prompts, responses, pad_id=0, repeats=1, model=model)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert seconds > 0 and all(p.isfinite().all() for p in model.parameters())
+    assert "lm_head.weight" in moved or "model.embed_tokens.weight" in moved  # the step updated the weights
+    assert len(moved) >= len(before) // 2, moved
 
 
 def test_weight_stream_bench_writes_the_sent_tensors_in_both_modes():

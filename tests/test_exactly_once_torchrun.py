@@ -27,7 +27,7 @@ import pytest
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import kill_tree, leaked_shm, shm_names, wait_for, workers_of
+from tests.torchrun_util import OwnShm, kill_tree, wait_for, workers_of
 
 ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "3"))
@@ -73,8 +73,7 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN}
     after, delay = rng.randint(1, ITERS - 3), rng.uniform(0.0, 1.5)
     saved = tmp_path / f"ckpt/iter_{after:06d}"  # complete once renamed from .tmp: the restart resumes from it
-    shm_before = shm_names()
-    with open(tmp_path / "run.log", "w") as log:
+    with OwnShm() as shm, open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
@@ -94,7 +93,7 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
     # nothing of the run outlives it: not even the killed rank's engine processes (engines.orphan_watch)
     wait_for(lambda: not left_behind(TOKEN), 30, f"processes with the run's token to exit: {left_behind(TOKEN)}")
     # nor the shared memory of the killed engines, whose creators could not unlink it
-    wait_for(lambda: not leaked_shm(shm_before), 15, f"the run's shared memory to be unlinked: {leaked_shm(shm_before)}")
+    wait_for(lambda: not shm.leaked(), 15, f"the run's shared memory to be unlinked: {shm.leaked()}")
     records = PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()
     assert [r.iteration for r in records] == list(range(ITERS))
     assert problems(records) == []

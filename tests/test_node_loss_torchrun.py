@@ -7,9 +7,10 @@ with world 1); the node is then started again, the world grows back to 2, and th
 is tried. At the end no iteration is missing and the final checkpoint loads.
 
 The recovery times are printed (the goal is 30 s; about 10 s of it is torchrun's fixed
-etcd-v2 keep-alive TTL). The test asserts only what separates a liveness-bounded wait from a
-timeout-bounded one: every recovery beats the steady-state collective timeout (60 s), the
-shortest global timeout that could otherwise have ended the wait.
+etcd-v2 keep-alive TTL); a benchmark, not this test, judges them. The test asserts the
+mechanism that separates a liveness-bounded wait from a timeout-bounded one: after every kill
+the survivor left through the liveness path (the peer's key lost, exit status 75), and no
+collective or dock wait timed out.
 
 Invariant: every blocking wait is bounded by the liveness of the peer it waits on
 (dock.heartbeat.PeerWatch, liveness-bounded fetches and metadata waits), not by a global
@@ -18,19 +19,20 @@ timeout such as dock.get_timeout_s (600 s) or elastic.collective_timeout_s (60 s
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
+from spmd_rl.train import PEER_LOST_EXIT
 from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
 from tests.conftest import REPO
 from tests.torchrun_util import kill_node, metric_rows, node_agent, wait_for
 
 ITERS = 14
 POINTS = ["generate", "reward_fetch", "update", "checkpoint"]
-TIMEOUT_BOUND_S = 60.0  # elastic.collective_timeout_s, the default
 
 
 def node(tmp: Path, etcd: str, name: str, faults: dict | None = None):
@@ -45,7 +47,7 @@ def node(tmp: Path, etcd: str, name: str, faults: dict | None = None):
 
 
 @pytest.mark.slow
-def test_survivor_trains_again_within_30s_wherever_the_kill_lands(tiny_model, tmp_path):
+def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the_kill_lands(tiny_model, tmp_path):
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / "hold").write_text("")
@@ -58,6 +60,7 @@ def test_survivor_trains_again_within_30s_wherever_the_kill_lands(tiny_model, tm
         got = rows()
         return bool(got) and got[-1]["world"] == world and metrics.stat().st_mtime > wall
     recovery: dict[str, tuple[float, float]] = {}
+    exits: dict[str, str] = {}  # what the survivor printed between the kill and its restart
     with EmbeddedEtcd() as etcd:
         a = node(tmp_path, etcd.endpoint, "a", {"kind": "pause", "dir": str(faults), "points": POINTS, "min_iteration": 1})
         b = node(tmp_path, etcd.endpoint, "b0")
@@ -74,6 +77,7 @@ def test_survivor_trains_again_within_30s_wherever_the_kill_lands(tiny_model, tm
                 wait_for(lambda: "training from iteration" in (tmp_path / "a.log").read_text()[log_at:] or a.poll() is not None, 120,
                          f"the survivor restarting after the kill at {point}")
                 restarted = time.monotonic() - killed
+                exits[point] = (tmp_path / "a.log").read_text()[log_at:]
                 wait_for(lambda: logged_since(killed_wall, world=1) or a.poll() is not None, 120,
                          f"the survivor training alone after the kill at {point}")
                 recovery[point] = (restarted, time.monotonic() - killed)
@@ -93,5 +97,6 @@ def test_survivor_trains_again_within_30s_wherever_the_kill_lands(tiny_model, tm
     assert sorted({r["iteration"] for r in rows()}) == list(range(ITERS))  # nothing skipped
     assert complete_checkpoints(tmp_path / "ckpt")[-1].name == f"iter_{ITERS:06d}"
     assert model_weights(tmp_path / "ckpt" / f"iter_{ITERS:06d}")
-    timeout_bound = {p: t for p, (_, t) in recovery.items() if t >= TIMEOUT_BOUND_S}
-    assert not timeout_bound, f"recovery waited for a global timeout: {timeout_bound} ({report})"
+    for point, text in exits.items():
+        assert f"exiting (status {PEER_LOST_EXIT})" in text and "lost" in text, f"{point}: not the liveness path:\n{text[-3000:]}"
+        assert not re.search(r"timed out|Timeout|DockTimeout", text), f"{point}: a wait timed out:\n{text[-3000:]}"

@@ -257,3 +257,28 @@ def test_reward_reads_overlong_buffer_and_penalty():
     sl = cfg.rollout.max_response_length  # 8: penalty -0.5 * (L - 4) / 4 beyond L = 4
     want = [(1.0 if k < 3 else 0.0) - 0.5 * min(max(n - (sl - 4), 0) / 4, 1.0) for k, n in enumerate(lengths)]
     assert dock.puts["reward"].tolist() == pytest.approx(want)
+
+
+class InferSizes:
+    """An engine whose ``infer`` records the size of every micro-batch it is handed."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def infer(self, micro_batches):
+        self.sizes += [len(m) for m in micro_batches]
+        total = sum(len(m) for m in micro_batches)
+        return torch.zeros(total, max(m.mask.shape[1] for m in micro_batches)), None
+
+
+@pytest.mark.parametrize("ref_micro,actor_micro,want", [(None, 3, [3, 3]), (2, 3, [2, 2, 2]), (6, 2, [6])])
+def test_ref_forward_splits_by_ref_micro_batch_size(ref_micro, actor_micro, want):
+    """The reference forward (the real ``ref_logprob`` stage, through the runner) runs its 6
+    samples in micro-batches of ``ref.micro_batch_size``, and of the actor's when unset; the
+    actor's own forward keeps the actor's size."""
+    cfg = _cfg("algorithm.kl_coef=0.01", f"actor.micro_batch_size={actor_micro}", "actor.mini_batch_size=2",
+               *([f"ref.micro_batch_size={ref_micro}"] if ref_micro else []))
+    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in [5, 3, 4, 1, 5, 2]]})
+    ref, actor = InferSizes(), InferSizes()
+    run_named(_run(cfg, dock, actor, ref=ref), "ref_logprob")
+    assert ref.sizes == want and actor.sizes == []

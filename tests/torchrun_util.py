@@ -7,11 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from spmd_rl.dock.etcd_server import free_port
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, TEST_OWNER, subprocess_env
 
 
 def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float = 180) -> list[str]:
@@ -131,11 +132,6 @@ def wait_for(cond, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def shm_names() -> set[str]:
-    """The names in /dev/shm now."""
-    return set(os.listdir("/dev/shm"))
-
-
 def mapped_shm_names() -> set[str]:
     """The /dev/shm names some live process maps (its own and other jobs' segments in use)."""
     out = set()
@@ -148,7 +144,38 @@ def mapped_shm_names() -> set[str]:
     return out
 
 
-def leaked_shm(before: set[str]) -> set[str]:
-    """Names that appeared in /dev/shm since ``before`` and that no live process maps: shared
-    memory whose creator died before it could unlink it."""
-    return (shm_names() - before) - mapped_shm_names()
+class OwnShm:
+    """The /dev/shm names that processes this test session started map (they carry
+    ``TEST_OWNER`` in their environment, ``conftest.subprocess_env``), sampled every
+    ``period_s`` while the block runs. ``leaked()``: those still in /dev/shm that no live
+    process maps, i.e. shared memory whose creator died before it could unlink it. Another
+    job's segments on the host are never looked at."""
+
+    def __init__(self, period_s: float = 0.5):
+        self.seen: set[str] = set()
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="own-shm", daemon=True)
+
+    def __enter__(self) -> "OwnShm":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        mark = f"{TEST_OWNER}={os.getpid()}".encode()
+        while not self._stop.wait(self.period_s):
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if mark not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                        continue
+                    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+                except OSError:
+                    continue
+                self.seen |= {line.rsplit("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line and not line.endswith(" (deleted)")}
+
+    def leaked(self) -> set[str]:
+        return {n for n in self.seen if os.path.exists(f"/dev/shm/{n}")} - mapped_shm_names()

@@ -91,11 +91,14 @@ def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) 
     return got
 
 
-def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int) -> float:
+def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int,
+             model=None) -> float:
+    """Median seconds of one training step of the batch; ``model``: the HF model to train (loaded
+    from ``cfg.model.path`` when None), so a caller can see what the steps did to it."""
     from transformers import AutoModelForCausalLM
 
     master, compute = DTYPES[cfg.actor.param_dtype], DTYPES[cfg.model.dtype]
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=master)
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=master)
     model.config.use_cache = False
     if cfg.actor.compile:
         apply_compile(model)

@@ -58,7 +58,7 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
     """vLLM ``LLM(...)`` options from the config; the device-only ones (memory fraction, sleep
     mode for releasing the KV cache) only off CPU."""
     kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": RECEIVER}
+                "worker_extension_cls": RECEIVER, "use_tqdm_on_load": False}
     if own_process:
         kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
     elif distributed:

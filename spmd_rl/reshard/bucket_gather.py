@@ -170,7 +170,7 @@ def gather(bucket: Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
             raise ValueError(f"{piece.name}: local shard has {shard.shape[0]} rows, torch.chunk layout expects {rows}")
         flat_in[piece.offset: piece.offset + shard.numel()].view(shard.shape).copy_(shard)
     # functional all-gather, waited here: the backend holds no buffer of this bucket past the wait
-    out = flat_in if world == 1 else funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, group))
+    out = flat_in if world == 1 else funcol.wait_tensor(funcol.all_gather_single(flat_in, 0, group))
     del flat_in
     ranks = out.view(world, bucket.flat)
     for piece in bucket.pieces:

@@ -35,10 +35,10 @@ class LiveProgress(Quiet):
         self.bar.update(self.task, description=name)
 
     def iteration_done(self, it: int, m: dict[str, float]) -> None:
-        self.bar.console.print(
-            f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
-            f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip {m['clip_frac']:.3f} "
-            f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T {m['throughput_eq5']:.0f} tok/s/dev")
+        line = (f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
+                f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip {m['clip_frac']:.3f} "
+                f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T {m['throughput_eq5']:.0f} tok/s/dev")
+        self.bar.console.print(line, soft_wrap=True)  # one line, never wrapped (a pipe or a narrow terminal)
         self.bar.update(self.task, advance=1, reward=f"{m['reward_mean']:.3f}", description="iteration done")
 
     def close(self) -> None:
