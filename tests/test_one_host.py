@@ -20,10 +20,11 @@ from tests.torchrun_util import descendants, metric_rows, wait_for, workers_of
 
 
 def launch(tmp: Path, name: str, *overrides: str) -> subprocess.Popen:
-    """The quickstart through the CLI, with its own embedded etcd, long enough to be killed mid-run."""
+    """The quickstart through the CLI as a user runs it (its own embedded etcd, default ports),
+    with small batches and run folders of its own."""
     args = [f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", "trainer.iterations=200",
             "data.global_batch_size=4", "rollout.n=4", "actor.mini_batch_size=4", "actor.micro_batch_size=8", "checkpoint.interval=0",
-            f"metadata.job=tree-{name}-{os.getpid()}", "dock.port=0", "logging.progress=false", *overrides]
+            f"metadata.job=tree-{name}-{os.getpid()}", "logging.progress=false", *overrides]  # dock.port: the default
     env = {k: v for k, v in subprocess_env().items() if k != "SPMD_RL_ETCD"} | {"OMP_NUM_THREADS": "1"}
     (tmp / name).mkdir(parents=True, exist_ok=True)
     log = open(tmp / name / "launcher.log", "w")
