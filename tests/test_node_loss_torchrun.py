@@ -9,7 +9,8 @@ is tried. At the end no iteration is missing and the final checkpoint loads.
 The recovery times are printed (the goal is 30 s; about 10 s of it is torchrun's fixed
 etcd-v2 keep-alive TTL); a benchmark, not this test, judges them. The test asserts the
 mechanism that separates a liveness-bounded wait from a timeout-bounded one: after every kill
-the survivor left through the liveness path (the peer's key lost, exit status 75), and no
+the survivor noticed the lost peer itself, through its liveness key (exit status 75) or the
+peer's closed connection (gloo's "Connection reset by peer" inside a collective), and no
 collective or dock wait timed out.
 
 Invariant: every blocking wait is bounded by the liveness of the peer it waits on
@@ -97,6 +98,7 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
     assert sorted({r["iteration"] for r in rows()}) == list(range(ITERS))  # nothing skipped
     assert complete_checkpoints(tmp_path / "ckpt")[-1].name == f"iter_{ITERS:06d}"
     assert model_weights(tmp_path / "ckpt" / f"iter_{ITERS:06d}")
+    noticed = (f"exiting (status {PEER_LOST_EXIT})", "Connection reset by peer", "Connection closed by peer")
     for point, text in exits.items():
-        assert f"exiting (status {PEER_LOST_EXIT})" in text and "lost" in text, f"{point}: not the liveness path:\n{text[-3000:]}"
-        assert not re.search(r"timed out|Timeout|DockTimeout", text), f"{point}: a wait timed out:\n{text[-3000:]}"
+        assert any(s in text for s in noticed), f"{point}: the survivor did not notice the lost peer itself:\n{text[-3000:]}"
+        assert not re.search(r"timed out|timeout", text, re.I), f"{point}: a wait timed out:\n{text[-3000:]}"
