@@ -16,7 +16,7 @@ import pytest
 
 from spmd_rl.engines.orphan_watch import start_time
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import descendants, metric_rows, wait_for, workers_of
+from tests.torchrun_util import descendants, kill_tree, metric_rows, wait_for, workers_of
 
 
 def launch(tmp: Path, name: str, *overrides: str) -> subprocess.Popen:
@@ -56,13 +56,7 @@ def test_sigkilled_launcher_leaves_no_process(tmp_path):
             raise AssertionError(f"still running 60 s after the launcher was SIGKILLed: {survivors()}") from None
         print(f"{len(tree)} processes gone {time.monotonic() - t0:.1f} s after the launcher's SIGKILL")
     finally:  # never leave the run behind, whatever failed
-        for pid, _ in tree + (descendants(cli.pid) if cli.poll() is None else []):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if cli.poll() is None:
-            cli.kill()
+        kill_tree(cli, also=tree)
 
 
 SHM = Path("/dev/shm")
@@ -94,10 +88,4 @@ def test_two_jobs_on_one_host(tmp_path):
         for p in UNTAGGED:
             p.unlink(missing_ok=True)
         for job in jobs:
-            if job.poll() is None:
-                for pid, _ in descendants(job.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                job.kill()
+            kill_tree(job)

@@ -85,9 +85,10 @@ def _children_of(parents: set[int]) -> list[tuple[int, str]]:
     return [(int(p), args) for p, pp, args in rows if int(pp) in parents]
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Never leave a launcher or its workers behind: SIGKILL every process below ``proc``, then it."""
-    for pid, _ in descendants(proc.pid):
+def kill_tree(proc: subprocess.Popen, also: list[tuple[int, str]] = ()) -> None:
+    """Never leave a launcher or its workers behind: SIGKILL every process below ``proc`` (and
+    ``also``, a tree seen earlier, whose parent may be gone by now), then it."""
+    for pid, _ in [*also, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -114,13 +114,14 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
     runs = token_runs(batch.attention_mask.sum(1).tolist(), cfg.actor.micro_batch_size * dp, budget, cfg.actor.pack_sequences)
     cast = torch.autocast("cpu", dtype=compute) if compute != master else contextlib.nullcontext()
     logprobs = packed_response_logprobs if cfg.actor.pack_sequences else lm_response_logprobs
+    policy = SamplingPolicy.of(cfg.rollout)
 
     def step():
         model.train()
         for r in runs:
             m = batch[r].trim()
             with cast:
-                lp, _ = logprobs(model, m, False, SamplingPolicy.of(cfg.rollout))
+                lp, _ = logprobs(model, m, False, policy)
             (-(lp * adv[r, : lp.shape[1]] * m.mask).sum() / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()

@@ -45,9 +45,7 @@ class TransferDock(Fetcher):
 
     def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str,
                  in_process: bool = True):
-        """``in_process``: reach this node's warehouse without the wire: directly when this
-        process serves it (``dock.local``), else through shared memory (``dock.same_node``);
-        False sends those requests over the wire too (the baseline of ``tools/bench_dispatch``)."""
+        """``in_process``: see ``Fetcher``."""
         super().__init__(cfg, meta, specs, peer, token, in_process)
         self._num_samples: dict[int, int] = {}
         self._feeds: dict[int, RecordFeed] = {}
@@ -195,8 +193,7 @@ class TransferDock(Fetcher):
         plan = plan_relay(self, relay[0], iteration, relay[1], indices, columns, loc) if relay else None
         if plan is None:
             return self.plain_batch(iteration, indices, columns, loc)
-        fetched = relayed_fetch(self, iteration, indices, columns, loc, plan)
-        return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
+        return self.as_batch(indices, relayed_fetch(self, iteration, indices, columns, loc, plan))
 
     def warehouse_stats(self) -> dict[str, Any] | None:
         return self.client(self.home_node).stats() if self.server is not None else None

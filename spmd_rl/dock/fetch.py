@@ -96,8 +96,11 @@ class Fetcher:
 
     def plain_batch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
         """``columns`` of ``indices`` fetched by this rank itself, as a batch."""
-        fetched = self.fetch(iteration, indices, columns, loc)
-        return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in columns if self.specs[c].ragged))
+        return self.as_batch(indices, self.fetch(iteration, indices, columns, loc))
+
+    def as_batch(self, indices: list[int], fetched: dict[str, list[torch.Tensor]]) -> DockBatch:
+        """Fetched columns of ``indices`` as a ``DockBatch`` (which of them are ragged: their specs)."""
+        return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in fetched if self.specs[c].ragged))
 
     def fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
         """One request per (node, columns placed alike): columns whose indices live on the same

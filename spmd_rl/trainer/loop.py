@@ -60,7 +60,7 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
         for res in results:
             m.add(res)
         if select is None:
-            return list(range(G * N)), StepRecord(it, rows, rows, put=put)
+            return list(range(G * N)), StepRecord(it, rows, [], put=put)  # trained: what the update reads (run_iteration)
         rewards = next(res.rewards for res in results if res.rewards is not None)
         dist.all_reduce(rewards)
         select.add_round(list(range(r * G, (r + 1) * G)), rewards, N)
@@ -76,7 +76,7 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
     signal = set(select.kept)
     dropped = {str(rows[q]): "dynamic sampling: " + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
                for q in range(len(rows)) if q not in kept}
-    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [rows[q] for q in groups], dropped=dropped, put=put)
+    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [], dropped=dropped, put=put)
 
 
 def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:

@@ -90,7 +90,7 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
     carried = carried_rows(run)
     m.final |= {"partial_new_groups": float(len(new)), "partial_trained_groups": float(len(keep)),
                 "partial_carried_groups": float(len(carried))}
-    return train_idx, StepRecord(it, new, [slot_rows[q] for q in sorted(keep)], carried, put=[r for r in slot_rows if r >= 0])
+    return train_idx, StepRecord(it, new, [], carried, put=[r for r in slot_rows if r >= 0])  # trained: run_iteration
 
 
 def carried_rows(run: Run) -> list[int]:
