@@ -87,12 +87,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     mesh = train_mesh(acc, lay.train)
     tok = load_tokenizer(cfg)
     prompts = prompts_for(cfg, tok, cfg.data.train_path)
+    rollout = build_rollout(cfg, acc, lay, peer, side)
     roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
-    max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    rollout = None
-    if side != "train":
-        rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
-                                distributed=peer.world > 1 and side == "both", own_process=side == "gen")
     residency = Residency(Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg))
     sampler = sampler_for(cfg, len(prompts))
     start = 0
@@ -123,6 +119,22 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     if peer.rank == 0:
         log.info("training from iteration %d with world %d", start, peer.world)
     return run, start
+
+
+def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
+    """The rollout engine, built before every training role: vLLM's start-up check wants
+    ``rollout.gpu_memory_utilization`` of the device free. A colocated engine starts from dummy
+    weights (the first gather overwrites them) and sleeps at once, dropping them, so the
+    training roles load into a free device."""
+    if side == "train":
+        return None
+    colocated = side == "both"
+    max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
+                            distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated)
+    if colocated:
+        rollout.sleep(discard_weights=True)
+    return rollout
 
 
 def build_roles(cfg, acc, mesh, graph) -> dict:

@@ -55,6 +55,8 @@ class TinyEngine(Engine):
 
 
 class FakeRollout:
+    weights_current = True
+
     def __init__(self, calls: list, train_params):
         self.calls, self.params = calls, train_params
 
@@ -64,12 +66,17 @@ class FakeRollout:
     def update_weights(self, weights):
         names = [n for n, _ in weights]  # consumes the bucketed gather
         self.calls.append(f"update_weights:{len(names)}")
+        self.weights_current = True
 
     def wake_kv_cache(self):
         self.calls.append(f"wake_kv_cache(train_resident={resident_bytes(self.params)})")
 
-    def sleep(self):
-        self.calls.append("sleep")
+    def sleep(self, discard_weights=False):
+        self.calls.append("sleep(level 2)" if discard_weights else "sleep")
+        self.weights_current = self.weights_current and not discard_weights
+
+    def resident(self):
+        return True
 
     def weight_bytes(self):
         return 0

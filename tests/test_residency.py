@@ -1,9 +1,13 @@
 """The residency manager, through the engine interface with recording fakes (the device-only
 calls, vLLM sleep/wake and empty_cache, are recorded on CPU):
 
-- entering a stage, exactly its roles plus the pinned ones are resident (from the ledger);
+- entering a stage, exactly its roles plus the pinned ones are resident (from the ledger); a
+  stage without roles (host-only work) moves nothing;
 - stale rollout weights are gathered from the actor before the actor leaves, and the KV cache
-  wakes last (the peak-bounding order); weights that did not change are not gathered again;
+  wakes last (the peak-bounding order); weights that did not change and were not dropped are
+  not gathered again;
+- the colocated engine sleeps at level 2 (its weights are dropped, not backed up to host), and
+  a wake after it always gathers, even when the actor did not step;
 - every swap is bit-exact.
 """
 
@@ -20,8 +24,8 @@ from tests.test_reshard_order import FakeRollout, RecordingAccelerator, TinyEngi
 class SleepingRollout(FakeRollout):
     asleep = False
 
-    def sleep(self):
-        super().sleep()
+    def sleep(self, discard_weights=False):
+        super().sleep(discard_weights)
         self.asleep = True
 
     def wake_kv_cache(self):
@@ -59,9 +63,12 @@ def test_only_the_declared_roles_are_resident_and_swaps_are_bit_exact():
     before = {"actor": _snapshot(actor), "ref": _snapshot(ref)}
     plan = [("actor_rollout", ("rollout",)), ("reward", ()), ("ref_logprob", ("ref",)), ("actor_update", ("actor",)),
             ("actor_rollout", ("rollout",))]
+    resident: set = set()
     for phase, roles in plan:
         res.enter(phase, roles)
-        assert res.ledger.resident_roles(phase) == set(roles), (phase, res.ledger.last(phase))
+        resident = set(roles) or resident  # a stage without roles keeps the previous residency
+        assert res.ledger.resident_roles(phase) == resident, (phase, res.ledger.last(phase))
+    assert res.ledger.resident_roles("reward") == {"rollout"}  # no sleep round trip for host-only work
     res.enter("checkpoint", ("actor", "ref"))
     after = {"actor": _snapshot(actor), "ref": _snapshot(ref)}
     assert all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))
@@ -73,8 +80,14 @@ def test_stale_weights_are_gathered_before_the_actor_leaves_and_the_kv_cache_wak
     assert calls == ["empty_cache", "wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
     calls.clear()
     res.enter("reward", ())
-    res.enter("actor_rollout", ("rollout",))  # the actor did not step: the slept weights are current
-    assert calls == ["sleep", "empty_cache", "empty_cache", "wake_weights", "wake_kv_cache(train_resident=0)"]
+    res.enter("actor_rollout", ("rollout",))  # the actor did not step and nothing slept: no move at all
+    assert calls == ["empty_cache"]
+    calls.clear()
+    res.enter("ref_logprob", ("ref",))
+    assert calls[0] == "sleep(level 2)"  # colocated: the weights are dropped, not copied to host
+    calls.clear()
+    res.enter("actor_rollout", ("rollout",))  # the actor did not step, but the dropped weights are gathered again
+    assert "update_weights:4" in calls and calls[-1] == "wake_kv_cache(train_resident=0)"
     calls.clear()
     res.enter("actor_update", ("actor",))
     res.weights_changed()
@@ -86,4 +99,4 @@ def test_pinned_roles_stay_resident():
     res, *_ = _setup(pinned={"ref"})
     for phase, roles in [("actor_rollout", ("rollout",)), ("advantage", ()), ("actor_update", ("actor",))]:
         res.enter(phase, roles)
-        assert res.ledger.resident_roles(phase) == set(roles) | {"ref"}
+        assert res.ledger.resident_roles(phase) == (set(roles) or {"rollout"}) | {"ref"}

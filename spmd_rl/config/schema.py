@@ -252,7 +252,7 @@ class ElasticConfig(Section):
     )
     collective_timeout_s: float = Field(60.0, gt=0.0, description="Collective timeout during iterations (a slow collective fails after this; a dead peer is noticed sooner, within about heartbeat_ttl_s).")
     startup_timeout_s: float = Field(
-        600.0, gt=0.0, description="Collective timeout while ranks load the model, resume and write checkpoints (skew across ranks can be minutes); iterations use collective_timeout_s. A dead peer is noticed within about heartbeat_ttl_s in every phase."
+        600.0, gt=0.0, description="Collective timeout while ranks load the model, resume, write checkpoints and generate (eval and rollout rounds: the skew across ranks can be minutes); the rest of an iteration uses collective_timeout_s. A dead peer is noticed within about heartbeat_ttl_s in every phase."
     )
     heartbeat_ttl_s: int = Field(
         6, ge=3, description="Lease of each rank's and warehouse's liveness key in etcd (renewed every second): a rank waiting on a lost peer (data, metadata or a collective) exits after about this long, and torchrun restarts the group."

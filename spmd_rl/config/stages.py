@@ -190,9 +190,13 @@ def pinned_roles(cfg: Config) -> set[str]:
 
 def resident_roles(cfg: Config, stage: Stage, graph: list[Stage]) -> set[str]:
     """What is resident while ``stage`` of ``graph`` runs: its roles plus the pinned ones the
-    graph has."""
+    graph has; a stage without roles (host-only work) keeps what the stage before it had
+    (``reshard.residency``)."""
     present = {r for s in graph for r in s.roles}
-    return set(stage.roles) | (pinned_roles(cfg) & present)
+    k = graph.index(stage)
+    while not graph[k].roles and k > 0:
+        k -= 1
+    return set(graph[k].roles) | (pinned_roles(cfg) & present)
 
 
 def advantage_column(cfg: Config) -> str:

@@ -1,6 +1,8 @@
-"""Collective timeouts per phase. Start-up (model load, resume) and checkpoint writes can be
-skewed across ranks by minutes on a real model, so they run under
-``elastic.startup_timeout_s``; iterations run under ``elastic.collective_timeout_s``. A dead
+"""Collective timeouts per phase. Start-up (model load, resume), checkpoint writes and
+generation (greedy eval, the rollout rounds and the collectives right after them, which wait
+for the slowest DP group's longest response) can be skewed across ranks by minutes on a real
+model, so they run under ``elastic.startup_timeout_s``; the rest of an iteration runs under
+``elastic.collective_timeout_s``. A dead
 peer is noticed sooner than either through the liveness keys (``dock.heartbeat.PeerWatch``),
 so the long phases cost nothing on a node loss.
 
@@ -33,3 +35,8 @@ def long_phase(seconds: float, steady_s: float) -> Iterator[None]:
         yield
     finally:
         set_collective_timeout(steady_s)
+
+
+def generation_phase(cfg) -> contextlib.AbstractContextManager[None]:
+    """``long_phase`` with the config's ``elastic`` timeouts, for the generation part of an iteration."""
+    return long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s)

