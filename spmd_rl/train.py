@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.config.errors import ConfigError, Violation
+from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
+from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import pinned_roles, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
@@ -39,6 +41,7 @@ from spmd_rl.engines.train import TrainEngine
 from spmd_rl.engines.vllm_logs import quiet_vllm
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
+from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
@@ -89,6 +92,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     prompts = prompts_for(cfg, tok, cfg.data.train_path)
     rollout = build_rollout(cfg, acc, lay, peer, side)
     roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
+    check_accumulation_fits(cfg, acc, lay, roles)
     residency = Residency(Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg))
     sampler = sampler_for(cfg, len(prompts))
     start = 0
@@ -135,6 +139,21 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
     if colocated:
         rollout.sleep(discard_weights=True)
     return rollout
+
+
+def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
+    """On a device, refuse ``actor.accumulate_unsharded`` when its unsharded parameters and
+    float32 gradients (``config.estimates.unsharded_accumulation_bytes``) exceed what the update
+    will have free: the free device memory now plus the roles that leave for host before it."""
+    free = acc.device_free_bytes()
+    if free is None or not cfg.actor.accumulate_unsharded or "actor" not in roles:
+        return
+    leaving = sum(resident_bytes(e.param_tensors()) for r, e in roles.items() if r != "actor" and r not in pinned_roles(cfg))
+    need = unsharded_accumulation_bytes(ModelArch.from_folder(cfg.model.path), lay, cfg.model.dtype)
+    if need > free + leaving:
+        raise ConfigError([Violation("actor.accumulate_unsharded", True,
+                                     f"needs {need / 2**30:.2f} GiB per rank during the update; about {(free + leaving) / 2**30:.2f} GiB will be free",
+                                     "set actor.accumulate_unsharded=false, or shard over more ranks (parallel.train.dp_shard)")])
 
 
 def build_roles(cfg, acc, mesh, graph) -> dict:

@@ -162,3 +162,23 @@ def test_separated_plan_gives_each_side_only_its_own_state(in_repo, tiny_model):
     mem = rank_memory(cfg, arch, lay)
     assert "generation ranks 0 (no training state)" in res.output and "training ranks 1:" in res.output
     assert f"peak {(mem.gen_weights + mem.kv_cache) / GB:.3f} GiB" in res.output and "allgather-swap" not in res.output
+
+
+def test_frozen_roles_and_unsharded_accumulation_in_their_real_dtypes(in_repo, tiny_model):
+    """A bf16 run's reference holds bf16 weights (no fp32 master copy), the actor its fp32 master
+    and AdamW states; accumulate_unsharded adds the full bf16 params and full fp32 grads less the
+    rank's own share, and ``plan`` prints it."""
+    from spmd_rl.config.estimates import role_bytes, unsharded_accumulation_bytes
+    from spmd_rl.config.rules import check
+
+    cfg = load_config("configs/quickstart.yaml", ["model.dtype=bfloat16", "algorithm.kl_coef=0.1"])
+    lay, violations = check(cfg)
+    assert not violations and lay.train.dp == 2 and lay.train.tp == 1
+    arch = ModelArch.from_folder(cfg.model.path)
+    half = sum(-(-t.numel // 2) for t in arch.tensors())
+    size = role_bytes(cfg, arch, lay)
+    assert size["ref"] == half * 2 and size["actor"] == 3 * half * 4
+    numel = sum(t.numel for t in arch.tensors())
+    assert unsharded_accumulation_bytes(arch, lay, "bfloat16") == int(numel * (2 + 4) / 2)
+    res = CliRunner().invoke(app, ["plan", "configs/quickstart.yaml", "model.dtype=bfloat16", "actor.accumulate_unsharded=true"])
+    assert res.exit_code == 0 and "actor.accumulate_unsharded: +" in res.output, res.output

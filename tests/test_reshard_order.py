@@ -94,6 +94,7 @@ def test_memory_moves_in_peak_bounding_order():
     r = Resharder(TinyEngine(acc, model), FakeRollout(calls, params), ReshardConfig(bucket_bytes=64), "float32")
     r.to_generation()
     assert calls == ["wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
+    assert [phase for phase, _ in r.ledger.rows].count("gather") == 1  # one ledger row per gather, not per bucket
     calls.clear()
     r.to_training()
     assert calls == ["sleep", "empty_cache"] and resident_bytes(params) == sum(p.numel() * 4 for p in params)

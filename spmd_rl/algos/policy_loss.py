@@ -67,7 +67,7 @@ class ClipConfig:
 class PolicyLossOut:
     loss: torch.Tensor
     """This micro-batch's share of the objective (differentiable)."""
-    clipped_tokens: float
+    clipped_tokens: torch.Tensor
     """Number of response tokens where the clip was active (a sum, for global fractions)."""
 
 
@@ -98,7 +98,7 @@ def _finish(per_token: torch.Tensor, active: torch.Tensor, mask: torch.Tensor, c
             norm: LossNorm | None, weight: torch.Tensor | None) -> PolicyLossOut:
     if weight is not None:
         per_token = per_token * weight
-    clipped = float((active.to(per_token.dtype) * mask.to(per_token.dtype)).sum())
+    clipped = (active.to(per_token.dtype) * mask.to(per_token.dtype)).sum().detach()  # a tensor: no host sync per micro-batch
     return PolicyLossOut(aggregate(per_token, mask, clip.agg_mode, norm), clipped)
 
 

@@ -86,6 +86,14 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
     )
 
 
+def unsharded_accumulation_bytes(arch: ModelArch, lay: Layouts, compute_dtype: str) -> int:
+    """Extra per-rank bytes of ``actor.accumulate_unsharded`` during an update: the parameters
+    unsharded over dp_shard in the compute dtype plus their gradients accumulated in float32
+    (FSDP2's reduce dtype), less the 1/dp_shard share a rank holds anyway."""
+    tp_local = sum(t.numel // lay.train.tp if t.train_tp_split else t.numel for t in arch.tensors())
+    return int(tp_local * (DTYPE_BYTES[compute_dtype] + 4) * (1 - 1 / lay.train.dp))
+
+
 def _sharded_numel(tensors, lay: Layouts) -> int:
     """Local elements of ``tensors`` on one training rank (TP split, then FSDP over dp_shard)."""
     return sum(-(-(t.numel // lay.train.tp if t.train_tp_split else t.numel) // lay.train.dp) for t in tensors)
@@ -94,16 +102,18 @@ def _sharded_numel(tensors, lay: Layouts) -> int:
 def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArch | None = None,
                reward_arch: ModelArch | None = None) -> dict[str, int]:
     """Per-rank bytes each role holds while resident, at a stage's entry: trainable roles their
-    params and two AdamW states (gradients exist only inside a backward pass and are freed after
-    the step), frozen roles their params, all in ``actor.param_dtype``; the rollout engine its
+    params and two AdamW states in ``actor.param_dtype`` (gradients exist only inside a backward
+    pass and are freed after the step), frozen roles (reference, reward model) their params in
+    the compute dtype ``model.dtype`` (no master copy); the rollout engine its
     weights and KV cache. The critic and the reward model are their trunk plus a one-output head
     (``hidden`` weights, + 1 bias for the critic's token-classification head)."""
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     mem = rank_memory(cfg, arch, lay)
-    out = {"actor": mem.train_params + mem.train_optim, "ref": mem.train_params, "rollout": mem.gen_weights + mem.kv_cache}
+    cb = DTYPE_BYTES[cfg.model.dtype]
+    out = {"actor": mem.train_params + mem.train_optim, "ref": mem.train_params // pb * cb, "rollout": mem.gen_weights + mem.kv_cache}
     for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):
         if a is not None:
             trunk = [t for t in a.tensors() if t.name != "lm_head.weight"]
-            params = (_sharded_numel(trunk, lay) + -(-a.hidden_size // lay.train.dp) + head) * pb
-            out[role] = params * (3 if role == "critic" else 1)
+            numel = _sharded_numel(trunk, lay) + -(-a.hidden_size // lay.train.dp) + head
+            out[role] = numel * pb * 3 if role == "critic" else numel * cb
     return out

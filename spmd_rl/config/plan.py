@@ -11,6 +11,7 @@ from spmd_rl.config.estimates import (
     role_bytes,
     tcv_centralized,
     tcv_per_warehouse,
+    unsharded_accumulation_bytes,
 )
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
@@ -79,6 +80,8 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
         f"  naive resharding (training state resident) {_gib(mem.generation_peak(swap=False))}",
         f"  allgather-swap (training state on host)    {_gib(mem.generation_peak(swap=True))}",
         f"  saved per rank                             {_gib(mem.train_state)}",
+        *([f"actor.accumulate_unsharded: + {_gib(unsharded_accumulation_bytes(arch, lay, cfg.model.dtype)).strip()} per rank during"
+           " the update (full params in the compute dtype, full grads in float32)"] if cfg.actor.accumulate_unsharded else []),
         "redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
         f"  R = GDP x TW/UTP = {lay.gen.dp} x TW/{lay.train.tp} = {_gib(r_eq3).strip()}"
         f"  (per device TW/UTP = {_gib(tw / lay.train.tp).strip()}); with allgather-swap R = 0",

@@ -61,9 +61,19 @@ class Accelerator:
         if self.kind != "cpu":
             getattr(torch, self.kind).synchronize()
 
-    def memory_allocated(self) -> int | None:
-        """Bytes the allocator holds on the device now (None on CPU: use the ledger)."""
-        return None if self.kind == "cpu" else int(getattr(torch, self.kind).memory_allocated(self.device))
+    def device_used_bytes(self) -> int | None:
+        """Bytes in use on the device now, by every allocator of the process and by other
+        processes: total - free from the driver (``mem_get_info``). torch's own allocator
+        statistics miss vLLM's weights and KV cache, which live in its cumem pool. None on CPU
+        (use the ledger)."""
+        if self.kind == "cpu":
+            return None
+        free, total = getattr(torch, self.kind).mem_get_info(self.device)
+        return int(total - free)
+
+    def device_free_bytes(self) -> int | None:
+        """Free device bytes from the driver; None on CPU."""
+        return None if self.kind == "cpu" else int(getattr(torch, self.kind).mem_get_info(self.device)[0])
 
     def max_memory_allocated(self) -> int | None:
         return None if self.kind == "cpu" else int(getattr(torch, self.kind).max_memory_allocated(self.device))

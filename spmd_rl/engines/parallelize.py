@@ -40,14 +40,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None) -> None:
     """One FSDP unit per decoder layer, then the root (embedding, final norm, LM head together,
-    so tied embeddings stay one parameter). Under mixed precision only the decoder layers
-    compute in the low dtype: the root computes in float32, so the final norm and the LM head's
-    logits (whose log-softmax is the policy) are not rounded to bf16's 8 bits of mantissa."""
-    kw = {"mesh": dp_mesh, "reshard_after_forward": True}
+    so tied embeddings stay one parameter). Under mixed precision every unit computes in the
+    low dtype, the LM head too, as vLLM's does: in float32 it was the costliest matmul per
+    response token (hidden x vocab) and saved float32 logits for backward. Its logits are cast
+    to float32 chunk by chunk inside the fused log-prob kernel (``engines.token_logprob``), so
+    the log-softmax, entropy and every reduction stay float32."""
+    kw = {"mesh": dp_mesh, "reshard_after_forward": True, **({"mp_policy": mp} if mp is not None else {})}
     for layer in decoder_layers(model):
-        fully_shard(layer, **kw, **({"mp_policy": mp} if mp is not None else {}))
-    root_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp.reduce_dtype) if mp is not None else None
-    fully_shard(model, **kw, **({"mp_policy": root_mp} if root_mp is not None else {}))
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
 
 
 def apply_compile(model: nn.Module) -> None:

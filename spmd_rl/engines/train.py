@@ -38,15 +38,22 @@ from spmd_rl.engines.token_logprob import SamplingPolicy
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """sqrt(sum_p ||g_p||^2) over all shards; DTensor norms reduce over their own mesh, so
-    parameters on different meshes (TP'd and replicated) mix safely."""
-    total = torch.zeros((), dtype=torch.float64)
+    """sqrt(sum_p ||g_p||^2) over all shards, as a float64 host scalar. Gradients are grouped by
+    (mesh, placements): each group's norm is computed on the device (one ``torch._foreach_norm``,
+    the norm of the stacked norms) and reduced over its own mesh once (``full_tensor``), so parameters
+    on different meshes (TP'd and replicated) mix safely with one host sync per group, not per
+    parameter."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is None:
-            continue
-        n = torch.linalg.vector_norm(p.grad.float())
-        n = n.full_tensor() if isinstance(n, DTensor) else n
-        total += n.double().cpu() ** 2
+        if p.grad is not None:
+            g = p.grad
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else (None, str(g.device))
+            groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float64)
+    for grads in groups.values():  # as torch.nn.utils.get_total_norm does for one mesh
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total += norm.double().cpu() ** 2
     return total.sqrt()
 
 
@@ -61,8 +68,8 @@ class TrainEngine(Engine):
         self.acc = acc
         self.cfg = cfg
         self.policy = policy
-        master = DTYPES[cfg.param_dtype]
         compute = DTYPES[compute_dtype]
+        master = DTYPES[cfg.param_dtype] if trainable else compute  # a frozen role needs no master copy
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
         checkpointing = cfg.activation_checkpointing and trainable
         self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing, compile=cfg.compile), head)
@@ -73,7 +80,7 @@ class TrainEngine(Engine):
         self.step_count = 0
         if trainable:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                               weight_decay=cfg.weight_decay, foreach=False)
+                                               weight_decay=cfg.weight_decay, foreach=True)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps))
         else:
@@ -148,8 +155,7 @@ class TrainEngine(Engine):
         norm = global_grad_norm(params)
         coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
         if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
+            torch._foreach_mul_([p.grad for p in params], coef)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

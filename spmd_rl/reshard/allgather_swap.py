@@ -70,9 +70,10 @@ class Resharder:
         half the bytes of an fp32 master, and no full tensor in the master dtype is allocated."""
         limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
         buckets = bucket_gather.plan(list(self.train.named_weights()), self.gen_dtype.itemsize, limit)
-        for bucket, temp in zip(buckets, bucket_gather.in_flight(buckets, self.gen_dtype.itemsize)):
-            self.temp_peak = max(self.temp_peak, temp)
-            self.record("gather", temp=temp)
+        peak = max(bucket_gather.in_flight(buckets, self.gen_dtype.itemsize), default=0)
+        self.temp_peak = max(self.temp_peak, peak)
+        self.record("gather", temp=peak)  # once per gather: a ledger row costs the engine two RPCs
+        for bucket in buckets:
             yield from bucket_gather.gather(bucket, self.gen_dtype)
 
     # -- steps (the residency manager composes them per stage) ------------------------------

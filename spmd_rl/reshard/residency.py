@@ -117,13 +117,14 @@ class Residency:
         if self.rollout is not None and self.rollout.resident():
             row["rollout_weights"], row["kv_cache"] = self.rollout.weight_bytes(), self.rollout.kv_cache_bytes()
         self.ledger.record(phase, **row)
-        allocated = self.acc.memory_allocated()
-        if allocated is not None:
-            self.device_bytes[phase] = allocated
+        used = self.acc.device_used_bytes()
+        if used is not None:
+            self.device_bytes[phase] = used
 
     def iteration_memory(self, phases: list[str]) -> dict[str, float]:
         """Metrics of this rank: the ledger total at each phase's entry (``mem_<phase>_bytes``),
-        off CPU what the device allocator held then (``mem_<phase>_device_bytes``), and the
+        off CPU the device bytes in use then (``mem_<phase>_device_bytes``, from the driver: vLLM's
+        memory included), and the
         reference's resident bytes at the last phase (0 when it went back to host)."""
         out = {}
         for p in phases:

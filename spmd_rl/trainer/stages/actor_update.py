@@ -18,6 +18,14 @@ from spmd_rl.trainer.stages.samples import padded, seq_batch
 _SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl")
 
 
+def on_host(sums: dict) -> dict[str, float]:
+    """The metric sums, kept on the device through the micro-batches (a ``float()`` each would
+    sync the host before every backward), brought to the host in one copy."""
+    values = [torch.as_tensor(v).detach().double().reshape(()) for v in sums.values()]
+    device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
+    return dict(zip(sums, torch.stack([v.to(device) for v in values]).cpu().tolist()))
+
+
 @register("actor_update")
 def actor_update(call: StageCall) -> StageResult:
     """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch.
@@ -59,21 +67,22 @@ def actor_update(call: StageCall) -> StageResult:
                 loss = out.loss
                 if ref is not None:
                     kl = kl_estimate(lp, ref[s].to(lp.device), cfg.algorithm.kl_estimator)
-                    acc["kl"] += float((kl.detach() * m).sum())
+                    acc["kl"] += (kl.detach() * m).sum()
                     if cfg.algorithm.use_kl_loss:
                         loss = loss + cfg.algorithm.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
-                acc["entropy"] += float((ent.detach() * m).sum())
+                acc["entropy"] += (ent.detach() * m).sum()
                 if a.entropy_coef:
                     loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
-                acc["loss"] += float(loss.detach())
+                acc["loss"] += loss.detach()
                 acc["clipped"] += out.clipped_tokens
-                acc["tokens"] += float(m.sum())
+                acc["tokens"] += m.sum()
                 if first_epoch:
                     diff = (old_lp.detach() - roll) * m
-                    acc["mismatch_sum"] += float(diff.abs().sum())
-                    acc["mismatch_tokens"] += float(m.sum())
-                    acc["mismatch_max"] = max(acc["mismatch_max"], float(diff.abs().max()) if m.numel() else 0.0)
-                    acc["rollout_kl"] += float((-diff).sum())
+                    acc["mismatch_sum"] += diff.abs().sum()
+                    acc["mismatch_tokens"] += m.sum()
+                    if m.numel():
+                        acc["mismatch_max"] = torch.maximum(torch.as_tensor(acc["mismatch_max"], device=diff.device), diff.abs().max())
+                    acc["rollout_kl"] += (-diff).sum()
                 return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
             out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True)
@@ -81,6 +90,7 @@ def actor_update(call: StageCall) -> StageResult:
             lr = out["lr"]
             steps += 1
     run.residency.weights_changed()
+    acc = on_host(acc)
     final = {}
     if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
         lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
