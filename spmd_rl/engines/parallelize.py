@@ -8,7 +8,6 @@ head stay replicated over TP and are sharded by FSDP over ``dp_shard``.
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
