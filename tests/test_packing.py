@@ -58,12 +58,30 @@ def _long_tail_batch(vocab: int, n: int = 9, seed: int = 0):
     return build_batch(prompts, responses, 0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_logprobs_entropies_and_grads_equal_the_padded_forward(tiny_model, temperature):
+def test_a_flash_attention_model_gets_every_sample_in_one_row(tiny_model):
+    """HF's flash path sees packed samples only in a one-row batch: the layout for a flash model
+    is one row whose positions restart at every sample (its varlen boundaries)."""
+    from spmd_rl.engines import packing
+
+    b = build_batch([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
+                    [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])], 0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model), attn_implementation="eager")
+    assert not packing.flash_attention(model) and packing.packed_for(model, b).input_ids.shape[0] == 2
+    model.config._attn_implementation = "flash_attention_2"
+    p = packing.packed_for(model, b)
+    assert p.input_ids.tolist() == [[5, 6, 11, 12, 13, 14, 8, 9, 16, 7, 15]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("temperature,one_row", [(1.0, False), (0.7, False), (1.0, True)])
+def test_packed_logprobs_entropies_and_grads_equal_the_padded_forward(tiny_model, temperature, one_row, monkeypatch):
+    from spmd_rl.engines import packing
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").float()
     model.config.use_cache = False
     batch = _long_tail_batch(model.config.vocab_size)
     assert pack(batch).input_ids.shape[0] < len(batch)  # really packed
+    monkeypatch.setattr(packing, "flash_attention", lambda m: one_row)  # the flash layout, through SDPA's packed mask
 
     def run(f, m):
         m.zero_grad()

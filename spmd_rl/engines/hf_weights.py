@@ -95,6 +95,14 @@ NEW_HEAD = "score."
 actor's trunk), they start at zero, so every first value is 0."""
 
 
+def attention_for(device: torch.device) -> str:
+    """HF attention implementation: flash-attn 2 on CUDA where it is installed (its varlen
+    kernel serves packed micro-batches, ``engines.packing``), else SDPA."""
+    import importlib.util
+
+    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
 def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
                   shard: Callable[[nn.Module], nn.Module], head: str = "lm") -> nn.Module:
     """The model of ``path`` in ``dtype``, parallelized by ``shard`` while still on the meta
@@ -104,7 +112,7 @@ def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
     if head == "value":
         config.num_labels, config.classifier_dropout = 1, 0.0
     with parameters_on_meta():
-        model = HEADS[head].from_config(config, dtype=dtype)
+        model = HEADS[head].from_config(config, dtype=dtype, attn_implementation=attention_for(device))
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     model = shard(model)
     model.to_empty(device=device)

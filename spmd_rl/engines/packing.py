@@ -9,6 +9,13 @@ starts wherever the position does not grow by one) gives each sample a causal ma
 tokens only. A row's free tail continues the positions of its last sample, so it is causal
 after it and changes nothing it attends to; nothing reads its outputs.
 
+Flash attention. HF's flash path finds packed samples from ``position_ids`` only when the batch
+has one row (it then runs flash-attn's varlen kernel with the samples' boundaries); with more
+rows it would attend across the samples of a row. So a model whose attention is a flash
+implementation gets every sample in one row (``one_row``), and a flash forward over more than
+one packed row is refused. SDPA and eager attention take HF's block-diagonal 4-D mask, built
+from the same position restarts, over rows of width W.
+
 Invariant (tested against the padded forward and float64): for every real response token j
 of sample b, the packed log-prob is that of position o_b + P_b + j - 1 of row r_b, and it
 equals the padded forward's log-prob up to float rounding; the gradient is the same. The LM
@@ -35,10 +42,11 @@ class Packed:
     last: torch.Tensor  # [B] flat index of each sample's last token
 
 
-def place(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+def place(lengths: list[int], one_row: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """(width W, (row, offset) of each sample): first fit decreasing into rows of width
-    W = max length; rows are filled in the order they are opened."""
-    width = max(lengths, default=1)
+    W = max length; rows are filled in the order they are opened. ``one_row``: W = the sum of
+    the lengths, so every sample lands in row 0."""
+    width = (sum(lengths) if one_row else max(lengths, default=1)) or 1
     free: list[int] = []  # room left in each row
     where: list[tuple[int, int]] = [(0, 0)] * len(lengths)
     for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
@@ -50,10 +58,15 @@ def place(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
     return width, where
 
 
-def pack(batch: SeqBatch) -> Packed:
+def flash_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is a flash implementation (module docstring)."""
+    return "flash" in str(getattr(model.config, "_attn_implementation", "") or "")
+
+
+def pack(batch: SeqBatch, one_row: bool = False) -> Packed:
     """The packed layout of ``batch`` (module docstring); nothing is copied per token in Python."""
     lengths = batch.attention_mask.sum(1).tolist()
-    width, where = place(lengths)
+    width, where = place(lengths, one_row)
     rows = 1 + max((r for r, _ in where), default=0)
     ids = torch.full((rows, width), int(batch.input_ids[0, 0]) if len(batch) else 0, dtype=batch.input_ids.dtype)
     pos = torch.arange(width).repeat(rows, 1)
@@ -66,6 +79,14 @@ def pack(batch: SeqBatch) -> Packed:
     return Packed(ids, pos, flat_predictor, batch.targets[batch.mask], start + torch.tensor(lengths, dtype=torch.long) - 1)
 
 
+def packed_for(model: torch.nn.Module, batch: SeqBatch) -> Packed:
+    """``pack`` in the layout the model's attention keeps apart (module docstring)."""
+    p = pack(batch, one_row=flash_attention(model))
+    if flash_attention(model) and p.input_ids.shape[0] > 1:  # cannot happen with one_row; the guard is the invariant
+        raise RuntimeError("flash attention over more than one packed row would attend across samples")
+    return p
+
+
 def _on(p: Packed, device: torch.device) -> Packed:
     return Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets, p.last)))
 
@@ -75,7 +96,7 @@ def _packed_head(model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch,
     """(``head``'s outputs [N, out] at the N response-predicting positions, the layout on
     ``device``, the mask on ``device``): the model runs once on the packed rows, and a
     pre-hook hands ``head`` only the hidden states of those positions."""
-    p = _on(pack(batch), device)
+    p = _on(packed_for(model, batch), device)
 
     def select(_module, args):  # [rows, W, H] -> [1, N, H]
         hidden = args[0]
@@ -116,7 +137,7 @@ def packed_scores(model: torch.nn.Module, batch: SeqBatch, device: torch.device 
     head at each sample's last token, on the packed layout. The head runs on every packed
     position (one output each) and is read at the last tokens; the model's own pooling, which
     assumes one sample per row, is not used."""
-    p = _on(pack(batch), device or batch.input_ids.device)
+    p = _on(packed_for(model, batch), device or batch.input_ids.device)
     seen: list[torch.Tensor] = []
     hook = model.score.register_forward_hook(lambda _m, _i, out: seen.append(out))
     try:
