@@ -53,6 +53,8 @@ def test_host_swap_round_trip_is_bit_exact_and_frees_storage(threads):
     swap.track(views)
     assert swap.nbytes == 160 + 6 + 12  # one storage for both views of base
     host_buffers = [h.data_ptr() for h in swap._host]
+    assert len({h.untyped_storage().data_ptr() for h in swap._host}) == 1  # one host arena for the whole set
+    assert sum(h.numel() for h in swap._host) == swap.nbytes == swap._host[0].untyped_storage().nbytes()  # no slack
     swap.offload()
     assert resident_bytes(views) == 0
     swap.reload()

@@ -8,7 +8,9 @@ across ranks could save). In the same run:
 - the engines' floor (``tools/engine_floor.py``: vLLM generation alone + one plain training
   step of the same batch, one process owning every core), and the ratio iteration / floor;
 - with ``--trl-python``, TRL's GRPOTrainer on the same model and batch (``tools/bench_trl.py``,
-  run by a Python that has TRL), and the ratio of tokens/s spmd-rl / TRL.
+  run by a Python that has TRL) on the same number of ranks, in its vLLM colocate mode (what
+  TRL users run) and its transformers ``generate`` mode (``--trl-modes``), and the ratio of
+  tokens/s spmd-rl / TRL per mode. The summary gives each ratio's median over the rounds.
 
 tokens/s counts what was really processed: G x N x (PL + mean response length) per iteration.
 ``--rounds K`` repeats the three measurements alternately (these machines are noisy).
@@ -66,7 +68,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-floor", dest="floor", action="store_false")
     ap.add_argument("--trl-python", help="A Python with TRL installed (tools/bench_trl.py); omit to skip TRL.")
+    ap.add_argument("--trl-modes", default="vllm,generate", help="TRL's generation modes to run, in order")
     args = ap.parse_args()
+    ratios: dict[str, list[float]] = {}
     sys.path.insert(0, str(REPO))
     from spmd_rl.config.loader import load_config
 
@@ -89,11 +93,15 @@ def main() -> None:
             fl = _json_tail([sys.executable, "tools/engine_floor.py", args.config, *args.overrides], "engine_floor")
             print(f"  floor          {fl['floor_s']:8.3f} s  (generation {fl['floor_generation_s']:.3f} s + training step "
                   f"{fl['floor_training_s']:.3f} s)  iteration / floor = {run['iteration_s'] / fl['floor_s']:.3f}")
-        if args.trl_python:
-            trl = _json_tail([args.trl_python, "tools/bench_trl.py", args.config, *args.overrides,
-                              "--steps", str(args.iterations)], "bench_trl")
-            print(f"  TRL            {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "
-                  f"spmd-rl / TRL = {tps / trl['trl_tokens_per_s']:.3f}x")
+        for mode in args.trl_modes.split(",") if args.trl_python else []:
+            trl = _json_tail([args.trl_python, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
+                              "tools/bench_trl.py", args.config, *args.overrides, "--steps", str(args.iterations), "--mode", mode],
+                             f"bench_trl --mode {mode}")
+            ratios.setdefault(mode, []).append(tps / trl["trl_tokens_per_s"])
+            print(f"  TRL {mode:10s} {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "
+                  f"spmd-rl / TRL = {ratios[mode][-1]:.3f}x")
+    for mode, r in ratios.items():
+        print(f"spmd-rl / TRL {mode}: median {statistics.median(r):.3f}x over {len(r)} round(s) ({', '.join(f'{x:.3f}' for x in r)})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Device <-> host swap of a set of tensors at storage level, bit-exact.
 
 Each distinct storage behind the given tensors (FSDP2 shards are views into padded flat
-buffers) is copied byte for byte into a host buffer that is allocated once and reused, then
+buffers) is copied byte for byte into its slice of one host arena that is allocated once per
+swap set and reused (one pinned allocation: torch's pinned host allocator rounds each
+allocation up to a power of two, so a buffer per storage cost up to 2x the bytes), then
 the device storage is resized to 0, which releases it; ``reload`` resizes it back and copies
 the bytes in. Views keep referring to the same storage object, so parameters, gradients and
 optimizer states are intact after the round trip.
@@ -59,7 +61,9 @@ class HostSwap:
         storages = list(seen.values())
         sizes = [s.nbytes() for s in storages]
         if sizes != self._sizes:
-            self._host = [self.acc.host_empty(n) for n in sizes]
+            arena = self.acc.host_empty(sum(sizes))
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            self._host = [arena[o:o + n] for o, n in zip(offsets, sizes)]
         self._storages, self._sizes = storages, sizes
 
     @property
