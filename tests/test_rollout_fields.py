@@ -65,10 +65,18 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
     monkeypatch.setattr(orphan_watch, "OrphanWatch", lambda: type("W", (), {"proc": type("P", (), {"pid": 0}), "watch": lambda *a: None})())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what configure_vllm_env sets is undone after the test
+        monkeypatch.delenv(name)  # (a bare delenv of an absent name records nothing: "spawn" leaked into later tests)
     rollout.RolloutEngine("m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True)
     assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
+
+
+def test_no_vllm_setting_leaks_out_of_these_tests():
+    """Runs after the tests above: what they set is gone (a leaked spawn method once broke every
+    later test that starts vLLM in a subprocess)."""
+    assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn"
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
 
 
 def test_the_tested_vllm_release_is_the_pinned_one():
@@ -92,6 +100,7 @@ def test_sampling_options_apply_top_p_top_k_when_sampling():
 
 def test_kv_cache_size_reaches_vllm(monkeypatch):
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
-        monkeypatch.delenv(name, raising=False)  # restored after the test
+        monkeypatch.setenv(name, "")  # recorded, so the test's settings are undone after it
+        monkeypatch.delenv(name)
     configure_vllm_env(RolloutConfig(n=2, max_response_length=4, kv_cache_gib=3))
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
