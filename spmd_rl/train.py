@@ -145,8 +145,7 @@ def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
     """On a device, refuse ``actor.accumulate_unsharded`` when its unsharded parameters and
     float32 gradients (``config.estimates.unsharded_accumulation_bytes``) exceed what the update
     will have free: the free device memory now plus the roles that leave for host before it."""
-    free = acc.device_free_bytes()
-    if free is None or not cfg.actor.accumulate_unsharded or "actor" not in roles:
+    if not cfg.actor.accumulate_unsharded or "actor" not in roles or (free := acc.device_free_bytes()) is None:
         return
     leaving = sum(resident_bytes(e.param_tensors()) for r, e in roles.items() if r != "actor" and r not in pinned_roles(cfg))
     need = unsharded_accumulation_bytes(ModelArch.from_folder(cfg.model.path), lay, cfg.model.dtype)

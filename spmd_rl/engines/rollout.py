@@ -54,7 +54,10 @@ def _child_env(extra: dict[str, str]):
         yield
     finally:
         for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def _sample(completion) -> Sample:
