@@ -156,15 +156,21 @@ def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
 
 
 def build_roles(cfg, acc, mesh, graph) -> dict:
-    """One engine per training-side role the graph uses (``Stage.roles``), all FSDP2 over the
-    training mesh: the actor always; the reference, PPO's critic (value head on the actor's or
+    """One engine per training-side role the graph uses (``Stage.roles``), FSDP2 over the
+    training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the actor's or
     its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
     needed = {r for s in graph for r in s.roles}
     policy = SamplingPolicy.of(cfg.rollout)
     dtype = cfg.model.dtype
-    roles = {"actor": TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, total_steps=_total_steps(cfg), policy=policy)}
+    if cfg.actor.backend == "megatron":  # the actor and the reference only (config.backend_rules)
+        from spmd_rl.engines.megatron.engine import MegatronEngine
+
+        lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy)
+    else:
+        lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy)
+    roles = {"actor": lm(total_steps=_total_steps(cfg))}
     if "ref" in needed:
-        roles["ref"] = TrainEngine(cfg.model.path, acc, mesh, cfg.actor, dtype, trainable=False, policy=policy)
+        roles["ref"] = lm(trainable=False)
     if "critic" in needed:
         critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr})
         roles["critic"] = TrainEngine(cfg.critic.model_path or cfg.model.path, acc, mesh, critic_cfg, dtype,

@@ -35,5 +35,5 @@ def test_consumers_depend_on_the_interface_not_the_fsdp_class():
 def test_fsdp_engine_implements_the_interface():
     assert issubclass(TrainEngine, Engine)
     assert not inspect.isabstract(TrainEngine)
-    assert Engine.__abstractmethods__ >= {"infer", "train_step", "named_weights", "param_tensors", "grad_tensors",
+    assert Engine.__abstractmethods__ >= {"infer", "train_step", "weight_shapes", "full_weights", "param_tensors", "grad_tensors",
                                           "optimizer_tensors", "save", "load"}

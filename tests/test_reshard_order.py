@@ -35,8 +35,11 @@ class TinyEngine(Engine):
     def train_step(self, micro_batches, loss_fn, with_entropy=False):
         raise NotImplementedError
 
-    def named_weights(self):
-        return self.model.named_parameters()
+    def weight_shapes(self):
+        return [(n, list(p.shape)) for n, p in self.model.named_parameters()]
+
+    def full_weights(self, dtype, bucket_bytes):
+        return 0, ((n, p.detach().to(dtype)) for n, p in self.model.named_parameters())
 
     def param_tensors(self):
         return list(self.model.parameters())

@@ -12,7 +12,8 @@ across ranks could save). In the same run:
   TRL users run) and its transformers ``generate`` mode (``--trl-modes``), and the ratio of
   tokens/s spmd-rl / TRL per mode. The summary gives each ratio's median over the rounds.
 
-tokens/s counts what was really processed: G x N x (PL + mean response length) per iteration.
+tokens/s counts what was really trained: each iteration's samples x (PL + their mean response length),
+over the summed iteration time (partial rollout trains fewer samples in some iterations).
 ``--rounds K`` repeats the three measurements alternately (these machines are noisy).
 
     python tools/bench_e2e.py configs/bench_cpu.yaml --iterations 8
@@ -39,7 +40,7 @@ def _json_tail(cmd: list[str], what: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def spmd_rl(args) -> dict:
+def spmd_rl(args, pl: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "spmd_rl.cli", "train", args.config, *args.overrides,
                f"trainer.iterations={args.iterations}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=0",
@@ -49,7 +50,10 @@ def spmd_rl(args) -> dict:
             sys.exit(f"train failed ({res.returncode}):\n{res.stderr[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "logs/metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows
-    out = {k: statistics.mean(r[k] for r in steady) for k in steady[0] if k.startswith("time_")}
+    out = {k: statistics.mean(r.get(k, 0.0) for r in steady) for k in steady[0] if k.startswith("time_")}
+    # what was really trained per second: each iteration's own sample count (partial rollout trains
+    # fewer groups in some iterations) x (prompt + its mean response), over the summed iteration time
+    out["tokens_per_s"] = sum(r["samples"] * (pl + r["response_length_mean"]) for r in steady) / sum(r["iteration_s"] for r in steady)
     out["iteration_s"] = statistics.mean(r["iteration_s"] for r in steady)
     out["first_iteration_s"] = rows[0]["iteration_s"]
     out["eq5"] = statistics.mean(r["throughput_eq5"] for r in steady)
@@ -69,17 +73,19 @@ def main() -> None:
     ap.add_argument("--no-floor", dest="floor", action="store_false")
     ap.add_argument("--trl-python", help="A Python with TRL installed (tools/bench_trl.py); omit to skip TRL.")
     ap.add_argument("--trl-modes", default="vllm,generate", help="TRL's generation modes to run, in order")
+    ap.add_argument("--trl-natural-lengths", action="store_true",
+                    help="TRL's responses end on the model's stop tokens, as spmd-rl's do (the long tail); by default they are forced to SL")
     args = ap.parse_args()
     ratios: dict[str, list[float]] = {}
     sys.path.insert(0, str(REPO))
     from spmd_rl.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)
-    samples, pl = cfg.data.global_batch_size * cfg.rollout.n, cfg.data.max_prompt_length
+    pl = cfg.data.max_prompt_length
     print(f"{args.config} {' '.join(args.overrides)}")
     for rnd in range(args.rounds):
-        run = spmd_rl(args)
-        tps = samples * (pl + run["response_length_mean"]) / run["iteration_s"]
+        run = spmd_rl(args, pl)
+        tps = run["tokens_per_s"]
         print(f"round {rnd}: spmd-rl, {run['iterations']} iterations after warm-up")
         for k in (k for k in run if k.startswith("time_")):
             print(f"  {k[5:]:14s} {run[k]:8.3f} s  {100 * run[k] / run['iteration_s']:5.1f} %")
@@ -95,7 +101,8 @@ def main() -> None:
                   f"{fl['floor_training_s']:.3f} s)  iteration / floor = {run['iteration_s'] / fl['floor_s']:.3f}")
         for mode in args.trl_modes.split(",") if args.trl_python else []:
             trl = _json_tail([args.trl_python, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
-                              "tools/bench_trl.py", args.config, *args.overrides, "--steps", str(args.iterations), "--mode", mode],
+                              "tools/bench_trl.py", args.config, *args.overrides, "--steps", str(args.iterations), "--mode", mode,
+                              *(["--natural-lengths"] if args.trl_natural_lengths else [])],
                              f"bench_trl --mode {mode}")
             ratios.setdefault(mode, []).append(tps / trl["trl_tokens_per_s"])
             print(f"  TRL {mode:10s} {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "

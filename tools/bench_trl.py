@@ -27,9 +27,10 @@ Matched to the config: G prompts x N generations per optimizer step (one step pe
 generation), beta = 0, the same lr, temperature, SL and max grad norm, the same master dtype
 and compute dtype (``bf16=True`` autocast when ``model.dtype`` is bfloat16). Responses are
 forced to SL tokens (``min_new_tokens`` / vLLM's ``min_tokens``), which spmd-rl's random model
-reaches about 93 % of the time anyway, and the throughput counts the tokens really generated.
-The reward is 0, as in spmd-rl's benchmark. Rank 0 prints one JSON line: the median step time
-after the first and tokens/s (prompt + response).
+reaches about 93 % of the time anyway (``--natural-lengths``: they end on the model's stop tokens
+as spmd-rl's do, for the long-tail model), and the throughput counts the tokens really generated.
+The reward is 0, as in spmd-rl's benchmark. Rank 0 prints one JSON line: the mean step time
+after the first (the statistic ``bench_e2e`` uses for spmd-rl's iterations) and tokens/s (prompt + response).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--mode", choices=["vllm", "generate"], default="vllm")
     ap.add_argument("--check-sync", action="store_true")
+    ap.add_argument("--natural-lengths", action="store_true",
+                    help="responses end on the model's stop tokens (generation_config's eos list), as spmd-rl's do; default: forced to SL")
     args = ap.parse_args()
     try:
         import torch
@@ -146,7 +149,8 @@ def main() -> None:
 
     micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard // world  # per rank, as spmd-rl's micro-batches
     engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.data.max_prompt_length + sl,
-              "generation_kwargs": {"min_tokens": sl}} if vllm else {"generation_kwargs": {"min_new_tokens": sl}}
+              "generation_kwargs": {} if args.natural_lengths else {"min_tokens": sl}} if vllm else \
+        {"generation_kwargs": {} if args.natural_lengths else {"min_new_tokens": sl}}
     with tempfile.TemporaryDirectory() as tmp:
         conf = GRPOConfig(
             output_dir=tmp, learning_rate=cfg.actor.lr, lr_scheduler_type="constant", beta=0.0, num_generations=n,
@@ -166,8 +170,8 @@ def main() -> None:
         trainer.train()
         check = {"trl_sync_max_diff": sync_error(trainer, [tok(r[cfg.data.prompt_column])["input_ids"] for r in rows[:4]])} if args.check_sync and vllm else {}
     times = [b - a for a, b in zip([t0, *stamps], stamps)][1:]
-    step = statistics.median(times)
-    per_step = g * n * cfg.data.max_prompt_length + world * statistics.median(tokens[1:] or tokens)  # rank 0's share x ranks
+    step = statistics.mean(times)
+    per_step = g * n * cfg.data.max_prompt_length + world * statistics.mean(tokens[1:] or tokens)  # rank 0's share x ranks
     if rank == 0:
         print(json.dumps({"trl_mode": args.mode, "trl_ranks": world, "trl_step_s": step, "trl_tokens_per_s": per_step / step,
                           "trl_steps": len(times), "trl_step_times": [round(t, 3) for t in times]} | check))

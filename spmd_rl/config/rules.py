@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from spmd_rl.config.backend_rules import check_backend
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
@@ -263,4 +264,13 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_tls(cfg)
     out += check_partial(cfg)
     out += check_separated(cfg)
+    out += check_backend(cfg, _arch(cfg), lay.train.tp)
     return lay, out
+
+
+def _arch(cfg: Config) -> ModelArch | None:
+    """The model's architecture, None when ``_check_model`` already reports it unreadable."""
+    try:
+        return ModelArch.from_folder(cfg.model.path)
+    except (OSError, KeyError, ValueError):
+        return None

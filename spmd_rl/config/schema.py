@@ -82,16 +82,11 @@ class ActorConfig(Section):
         None, gt=0.0, description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged)."
     )
     param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
+    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend of the actor and the reference: fsdp = FSDP2 + DTensor TP (every role and head); megatron = megatron-core GPTModel with TP (+ `parallel.train.sequence_parallel`), Megatron DDP and the distributed optimizer, dense Qwen2/Qwen3/Llama (engines/megatron).")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")
-    accumulate_unsharded: bool = Field(
-        False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and one parameter all-gather per FSDP module per step instead of one in forward and one in backward per micro-batch; costs (1 - 1/dp_shard) x the full parameters in compute dtype plus the full gradients in float32 (FSDP2 accumulates unsharded gradients in the reduce dtype) while it lasts; `plan` prints the bytes and a device run refuses it when they exceed the free device memory."
-    )
-    pack_sequences: bool = Field(
-        True, description="Padding-free forward and update passes of every FSDP role (actor, reference, critic, reward model): each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token (the reward model's score head is read at each sample's last token). The same log-probs and gradients up to float rounding; false computes every sample right-padded."
-    )
-    compile: bool = Field(
-        False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU); with pack_sequences, the first micro-batch with packed rows compiles a second graph (block mask instead of none)."
-    )
+    accumulate_unsharded: bool = Field(False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and one parameter all-gather per FSDP module per step instead of one in forward and one in backward per micro-batch; costs (1 - 1/dp_shard) x the full parameters in compute dtype plus the full gradients in float32 (FSDP2 accumulates unsharded gradients in the reduce dtype) while it lasts; `plan` prints the bytes and a device run refuses it when they exceed the free device memory.")
+    pack_sequences: bool = Field(True, description="Padding-free forward and update passes of every FSDP role (actor, reference, critic, reward model): each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token (the reward model's score head is read at each sample's last token). The same log-probs and gradients up to float rounding; false computes every sample right-padded.")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU); with pack_sequences, the first micro-batch with packed rows compiles a second graph (block mask instead of none).")
 
 
 class RefConfig(Section):
@@ -151,6 +146,7 @@ class CriticConfig(Section):
 class TrainLayout(Section):
     dp_shard: int | None = Field(None, gt=0, description="FSDP shard degree; derived as world / tp when left out.")
     tp: int = Field(1, gt=0, description="Tensor-parallel degree of the training engine.")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (actor.backend=megatron, tp > 1): norms and dropout run on 1/tp of the sequence.")
 
 
 class GenLayout(Section):

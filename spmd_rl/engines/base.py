@@ -4,8 +4,9 @@ these methods and nothing else changes.
 
 Invariants an implementation keeps:
 
-- ``named_weights`` yields every parameter once, by its HF name, in the same order on every
-  rank (each full-tensor gather of the resharder is a collective);
+- ``full_weights`` yields every weight the rollout engine loads once, by its HF name and in its
+  full shape, in the same order on every rank (its gathers are collectives), and
+  ``weight_shapes`` lists the same names and shapes in that order without gathering;
 - ``param_tensors`` / ``grad_tensors`` / ``optimizer_tensors`` are this rank's *local*
   storage (what the host swap moves and the ledger counts), never gathered copies;
 - ``save`` then ``load`` into an engine of any layout restores the same full weights and
@@ -49,8 +50,14 @@ class Engine(ABC):
         ``loss_fn`` receives the same outputs as ``infer`` (with gradients) per micro-batch."""
 
     @abstractmethod
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, parameter, possibly distributed) for the rollout engine's weights."""
+    def weight_shapes(self) -> list[tuple[str, list[int]]]:
+        """(HF name, full shape) of each tensor ``full_weights`` yields, in its order."""
+
+    @abstractmethod
+    def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """(peak temporary bytes of the gather, an iterator of (HF name, full tensor in ``dtype``)):
+        the rollout engine's weights, gathered with temporaries bounded by ``bucket_bytes``
+        where the backend buckets; collective over the role's ranks."""
 
     @abstractmethod
     def param_tensors(self) -> list[torch.Tensor]:

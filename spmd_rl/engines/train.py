@@ -34,6 +34,7 @@ from spmd_rl.engines.packing import packed_response_logprobs, packed_scores, pac
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.reshard import bucket_gather
 
 
 
@@ -165,7 +166,17 @@ class TrainEngine(Engine):
 
     # -- state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, FSDP2 / TP DTensor) of every parameter."""
         return self.model.named_parameters()
+
+    def weight_shapes(self) -> list[tuple[str, list[int]]]:
+        return [(name, list(p.shape)) for name, p in self.model.named_parameters()]  # a DTensor's shape is the full one
+
+    def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``)."""
+        buckets = bucket_gather.plan(list(self.model.named_parameters()), dtype.itemsize, bucket_bytes)
+        peak = max(bucket_gather.in_flight(buckets, dtype.itemsize), default=0)
+        return peak, (t for bucket in buckets for t in bucket_gather.gather(bucket, dtype))
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [local(p) for p in self.model.parameters()]

@@ -22,7 +22,6 @@ import torch
 from spmd_rl.config.schema import ReshardConfig
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.base import DTYPES, Engine
-from spmd_rl.reshard import bucket_gather
 from spmd_rl.reshard.ledger import Ledger
 from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
@@ -60,21 +59,20 @@ class Resharder:
     # -- gather ----------------------------------------------------------------------------
     def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]:
         """(HF name, generation dtype, full shape) of each tensor ``full_weights`` yields, in order."""
-        return [(name, self.gen_dtype, list(p.shape)) for name, p in self.train.named_weights()]
+        return [(name, self.gen_dtype, shape) for name, shape in self.train.weight_shapes()]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor in the generation dtype), one all-gather per bucket
-        (``reshard.bucket_gather``). Every rank must consume it in the same order (each bucket is
-        a collective). Shards are cast to the generation dtype before the gather (a cast is
-        elementwise, so the result is the same bits as gather-then-cast): a bf16 rollout moves
-        half the bytes of an fp32 master, and no full tensor in the master dtype is allocated."""
+        """(HF name, full tensor in the generation dtype) from the actor's engine (the FSDP
+        engine: one all-gather per bucket, ``reshard.bucket_gather``). Every rank must consume it
+        in the same order (the gathers are collectives). Shards are cast to the generation dtype
+        before the gather (a cast is elementwise, so the result is the same bits as
+        gather-then-cast): a bf16 rollout moves half the bytes of an fp32 master, and no full
+        tensor in the master dtype is allocated."""
         limit = self.cfg.bucket_bytes if self.cfg.mode == "allgather_swap" else float("inf")
-        buckets = bucket_gather.plan(list(self.train.named_weights()), self.gen_dtype.itemsize, limit)
-        peak = max(bucket_gather.in_flight(buckets, self.gen_dtype.itemsize), default=0)
+        peak, tensors = self.train.full_weights(self.gen_dtype, limit)
         self.temp_peak = max(self.temp_peak, peak)
         self.record("gather", temp=peak)  # once per gather: a ledger row costs the engine two RPCs
-        for bucket in buckets:
-            yield from bucket_gather.gather(bucket, self.gen_dtype)
+        yield from tensors
 
     # -- steps (the residency manager composes them per stage) ------------------------------
     def load_rollout(self) -> None:

@@ -1,0 +1,39 @@
+"""Rules of the training backends (``actor.backend``): what the megatron-core backend runs in
+this version, and the fields that only one backend reads."""
+
+from __future__ import annotations
+
+from spmd_rl.config.errors import Violation
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.schema import Config
+
+MEGATRON_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def check_backend(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Violation]:
+    a, sp = cfg.actor, cfg.parallel.train.sequence_parallel
+    if a.backend == "fsdp":
+        if sp:
+            return [Violation("parallel.train.sequence_parallel", True, "sequence parallelism is the megatron backend's",
+                              "set actor.backend: megatron, or sequence_parallel: false")]
+        return []
+    field, out = "actor.backend", []
+    fix_fsdp = "or use actor.backend: fsdp"
+    if sp and train_tp == 1:
+        out.append(Violation("parallel.train.sequence_parallel", True, "splits the sequence over the TP group; parallel.train.tp is 1",
+                             "set parallel.train.tp > 1, or sequence_parallel: false"))
+    if cfg.parallel.placement == "separated":
+        out.append(Violation(field, "megatron", "the separated placement is not supported by the megatron backend yet", f"use parallel.placement: colocated, {fix_fsdp}"))
+    if cfg.algorithm.name == "ppo":
+        out.append(Violation(field, "megatron", "PPO's critic (a value head) runs on the FSDP backend only", f"use algorithm.name: grpo or dapo, {fix_fsdp}"))
+    if cfg.reward.kind == "model":
+        out.append(Violation(field, "megatron", "the reward model (a score head) runs on the FSDP backend only", f"use reward.kind: rule, {fix_fsdp}"))
+    for name in ("accumulate_unsharded", "compile"):
+        if getattr(a, name):
+            out.append(Violation(f"actor.{name}", True, "an FSDP engine setting; the megatron backend does not read it", f"set actor.{name}: false"))
+    if arch is not None and arch.model_type not in MEGATRON_TYPES:
+        out.append(Violation(field, "megatron", f"no HF <-> megatron mapping for model_type {arch.model_type!r}", f"use a {'/'.join(MEGATRON_TYPES)} model, {fix_fsdp}"))
+    if arch is not None and arch.vocab_size % train_tp:
+        out.append(Violation("parallel.train.tp", train_tp, f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
+                             f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}"))
+    return out

@@ -1,0 +1,117 @@
+"""Megatron engine checkpoints in the FSDP engine's layout: HF names, full logical tensors,
+``torch.distributed.checkpoint`` (DCP) with the safe reader, so a checkpoint written under one
+layout (TP 2, DP 1) resumes under another (TP 1, DP 2), and ``spmd-rl export`` / ``eval`` read
+it as they read an FSDP one.
+
+Saved per parameter (mcore name -> HF names, ``hf_map``):
+
+- ``model/<hf>``: the float32 master weight (mcore's main parameter under bf16 mixed
+  precision; the parameter itself in float32);
+- ``optim/state/<hf>/{exp_avg,exp_avg_sq}``: AdamW's moments; ``optim/step``: the AdamW step;
+- ``steps``: optimizer steps taken (the LR schedule's position).
+
+Each is a DTensor over this rank's TP group: ``Shard(d)`` of the HF tensor for TP-split
+weights (the local QKV rows are whole KV groups, so they split into the local q, k and v rows;
+fc1's [gate_r; up_r] into the local gate and up rows), ``Replicate`` for norms. DP replicas
+write the same chunks, which DCP keeps once. The distributed optimizer holds a contiguous range
+of each parameter's flat elements per DP rank: ranges are assembled into the TP-local tensor
+by a sum over DP (each element has one owner) before saving, and sliced back after loading.
+The transient is the TP-local float32 master and two moments of every parameter at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from spmd_rl.engines.megatron.hf_map import Shape, from_hf_parts, hf_names, to_hf, tp_dim
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def distributed_optimizer(optimizer):
+    """The one ``DistributedOptimizer`` inside mcore's (chained) optimizer."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])[0]
+
+
+def local_shape(s: Shape, tp: int) -> Shape:
+    return Shape(s.layers, s.nh // tp, s.ng // tp, s.hd, s.tied)
+
+
+def _owned(opt, p) -> slice | None:
+    if p not in opt.model_param_group_index_map:
+        return None
+    r = opt._get_model_param_range_map(p)["param"]
+    return slice(r.start, r.end)
+
+
+def tp_local_states(opt, p, mixed: bool, dp_group) -> dict[str, torch.Tensor]:
+    """The TP-local float32 master and moments of model parameter ``p``, assembled over DP."""
+    own, shard = _owned(opt, p), None
+    if own is not None:
+        shard = opt._get_main_param_and_optimizer_states(p)
+    out = {}
+    for key in ("param", *MOMENTS):
+        if key == "param" and not mixed:
+            out[key] = p.detach().float().clone()
+            continue
+        full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if own is not None and key in shard:
+            full[own] = shard[key].float().reshape(-1)
+        dist.all_reduce(full, group=dp_group)
+        out[key] = full.view(p.shape)
+    return out
+
+
+def _pieces(name: str, local: torch.Tensor, s: Shape, tp: int, mesh: DeviceMesh) -> Iterator[tuple[str, DTensor]]:
+    dim = tp_dim(name)
+    placement = Replicate() if dim is None else Shard(dim)
+    for hf, t in to_hf(name, local, local_shape(s, tp)):
+        yield hf, DTensor.from_local(t.contiguous(), mesh, [placement], run_check=False)
+
+
+def state_dict(engine, mesh: DeviceMesh) -> dict:
+    """The DCP state dict of a trainable :class:`MegatronEngine` (module docstring)."""
+    from megatron.core import parallel_state as ps
+
+    opt = distributed_optimizer(engine.optimizer)
+    mixed, dp = engine.mixed, ps.get_data_parallel_group()
+    model, state = {}, {}
+    for name, p in engine.named_model_params():
+        t = tp_local_states(opt, p, mixed, dp)
+        model.update(_pieces(name, t["param"], engine.shape, engine.tp, mesh))
+        for key in MOMENTS:
+            for hf, d in _pieces(name, t[key], engine.shape, engine.tp, mesh):
+                state.setdefault(hf, {})[key] = d
+    return {"model": model, "optim": {"state": state, "step": torch.tensor(engine.step_count)}, "steps": engine.step_count}
+
+
+def _join(name: str, parts: dict[str, torch.Tensor], s: Shape, tp: int) -> torch.Tensor:
+    """The TP-local mcore tensor from its HF pieces' local tensors (inverse of ``to_hf``)."""
+    return from_hf_parts(name, [parts[n] for n in hf_names(name)], local_shape(s, tp))
+
+
+def load_into(engine, loaded: dict) -> None:
+    """Write a loaded ``state_dict`` into the engine: model parameters, the distributed
+    optimizer's master ranges and moments, the step counters."""
+    opt = distributed_optimizer(engine.optimizer)
+    if not opt.optimizer.state:  # AdamW makes its moments lazily: give them storage to fill
+        opt._init_optimizer_states_with_dummy_values()
+    local = {k: v.to_local() for k, v in loaded["model"].items()}
+    moments = {key: {k: v[key].to_local() for k, v in loaded["optim"]["state"].items()} for key in MOMENTS}
+    step = int(loaded["optim"]["step"])
+    with torch.no_grad():
+        for name, p in engine.named_model_params():
+            master = _join(name, local, engine.shape, engine.tp)
+            p.copy_(master.to(p.dtype))
+            own = _owned(opt, p)
+            if own is None:
+                continue
+            tensors = {"param": master.reshape(-1)[own], "step": torch.tensor(float(step))}
+            tensors |= {key: _join(name, moments[key], engine.shape, engine.tp).reshape(-1)[own] for key in MOMENTS}
+            opt._set_main_param_and_optimizer_states(p, tensors)
+    engine.step_count = int(loaded["steps"])

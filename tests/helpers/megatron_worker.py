@@ -1,0 +1,135 @@
+"""torchrun worker: the megatron-core engine against the FSDP2 engine on the same batch.
+
+Env: MODEL, TP (megatron's TP; its DP is world / TP; sequence parallel when TP > 1), DTYPE,
+SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
+log-prob difference before and after one update, the two grad norms, the largest weight
+difference after the update (full HF tensors from each engine's ``full_weights``), and what the
+weight sync yields (names and shapes, against ``weight_shapes`` and the HF checkpoint).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.config.layout import Layout
+from spmd_rl.config.schema import ActorConfig
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.teardown import exit_after
+from spmd_rl.engines.hf_weights import SafetensorsFolder
+from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.megatron.engine import MegatronEngine
+from spmd_rl.engines.train import TrainEngine
+
+
+def batch_of(n: int, seed: int):
+    """n samples of random prompts (3-9 tokens) and responses (1-12 tokens), right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 200, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
+    responses = [torch.randint(3, 200, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
+    return build_batch(prompts, responses, pad_id=0), torch.randn(n, generator=g)
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.full_weights(torch.float32, float("inf"))[1]}
+
+
+def checkpoint_round_trip(mega, step, dp: int, folder: Path, rank: int) -> dict:
+    """The first run (no checkpoint in ``folder`` yet) saves after its first update, takes a
+    second one and records the weights after each; a run in another layout loads that
+    checkpoint and takes the same second update. Returns the largest differences."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = folder / "ckpt"
+    if not ckpt.exists():
+        after1 = weights(mega)
+        mega.save(ckpt)
+        step(mega, dp, 2)
+        if rank == 0:
+            save_file(after1, folder / "after1.safetensors")
+            save_file(weights(mega), folder / "after2.safetensors")
+        else:
+            weights(mega)
+        dist.barrier()
+        return {}
+    mega.load(ckpt)
+    loaded = weights(mega)
+    step(mega, dp, 2)
+    after2 = weights(mega)
+    ref1, ref2 = load_file(folder / "after1.safetensors"), load_file(folder / "after2.safetensors")
+    from spmd_rl.trainer.checkpoint import model_weights
+    exported = model_weights(ckpt) if rank == 0 else ref1  # the export path's reader (one process)
+    return {"resumed_diff": max(float((loaded[n] - ref1[n]).abs().max()) for n in ref1),
+            "second_step_diff": max(float((after2[n] - ref2[n]).abs().max()) for n in ref2),
+            "second_step_moved": min(float((ref2[n] - ref1[n]).abs().max()) for n in ref2 if n.endswith("proj.weight")),
+            "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1), "steps": mega.step_count}
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp, dtype, model = int(os.environ["TP"]), os.environ["DTYPE"], os.environ["MODEL"]
+    acc = detect("cpu")
+    torch.manual_seed(0)
+    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01)
+    fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
+    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4)
+    batch, adv = batch_of(16, seed=1)
+    tokens = batch.mask.sum()
+
+    def share(dp: int):
+        """This rank's samples when the batch is split over dp data-parallel groups."""
+        r = rank // (world // dp)
+        per = len(batch) // dp
+        return batch[r * per:(r + 1) * per], adv[r * per:(r + 1) * per]
+
+    def step(engine, dp: int, micro: int):
+        mine, a = share(dp)
+        micros = split(mine, micro)
+
+        def loss_fn(lp, ent, k):  # token-mean policy-gradient surrogate over the whole batch; x dp undoes the DP average
+            m = micros[k].mask.to(lp.dtype)
+            rows = a[k * micro:(k + 1) * micro, None]
+            return -(lp * rows * m).sum() / tokens * dp
+        return engine.train_step(micros, loss_fn, with_entropy=True), mine
+
+    fdp, mdp = world, world // tp
+    lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
+    lp_m = mega.infer(split(share(mdp)[0], 3))[0]  # another split: infer is per micro-batch
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (lp_f.tolist(), lp_m.tolist()))
+    full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
+    full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
+    out = {"logprob_diff_before": float((full_f - full_m).abs().max())}
+    sf, _ = step(fsdp, fdp, 4)
+    sm, _ = step(mega, mdp, 2)  # another micro-batch split: the objective is split-invariant
+    out |= {"grad_norm_fsdp": sf["grad_norm"], "grad_norm_megatron": sm["grad_norm"]}
+    _, wf = fsdp.full_weights(torch.float32, float("inf"))
+    _, wm = mega.full_weights(torch.float32, float("inf"))
+    wf, wm = dict(wf), list(wm)
+    out["sync_names"] = [n for n, _ in wm]
+    out["sync_shapes_match"] = [(n, list(t.shape)) for n, t in wm] == mega.weight_shapes()
+    out["names_match_fsdp"] = sorted(wf) == sorted(n for n, _ in wm)
+    out["weight_diff_after"] = max(float((wf[n] - t).abs().max()) for n, t in wm)
+    hf = SafetensorsFolder(model)
+    out["moved_from_checkpoint"] = min(float((hf.read(n).float() - t).abs().max()) for n, t in wm if n.endswith("proj.weight"))
+    lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
+    lp_m = mega.infer(split(share(mdp)[0], 4))[0]
+    dist.all_gather_object(everyone, (lp_f.tolist(), lp_m.tolist()))
+    full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
+    full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
+    out["logprob_diff_after"] = float((full_f - full_m).abs().max())
+    out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
+    out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
+    if os.environ.get("CKPT"):
+        out |= checkpoint_round_trip(mega, step, mdp, Path(os.environ["CKPT"]), rank)
+    Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    exit_after(main)
