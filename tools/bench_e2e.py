@@ -73,8 +73,8 @@ def main() -> None:
     ap.add_argument("--no-floor", dest="floor", action="store_false")
     ap.add_argument("--trl-python", help="A Python with TRL installed (tools/bench_trl.py); omit to skip TRL.")
     ap.add_argument("--trl-modes", default="vllm,generate", help="TRL's generation modes to run, in order")
-    ap.add_argument("--trl-natural-lengths", action="store_true",
-                    help="TRL's responses end on the model's stop tokens, as spmd-rl's do (the long tail); by default they are forced to SL")
+    ap.add_argument("--trl-forced-lengths", action="store_true",
+                    help="force TRL's responses to SL tokens (bench_trl.py --forced-lengths); by default they end on the model's stop tokens, as spmd-rl's do")
     args = ap.parse_args()
     ratios: dict[str, list[float]] = {}
     sys.path.insert(0, str(REPO))
@@ -102,7 +102,7 @@ def main() -> None:
         for mode in args.trl_modes.split(",") if args.trl_python else []:
             trl = _json_tail([args.trl_python, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
                               "tools/bench_trl.py", args.config, *args.overrides, "--steps", str(args.iterations), "--mode", mode,
-                              *(["--natural-lengths"] if args.trl_natural_lengths else [])],
+                              *(["--forced-lengths"] if args.trl_forced_lengths else [])],
                              f"bench_trl --mode {mode}")
             ratios.setdefault(mode, []).append(tps / trl["trl_tokens_per_s"])
             print(f"  TRL {mode:10s} {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "

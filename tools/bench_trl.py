@@ -25,11 +25,12 @@ the largest difference between vLLM's prompt log-probs and HF's (it must be floa
 
 Matched to the config: G prompts x N generations per optimizer step (one step per
 generation), beta = 0, the same lr, temperature, SL and max grad norm, the same master dtype
-and compute dtype (``bf16=True`` autocast when ``model.dtype`` is bfloat16). Responses are
-forced to SL tokens (``min_new_tokens`` / vLLM's ``min_tokens``), which spmd-rl's random model
-reaches about 93 % of the time anyway (``--natural-lengths``: they end on the model's stop tokens
-as spmd-rl's do, for the long-tail model), and the throughput counts the tokens really generated.
-The reward is 0, as in spmd-rl's benchmark. Rank 0 prints one JSON line: the mean step time
+and compute dtype (``bf16=True`` autocast when ``model.dtype`` is bfloat16). Responses end on
+the model's stop tokens (generation_config's eos list, which vLLM and ``generate`` stop on),
+as spmd-rl's do, so both sides sample the same lengths; ``--forced-lengths`` forces every
+response to SL tokens (``min_tokens`` / ``min_new_tokens``) instead, which gives TRL more
+tokens per step and rectangular batches with no padding to train. The throughput counts the
+tokens really generated. The reward is 0, as in spmd-rl's benchmark. Rank 0 prints one JSON line: the mean step time
 after the first (the statistic ``bench_e2e`` uses for spmd-rl's iterations) and tokens/s (prompt + response).
 """
 
@@ -113,8 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--mode", choices=["vllm", "generate"], default="vllm")
     ap.add_argument("--check-sync", action="store_true")
-    ap.add_argument("--natural-lengths", action="store_true",
-                    help="responses end on the model's stop tokens (generation_config's eos list), as spmd-rl's do; default: forced to SL")
+    ap.add_argument("--forced-lengths", action="store_true",
+                    help="force every response to SL tokens (min_tokens); default: responses end on the model's stop tokens, as spmd-rl's do")
     args = ap.parse_args()
     try:
         import torch
@@ -149,8 +150,8 @@ def main() -> None:
 
     micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard // world  # per rank, as spmd-rl's micro-batches
     engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.data.max_prompt_length + sl,
-              "generation_kwargs": {} if args.natural_lengths else {"min_tokens": sl}} if vllm else \
-        {"generation_kwargs": {} if args.natural_lengths else {"min_new_tokens": sl}}
+              "generation_kwargs": {"min_tokens": sl} if args.forced_lengths else {}} if vllm else \
+        {"generation_kwargs": {"min_new_tokens": sl} if args.forced_lengths else {}}
     with tempfile.TemporaryDirectory() as tmp:
         conf = GRPOConfig(
             output_dir=tmp, learning_rate=cfg.actor.lr, lr_scheduler_type="constant", beta=0.0, num_generations=n,

@@ -72,6 +72,8 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         local = t.numel // lay.train.tp if t.train_tp_split else t.numel
         train_numel += -(-local // lay.train.dp)
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
+    if cfg.actor.backend == "megatron":
+        return _megatron_memory(cfg, arch, lay, gen_numel * gb)
     # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
     # alone (its gather output plus this rank's 1/dp input) exceeds half of it
     lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
@@ -83,6 +85,33 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         gen_weights=gen_numel * gb,
         kv_cache=int(cfg.rollout.kv_cache_gib * GB),
         temp_buffer=temp,
+    )
+
+
+def megatron_tp_local_numel(arch: ModelArch, tp: int) -> int:
+    """Elements of one TP rank's parameters under megatron-core: every TP-split tensor of the
+    generation engine's split (the embedding and LM head vocab-parallel too) over tp, norms whole."""
+    return sum(t.numel // tp if t.tp_split else t.numel for t in arch.tensors())
+
+
+def _megatron_memory(cfg: Config, arch: ModelArch, lay: Layouts, gen_bytes: int) -> RankMemory:
+    """megatron-core with the distributed optimizer (``engines.megatron``): every DP rank holds
+    the TP-local parameters in the model's dtype (``model.dtype`` under mixed precision), their
+    float32 gradient buffer (Megatron DDP reduces in float32 and keeps the buffer for the run),
+    and 1/dp of the float32 AdamW moments, plus 1/dp of float32 main parameters when the model
+    dtype is not ``actor.param_dtype``. The gather for vLLM holds one parameter's TP parts and
+    the joined tensor at a time."""
+    tp_local = megatron_tp_local_numel(arch, lay.train.tp)
+    mixed = cfg.model.dtype != cfg.actor.param_dtype
+    shard = -(-tp_local // lay.train.dp)
+    gb = DTYPE_BYTES[cfg.model.dtype]
+    return RankMemory(
+        train_params=tp_local * DTYPE_BYTES[cfg.model.dtype if mixed else cfg.actor.param_dtype],
+        train_grads=tp_local * 4,
+        train_optim=shard * 4 * (3 if mixed else 2),
+        gen_weights=gen_bytes,
+        kv_cache=int(cfg.rollout.kv_cache_gib * GB),
+        temp_buffer=2 * arch.largest_tensor_numel() * gb,
     )
 
 
@@ -106,11 +135,14 @@ def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArc
     pass and are freed after the step), frozen roles (reference, reward model) their params in
     the compute dtype ``model.dtype`` (no master copy); the rollout engine its
     weights and KV cache. The critic and the reward model are their trunk plus a one-output head
-    (``hidden`` weights, + 1 bias for the critic's token-classification head)."""
+    (``hidden`` weights, + 1 bias for the critic's token-classification head). A megatron actor
+    also keeps its float32 gradient buffer between steps (``_megatron_memory``)."""
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     mem = rank_memory(cfg, arch, lay)
     cb = DTYPE_BYTES[cfg.model.dtype]
-    out = {"actor": mem.train_params + mem.train_optim, "ref": mem.train_params // pb * cb, "rollout": mem.gen_weights + mem.kv_cache}
+    ref = megatron_tp_local_numel(arch, lay.train.tp) * cb if cfg.actor.backend == "megatron" else mem.train_params // pb * cb
+    out = {"actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
+           "ref": ref, "rollout": mem.gen_weights + mem.kv_cache}
     for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):
         if a is not None:
             trunk = [t for t in a.tensors() if t.name != "lm_head.weight"]

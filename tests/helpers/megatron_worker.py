@@ -68,6 +68,30 @@ def checkpoint_round_trip(mega, step, dp: int, folder: Path, rank: int) -> dict:
             "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1), "steps": mega.step_count}
 
 
+def ledger_against_plan(mega, acc, tp: int, dtype: str, model: str) -> dict:
+    """The memory ledger of the megatron actor after an update, and while generating under
+    allgather-swap (its state swapped to host), against ``spmd-rl plan``'s estimate."""
+    from spmd_rl.config.estimates import rank_memory
+    from spmd_rl.config.layout import Layouts
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.config.model_arch import ModelArch
+    from spmd_rl.config.schema import ReshardConfig
+    from spmd_rl.reshard.allgather_swap import Resharder
+
+    world = dist.get_world_size()
+    rs = Resharder(mega, None, ReshardConfig(mode="allgather_swap"), dtype, acc)
+    rs.record("update")
+    rs.offload_train()
+    rs.record("generate")
+    rs.reload_train()
+    cfg = load_config("configs/quickstart.yaml", [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}"])
+    plan = rank_memory(cfg, ModelArch.from_folder(model), Layouts(world, world, Layout(world // tp, tp), Layout(world, 1)))
+    up, gen = rs.ledger.last("update"), rs.ledger.last("generate")
+    return {"ledger": [up[k] for k in ("actor_params", "actor_grads", "actor_optim")],
+            "plan": [plan.train_params, plan.train_grads, plan.train_optim],
+            "ledger_during_generation": sum(gen[k] for k in ("actor_params", "actor_grads", "actor_optim"))}
+
+
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -124,6 +148,7 @@ def main():
     out["logprob_diff_after"] = float((full_f - full_m).abs().max())
     out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
+    out |= ledger_against_plan(mega, acc, tp, dtype, model)
     if os.environ.get("CKPT"):
         out |= checkpoint_round_trip(mega, step, mdp, Path(os.environ["CKPT"]), rank)
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
