@@ -29,10 +29,11 @@ def _span(ranks: range) -> str:
     return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
-def layout_lines(lay: Layouts) -> list[str]:
+def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
+    train = f"dp_shard={lay.train.dp} tp={lay.train.tp}" if backend == "fsdp" else f"megatron-core dp={lay.train.dp} tp={lay.train.tp}"
     lines = [
         f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
-        f"train dp_shard={lay.train.dp} tp={lay.train.tp}; gen dp={lay.gen.dp} tp={lay.gen.tp}"
+        f"train {train}; gen dp={lay.gen.dp} tp={lay.gen.tp}"
         + (f"; separated: ranks {_span(lay.gen.ranks)} generate, {_span(lay.train.ranks)} train"
            if lay.separated else ""),
         f"{'rank':>5} {'node':>5} {'train(dp,tp)':>13} {'gen(dp,tp)':>11}  roles",
@@ -61,7 +62,8 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
-        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW)" + (f", training ranks {_span(lay.train.ranks)}:" if lay.separated else ":"),
+        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW"
+        + (", megatron distributed optimizer: float32 grad buffer, moments over dp)" if cfg.actor.backend == "megatron" else ")") + (f", training ranks {_span(lay.train.ranks)}:" if lay.separated else ":"),
         f"  params {_gib(mem.train_params)}   grads {_gib(mem.train_grads)}   optimizer {_gib(mem.train_optim)}",
     ]
     if lay.separated:  # disjoint state: nothing to swap, no redundant copy (Eq. 3 is about colocation)
@@ -117,7 +119,7 @@ def residency_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     name, _, peak = max(rows, key=lambda r: r[2])
     lines += [f"peak {_gib(peak).strip()} in {name}; every role resident at once {_gib(everything).strip()}; "
               f"saved {_gib(everything - peak).strip()}",
-              "(a trainable role adds its gradients during its backward pass)"]
+              "(an FSDP trainable role adds its gradients during its backward pass; a megatron actor keeps its grad buffer)"]
     return lines
 
 
@@ -140,7 +142,7 @@ def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
 
 def render(cfg: Config, arch: ModelArch, lay: Layouts, bandwidth_gb_s: float) -> str:
     sections = (
-        ("Layouts", layout_lines(lay)),
+        ("Layouts", layout_lines(lay, cfg.actor.backend)),
         ("Memory", memory_lines(cfg, arch, lay)),
         ("Resident per stage (per rank, at the stage's entry)", residency_lines(cfg, arch, lay)),
         ("Sample flow", flow_lines(cfg, lay, bandwidth_gb_s)),

@@ -50,6 +50,16 @@ def attention_mask(valid: torch.Tensor) -> torch.Tensor:
     return (causal[None] | ~valid.bool()[:, None, :])[:, None]
 
 
+def _mindspeed_adaptor() -> None:
+    """On Ascend NPUs megatron-core runs through MindSpeed's adaptor, as MindSpeed RL does; the
+    ``mindspeed`` name on PyPI is a placeholder, the package comes from Ascend's repository."""
+    try:
+        import mindspeed.megatron_adaptor  # noqa: F401  (patches megatron-core for torch_npu on import)
+    except ImportError as exc:
+        raise RuntimeError("actor.backend=megatron on NPU needs MindSpeed: install it from https://gitee.com/ascend/MindSpeed "
+                           f"(the PyPI name is a placeholder), or use actor.backend=fsdp ({exc})") from None
+
+
 class MegatronEngine(Engine):
     def __init__(self, path: str | Path, acc: Accelerator, cfg: ActorConfig, compute_dtype: str, tp: int,
                  sequence_parallel: bool = False, trainable: bool = True, total_steps: int = 1,
@@ -59,6 +69,8 @@ class MegatronEngine(Engine):
         logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
         warnings.filterwarnings("ignore", module=r"megatron\.")
         cpu_compat.apply(acc.device)
+        if acc.device.type == "npu":
+            _mindspeed_adaptor()
         init_groups(tp)
         self.acc, self.cfg, self.policy, self.trainable = acc, cfg, policy, trainable
         self.tp, self.sp = tp, sequence_parallel

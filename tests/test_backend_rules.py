@@ -1,0 +1,39 @@
+"""`spmd-rl validate` with ``actor.backend: megatron``: what the backend runs passes, and each
+layout or role it does not run yet exits 2 naming the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from spmd_rl.cli import app
+
+QUICK = "configs/quickstart.yaml"
+MEGA = ("actor.backend=megatron",)
+TP2 = ("parallel.train.tp=2", "parallel.train.dp_shard=1")
+
+
+def validate(*overrides: str):
+    return CliRunner().invoke(app, ["validate", QUICK, *overrides])
+
+
+@pytest.mark.parametrize("extra", [(), TP2, (*TP2, "parallel.train.sequence_parallel=true"), ("algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true")],
+                         ids=["dp2", "tp2", "tp2-sp", "with-reference"])
+def test_what_megatron_runs_is_valid(in_repo, tiny_model, extra):
+    res = validate(*MEGA, *extra)
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (("parallel.train.sequence_parallel=true",), "parallel.train.sequence_parallel"),  # SP on the FSDP backend
+    ((*MEGA, "parallel.train.sequence_parallel=true"), "parallel.train.sequence_parallel"),  # SP at TP 1
+    ((*MEGA, "algorithm.name=ppo"), "actor.backend"),
+    ((*MEGA, "reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"), "actor.backend"),
+    ((*MEGA, "parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "actor.tis_cap=2.0"), "actor.backend"),
+    ((*MEGA, "actor.accumulate_unsharded=true"), "actor.accumulate_unsharded"),
+    ((*MEGA, "actor.compile=true"), "actor.compile"),
+], ids=["sp-fsdp", "sp-tp1", "ppo", "reward-model", "separated", "accumulate-unsharded", "compile"])
+def test_what_megatron_does_not_run_exits_2_naming_the_field(in_repo, tiny_model, overrides, field):
+    res = validate(*overrides)
+    assert res.exit_code == 2, res.output
+    assert field in res.output and "->" in res.output, res.output
