@@ -14,7 +14,9 @@ across ranks could save). In the same run:
 
 tokens/s counts what was really trained: each iteration's samples x (PL + their mean response length),
 over the summed iteration time (partial rollout trains fewer samples in some iterations).
-``--rounds K`` repeats the three measurements alternately (these machines are noisy).
+``--rounds K`` repeats the measurements alternately (these machines are noisy). ``--versus
+"k=v ..."`` runs the config a second time per round with more overrides (another backend or
+layout) and prints the ratio of tokens/s, first / second.
 
     python tools/bench_e2e.py configs/bench_cpu.yaml --iterations 8
     python tools/bench_e2e.py configs/bench_cpu.yaml model.dtype=bfloat16 --trl-python /work/trl-venv/bin/python
@@ -40,9 +42,9 @@ def _json_tail(cmd: list[str], what: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def spmd_rl(args, pl: int) -> dict:
+def spmd_rl(args, pl: int, extra: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "spmd_rl.cli", "train", args.config, *args.overrides,
+        cmd = [sys.executable, "-m", "spmd_rl.cli", "train", args.config, *args.overrides, *extra,
                f"trainer.iterations={args.iterations}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=0",
                f"logging.dir={tmp}/logs", "logging.progress=false", "checkpoint.resume=never"]
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-floor", dest="floor", action="store_false")
+    ap.add_argument("--versus", help="more overrides, space-separated: every round also runs the config with them (e.g. "
+                                     "'actor.backend=megatron parallel.train.tp=2 parallel.train.dp_shard=1') and prints tokens/s first / second")
     ap.add_argument("--trl-python", help="A Python with TRL installed (tools/bench_trl.py); omit to skip TRL.")
     ap.add_argument("--trl-modes", default="vllm,generate", help="TRL's generation modes to run, in order")
     ap.add_argument("--trl-forced-lengths", action="store_true",
@@ -95,6 +99,12 @@ def main() -> None:
         print(f"  generation     slowest - fastest rank {run['generation_wait_s']:.3f} s "
               f"({100 * run['generation_wait_s'] / run['iteration_s']:.1f} % of the iteration: the most a better "
               f"balance of the generation work could save)")
+        if args.versus:
+            other = spmd_rl(args, pl, args.versus.split())
+            ratios.setdefault("versus", []).append(tps / other["tokens_per_s"])
+            stages = "  ".join(f"{k[5:]} {other[k]:.3f} s" for k in other if k.startswith("time_"))
+            print(f"  with {args.versus}: iteration {other['iteration_s']:.3f} s ({stages}), {other['tokens_per_s']:.0f} tokens/s, "
+                  f"mismatch {other['mismatch']:.2e}; first / second = {ratios['versus'][-1]:.3f}x")
         if args.floor:
             fl = _json_tail([sys.executable, "tools/engine_floor.py", args.config, *args.overrides], "engine_floor")
             print(f"  floor          {fl['floor_s']:8.3f} s  (generation {fl['floor_generation_s']:.3f} s + training step "
@@ -108,6 +118,9 @@ def main() -> None:
             print(f"  TRL {mode:10s} {trl['trl_step_s']:8.3f} s per step, {trl['trl_tokens_per_s']:.0f} tokens/s  "
                   f"spmd-rl / TRL = {ratios[mode][-1]:.3f}x")
     for mode, r in ratios.items():
+        if mode == "versus":
+            print(f"without / with {args.versus}: median {statistics.median(r):.3f}x over {len(r)} round(s) ({', '.join(f'{x:.3f}' for x in r)})")
+            continue
         print(f"spmd-rl / TRL {mode}: median {statistics.median(r):.3f}x over {len(r)} round(s) ({', '.join(f'{x:.3f}' for x in r)})")
 
 
