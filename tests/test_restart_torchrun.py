@@ -47,21 +47,27 @@ def env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def clean(tiny_model, tmp_path_factory) -> Path:
     """The uninterrupted run every fault is compared with."""
-    tmp = tmp_path_factory.mktemp("restart")
-    ref = subprocess.run(command(tmp, "clean"), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    return tmp
+    return clean_run(tmp_path_factory.mktemp("restart"))
 
 
 def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
     return model_weights(tmp / name / f"ckpt/iter_{ITERS:06d}")
 
 
-@pytest.mark.slow
-def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
+def clean_run(tmp: Path, *extra: str) -> Path:
+    """An uninterrupted run every fault is compared with."""
+    ref = subprocess.run(command(tmp, "clean", *extra), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return tmp
+
+
+def killed_run_equals_clean(clean: Path, tmp_path: Path, *extra: str) -> None:
+    """SIGKILL one worker of a run started from the clean run's first checkpoint once it has
+    written its second: the group restarts from its own newest checkpoint, logs every iteration
+    once, and ends with the clean run's weights and samples."""
     log = open(tmp_path / "killed.log", "w")
     start = clean / "clean/ckpt/iter_000001"
-    proc = subprocess.Popen(command(tmp_path, "killed", f"checkpoint.resume={start}"), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command(tmp_path, "killed", f"checkpoint.resume={start}", *extra), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
     metrics = tmp_path / "killed/logs/metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
@@ -97,6 +103,23 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
     assert last_by_iter == {r["iteration"]: r["reward_mean"] for r in clean_rows if r["iteration"] >= 1}  # same samples
     assert recovered is not None, "no iteration was logged after the kill"
     print(f"recovery: kill -> next iteration logged in {recovered:.1f} s; iterations logged {iters}")
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
+    killed_run_equals_clean(clean, tmp_path)
+
+
+MEGATRON = ("actor.backend=megatron", "parallel.train.tp=2", "parallel.train.dp_shard=1", "parallel.train.sequence_parallel=true")
+
+
+@pytest.mark.slow
+def test_killed_worker_recovers_under_the_megatron_backend(tiny_model, tmp_path):
+    """The same kill under megatron-core TP 2 + SP: its checkpoints (HF-named DCP, AdamW
+    moments and step) restore the run exactly, so the final weights equal an uninterrupted run's."""
+    clean = clean_run(tmp_path / "ref", *MEGATRON)
+    (tmp_path / "kill").mkdir()
+    killed_run_equals_clean(clean, tmp_path / "kill", *MEGATRON)
 
 
 STAMP = re.compile(r"^\[rank(\d+)\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ERROR .*warehouse of node 0 .*lost")

@@ -37,10 +37,11 @@ def weights(engine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.full_weights(torch.float32, float("inf"))[1]}
 
 
-def checkpoint_round_trip(mega, step, dp: int, folder: Path, rank: int) -> dict:
+def checkpoint_round_trip(mega, fresh, step, dp: int, folder: Path, rank: int) -> dict:
     """The first run (no checkpoint in ``folder`` yet) saves after its first update, takes a
     second one and records the weights after each; a run in another layout loads that
-    checkpoint and takes the same second update. Returns the largest differences."""
+    checkpoint into a new engine (``fresh()``: no AdamW state yet, as after a restart) and takes
+    the same second update. Returns the largest differences."""
     from safetensors.torch import load_file, save_file
 
     ckpt = folder / "ckpt"
@@ -55,6 +56,7 @@ def checkpoint_round_trip(mega, step, dp: int, folder: Path, rank: int) -> dict:
             weights(mega)
         dist.barrier()
         return {}
+    mega = fresh()
     mega.load(ckpt)
     loaded = weights(mega)
     step(mega, dp, 2)
@@ -150,7 +152,8 @@ def main():
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
     out |= ledger_against_plan(mega, acc, tp, dtype, model)
     if os.environ.get("CKPT"):
-        out |= checkpoint_round_trip(mega, step, mdp, Path(os.environ["CKPT"]), rank)
+        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4)  # noqa: E731
+        out |= checkpoint_round_trip(mega, fresh, step, mdp, Path(os.environ["CKPT"]), rank)
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()

@@ -99,8 +99,9 @@ def load_into(engine, loaded: dict) -> None:
     """Write a loaded ``state_dict`` into the engine: model parameters, the distributed
     optimizer's master ranges and moments, the step counters."""
     opt = distributed_optimizer(engine.optimizer)
-    if not opt.optimizer.state:  # AdamW makes its moments lazily: give them storage to fill
-        opt._init_optimizer_states_with_dummy_values()
+    inner = opt.optimizer  # AdamW makes its moments lazily: give them storage to fill (``state`` is a
+    if any("exp_avg" not in inner.state.get(p, {}) for g in inner.param_groups for p in g["params"]):  # defaultdict: reading
+        opt._init_optimizer_states_with_dummy_values()  # it, as state_dict() does, leaves empty entries, so test the keys
     local = {k: v.to_local() for k, v in loaded["model"].items()}
     moments = {key: {k: v[key].to_local() for k, v in loaded["optim"]["state"].items()} for key in MOMENTS}
     step = int(loaded["optim"]["step"])
