@@ -24,8 +24,8 @@ def test_gpu_smoke_script_passes_on_two_cpu_ranks(tiny_model, tmp_path):
     print(out.stdout)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "all checks passed" in out.stdout
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("naive", "swap", "resume")}
-    assert set(rows) == {"naive", "swap", "resume"} and rows["resume"][1] == "3"
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("naive", "swap", "resume", "megatron")}
+    assert set(rows) == {"naive", "swap", "resume", "megatron"} and rows["resume"][1] == "3" and rows["megatron"][1] == "2"
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ generation when there are two ranks or more):
 - ``swap``: allgather-swap, 2 iterations with a checkpoint after each;
 - ``resume``: ``swap`` resumed from its checkpoint for a third iteration;
 - ``graphs`` (devices only; CPU vLLM has no graph capture): ``rollout.enforce_eager=false``;
+- ``megatron``: ``swap`` with the megatron-core backend (actor and reference; sequence
+  parallelism with TP 2);
 - ``separated`` (3 ranks or more): two generators in their own engine processes, the rest train.
 
 Checks: every run exits 0; ``logprob_mismatch_mean`` (vLLM's log-probs against the trainer's,
@@ -110,6 +112,8 @@ def main() -> int:
         table["resume"] = run("resume", args, args.out / "swap", *plain, "reshard.mode=allgather_swap", "trainer.iterations=3")
         table["graphs"] = "skipped: CPU vLLM has no graph capture" if args.device == "cpu" else \
             run("graphs", args, args.out / "graphs", *plain, "rollout.enforce_eager=false", "trainer.iterations=1")
+        table["megatron"] = run("megatron", args, args.out / "megatron", *plain, "actor.backend=megatron",
+                                *(["parallel.train.sequence_parallel=true"] if n >= 2 else []))
         table["separated"] = "skipped: needs 3 ranks (2 generators + a trainer)" if n < 3 else \
             run("separated", args, args.out / "separated", *layout(n, True))
         if [r["iteration"] for r in table["resume"]] != [0, 1, 2]:
