@@ -15,9 +15,12 @@ on cuda or npu. Each patch names what it replaces and why:
 5. ``WrappedTorchNorm`` (the local spec's RMSNorm) refuses sequence parallel: it is built with
    the flag off and its parameters are tagged ``sequence_parallel``, so that
    ``finalize_model_grads`` sums their gradients over TP as it does for TE's norms.
+6. The pipeline schedules count tokens in ``torch.zeros([], device="cuda")``: their module's
+   ``torch`` is a proxy whose ``zeros`` puts a "cuda" tensor on the CPU (a mode around every
+   forward and backward, as below, costs a Python call per torch function).
 
 :func:`cuda_as_cpu` is a ``TorchFunctionMode`` for the calls that go through mcore's
-optimizer, grad clipping and pipeline schedules: ``device="cuda"`` literals become the CPU,
+optimizer and grad clipping: ``device="cuda"`` literals become the CPU,
 ``Tensor.type()`` reports ``torch.cuda.*Tensor`` for the dtype asserts of ``clip_grads`` and
 ``DistributedOptimizer``, and ``Tensor.cuda()`` is the identity. On devices it is a no-op.
 """
@@ -57,12 +60,13 @@ def cuda_as_cpu(device: torch.device):
 
 
 def apply(device: torch.device) -> None:
-    """Apply patches 1-5 (module docstring) once, on the CPU only."""
+    """Apply patches 1-6 (module docstring) once, on the CPU only."""
     global _applied
     if device.type != "cpu" or _applied:
         return
     _applied = True
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -85,3 +89,15 @@ def apply(device: torch.device) -> None:
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(norm_with_sp)
+    schedules.torch = _CpuZeros()
+
+
+class _CpuZeros:
+    """``torch`` for ``pipeline_parallel.schedules``: the same module, but ``zeros`` on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device=None if _is_cuda(device) else device, **kwargs)

@@ -79,7 +79,6 @@ class MegatronEngine(Engine):
         model, self.shape = build_model(path, master, compute, tp, ps.get_tensor_model_parallel_rank(), sequence_parallel,
                                         recompute=cfg.activation_checkpointing and trainable)
         model.to(acc.device)
-        self.names = [n for n, _ in model.named_parameters()]
         self.optimizer = None
         self.mixed = trainable and compute != master
         self.step_count, self.total_steps = 0, total_steps
@@ -136,10 +135,8 @@ class MegatronEngine(Engine):
             return logits, lambda out: (consume(k, micro, out), {})
 
         longest = max((m.input_ids.shape[1] for m in batches), default=1)
-        with cpu_compat.cuda_as_cpu(self.acc.device):
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(enumerate(batches)), model=[self.model],
-                                        num_microbatches=len(batches), seq_length=longest, micro_batch_size=1,
-                                        forward_only=forward_only)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(enumerate(batches)), model=[self.model],
+                                    num_microbatches=len(batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
 
     def _response(self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         lo, hi = logit_window(micro)
