@@ -35,6 +35,8 @@ EXPECTED: tuple[tuple[str, str, str], ...] = (
     ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.enforce_eager"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "vLLM CPU has no Triton; the V1 runner is the tested one"),
     ("vllm.platforms.cpu", "Triton is not installed", "vLLM CPU has no Triton backend"),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32", "CPUs with AVX512-BF16 only: vLLM sets the SSM state dtype of its "
+                                                              "accelerated mamba backend; these decoders have no SSM layers"),
     ("vllm.triton_utils.importing", "Triton is installed", "vLLM CPU has no Triton backend"),
     ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD", "a performance hint; see docs/benchmarks.md"),
     ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD", "a performance hint; see docs/benchmarks.md"),
