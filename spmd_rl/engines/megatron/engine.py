@@ -206,8 +206,11 @@ class MegatronEngine(Engine):
         def gather() -> Iterator[tuple[str, torch.Tensor]]:
             for name, p in self.named_model_params():
                 local = p.detach().to(dtype)
-                parts = [torch.empty_like(local) for _ in range(self.tp)]
-                torch.distributed.all_gather(parts, local, group=group) if self.tp > 1 else parts.__setitem__(0, local)
+                if self.tp > 1:
+                    parts = [torch.empty_like(local) for _ in range(self.tp)]
+                    torch.distributed.all_gather(parts, local, group=group)
+                else:
+                    parts = [local]
                 yield from to_hf(name, tp_join(name, parts), self.shape)
         return peak, gather()
 
