@@ -101,4 +101,8 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
     noticed = (f"exiting (status {PEER_LOST_EXIT})", "Connection reset by peer", "Connection closed by peer")
     for point, text in exits.items():
         assert any(s in text for s in noticed), f"{point}: the survivor did not notice the lost peer itself:\n{text[-3000:]}"
-        assert not re.search(r"timed out|timeout", text, re.I), f"{point}: a wait timed out:\n{text[-3000:]}"
+        # messages and log lines start at column 0; a traceback's indented frame lines name
+        # files and source (spmd_rl/distributed/timeouts.py, ``with generation_phase():``) that
+        # say "timeout" without anything having timed out
+        said = "\n".join(line for line in text.splitlines() if not line.startswith(" "))
+        assert not re.search(r"timed out|timeout", said, re.I), f"{point}: a wait timed out:\n{text[-3000:]}"
