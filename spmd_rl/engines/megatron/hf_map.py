@@ -97,23 +97,15 @@ def to_mcore(name: str, read: Callable[[str], torch.Tensor], s: Shape) -> torch.
 
 
 def to_hf(name: str, full: torch.Tensor, s: Shape) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of one full mcore tensor."""
-    if name in _TOP:
-        yield _TOP[name], full
-        return
-    pre, rest = _layer(name)
-    if rest in _SIMPLE:
-        yield pre + _SIMPLE[rest], full
-    elif rest.startswith("self_attention.linear_qkv."):
-        kind = rest.rsplit(".", 1)[1]
-        for p, t in zip("qkv", qkv_split(full, s)):
-            yield f"{pre}self_attn.{p}_proj.{kind}", t
-    elif rest == "mlp.linear_fc1.weight":
-        gate, up = full.chunk(2)
-        yield pre + "mlp.gate_proj.weight", gate
-        yield pre + "mlp.up_proj.weight", up
+    """(HF name, tensor) pairs of one mcore tensor (full, or TP-local with ``s`` the local
+    shape): the inverse of :func:`from_hf_parts`."""
+    if name.endswith("linear_fc1.weight"):
+        parts = full.chunk(2)
+    elif ".linear_qkv." in name:
+        parts = qkv_split(full, s)
     else:
-        raise KeyError(f"no HF name for mcore parameter {name!r}")
+        parts = (full,)
+    return zip(hf_names(name), parts)
 
 
 def hf_names(name: str) -> list[str]:
