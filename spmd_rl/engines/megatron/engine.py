@@ -71,7 +71,7 @@ class MegatronEngine(Engine):
         cpu_compat.apply(acc.device)
         if acc.device.type == "npu":
             _mindspeed_adaptor()
-        init_groups(tp)
+        init_groups(tp, acc.device)
         self.acc, self.cfg, self.policy, self.trainable = acc, cfg, policy, trainable
         self.tp, self.sp = tp, sequence_parallel
         compute = DTYPES[compute_dtype]

@@ -24,16 +24,21 @@ from spmd_rl.engines.megatron.hf_map import Shape, mcore_names, to_mcore, tp_dim
 ARCHS = ("qwen2", "qwen3", "llama")
 
 
-def init_groups(tp: int) -> None:
+def init_groups(tp: int, device: torch.device) -> None:
     """mcore's process groups over the world (TP innermost, as ``config.layout``), once per
-    process: the actor and the reference share them."""
+    process: the actor and the reference share them. On a device, also mcore's RNG tracker
+    (its attention forks the "model-parallel-rng" generator even with dropout off, and raises
+    when it was never added); on the CPU ``cpu_compat`` replaces the tracker."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() != tp:
             raise RuntimeError(f"megatron groups exist with tp={ps.get_tensor_model_parallel_world_size()}, asked for tp={tp}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    if device.type != "cpu":
+        model_parallel_cuda_manual_seed(1234)  # the seed of dropout only, which every config leaves off
 
 
 def transformer_config(hc, params_dtype: torch.dtype, compute: torch.dtype, tp: int, sequence_parallel: bool, recompute: bool):
