@@ -48,7 +48,7 @@ def validate(
     cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
     typer.echo(
         f"OK {config}: world {lay.world} ({lay.nnodes} node(s) x {lay.nproc_per_node}), "
-        f"train dp_shard={lay.train.dp} tp={lay.train.tp}, gen dp={lay.gen.dp} tp={lay.gen.tp}, "
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}{f' pp={lay.train.pp}' if lay.train.pp > 1 else ''}, gen dp={lay.gen.dp} tp={lay.gen.tp}, "
         f"{cfg.algorithm.name} G={cfg.data.global_batch_size} N={cfg.rollout.n}"
     )
 

@@ -165,7 +165,8 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     if cfg.actor.backend == "megatron":  # the actor and the reference only (config.backend_rules)
         from spmd_rl.engines.megatron.engine import MegatronEngine
 
-        lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy)
+        lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy,
+                     pp=cfg.parallel.train.pp)
     else:
         lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy)
     roles = {"actor": lm(total_steps=_total_steps(cfg))}

@@ -17,8 +17,9 @@ def validate(*overrides: str):
     return CliRunner().invoke(app, ["validate", QUICK, *overrides])
 
 
-@pytest.mark.parametrize("extra", [(), TP2, (*TP2, "parallel.train.sequence_parallel=true"), ("algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true")],
-                         ids=["dp2", "tp2", "tp2-sp", "with-reference"])
+@pytest.mark.parametrize("extra", [(), TP2, (*TP2, "parallel.train.sequence_parallel=true"), ("algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true"),
+                                   ("parallel.train.pp=2", "parallel.train.dp_shard=1")],
+                         ids=["dp2", "tp2", "tp2-sp", "with-reference", "pp2"])
 def test_what_megatron_runs_is_valid(in_repo, tiny_model, extra):
     res = validate(*MEGA, *extra)
     assert res.exit_code == 0, res.output
@@ -32,8 +33,20 @@ def test_what_megatron_runs_is_valid(in_repo, tiny_model, extra):
     ((*MEGA, "parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "actor.tis_cap=2.0"), "actor.backend"),
     ((*MEGA, "actor.accumulate_unsharded=true"), "actor.accumulate_unsharded"),
     ((*MEGA, "actor.compile=true"), "actor.compile"),
-], ids=["sp-fsdp", "sp-tp1", "ppo", "reward-model", "separated", "accumulate-unsharded", "compile"])
+    (("parallel.train.pp=2",), "parallel.train.pp"),  # PP on the FSDP backend
+    ((*MEGA, "parallel.train.pp=3"), "parallel.train.pp"),  # 3 does not divide the 2 ranks (nor the 4 layers)
+    ((*MEGA, "parallel.train.pp=2", "parallel.train.dp_shard=2"), "parallel.train.dp_shard"),  # 2 x 2 x 1 != 2 ranks
+], ids=["sp-fsdp", "sp-tp1", "ppo", "reward-model", "separated", "accumulate-unsharded", "compile", "pp-fsdp", "pp-not-dividing", "pp-dp-product"])
 def test_what_megatron_does_not_run_exits_2_naming_the_field(in_repo, tiny_model, overrides, field):
     res = validate(*overrides)
     assert res.exit_code == 2, res.output
     assert field in res.output and "->" in res.output, res.output
+
+
+def test_pp_must_divide_the_layers(in_repo, tiny_model):
+    """The 4-layer model in 4 stages of one layer passes; in 8 stages (a pp that divides the
+    ranks but not the layers) it is refused, naming the layer count."""
+    ok = validate(*MEGA, "parallel.nproc_per_node=4", "parallel.train.pp=4", "parallel.train.dp_shard=1", "parallel.gen.dp=4")
+    assert ok.exit_code == 0, ok.output
+    bad = validate(*MEGA, "parallel.nproc_per_node=8", "parallel.train.pp=8", "parallel.train.dp_shard=1", "parallel.gen.dp=8")
+    assert bad.exit_code == 2 and "parallel.train.pp" in bad.output and "4 decoder layers" in bad.output, bad.output

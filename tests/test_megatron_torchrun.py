@@ -1,7 +1,10 @@
 """The megatron-core backend against the FSDP2 backend under real torchrun (2 CPU ranks, gloo,
 real megatron-core): the same batch gives the same log-probs, the same gradient norm and the
-same update, at TP 1 (DP 2, distributed optimizer over 2) and TP 2 with sequence parallelism;
-the weight sync yields the HF names and shapes the rollout engine loads."""
+same update, at TP 1 (DP 2, distributed optimizer over 2), TP 2 with sequence parallelism, and
+two pipeline stages (1F1B; the tiny model's tied embedding is split between the first and last
+stage, so a missing sum of the two copies' gradients moves the embedding by about lr); the
+weight sync yields the HF names and shapes the rollout engine loads, from every stage on every
+rank."""
 
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2-sp"])
-def test_megatron_equals_fsdp(tiny_model, tmp_path, tp):
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TP": str(tp), "DTYPE": "float32"}
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1-dp2", "tp2-sp", "pp2"])
+def test_megatron_equals_fsdp(tiny_model, tmp_path, tp, pp):
+    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TP": str(tp), "PP": str(pp), "DTYPE": "float32"}
     run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=300)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -39,25 +42,28 @@ def test_megatron_equals_fsdp(tiny_model, tmp_path, tp):
         assert r["ledger_during_generation"] == 0, r
         # distributed optimizer: each DP rank holds 1/dp of the two float32 Adam states (the
         # float32 main params are the model's own storage here); the grad buffer pads a little
-        assert r["optimizer_bytes"] == pytest.approx(2 * 4 * r["param_numel"] / (2 // tp), rel=0.1), r
+        assert r["dp"] == 2 // (tp * pp)
+        assert r["optimizer_bytes"] == pytest.approx(2 * 4 * r["param_numel"] / r["dp"], rel=0.1), r
 
 
 @pytest.mark.slow
 def test_megatron_checkpoint_resumes_in_another_layout(tiny_model, tmp_path):
     """Written with TP 2 + SP (DP 1), read with TP 1 (DP 2, the distributed optimizer split
-    differently): the weights come back bit for bit, the next update equals the writer's own
+    differently) and with two pipeline stages (each reads its own layers; the last stage's copy
+    of the tied embedding reads the embedding): the weights come back bit for bit, the next update equals the writer's own
     next update (AdamW moments and step count restored: a lost moment or step changes it by
     about lr), and ``spmd-rl export``'s reader sees the same HF weights."""
     ckpt = tmp_path / "ckpt-run"
     ckpt.mkdir()
-    for tp in (2, 1):
-        out = tmp_path / f"tp{tp}"
+    for name, tp, pp in (("tp2", 2, 1), ("tp1", 1, 1), ("pp2", 1, 2)):
+        out = tmp_path / name
         out.mkdir()
-        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(out), "TP": str(tp), "DTYPE": "float32", "CKPT": str(ckpt)}
+        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(out), "TP": str(tp), "PP": str(pp), "DTYPE": "float32", "CKPT": str(ckpt)}
         run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300)
-    for rank in range(2):
-        r = json.loads((tmp_path / "tp1" / f"rank{rank}.json").read_text())
-        assert r["resumed_diff"] == 0.0 and r["steps"] == 2, r
-        assert r["second_step_moved"] > 5e-4, r  # the second update is lr-sized (1e-3)
-        assert r["second_step_diff"] < 1e-4, r
-    assert json.loads((tmp_path / "tp1" / "rank0.json").read_text())["exported_diff"] == 0.0
+    for reader in ("tp1", "pp2"):
+        for rank in range(2):
+            r = json.loads((tmp_path / reader / f"rank{rank}.json").read_text())
+            assert r["resumed_diff"] == 0.0 and r["steps"] == 2, (reader, r)
+            assert r["second_step_moved"] > 5e-4, (reader, r)  # the second update is lr-sized (1e-3)
+            assert r["second_step_diff"] < 1e-4, (reader, r)
+        assert json.loads((tmp_path / reader / "rank0.json").read_text())["exported_diff"] == 0.0

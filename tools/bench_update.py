@@ -186,4 +186,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from spmd_rl.distributed.teardown import exit_after
+
+    exit_after(main)

@@ -11,12 +11,15 @@ MEGATRON_TYPES = ("qwen2", "qwen3", "llama")
 
 
 def check_backend(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Violation]:
-    a, sp = cfg.actor, cfg.parallel.train.sequence_parallel
+    a, sp, pp = cfg.actor, cfg.parallel.train.sequence_parallel, cfg.parallel.train.pp
     if a.backend == "fsdp":
+        out = []
         if sp:
-            return [Violation("parallel.train.sequence_parallel", True, "sequence parallelism is the megatron backend's",
-                              "set actor.backend: megatron, or sequence_parallel: false")]
-        return []
+            out.append(Violation("parallel.train.sequence_parallel", True, "sequence parallelism is the megatron backend's",
+                                 "set actor.backend: megatron, or sequence_parallel: false"))
+        if pp > 1:
+            out.append(Violation("parallel.train.pp", pp, "pipeline parallelism is the megatron backend's", "set actor.backend: megatron, or pp: 1"))
+        return out
     field, out = "actor.backend", []
     fix_fsdp = "or use actor.backend: fsdp"
     if sp and train_tp == 1:
@@ -33,6 +36,9 @@ def check_backend(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Vi
             out.append(Violation(f"actor.{name}", True, "an FSDP engine setting; the megatron backend does not read it", f"set actor.{name}: false"))
     if arch is not None and arch.model_type not in MEGATRON_TYPES:
         out.append(Violation(field, "megatron", f"no HF <-> megatron mapping for model_type {arch.model_type!r}", f"use a {'/'.join(MEGATRON_TYPES)} model, {fix_fsdp}"))
+    if arch is not None and arch.num_layers % pp:
+        out.append(Violation("parallel.train.pp", pp, f"splits the {arch.num_layers} decoder layers into equal stages; {pp} does not divide them",
+                             f"use a pp dividing {arch.num_layers}"))
     if arch is not None and arch.vocab_size % train_tp:
         out.append(Violation("parallel.train.tp", train_tp, f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
                              f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}"))

@@ -1,11 +1,12 @@
-"""Both parallel layouts: training ``dp_shard x tp`` and generation ``dp x tp``.
+"""Both parallel layouts: training ``dp_shard x pp x tp`` and generation ``dp x tp``.
 
 Colocated (default) both span the whole world. Separated (``parallel.placement: separated``)
 the generation layout spans ranks [0, gen_ranks) and the training layout the rest.
 
-Ranks are laid out TP-innermost from the layout's first rank f: rank r belongs to TP group
-(r - f) // t (its DP index) at TP position (r - f) % t, so a TP group never spans nodes when
-t divides the ranks per node.
+Ranks are laid out TP-innermost, then pipeline stages, from the layout's first rank f. The
+``group`` = tp x pp ranks of one model replica hold the same samples: rank r belongs to DP
+index (r - f) // group at position (r - f) % group (stage position // tp, TP position % tp),
+so a replica never spans nodes when its size divides the ranks per node.
 """
 
 from __future__ import annotations
@@ -22,19 +23,26 @@ class Layout:
     tp: int
     first: int = 0
     """The first global rank of the layout (separated placement: the training side's)."""
+    pp: int = 1
+    """Pipeline stages (training with actor.backend=megatron only)."""
+
+    @property
+    def group(self) -> int:
+        """Ranks of one model replica (tp x pp): they hold the same samples."""
+        return self.tp * self.pp
 
     @property
     def ranks(self) -> range:
-        return range(self.first, self.first + self.dp * self.tp)
+        return range(self.first, self.first + self.dp * self.group)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(dp index, tp index) of a global rank of this layout."""
+        """(dp index, position in its replica) of a global rank of this layout."""
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} is not in this layout (ranks {self.ranks.start}..{self.ranks.stop - 1})")
-        return (rank - self.first) // self.tp, (rank - self.first) % self.tp
+        return (rank - self.first) // self.group, (rank - self.first) % self.group
 
     def dp_group_leader(self, dp_index: int) -> int:
-        return self.first + dp_index * self.tp
+        return self.first + dp_index * self.group
 
 
 @dataclass(frozen=True)
@@ -66,22 +74,26 @@ def world_size(cfg: Config, world: int | None = None) -> int:
     return world if world is not None else cfg.parallel.nnodes * cfg.parallel.nproc_per_node
 
 
-def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation], first: int = 0, what: str = "world size") -> Layout:
+def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation], first: int = 0, what: str = "world size",
+             pp: int = 1) -> Layout:
     """The layout of ``world`` ranks from ``first`` (``what`` names that rank count in errors)."""
-    if world % tp:
-        out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the {what} {world}", f"use a divisor of {world}"))
-        return Layout(dp or 1, tp, first)
+    if world % (tp * pp):
+        field, value = (f"parallel.{name}.tp", tp) if pp == 1 else (f"parallel.{name}.pp", pp)
+        out.append(Violation(field, value, f"{'tp' if pp == 1 else f'tp x pp = {tp * pp}'} does not divide the {what} {world}",
+                             f"use a divisor of {world}"))
+        return Layout(dp or 1, tp, first, pp)
     dp_name = "dp_shard" if name == "train" else "dp"
     if dp is None:
-        return Layout(world // tp, tp, first)
-    if dp * tp != world:
+        return Layout(world // (tp * pp), tp, first, pp)
+    if dp * tp * pp != world:
+        prod = f"{dp_name} x tp = {dp} x {tp}" if pp == 1 else f"{dp_name} x pp x tp = {dp} x {pp} x {tp}"
         out.append(
             Violation(
-                f"parallel.{name}.{dp_name}", dp, f"{dp_name} x tp = {dp} x {tp} = {dp * tp} != {what} {world}",
-                f"set {dp_name}={world // tp} or leave it out to derive it",
+                f"parallel.{name}.{dp_name}", dp, f"{prod} = {dp * tp * pp} != {what} {world}",
+                f"set {dp_name}={world // (tp * pp)} or leave it out to derive it",
             )
         )
-    return Layout(dp, tp, first)
+    return Layout(dp, tp, first, pp)
 
 
 def _gen_ranks(cfg: Config, world: int, out: list[Violation]) -> int | None:
@@ -110,9 +122,10 @@ def resolve_layouts(cfg: Config, world: int | None = None, nproc_per_node: int |
         out.append(Violation("parallel.nproc_per_node", npn, f"does not divide the world size {w}", "use ranks per node that divide the world"))
     g = _gen_ranks(cfg, w, out)
     if g is None:
-        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w, out)
+        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w, out, pp=cfg.parallel.train.pp)
         gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, w, out)
     else:
-        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w - g, out, first=g, what="training side's rank count")
+        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w - g, out, first=g, what="training side's rank count",
+                         pp=cfg.parallel.train.pp)
         gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, g, out, what="parallel.gen_ranks")
     return Layouts(w, npn, train, gen), out

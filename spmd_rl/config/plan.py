@@ -30,13 +30,14 @@ def _span(ranks: range) -> str:
 
 
 def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
-    train = f"dp_shard={lay.train.dp} tp={lay.train.tp}" if backend == "fsdp" else f"megatron-core dp={lay.train.dp} tp={lay.train.tp}"
+    train = f"dp_shard={lay.train.dp} tp={lay.train.tp}" if backend == "fsdp" else f"megatron-core dp={lay.train.dp} pp={lay.train.pp} tp={lay.train.tp}"
+    w = 13 if lay.train.pp == 1 else 15
     lines = [
         f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
         f"train {train}; gen dp={lay.gen.dp} tp={lay.gen.tp}"
         + (f"; separated: ranks {_span(lay.gen.ranks)} generate, {_span(lay.train.ranks)} train"
            if lay.separated else ""),
-        f"{'rank':>5} {'node':>5} {'train(dp,tp)':>13} {'gen(dp,tp)':>11}  roles",
+        f"{'rank':>5} {'node':>5} {'train(dp,tp)' if lay.train.pp == 1 else 'train(dp,pp,tp)':>{w}} {'gen(dp,tp)':>11}  roles",
     ]
     for r in range(lay.world):
         roles, cells = [], []
@@ -44,13 +45,13 @@ def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
             if r not in layout.ranks:
                 cells.append("-")
                 continue
-            dp, tp = layout.coords(r)
-            cells.append(f"({dp},{tp})")
+            dp, pos = layout.coords(r)
+            cells.append(f"({dp},{pos})" if layout.pp == 1 else f"({dp},{pos // layout.tp},{pos % layout.tp})")
             if r == layout.dp_group_leader(dp):
                 roles.append(f"{name}-DP-leader")
         if r % lay.nproc_per_node == 0:
             roles.append("warehouse")
-        lines.append(f"{r:>5} {lay.node_of(r):>5} {cells[0]:>13} {cells[1]:>11}  {' '.join(roles)}")
+        lines.append(f"{r:>5} {lay.node_of(r):>5} {cells[0]:>{w}} {cells[1]:>11}  {' '.join(roles)}")
     return lines
 
 
@@ -58,7 +59,8 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     mem = rank_memory(cfg, arch, lay)
     gen_bytes = DTYPE_BYTES[cfg.model.dtype]
     tw = arch.split_numel() * gen_bytes
-    r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp, tw)
+    split = lay.train.tp * lay.train.pp  # each update rank holds 1/(UTP x UPP) of TW
+    r_eq3 = redundant_memory(lay.gen.dp, split, tw)
     head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
@@ -85,8 +87,10 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
         *([f"actor.accumulate_unsharded: + {_gib(unsharded_accumulation_bytes(arch, lay, cfg.model.dtype)).strip()} per rank during"
            " the update (full params in the compute dtype, full grads in float32)"] if cfg.actor.accumulate_unsharded else []),
         "redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
-        f"  R = GDP x TW/UTP = {lay.gen.dp} x TW/{lay.train.tp} = {_gib(r_eq3).strip()}"
-        f"  (per device TW/UTP = {_gib(tw / lay.train.tp).strip()}); with allgather-swap R = 0",
+        *([f"  R = GDP x TW/UTP = {lay.gen.dp} x TW/{lay.train.tp} = {_gib(r_eq3).strip()}"
+           f"  (per device TW/UTP = {_gib(tw / split).strip()}); with allgather-swap R = 0"] if lay.train.pp == 1 else
+          [f"  R = GDP x TW/(UTP x UPP) = {lay.gen.dp} x TW/({lay.train.tp} x {lay.train.pp}) = {_gib(r_eq3).strip()}"
+           f"  (per device TW/(UTP x UPP) = {_gib(tw / split).strip()}); with allgather-swap R = 0"]),
     ]
 
 

@@ -144,8 +144,9 @@ class CriticConfig(Section):
 
 
 class TrainLayout(Section):
-    dp_shard: int | None = Field(None, gt=0, description="FSDP shard degree; derived as world / tp when left out.")
+    dp_shard: int | None = Field(None, gt=0, description="Data-parallel degree (FSDP shards, megatron's distributed-optimizer shards); derived as world / (tp x pp) when left out.")
     tp: int = Field(1, gt=0, description="Tensor-parallel degree of the training engine.")
+    pp: int = Field(1, gt=0, description="Pipeline stages (actor.backend=megatron): each stage holds num_hidden_layers / pp decoder layers and runs mcore's 1F1B schedule; a model replica is tp x pp ranks (TP innermost), which all read the same samples.")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (actor.backend=megatron, tp > 1): norms and dropout run on 1/tp of the sequence.")
 
 
@@ -155,7 +156,7 @@ class GenLayout(Section):
 
 
 class ParallelConfig(Section):
-    train: TrainLayout = Field(default_factory=TrainLayout, description="Training layout dp_shard x tp.")
+    train: TrainLayout = Field(default_factory=TrainLayout, description="Training layout dp_shard x pp x tp.")
     gen: GenLayout = Field(default_factory=GenLayout, description="Generation layout dp x tp.")
     nproc_per_node: int = Field(1, gt=0, description="Ranks per node (torchrun --nproc-per-node); one warehouse per node.")
     nnodes: int = Field(1, gt=0, description="Nodes at the configured size; world = nnodes x nproc_per_node.")

@@ -77,12 +77,12 @@ def plan_relay(dock: "Fetcher", stage: str, iteration: int, layout: Layout, indi
                columns: Sequence[str], loc: Locations) -> Relay | None:
     """The relay of this rank's fetch of ``indices``, or None where it does not pay (module)."""
     threshold, npn = dock.cfg.tp_relay_min_bytes, dock.peer.nproc_per_node
-    if threshold is None or layout.tp == 1 or dock.centralized or not indices:
+    if threshold is None or layout.group == 1 or dock.centralized or not indices:
         return None
     dp, _ = layout.coords(dock.peer.rank)
     leader = layout.dp_group_leader(dp)
     node = leader // npn
-    if dock.peer.node != node or sum(r // npn == node for r in range(leader, leader + layout.tp)) < 2:
+    if dock.peer.node != node or sum(r // npn == node for r in range(leader, leader + layout.group)) < 2:
         return None
     remote = tuple(k for k, i in enumerate(indices) if any(loc.node[c][i] != node for c in columns))
     sizes = tuple(sample_bytes(dock, loc, columns, [indices[k] for k in remote]))

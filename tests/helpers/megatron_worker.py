@@ -1,7 +1,7 @@
 """torchrun worker: the megatron-core engine against the FSDP2 engine on the same batch.
 
-Env: MODEL, TP (megatron's TP; its DP is world / TP; sequence parallel when TP > 1), DTYPE,
-SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
+Env: MODEL, TP (megatron's TP; sequence parallel when TP > 1), PP (pipeline stages, default 1;
+megatron's DP is world / (TP x PP)), DTYPE, SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
 log-prob difference before and after one update, the two grad norms, the largest weight
 difference after the update (full HF tensors from each engine's ``full_weights``), and what the
 weight sync yields (names and shapes, against ``weight_shapes`` and the HF checkpoint).
@@ -70,7 +70,7 @@ def checkpoint_round_trip(mega, fresh, step, dp: int, folder: Path, rank: int) -
             "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1), "steps": mega.step_count}
 
 
-def ledger_against_plan(mega, acc, tp: int, dtype: str, model: str) -> dict:
+def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str) -> dict:
     """The memory ledger of the megatron actor after an update, and while generating under
     allgather-swap (its state swapped to host), against ``spmd-rl plan``'s estimate."""
     from spmd_rl.config.estimates import rank_memory
@@ -87,7 +87,7 @@ def ledger_against_plan(mega, acc, tp: int, dtype: str, model: str) -> dict:
     rs.record("generate")
     rs.reload_train()
     cfg = load_config("configs/quickstart.yaml", [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}"])
-    plan = rank_memory(cfg, ModelArch.from_folder(model), Layouts(world, world, Layout(world // tp, tp), Layout(world, 1)))
+    plan = rank_memory(cfg, ModelArch.from_folder(model), Layouts(world, world, Layout(world // (tp * pp), tp, 0, pp), Layout(world, 1)))
     up, gen = rs.ledger.last("update"), rs.ledger.last("generate")
     return {"ledger": [up[k] for k in ("actor_params", "actor_grads", "actor_optim")],
             "plan": [plan.train_params, plan.train_grads, plan.train_optim],
@@ -98,11 +98,12 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dtype, model = int(os.environ["TP"]), os.environ["DTYPE"], os.environ["MODEL"]
+    pp = int(os.environ.get("PP", "1"))
     acc = detect("cpu")
     torch.manual_seed(0)
     cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01)
     fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
-    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4)
+    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4, pp=pp)
     batch, adv = batch_of(16, seed=1)
     tokens = batch.mask.sum()
 
@@ -122,7 +123,7 @@ def main():
             return -(lp * rows * m).sum() / tokens * dp
         return engine.train_step(micros, loss_fn, with_entropy=True), mine
 
-    fdp, mdp = world, world // tp
+    fdp, mdp = world, world // (tp * pp)
     lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
     lp_m = mega.infer(split(share(mdp)[0], 3))[0]  # another split: infer is per micro-batch
     everyone = [None] * world
@@ -150,9 +151,9 @@ def main():
     out["logprob_diff_after"] = float((full_f - full_m).abs().max())
     out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
-    out |= ledger_against_plan(mega, acc, tp, dtype, model)
+    out |= ledger_against_plan(mega, acc, tp, pp, dtype, model) | {"dp": mdp}
     if os.environ.get("CKPT"):
-        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4)  # noqa: E731
+        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp)  # noqa: E731
         out |= checkpoint_round_trip(mega, fresh, step, mdp, Path(os.environ["CKPT"]), rank)
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()

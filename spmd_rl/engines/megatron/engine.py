@@ -38,6 +38,7 @@ from spmd_rl.engines.logprobs import SeqBatch, logit_window, response_logprobs
 from spmd_rl.engines.megatron import checkpoint, cpu_compat
 from spmd_rl.engines.megatron.hf_map import to_hf, tp_join
 from spmd_rl.engines.megatron.model import build_model, init_groups
+from spmd_rl.engines.megatron.pipeline import StageWeights, stage_of, to_global
 from spmd_rl.engines.safe_dcp import SafeLoadPlanner, SafeReader, verify
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
@@ -63,7 +64,7 @@ def _mindspeed_adaptor() -> None:
 class MegatronEngine(Engine):
     def __init__(self, path: str | Path, acc: Accelerator, cfg: ActorConfig, compute_dtype: str, tp: int,
                  sequence_parallel: bool = False, trainable: bool = True, total_steps: int = 1,
-                 policy: SamplingPolicy = SamplingPolicy()):
+                 policy: SamplingPolicy = SamplingPolicy(), pp: int = 1):
         from megatron.core import parallel_state as ps
 
         logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
@@ -71,13 +72,14 @@ class MegatronEngine(Engine):
         cpu_compat.apply(acc.device)
         if acc.device.type == "npu":
             _mindspeed_adaptor()
-        init_groups(tp, acc.device)
+        init_groups(tp, pp, acc.device)
         self.acc, self.cfg, self.policy, self.trainable = acc, cfg, policy, trainable
-        self.tp, self.sp = tp, sequence_parallel
+        self.tp, self.sp, self.pp, self.stage = tp, sequence_parallel, pp, ps.get_pipeline_model_parallel_rank()
         compute = DTYPES[compute_dtype]
         master = DTYPES[cfg.param_dtype] if trainable else compute  # a frozen role needs no master copy
         model, self.shape = build_model(path, master, compute, tp, ps.get_tensor_model_parallel_rank(), sequence_parallel,
-                                        recompute=cfg.activation_checkpointing and trainable)
+                                        recompute=cfg.activation_checkpointing and trainable, pp=pp, stage=self.stage, device=acc.device)
+        self.stages = StageWeights(path, self.shape, model.config, pp, acc.device)
         model.to(acc.device)
         self.optimizer = None
         self.mixed = trainable and compute != master
@@ -88,8 +90,8 @@ class MegatronEngine(Engine):
             return
         self._build_trainable(model, self.mixed)
         c = model.config
-        logging.getLogger("spmd_rl").info("actor: megatron-core GPTModel tp=%d sequence_parallel=%s dp=%d, distributed optimizer, %s",
-                                          c.tensor_model_parallel_size, c.sequence_parallel, ps.get_data_parallel_world_size(),
+        logging.getLogger("spmd_rl").info("actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d, distributed optimizer, %s",
+                                          c.tensor_model_parallel_size, c.sequence_parallel, pp, ps.get_data_parallel_world_size(),
                                           "bf16 with float32 main params" if self.mixed else str(c.params_dtype).removeprefix("torch."))
 
     def _build_trainable(self, model, mixed: bool) -> None:
@@ -154,8 +156,10 @@ class MegatronEngine(Engine):
             return logits.new_zeros(())
 
         self._run(micro_batches, True, keep)
-        lp = torch.cat([outs[k][0] for k in range(len(micro_batches))])
-        ent = torch.cat([outs[k][1] for k in range(len(micro_batches))]) if with_entropy else None
+        sizes = [(len(m), width) for m in micro_batches]
+        outs = self.stages.from_last([outs.get(k, (None, None)) for k in range(len(micro_batches))], sizes, with_entropy)
+        lp = torch.cat([o[0].cpu() for o in outs])
+        ent = torch.cat([o[1].cpu() for o in outs]) if with_entropy else None
         return lp, ent
 
     def train_step(self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
@@ -165,11 +169,15 @@ class MegatronEngine(Engine):
         total = []
         widths = [m.mask.shape[1] for m in micro_batches]
 
+        seen: dict[int, tuple] = {}
+
         def loss_of(k, micro, logits):
             lp, ent = self._response(micro, logits, with_entropy)
             pad = (0, widths[k] - lp.shape[1])
-            loss = loss_fn(torch.nn.functional.pad(lp, pad), None if ent is None else torch.nn.functional.pad(ent, pad), k)
+            lp, ent = torch.nn.functional.pad(lp, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
+            loss = loss_fn(lp, ent, k)
             total.append(loss.detach())
+            seen[k] = (lp.detach(), None if ent is None else ent.detach())
             return loss * n  # the schedule divides by the number of micro-batches
 
         self.model.zero_grad_buffer()
@@ -178,6 +186,12 @@ class MegatronEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._run(micro_batches, False, loss_of)
+        if self.pp > 1 and self.stage < self.pp - 1:  # loss_fn's contract: called once per micro-batch on every rank
+            got = self.stages.from_last([(None, None)] * n, [(len(m), w) for m, w in zip(micro_batches, widths)], with_entropy)
+            with torch.no_grad():
+                total += [loss_fn(lp, ent, k).detach() for k, (lp, ent) in enumerate(got)]
+        elif self.pp > 1:
+            self.stages.from_last([seen[k] for k in range(n)], [(len(m), w) for m, w in zip(micro_batches, widths)], with_entropy)
         with cpu_compat.cuda_as_cpu(self.acc.device):
             _ok, grad_norm, _zeros = self.optimizer.step()
         self.step_count += 1
@@ -185,33 +199,37 @@ class MegatronEngine(Engine):
 
     # -- weights and state ----------------------------------------------------------------------
     def named_model_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(mcore name, this rank's tensor) without the wrappers' ``module.`` prefixes."""
+        """(global mcore name, this rank's tensor): without the wrappers' ``module.`` prefixes,
+        decoder layers numbered over all stages, a tied last stage's copy of the embedding named
+        as the embedding (``pipeline``)."""
         for name, p in self.model.named_parameters():
-            yield name.removeprefix("module.").removeprefix("module."), p
+            yield to_global(name.removeprefix("module.").removeprefix("module."), self.shape.layers, self.pp, self.stage, self.shape.tied), p
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
-        return [(hf, list(t.shape)) for name, p in self.named_model_params() for hf, t in to_hf(name, self._meta_full(name, p), self.shape)]
-
-    def _meta_full(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        return tp_join(name, [torch.empty(p.shape, device="meta")] * self.tp)
+        return [(hf, list(t.shape)) for name in self.stages.names for hf, t in to_hf(name, self.stages.meta(name), self.shape)]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """One TP all-gather per parameter (cast to ``dtype`` first), reassembled and split into
-        HF tensors; the temporary is one full parameter at a time (returned as the peak)."""
+        """Every parameter of every stage on every rank, in ``weight_shapes`` order: one TP
+        all-gather per parameter (cast to ``dtype`` first) on its stage, a broadcast from that
+        stage over the pipeline group, reassembled and split into HF tensors; the temporary is
+        one full parameter at a time (returned as the peak)."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
-        peak = max((p.numel() * self.tp * dtype.itemsize * 2 for _, p in self.named_model_params()), default=0)
+        own = {n: p for n, p in self.named_model_params() if stage_of(n, self.shape.layers, self.pp) == self.stage}  # not a tied copy
+        peak = max((self.stages.meta(n).numel() * dtype.itemsize * 2 for n in self.stages.names), default=0)
 
         def gather() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, p in self.named_model_params():
-                local = p.detach().to(dtype)
-                if self.tp > 1:
-                    parts = [torch.empty_like(local) for _ in range(self.tp)]
-                    torch.distributed.all_gather(parts, local, group=group)
-                else:
+            for name in self.stages.names:
+                full = None
+                if name in own:
+                    local = own[name].detach().to(dtype)
                     parts = [local]
-                yield from to_hf(name, tp_join(name, parts), self.shape)
+                    if self.tp > 1:
+                        parts = [torch.empty_like(local) for _ in range(self.tp)]
+                        torch.distributed.all_gather(parts, local, group=group)
+                    full = tp_join(name, parts)
+                yield from to_hf(name, self.stages.share(name, full, dtype), self.shape)
         return peak, gather()
 
     def param_tensors(self) -> list[torch.Tensor]:

@@ -19,29 +19,33 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from spmd_rl.engines.hf_weights import SafetensorsFolder
+from spmd_rl.engines.megatron import cpu_compat
 from spmd_rl.engines.megatron.hf_map import Shape, mcore_names, to_mcore, tp_dim, tp_slice
+from spmd_rl.engines.megatron.pipeline import TIED_TWIN, stage_of, to_global
 
 ARCHS = ("qwen2", "qwen3", "llama")
 
 
-def init_groups(tp: int, device: torch.device) -> None:
-    """mcore's process groups over the world (TP innermost, as ``config.layout``), once per
-    process: the actor and the reference share them. On a device, also mcore's RNG tracker
+def init_groups(tp: int, pp: int, device: torch.device) -> None:
+    """mcore's process groups over the world (TP innermost, then pipeline stages, then DP, as
+    ``config.layout``), once per process: the actor and the reference share them. On a device,
+    also mcore's RNG tracker
     (its attention forks the "model-parallel-rng" generator even with dropout off, and raises
     when it was never added); on the CPU ``cpu_compat`` replaces the tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp:
-            raise RuntimeError(f"megatron groups exist with tp={ps.get_tensor_model_parallel_world_size()}, asked for tp={tp}")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"megatron groups exist with (tp, pp)={have}, asked for {(tp, pp)}")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp")
     if device.type != "cpu":
         model_parallel_cuda_manual_seed(1234)  # the seed of dropout only, which every config leaves off
 
 
-def transformer_config(hc, params_dtype: torch.dtype, compute: torch.dtype, tp: int, sequence_parallel: bool, recompute: bool):
+def transformer_config(hc, params_dtype: torch.dtype, compute: torch.dtype, tp: int, sequence_parallel: bool, recompute: bool, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if hc.model_type not in ARCHS:
@@ -54,7 +58,9 @@ def transformer_config(hc, params_dtype: torch.dtype, compute: torch.dtype, tp: 
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=_qkv_bias(hc),
         qk_layernorm=hc.model_type == "qwen3", hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         perform_initialization=False, params_dtype=params_dtype, bf16=bf16, pipeline_dtype=compute,
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, pipeline_model_parallel_size=pp,
+        variable_seq_lengths=pp > 1,  # micro-batches differ in length and size: the stages exchange activation shapes
+        moe_token_dispatcher_type="alltoall",  # no MoE here; the config refuses variable lengths with the default "allgather"
         recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None)
 
@@ -73,22 +79,27 @@ def rope_base(hc) -> int:
 
 
 def build_model(path: str | Path, params_dtype: torch.dtype, compute: torch.dtype, tp: int, tp_rank: int,
-                sequence_parallel: bool = False, recompute: bool = False):
-    """(mcore GPTModel holding this TP rank's slices of the checkpoint in ``params_dtype``, its
-    ``Shape``). Each full tensor is read, mapped (``hf_map.to_mcore``) and sliced one at a
-    time, so the transient is one full tensor."""
+                sequence_parallel: bool = False, recompute: bool = False, pp: int = 1, stage: int = 0,
+                device: torch.device = torch.device("cpu")):
+    """(mcore GPTModel of pipeline stage ``stage`` holding this TP rank's slices of the
+    checkpoint in ``params_dtype``, its ``Shape``). Each full tensor is read, mapped
+    (``hf_map.to_mcore``) and sliced one at a time, so the transient is one full tensor."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     hc = AutoConfig.from_pretrained(path)
-    cfg = transformer_config(hc, params_dtype, compute, tp, sequence_parallel, recompute)
+    cfg = transformer_config(hc, params_dtype, compute, tp, sequence_parallel, recompute, pp)
     s = Shape.of(hc)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"),
-                     vocab_size=hc.vocab_size, max_sequence_length=hc.max_position_embeddings, position_embedding_type="rope",
-                     rotary_base=rope_base(hc), share_embeddings_and_output_weights=s.tied)
+    with cpu_compat.cuda_as_cpu(device):  # a tied last stage moves its embedding copy with .cuda() to sum it over stages
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"),
+                         vocab_size=hc.vocab_size, max_sequence_length=hc.max_position_embeddings, position_embedding_type="rope",
+                         rotary_base=rope_base(hc), share_embeddings_and_output_weights=s.tied, pre_process=stage == 0,
+                         post_process=stage == pp - 1)
     folder = SafetensorsFolder(path)
-    own = dict(model.named_parameters())
-    expected = mcore_names(s, cfg.add_qkv_bias, cfg.qk_layernorm)
+    own = {to_global(n, s.layers, pp, stage, s.tied): p for n, p in model.named_parameters()}
+    expected = [n for n in mcore_names(s, cfg.add_qkv_bias, cfg.qk_layernorm) if stage_of(n, s.layers, pp) == stage]
+    if pp > 1 and s.tied and stage == pp - 1:
+        expected.append(TIED_TWIN)
     if sorted(own) != sorted(expected):
         raise RuntimeError(f"mcore parameters differ from the mapping: {sorted(set(own) ^ set(expected))}")
     with torch.no_grad():

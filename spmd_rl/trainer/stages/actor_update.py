@@ -54,7 +54,7 @@ def actor_update(call: StageCall) -> StageResult:
     steps, grad_norm, lr = 0, 0.0, 0.0
     for epoch in range(a.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.tp)
+            norm = mini_batch_norm(seqs.mask[sl], lay.group)
 
             def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
                 s = micros[k]
@@ -96,7 +96,7 @@ def actor_update(call: StageCall) -> StageResult:
         lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
         acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
         final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
-    g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.tp)
+    g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.group)
     if final:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag

@@ -60,7 +60,7 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     kl, mask = _kl(call, width)
     rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
-    tp = run.lay.train.tp  # TP peers hold the same samples: count each DP group once
+    tp = run.lay.train.group  # a replica's TP and PP peers hold the same samples: count each DP group once
     g = {k: v / tp for k, v in global_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask)))).items()}
     white = whiten(adv, mask, g["n"], g["s"], g["q"])
     lens = lengths.tolist()

@@ -27,7 +27,7 @@ def critic_update(call: StageCall) -> StageResult:
     steps, grad_norm, lr = 0, 0.0, 0.0
     for _ in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.tp)
+            norm = mini_batch_norm(seqs.mask[sl], lay.group)
 
             def loss_fn(values, _ent, k, micros=micros, norm=norm):
                 s = micros[k]
@@ -44,7 +44,7 @@ def critic_update(call: StageCall) -> StageResult:
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
-    g = dp_sums(acc, lay.tp)
+    g = dp_sums(acc, lay.group)
     tokens = max(g["value_tokens"], 1.0)
     return StageResult(final={"value_loss": g["value_loss"] / max(steps, 1), "value_clip_frac": g["value_clipped"] / tokens,
                               "value_mse": g["value_err_sq"] / tokens, "critic_grad_norm": grad_norm / max(steps, 1), "critic_lr": lr})

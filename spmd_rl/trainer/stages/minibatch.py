@@ -18,7 +18,8 @@ from spmd_rl.trainer.metrics import global_sums
 
 
 def dp_sums(values: dict[str, float], tp: int) -> dict[str, float]:
-    """Sums over all ranks, each DP group counted once (its TP ranks hold identical data)."""
+    """Sums over all ranks, each DP group counted once (``tp``: its ranks, which hold identical
+    data: ``Layout.group``)."""
     return {k: v / tp for k, v in global_sums(values).items()}
 
 
