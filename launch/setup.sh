@@ -48,6 +48,12 @@ if [ ! -f assets/tiny-qwen2/model.safetensors ]; then
 else
     step "tiny model present: assets/tiny-qwen2 ($(cat assets/tiny-qwen2/warmstart.json | tr -d '\n '))"
 fi
+if [ ! -f assets/tiny-qwen3-moe/model.safetensors ]; then
+    step "building the tiny MoE sibling (Qwen3-MoE, 4 experts, top-2): assets/tiny-qwen3-moe"
+    "$VENV/bin/python" tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
+else
+    step "tiny MoE present: assets/tiny-qwen3-moe ($(cat assets/tiny-qwen3-moe/warmstart.json | tr -d '\n '))"
+fi
 if [ ! -f assets/tiny-qwen2/reward_model/model.safetensors ]; then
     step "building the tiny reward model (about a minute): assets/tiny-qwen2/reward_model"
     "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2

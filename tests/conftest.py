@@ -11,6 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
+TINY_MOE = REPO / "assets" / "tiny-qwen3-moe"
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,14 @@ def tiny_model() -> Path:
     if not (TINY / "model.safetensors").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(TINY)], check=True)
     return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    """The tiny model's Qwen3-MoE sibling (same task and tokenizer); built with the setup's command when missing."""
+    if not (TINY_MOE / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe", "--out", str(TINY_MOE)], check=True)
+    return TINY_MOE
 
 
 @pytest.fixture(scope="session")

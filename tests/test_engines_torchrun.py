@@ -19,8 +19,12 @@ from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("train_dp,train_tp,gen_tp", [(2, 1, 2), (1, 2, 1)], ids=["train-dp2-to-gen-tp2", "train-tp2-to-gen-dp2"])
-def test_reshard_swap_rollout(tiny_model, tmp_path, train_dp, train_tp, gen_tp):
+@pytest.mark.parametrize("model,train_dp,train_tp,gen_tp", [("dense", 2, 1, 2), ("dense", 1, 2, 1), ("moe", 2, 1, 2)],
+                         ids=["train-dp2-to-gen-tp2", "train-tp2-to-gen-dp2", "moe-train-dp2-to-gen-tp2"])
+def test_reshard_swap_rollout(request, tmp_path, model, train_dp, train_tp, gen_tp):
+    """``moe``: the tiny Qwen3-MoE, whose experts the trainer holds fused per layer and the sync
+    sends one by one under the checkpoint's names (``engines.fused_experts``)."""
+    tiny_model = request.getfixturevalue("tiny_model" if model == "dense" else "tiny_moe")
     env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TRAIN_DP": str(train_dp),
                              "TRAIN_TP": str(train_tp), "GEN_TP": str(gen_tp)}
     run_nodes(REPO / "tests/helpers/engine_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)

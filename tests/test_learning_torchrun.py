@@ -27,6 +27,7 @@ MODES = {
     "partial": ["stream.partial_tokens=4", "actor.tis_cap=2.0"],
     "megatron": ["actor.backend=megatron", "parallel.train.tp=2", "parallel.train.dp_shard=1", "parallel.train.sequence_parallel=true"],
     "megatron-pp2": ["actor.backend=megatron", "parallel.train.pp=2", "parallel.train.dp_shard=1"],
+    "moe": ["model.path=assets/tiny-qwen3-moe"],  # the Qwen3-MoE sibling (same task and test set), FSDP over the fused experts
     "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
                   "actor.tis_cap=2.0"],
 }
@@ -43,7 +44,9 @@ def held_out_accuracy(model: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_final_checkpoint_beats_the_start_on_held_out_prompts(tiny_model, tmp_path, etcd, mode):
+def test_final_checkpoint_beats_the_start_on_held_out_prompts(request, tiny_model, tmp_path, etcd, mode):
+    if mode == "moe":
+        request.getfixturevalue("tiny_moe")  # built by the setup, or here when missing
     rows = train(tmp_path, mode, etcd.endpoint, *QUICKSTART, *MODES[mode], f"trainer.iterations={ITERS}", "checkpoint.interval=0",
                  f"trainer.eval_interval={ITERS}")
     start = rows[0]["eval_accuracy"]
@@ -52,7 +55,7 @@ def test_final_checkpoint_beats_the_start_on_held_out_prompts(tiny_model, tmp_pa
     print(f"{mode}: held-out greedy accuracy {start:.3f} -> {final:.3f} after {ITERS} iterations; "
           f"entropy first {rows[0]['entropy']:.3f}, last 10 {late_entropy:.3f}")
     assert final - start >= MARGIN, (start, final)
-    if mode in ("grpo", "megatron", "megatron-pp2"):  # float32: trainer and vLLM agree after every sync (with two stages:
+    if mode in ("grpo", "megatron", "megatron-pp2", "moe"):  # float32: trainer and vLLM agree after every sync (with two stages:
         assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3  # vLLM got each stage's layers, the trainer the last stage's log-probs)
     if mode.startswith("megatron"):  # the fields acted: mcore built the layout asked for, and wrote its own checkpoint keys
         layout = "tp=2 sequence_parallel=True pp=1 dp=1" if mode == "megatron" else "tp=1 sequence_parallel=False pp=2 dp=1"

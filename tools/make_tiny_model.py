@@ -5,13 +5,17 @@ Deterministic for a given seed and torch build. Writes a standard HF folder (Qwe
 architecture, safetensors, fast tokenizer with pad/eos and a chat template) loadable by
 ``transformers`` and by vLLM, plus ``train.jsonl`` / ``test.jsonl`` with ``prompt`` and
 ``answer`` columns for the task "a+b=" with 0 <= a, b < 100, and the tiny reward model in
-``<out>/reward_model`` (``tools/make_tiny_reward_model.py``).
+``<out>/reward_model`` (``tools/make_tiny_reward_model.py``). ``--arch qwen3_moe`` builds the
+MoE sibling instead (Qwen3-MoE: the same width, depth and tokenizer, head_dim 32 as vLLM's CPU
+attention needs, 4 experts of which 2 are routed per token, each half the dense MLP's width, so
+a token computes what a dense token does; trained with the load-balancing loss; no reward model).
 
 The model is warm-started by a short supervised run that stops as soon as greedy accuracy on
 the test prompts reaches ``--target-accuracy`` (so the RL run has room to improve it); the
 final accuracy is printed and stored in ``warmstart.json``.
 
     python tools/make_tiny_model.py --out assets/tiny-qwen2
+    python tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -68,6 +72,18 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
         torch_dtype="float32",
     )
     return Qwen2ForCausalLM(cfg)
+
+
+def build_moe_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=384, moe_intermediate_size=192, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=True, router_aux_loss_coef=0.01, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+    return Qwen3MoeForCausalLM(cfg)
 
 
 def make_task(seed: int, n_test: int) -> tuple[list[dict], list[dict]]:
@@ -124,7 +140,8 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
     t0 = time.time()
     for step in range(1, args.max_steps + 1):
         ids, mask, lab = sft_batch(tokenizer, rng.sample(train, args.batch_size))
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        moe = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}  # + the load-balancing loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab, **moe).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -140,6 +157,7 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="Output folder (model + tokenizer + data).")
+    ap.add_argument("--arch", choices=("qwen2", "qwen3_moe"), default="qwen2", help="Dense Qwen2, or its Qwen3-MoE sibling.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-test", type=int, default=500, help="Held-out prompts.")
     ap.add_argument("--target-accuracy", type=float, default=0.25, help="Stop the warm start at this greedy test accuracy.")
@@ -154,7 +172,7 @@ def main() -> None:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = (build_moe_model if args.arch == "qwen3_moe" else build_model)(tokenizer, args.seed)
     train, test = make_task(args.seed, args.n_test)
     print(f"[make_tiny_model] {sum(p.numel() for p in model.parameters()) / 1e6:.3f} M parameters, "
           f"{len(train)} train / {len(test)} test prompts", flush=True)
@@ -173,7 +191,7 @@ def main() -> None:
     (args.out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"[make_tiny_model] wrote {args.out}: greedy accuracy on all {len(test)} test prompts = {full_acc:.3f} "
           f"after {steps} SFT steps", flush=True)
-    if args.reward_model:
+    if args.reward_model and args.arch == "qwen2":
         from make_tiny_reward_model import build  # tools/ is the script's folder
 
         build(args.out, args.out / "reward_model", args.seed)

@@ -55,12 +55,25 @@ def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
     return lines
 
 
+def _eq3_lines(lay: Layouts, arch: ModelArch, tw: float, ew: float, r: float) -> list[str]:
+    """Paper Eq. (3) with this layout's numbers (``tw``, ``ew``: bytes; ``r``: the result)."""
+    t, p = lay.train.tp, lay.train.pp
+    utp, per_device = ("UTP", f"{t}") if p == 1 else ("(UTP x UPP)", f"({t} x {p})")
+    if arch.is_moe:
+        return [f"redundant memory of the naive resharding, paper Eq. (3), {arch.num_experts} experts per sparse layer:",
+                f"  R = GDP x (TW/{utp} + EW/GEP) = {lay.gen.dp} x (TW/{per_device} + EW/1) = {_gib(r).strip()}"
+                f"  (EW {_gib(ew).strip()}; vLLM runs the experts TP-split here, so GEP = 1); with allgather-swap R = 0"]
+    return ["redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
+            f"  R = GDP x TW/{utp} = {lay.gen.dp} x TW/{per_device} = {_gib(r).strip()}"
+            f"  (per device TW/{utp} = {_gib(tw / (t * p)).strip()}); with allgather-swap R = 0"]
+
+
 def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     mem = rank_memory(cfg, arch, lay)
     gen_bytes = DTYPE_BYTES[cfg.model.dtype]
     tw = arch.split_numel() * gen_bytes
-    split = lay.train.tp * lay.train.pp  # each update rank holds 1/(UTP x UPP) of TW
-    r_eq3 = redundant_memory(lay.gen.dp, split, tw)
+    ew = arch.expert_numel() * gen_bytes  # vLLM runs experts TP-split here (no generation EP): GEP = 1
+    r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp * lay.train.pp, tw, 1, ew)  # an update rank holds 1/(UTP x UPP) of TW
     head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
@@ -86,11 +99,7 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
         f"  saved per rank                             {_gib(mem.train_state)}",
         *([f"actor.accumulate_unsharded: + {_gib(unsharded_accumulation_bytes(arch, lay, cfg.model.dtype)).strip()} per rank during"
            " the update (full params in the compute dtype, full grads in float32)"] if cfg.actor.accumulate_unsharded else []),
-        "redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
-        *([f"  R = GDP x TW/UTP = {lay.gen.dp} x TW/{lay.train.tp} = {_gib(r_eq3).strip()}"
-           f"  (per device TW/UTP = {_gib(tw / split).strip()}); with allgather-swap R = 0"] if lay.train.pp == 1 else
-          [f"  R = GDP x TW/(UTP x UPP) = {lay.gen.dp} x TW/({lay.train.tp} x {lay.train.pp}) = {_gib(r_eq3).strip()}"
-           f"  (per device TW/(UTP x UPP) = {_gib(tw / split).strip()}); with allgather-swap R = 0"]),
+        *_eq3_lines(lay, arch, tw, ew, r_eq3),
     ]
 
 

@@ -68,14 +68,18 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
     try:
         arch = ModelArch.from_folder(folder)
     except (KeyError, ValueError) as exc:
-        return [Violation("model.path", cfg.model.path, f"config.json lacks or mangles {exc}", "use a Qwen2/Qwen3/Llama config.json")]
+        return [Violation("model.path", cfg.model.path, f"config.json lacks or mangles {exc}", "use a Qwen2/Qwen3/Llama/Qwen3-MoE config.json")]
     out: list[Violation] = []
     if arch.model_type not in SUPPORTED_TYPES:
         out.append(Violation("model.path", cfg.model.path, f"model_type {arch.model_type!r} is not supported", f"use one of {', '.join(SUPPORTED_TYPES)}"))
     for name, tp in (("train", lay.train.tp), ("gen", lay.gen.tp)):
-        for what, count in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), ("intermediate_size", arch.intermediate_size)):
+        counts = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), ("intermediate_size", arch.intermediate_size)]
+        for what, count in counts + ([("moe_intermediate_size", arch.moe_intermediate_size)] if arch.is_moe else []):
             if count % tp:
                 out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the model's {what}={count}", f"use a TP size dividing {count}"))
+    if arch.is_moe and cfg.actor.backend == "fsdp" and lay.train.tp > 1:
+        out.append(Violation("parallel.train.tp", lay.train.tp, "the FSDP backend has no tensor-parallel plan for MoE experts",
+                             "use tp: 1 (FSDP shards every expert over dp_shard)"))
     total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if arch.max_positions and total > arch.max_positions:
         out.append(

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from spmd_rl.data.files import safetensors_header
+from spmd_rl.engines import fused_experts
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -132,10 +133,11 @@ def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str 
         if zero_missing and name.startswith(zero_missing) and name not in weights:
             (p.to_local() if isinstance(p, DTensor) else p).zero_()
             continue
-        if name not in weights:
-            raise ValueError(f"parameter {name!r} of the model is not in {weights.folder}/*.safetensors; "
-                             "is the folder a checkpoint of this architecture?")
-        full = weights.read(name).to(dtype=p.dtype)
+        sources = fused_experts.checkpoint_names(name, p.shape[0])  # MoE experts: fused in memory, one by one on disk
+        if any(n not in weights for n in sources):
+            raise ValueError(f"parameter {name!r} of the model is not in {weights.folder}/*.safetensors "
+                             f"(looked for {sources[0]!r}); is the folder a checkpoint of this architecture?")
+        full = fused_experts.read(weights.read, name, p.shape[0]).to(dtype=p.dtype)
         if tuple(full.shape) != tuple(p.shape):
             raise ValueError(f"{weights.folder}: {name!r} has shape {list(full.shape)}, the model expects {list(p.shape)}")
         if isinstance(p, DTensor):

@@ -171,7 +171,7 @@ class RolloutEngine:
                 self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            self.llm.collective_rpc("refresh_tied_lm_head", args=(is_cpu,))
+            self.llm.collective_rpc("after_reload", args=(is_cpu,))
         self.llm.reset_prefix_cache()
         self.weights_current = True
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.distributed.sides import side_group
+from spmd_rl.engines import fused_experts
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
@@ -170,13 +171,15 @@ class TrainEngine(Engine):
         return self.model.named_parameters()
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
-        return [(name, list(p.shape)) for name, p in self.model.named_parameters()]  # a DTensor's shape is the full one
+        """Checkpoint names and full shapes (a DTensor's shape is the full one; fused MoE experts
+        one expert at a time, ``engines.fused_experts``)."""
+        return [s for name, p in self.model.named_parameters() for s in fused_experts.split_shape(name, list(p.shape))]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``)."""
+        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``), in checkpoint names."""
         buckets = bucket_gather.plan(list(self.model.named_parameters()), dtype.itemsize, bucket_bytes)
         peak = max(bucket_gather.in_flight(buckets, dtype.itemsize), default=0)
-        return peak, (t for bucket in buckets for t in bucket_gather.gather(bucket, dtype))
+        return peak, (s for bucket in buckets for name, t in bucket_gather.gather(bucket, dtype) for s in fused_experts.split(name, t))
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [local(p) for p in self.model.parameters()]

@@ -1,5 +1,6 @@
 """torchrun worker: training engine (FSDP2/TP) -> allgather-swap -> in-process vLLM, checked
-against HF (greedy output, log-probs), bit-exact swap round trips and the memory ledger.
+against HF (greedy output, log-probs), bit-exact swap round trips and the memory ledger; for the
+dense tiny model and its MoE sibling (fused experts in the trainer, one by one in the sync).
 
 Env: TRAIN_DP, TRAIN_TP, GEN_TP, MODEL, SPMD_RL_OUT. Writes rank<k>.json with the findings.
 """
@@ -87,9 +88,12 @@ def main():
         vparams = dict(rollout.model.named_parameters())
         tp_rank, tp = lay.gen.coords(rank)[1], lay.gen.tp
         norm_ok = torch.equal(vparams["model.norm.weight"], weights["model.norm.weight"])
-        q, k, v = (weights[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv")
-        sl = lambda t: t.chunk(tp)[tp_rank]
-        bias_ok = torch.equal(vparams["model.layers.0.self_attn.qkv_proj.bias"], torch.cat([sl(q), sl(k), sl(v)]))
+        sl = lambda t: t.chunk(tp)[tp_rank]  # noqa: E731
+        if "model.layers.0.self_attn.q_proj.bias" in weights:  # Qwen2: the fused qkv bias, this rank's slice
+            q, k, v = (weights[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv")
+            bias_ok = torch.equal(vparams["model.layers.0.self_attn.qkv_proj.bias"], torch.cat([sl(q), sl(k), sl(v)]))
+        else:  # Qwen3-MoE: the per-head q and k norms, replicated over TP (vLLM CPU packs the router and experts)
+            bias_ok = all(torch.equal(vparams[n], weights[n]) for n in ("model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"))
         emb = vparams["model.embed_tokens.weight"]
         rows = emb.shape[0]
         start = tp_rank * rows
