@@ -166,7 +166,7 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
         from spmd_rl.engines.megatron.engine import MegatronEngine
 
         lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy,
-                     pp=cfg.parallel.train.pp)
+                     pp=cfg.parallel.train.pp, ep=cfg.parallel.train.ep)
     else:
         lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy)
     roles = {"actor": lm(total_steps=_total_steps(cfg))}

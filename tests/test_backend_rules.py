@@ -50,3 +50,20 @@ def test_pp_must_divide_the_layers(in_repo, tiny_model):
     assert ok.exit_code == 0, ok.output
     bad = validate(*MEGA, "parallel.nproc_per_node=8", "parallel.train.pp=8", "parallel.train.dp_shard=1", "parallel.gen.dp=8")
     assert bad.exit_code == 2 and "parallel.train.pp" in bad.output and "4 decoder layers" in bad.output, bad.output
+
+
+MOE = ("model.path=assets/tiny-qwen3-moe", "data.train_path=assets/tiny-qwen3-moe/train.jsonl", "data.test_path=assets/tiny-qwen3-moe/test.jsonl")
+
+
+def test_moe_expert_parallelism_rules(in_repo, tiny_model, tiny_moe):
+    """EP 2 on the megatron backend passes; EP on FSDP, on a dense model, not dividing the
+    experts or the DP ranks, or beside TP / PP, exits 2 naming the field."""
+    assert validate(*MOE, *MEGA, "parallel.train.ep=2").exit_code == 0
+    assert validate(*MOE).exit_code == 0  # FSDP over the fused experts
+    for overrides, field in [((*MOE, "parallel.train.ep=2"), "parallel.train.ep"), ((*MEGA, "parallel.train.ep=2"), "parallel.train.ep"),
+                             ((*MOE, *MEGA, "parallel.train.ep=3"), "parallel.train.ep"),
+                             ((*MOE, *MEGA, "parallel.nproc_per_node=4", "parallel.train.dp_shard=2", "parallel.train.tp=2", "parallel.gen.dp=4",
+                               "parallel.train.ep=2"), "parallel.train.tp"),
+                             ((*MOE, "parallel.train.tp=2", "parallel.train.dp_shard=1"), "parallel.train.tp")]:
+        res = validate(*overrides)
+        assert res.exit_code == 2 and field in res.output and "->" in res.output, (overrides, res.output)

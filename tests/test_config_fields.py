@@ -92,6 +92,7 @@ COVERED = {
     "actor.backend": "test_learning_torchrun.py::test_final_checkpoint_beats_the_start_on_held_out_prompts",
     "parallel.train.sequence_parallel": "test_learning_torchrun.py::test_final_checkpoint_beats_the_start_on_held_out_prompts",
     "parallel.train.pp": "test_learning_torchrun.py::test_final_checkpoint_beats_the_start_on_held_out_prompts",
+    "parallel.train.ep": "test_learning_torchrun.py::test_final_checkpoint_beats_the_start_on_held_out_prompts",
     "actor.pack_sequences": "test_packing.py::test_pack_sequences_changes_what_the_model_sees_and_not_the_step",
     "actor.clip_ratio_low": "test_stage_fields.py::test_update_reads_its_fields",
     "actor.clip_ratio_high": "test_stage_fields.py::test_update_reads_its_fields",

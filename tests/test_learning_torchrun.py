@@ -28,6 +28,7 @@ MODES = {
     "megatron": ["actor.backend=megatron", "parallel.train.tp=2", "parallel.train.dp_shard=1", "parallel.train.sequence_parallel=true"],
     "megatron-pp2": ["actor.backend=megatron", "parallel.train.pp=2", "parallel.train.dp_shard=1"],
     "moe": ["model.path=assets/tiny-qwen3-moe"],  # the Qwen3-MoE sibling (same task and test set), FSDP over the fused experts
+    "megatron-moe-ep2": ["model.path=assets/tiny-qwen3-moe", "actor.backend=megatron", "parallel.train.ep=2"],
     "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
                   "actor.tis_cap=2.0"],
 }
@@ -45,7 +46,7 @@ def held_out_accuracy(model: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_final_checkpoint_beats_the_start_on_held_out_prompts(request, tiny_model, tmp_path, etcd, mode):
-    if mode == "moe":
+    if "moe" in mode:
         request.getfixturevalue("tiny_moe")  # built by the setup, or here when missing
     rows = train(tmp_path, mode, etcd.endpoint, *QUICKSTART, *MODES[mode], f"trainer.iterations={ITERS}", "checkpoint.interval=0",
                  f"trainer.eval_interval={ITERS}")
@@ -55,10 +56,11 @@ def test_final_checkpoint_beats_the_start_on_held_out_prompts(request, tiny_mode
     print(f"{mode}: held-out greedy accuracy {start:.3f} -> {final:.3f} after {ITERS} iterations; "
           f"entropy first {rows[0]['entropy']:.3f}, last 10 {late_entropy:.3f}")
     assert final - start >= MARGIN, (start, final)
-    if mode in ("grpo", "megatron", "megatron-pp2", "moe"):  # float32: trainer and vLLM agree after every sync (with two stages:
+    if mode in ("grpo", "megatron", "megatron-pp2", "moe", "megatron-moe-ep2"):  # float32: trainer and vLLM agree after every sync (with two stages:
         assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3  # vLLM got each stage's layers, the trainer the last stage's log-probs)
     if mode.startswith("megatron"):  # the fields acted: mcore built the layout asked for, and wrote its own checkpoint keys
-        layout = "tp=2 sequence_parallel=True pp=1 dp=1" if mode == "megatron" else "tp=1 sequence_parallel=False pp=2 dp=1"
+        layout = {"megatron": "tp=2 sequence_parallel=True pp=1 dp=1", "megatron-pp2": "tp=1 sequence_parallel=False pp=2 dp=1",
+                  "megatron-moe-ep2": "tp=1 sequence_parallel=False pp=1 dp=2 ep=2 (4 experts)"}[mode]
         assert f"actor: megatron-core GPTModel {layout}" in (tmp_path / mode / "stderr.log").read_text()
         from spmd_rl.engines.safe_dcp import verify
         assert "optim.step" in verify(tmp_path / mode / f"ckpt/iter_{ITERS:06d}").state_dict_metadata

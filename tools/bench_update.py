@@ -10,11 +10,13 @@ Each backend runs in its own process (``--one``), one after the other, so each g
 device; the parent prints one table with megatron / fsdp ratios. Times are means over
 ``--steps`` updates after one warm-up update, and over ``--rounds`` gathers and swaps. The
 model is a random-weight Qwen2 of the given shape (default about 2.4 B parameters, which with
-bf16 compute, float32 masters and AdamW fills most of an 80 GiB device); the batch is random
+bf16 compute, float32 masters and AdamW fills most of an 80 GiB device), or with ``--experts``
+a Qwen3-MoE of the same shape (megatron at EP 1 on one device); the batch is random
 token ids with response lengths drawn uniformly in [R/2, R], the same on both sides.
 
     python tools/bench_update.py                                 # both backends, default shape
     python tools/bench_update.py --hidden 512 --layers 4 --samples 4 --prompt 32 --response 64   # CPU-sized
+    python tools/bench_update.py --experts 8 --topk 2 --layers 16                     # MoE
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ sys.path.insert(0, str(REPO))
 
 def build_model(folder: Path, args) -> int:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=args.prompt + args.response, tie_word_embeddings=False)
+    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                 num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt + args.response, tie_word_embeddings=False)
+    if args.experts:  # Qwen3-MoE: each expert 1/topk of the dense MLP's width, so a token computes what a dense one does
+        cfg, cls = Qwen3MoeConfig(**shape, intermediate_size=args.hidden * 3, moe_intermediate_size=args.hidden * 3 // args.topk,
+                                  num_experts=args.experts, num_experts_per_tok=args.topk, norm_topk_prob=True,
+                                  head_dim=args.hidden // args.heads), Qwen3MoeForCausalLM
+    else:
+        cfg, cls = Qwen2Config(**shape, intermediate_size=args.hidden * 3), Qwen2ForCausalLM
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = cls(cfg).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
 
@@ -137,6 +144,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=20)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense Qwen2)")
+    ap.add_argument("--topk", type=int, default=2, help="experts routed per token (--experts)")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
@@ -158,7 +167,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         n = build_model(folder, args)
-        print(f"model: {n / 1e9:.2f} B params, hidden {args.hidden}, {args.layers} layers; batch {args.samples} x "
+        print(f"model: {n / 1e9:.2f} B params{f', {args.experts} experts top-{args.topk}' if args.experts else ''}, hidden {args.hidden}, {args.layers} layers; batch {args.samples} x "
               f"({args.prompt} + <= {args.response}) tokens in micro-batches of {args.micro}", flush=True)
         passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("backends", "json", "one", "folder", "checkpointing")]
         passthrough += ["--checkpointing"] if args.checkpointing else []

@@ -4,16 +4,20 @@ this version, and the fields that only one backend reads."""
 from __future__ import annotations
 
 from spmd_rl.config.errors import Violation
+from spmd_rl.config.layout import Layout
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
 
-MEGATRON_TYPES = ("qwen2", "qwen3", "llama")
+MEGATRON_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
-def check_backend(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Violation]:
-    a, sp, pp = cfg.actor, cfg.parallel.train.sequence_parallel, cfg.parallel.train.pp
+def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
+    a, sp, pp, ep, train_tp = cfg.actor, cfg.parallel.train.sequence_parallel, cfg.parallel.train.pp, cfg.parallel.train.ep, train.tp
     if a.backend == "fsdp":
         out = []
+        if ep > 1:
+            out.append(Violation("parallel.train.ep", ep, "expert parallelism is the megatron backend's (FSDP shards the experts over dp_shard)",
+                                 "set actor.backend: megatron, or ep: 1"))
         if sp:
             out.append(Violation("parallel.train.sequence_parallel", True, "sequence parallelism is the megatron backend's",
                                  "set actor.backend: megatron, or sequence_parallel: false"))
@@ -39,7 +43,28 @@ def check_backend(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Vi
     if arch is not None and arch.num_layers % pp:
         out.append(Violation("parallel.train.pp", pp, f"splits the {arch.num_layers} decoder layers into equal stages; {pp} does not divide them",
                              f"use a pp dividing {arch.num_layers}"))
+    out += _check_moe(arch, train, ep)
     if arch is not None and arch.vocab_size % train_tp:
         out.append(Violation("parallel.train.tp", train_tp, f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
                              f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}"))
+    return out
+
+
+def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation]:
+    """Expert parallelism on the megatron backend: experts split evenly over ep consecutive
+    DP ranks; MoE runs at tp 1 and without pipeline stages in this version."""
+    if arch is None:
+        return []
+    if not arch.is_moe:
+        return [Violation("parallel.train.ep", ep, "the model has no experts", "set ep: 1")] if ep > 1 else []
+    out = []
+    if arch.num_experts % ep:
+        out.append(Violation("parallel.train.ep", ep, f"does not divide the model's {arch.num_experts} experts", f"use an ep dividing {arch.num_experts}"))
+    if train.dp % ep:
+        out.append(Violation("parallel.train.ep", ep, f"expert-parallel groups are formed over the {train.dp} data-parallel ranks; {ep} does not divide them",
+                             f"use an ep dividing dp_shard={train.dp}"))
+    for field, value in (("tp", train.tp), ("pp", train.pp)):
+        if value > 1:
+            out.append(Violation(f"parallel.train.{field}", value, "the megatron backend runs MoE models with expert parallelism only in this version",
+                                 f"set {field}: 1 and use parallel.train.ep"))
     return out

@@ -88,16 +88,19 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
     )
 
 
-def megatron_local_numel(arch: ModelArch, tp: int, pp: int = 1) -> int:
+def megatron_local_numel(arch: ModelArch, tp: int, pp: int = 1, ep: int = 1, experts_only: bool = False) -> int:
     """Elements of one rank's parameters under megatron-core, on its largest pipeline stage:
     every TP-split tensor of the generation engine's split (the embedding and LM head
     vocab-parallel too) over tp, norms whole; stage k holds decoder layers [k L/pp, (k+1) L/pp),
     the embedding is on the first stage, the final norm and LM head on the last (which holds a
-    copy of a tied embedding when pp > 1: ``engines.megatron.pipeline``)."""
+    copy of a tied embedding when pp > 1: ``engines.megatron.pipeline``); MoE experts are split
+    over ep and not over tp (the backend runs MoE at tp 1). ``experts_only``: the expert part."""
     per = max(1, arch.num_layers // pp)
     stages = [0] * pp
     for t in arch.tensors():
-        n = t.numel // tp if t.tp_split else t.numel
+        if experts_only and not t.expert:
+            continue
+        n = t.numel // ep if t.expert else t.numel // tp if t.tp_split else t.numel
         if t.name.startswith("model.layers."):
             stages[min(pp - 1, int(t.name.split(".")[2]) // per)] += n
         elif t.name == "model.embed_tokens.weight":
@@ -116,9 +119,11 @@ def _megatron_memory(cfg: Config, arch: ModelArch, lay: Layouts, gen_bytes: int)
     and 1/dp of the float32 AdamW moments, plus 1/dp of float32 main parameters when the model
     dtype is not ``actor.param_dtype``. The gather for vLLM holds one parameter's TP parts and
     the joined tensor at a time."""
-    tp_local = megatron_local_numel(arch, lay.train.tp, lay.train.pp)
+    ep = cfg.parallel.train.ep
+    tp_local = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep)
+    experts = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep, experts_only=True)
     mixed = cfg.model.dtype != cfg.actor.param_dtype
-    shard = -(-tp_local // lay.train.dp)
+    shard = -(-(tp_local - experts) // lay.train.dp) + -(-experts // (lay.train.dp // ep))  # experts: over the expert DP group
     gb = DTYPE_BYTES[cfg.model.dtype]
     return RankMemory(
         train_params=tp_local * DTYPE_BYTES[cfg.model.dtype if mixed else cfg.actor.param_dtype],
@@ -155,7 +160,7 @@ def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArc
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     mem = rank_memory(cfg, arch, lay)
     cb = DTYPE_BYTES[cfg.model.dtype]
-    ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp) * cb if cfg.actor.backend == "megatron" else mem.train_params // pb * cb
+    ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp, cfg.parallel.train.ep) * cb if cfg.actor.backend == "megatron" else mem.train_params // pb * cb
     out = {"actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
            "ref": ref, "rollout": mem.gen_weights + mem.kv_cache}
     for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):

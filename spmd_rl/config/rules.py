@@ -268,7 +268,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_tls(cfg)
     out += check_partial(cfg)
     out += check_separated(cfg)
-    out += check_backend(cfg, _arch(cfg), lay.train.tp)
+    out += check_backend(cfg, _arch(cfg), lay.train)
     return lay, out
 
 

@@ -147,6 +147,7 @@ class TrainLayout(Section):
     dp_shard: int | None = Field(None, gt=0, description="Data-parallel degree (FSDP shards, megatron's distributed-optimizer shards); derived as world / (tp x pp) when left out.")
     tp: int = Field(1, gt=0, description="Tensor-parallel degree of the training engine.")
     pp: int = Field(1, gt=0, description="Pipeline stages (actor.backend=megatron): each stage holds num_hidden_layers / pp decoder layers and runs mcore's 1F1B schedule; a model replica is tp x pp ranks (TP innermost), which all read the same samples.")
+    ep: int = Field(1, gt=0, description="Expert parallelism (actor.backend=megatron, MoE models): each sparse layer's experts are split over ep consecutive data-parallel ranks, which exchange tokens with an all-to-all; must divide the experts and dp_shard.")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (actor.backend=megatron, tp > 1): norms and dropout run on 1/tp of the sequence.")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from spmd_rl.engines import fused_experts
 from spmd_rl.trainer.checkpoint import model_weights, read_state
 
 
@@ -17,6 +18,12 @@ def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     state = read_state(checkpoint_dir)
     weights = model_weights(checkpoint_dir)
     model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
+    for name, p in model.named_parameters():  # a megatron checkpoint names MoE experts one by one, as HF files do
+        parts = fused_experts.checkpoint_names(name, p.shape[0])
+        if name not in weights and parts != [name] and all(n in weights for n in parts):
+            weights[name] = fused_experts.read(weights.__getitem__, name, p.shape[0])
+            for n in parts:
+                del weights[n]
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise ValueError(f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -1,7 +1,8 @@
 """torchrun worker: the megatron-core engine against the FSDP2 engine on the same batch.
 
 Env: MODEL, TP (megatron's TP; sequence parallel when TP > 1), PP (pipeline stages, default 1;
-megatron's DP is world / (TP x PP)), DTYPE, SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
+megatron's DP is world / (TP x PP)), EP (expert parallelism over the DP ranks, MoE models;
+default 1), DTYPE, SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
 log-prob difference before and after one update, the two grad norms, the largest weight
 difference after the update (full HF tensors from each engine's ``full_weights``), and what the
 weight sync yields (names and shapes, against ``weight_shapes`` and the HF checkpoint).
@@ -66,11 +67,11 @@ def checkpoint_round_trip(mega, fresh, step, dp: int, folder: Path, rank: int) -
     exported = model_weights(ckpt) if rank == 0 else ref1  # the export path's reader (one process)
     return {"resumed_diff": max(float((loaded[n] - ref1[n]).abs().max()) for n in ref1),
             "second_step_diff": max(float((after2[n] - ref2[n]).abs().max()) for n in ref2),
-            "second_step_moved": min(float((ref2[n] - ref1[n]).abs().max()) for n in ref2 if n.endswith("proj.weight")),
+            "second_step_moved": min(float((ref2[n] - ref1[n]).abs().max()) for n in ref2 if ".self_attn." in n and n.endswith("proj.weight")),
             "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1), "steps": mega.step_count}
 
 
-def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str) -> dict:
+def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str, ep: int = 1) -> dict:
     """The memory ledger of the megatron actor after an update, and while generating under
     allgather-swap (its state swapped to host), against ``spmd-rl plan``'s estimate."""
     from spmd_rl.config.estimates import rank_memory
@@ -86,7 +87,7 @@ def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str) -> 
     rs.offload_train()
     rs.record("generate")
     rs.reload_train()
-    cfg = load_config("configs/quickstart.yaml", [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}"])
+    cfg = load_config("configs/quickstart.yaml", [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}", f"parallel.train.ep={ep}"])
     plan = rank_memory(cfg, ModelArch.from_folder(model), Layouts(world, world, Layout(world // (tp * pp), tp, 0, pp), Layout(world, 1)))
     up, gen = rs.ledger.last("update"), rs.ledger.last("generate")
     return {"ledger": [up[k] for k in ("actor_params", "actor_grads", "actor_optim")],
@@ -98,12 +99,12 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dtype, model = int(os.environ["TP"]), os.environ["DTYPE"], os.environ["MODEL"]
-    pp = int(os.environ.get("PP", "1"))
+    pp, ep = int(os.environ.get("PP", "1")), int(os.environ.get("EP", "1"))
     acc = detect("cpu")
     torch.manual_seed(0)
     cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01)
     fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
-    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4, pp=pp)
+    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4, pp=pp, ep=ep)
     batch, adv = batch_of(16, seed=1)
     tokens = batch.mask.sum()
 
@@ -140,9 +141,13 @@ def main():
     out["sync_names"] = [n for n, _ in wm]
     out["sync_shapes_match"] = [(n, list(t.shape)) for n, t in wm] == mega.weight_shapes()
     out["names_match_fsdp"] = sorted(wf) == sorted(n for n, _ in wm)
-    out["weight_diff_after"] = max(float((wf[n] - t).abs().max()) for n, t in wm)
+    diffs = sorted(((float((wf[n] - t).abs().max()), n) for n, t in wm), reverse=True)
+    out["weight_diff_after"], out["largest_weight_diffs"] = diffs[0][0], diffs[:4]
+    far = sum(int(((wf[n] - t).abs() > 1e-4).sum()) for n, t in wm)
+    out["weight_diff_fraction"] = far / sum(t.numel() for _, t in wm)  # elements more than 1e-4 apart
     hf = SafetensorsFolder(model)
-    out["moved_from_checkpoint"] = min(float((hf.read(n).float() - t).abs().max()) for n, t in wm if n.endswith("proj.weight"))
+    # every attention projection moved (an expert that no token chose moves only by weight decay)
+    out["moved_from_checkpoint"] = min(float((hf.read(n).float() - t).abs().max()) for n, t in wm if ".self_attn." in n and n.endswith("proj.weight"))
     lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
     lp_m = mega.infer(split(share(mdp)[0], 4))[0]
     dist.all_gather_object(everyone, (lp_f.tolist(), lp_m.tolist()))
@@ -151,9 +156,9 @@ def main():
     out["logprob_diff_after"] = float((full_f - full_m).abs().max())
     out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
-    out |= ledger_against_plan(mega, acc, tp, pp, dtype, model) | {"dp": mdp}
+    out |= ledger_against_plan(mega, acc, tp, pp, dtype, model, ep) | {"dp": mdp}
     if os.environ.get("CKPT"):
-        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp)  # noqa: E731
+        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp, ep=ep)  # noqa: E731
         out |= checkpoint_round_trip(mega, fresh, step, mdp, Path(os.environ["CKPT"]), rank)
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()

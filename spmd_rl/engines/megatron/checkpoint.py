@@ -33,13 +33,26 @@ from spmd_rl.engines.megatron.hf_map import Shape, from_hf_parts, hf_names, to_h
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def distributed_optimizer(optimizer):
-    """The one ``DistributedOptimizer`` inside mcore's (chained) optimizer."""
-    return getattr(optimizer, "chained_optimizers", [optimizer])[0]
+def distributed_optimizers(optimizer) -> list:
+    """The ``DistributedOptimizer``s inside mcore's (chained) optimizer: one, or with MoE a
+    second for the expert parameters (sharded over the expert data-parallel group)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_of(optimizers: list, p):
+    return next((o for o in optimizers if p in o.model_param_group_index_map), optimizers[0])
+
+
+def _dp_group(p):
+    """The group over which the distributed optimizer shards ``p``: mcore marks expert
+    parameters ``allreduce = False`` (their gradients are summed over the expert DP group)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group() if getattr(p, "allreduce", True) else ps.get_expert_data_parallel_group()
 
 
 def local_shape(s: Shape, tp: int) -> Shape:
-    return Shape(s.layers, s.nh // tp, s.ng // tp, s.hd, s.tied)
+    return Shape(s.layers, s.nh // tp, s.ng // tp, s.hd, s.tied, s.experts, s.sparse)
 
 
 def _owned(opt, p) -> slice | None:
@@ -76,13 +89,10 @@ def _pieces(name: str, local: torch.Tensor, s: Shape, tp: int, mesh: DeviceMesh)
 
 def state_dict(engine, mesh: DeviceMesh) -> dict:
     """The DCP state dict of a trainable :class:`MegatronEngine` (module docstring)."""
-    from megatron.core import parallel_state as ps
-
-    opt = distributed_optimizer(engine.optimizer)
-    mixed, dp = engine.mixed, ps.get_data_parallel_group()
+    optimizers = distributed_optimizers(engine.optimizer)
     model, state = {}, {}
     for name, p in engine.named_model_params():
-        t = tp_local_states(opt, p, mixed, dp)
+        t = tp_local_states(_optimizer_of(optimizers, p), p, engine.mixed, _dp_group(p))
         model.update(_pieces(name, t["param"], engine.shape, engine.tp, mesh))
         for key in MOMENTS:
             for hf, d in _pieces(name, t[key], engine.shape, engine.tp, mesh):
@@ -98,10 +108,11 @@ def _join(name: str, parts: dict[str, torch.Tensor], s: Shape, tp: int) -> torch
 def load_into(engine, loaded: dict) -> None:
     """Write a loaded ``state_dict`` into the engine: model parameters, the distributed
     optimizer's master ranges and moments, the step counters."""
-    opt = distributed_optimizer(engine.optimizer)
-    inner = opt.optimizer  # AdamW makes its moments lazily: give them storage to fill (``state`` is a
-    if any("exp_avg" not in inner.state.get(p, {}) for g in inner.param_groups for p in g["params"]):  # defaultdict: reading
-        opt._init_optimizer_states_with_dummy_values()  # it, as state_dict() does, leaves empty entries, so test the keys
+    optimizers = distributed_optimizers(engine.optimizer)
+    for opt in optimizers:
+        inner = opt.optimizer  # AdamW makes its moments lazily: give them storage to fill (``state`` is a
+        if any("exp_avg" not in inner.state.get(p, {}) for g in inner.param_groups for p in g["params"]):  # defaultdict: reading
+            opt._init_optimizer_states_with_dummy_values()  # it, as state_dict() does, leaves empty entries, so test the keys
     local = {k: v.to_local() for k, v in loaded["model"].items()}
     moments = {key: {k: v[key].to_local() for k, v in loaded["optim"]["state"].items()} for key in MOMENTS}
     step = int(loaded["optim"]["step"])
@@ -109,6 +120,7 @@ def load_into(engine, loaded: dict) -> None:
         for name, p in engine.named_model_params():
             master = _join(name, local, engine.shape, engine.tp)
             p.copy_(master.to(p.dtype))
+            opt = _optimizer_of(optimizers, p)
             own = _owned(opt, p)
             if own is None:
                 continue

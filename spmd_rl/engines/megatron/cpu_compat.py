@@ -18,6 +18,15 @@ on cuda or npu. Each patch names what it replaces and why:
 6. The pipeline schedules count tokens in ``torch.zeros([], device="cuda")``: their module's
    ``torch`` is a proxy whose ``zeros`` puts a "cuda" tensor on the CPU (a mode around every
    forward and backward, as below, costs a Python call per torch function).
+7. The MoE all-to-all token dispatcher (``moe/token_dispatcher.py``) creates a
+   ``torch.cuda.Stream`` and copies its split sizes device-to-host on it: its module's ``torch``
+   is a proxy whose ``cuda`` has a stream that does nothing, and ``maybe_move_tensor_to_cpu``
+   (a no-op for CPU tensors, which left the split sizes as tensors where the all-to-all wants
+   lists) returns them as numpy arrays when asked to.
+
+:func:`apply_without_te` is not about the CPU: without TransformerEngine, ``moe_utils`` never
+defines ``te_general_gemm`` yet reads it in the router's gating (a ``NameError`` on any device);
+it is defined as None there, which selects mcore's own ``torch.mm`` path.
 
 :func:`cuda_as_cpu` is a ``TorchFunctionMode`` for the calls that go through mcore's
 optimizer and grad clipping: ``device="cuda"`` literals become the CPU,
@@ -59,12 +68,22 @@ def cuda_as_cpu(device: torch.device):
     return _CudaAsCpu() if device.type == "cpu" else contextlib.nullcontext()
 
 
+def apply_without_te() -> None:
+    """Define ``moe_utils.te_general_gemm`` as None when TransformerEngine is absent."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply(device: torch.device) -> None:
-    """Apply patches 1-6 (module docstring) once, on the CPU only."""
+    """Apply patches 1-7 (module docstring) once, on the CPU only."""
     global _applied
     if device.type != "cpu" or _applied:
         return
     _applied = True
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core.tensor_parallel import random as tp_random
@@ -90,6 +109,15 @@ def apply(device: torch.device) -> None:
 
     WrappedTorchNorm.__new__ = staticmethod(norm_with_sp)
     schedules.torch = _CpuZeros()
+    token_dispatcher.torch = _CpuStreams()
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy, record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = split_sizes_to_host
 
 
 class _CpuZeros:
@@ -101,3 +129,48 @@ class _CpuZeros:
     @staticmethod
     def zeros(*args, device=None, **kwargs):
         return torch.zeros(*args, device=None if _is_cuda(device) else device, **kwargs)
+
+
+class _NoStream:
+    """A CUDA stream's interface where there is nothing to order: the CPU runs in program order."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self) -> "_NoStream":  # an event of it: synchronize() does nothing either
+        return self
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoStream)
+
+    __hash__ = object.__hash__
+
+
+class _CpuCuda:
+    """``torch.cuda`` for ``moe.token_dispatcher``: streams that do nothing, the rest torch's."""
+
+    _stream = _NoStream()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    def Stream(self, *args, **kwargs) -> _NoStream:  # noqa: N802  (torch's name)
+        return self._stream
+
+    def current_stream(self, *args, **kwargs) -> _NoStream:
+        return self._stream
+
+    def stream(self, _stream):
+        return contextlib.nullcontext()
+
+
+class _CpuStreams:
+    """``torch`` for ``moe.token_dispatcher``: the same module with ``cuda`` as above."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)

@@ -64,22 +64,25 @@ def _mindspeed_adaptor() -> None:
 class MegatronEngine(Engine):
     def __init__(self, path: str | Path, acc: Accelerator, cfg: ActorConfig, compute_dtype: str, tp: int,
                  sequence_parallel: bool = False, trainable: bool = True, total_steps: int = 1,
-                 policy: SamplingPolicy = SamplingPolicy(), pp: int = 1):
+                 policy: SamplingPolicy = SamplingPolicy(), pp: int = 1, ep: int = 1):
         from megatron.core import parallel_state as ps
 
         logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
         warnings.filterwarnings("ignore", module=r"megatron\.")
         cpu_compat.apply(acc.device)
+        cpu_compat.apply_without_te()
         if acc.device.type == "npu":
             _mindspeed_adaptor()
-        init_groups(tp, pp, acc.device)
+        init_groups(tp, pp, acc.device, ep)
         self.acc, self.cfg, self.policy, self.trainable = acc, cfg, policy, trainable
         self.tp, self.sp, self.pp, self.stage = tp, sequence_parallel, pp, ps.get_pipeline_model_parallel_rank()
+        self.ep, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         compute = DTYPES[compute_dtype]
         master = DTYPES[cfg.param_dtype] if trainable else compute  # a frozen role needs no master copy
         model, self.shape = build_model(path, master, compute, tp, ps.get_tensor_model_parallel_rank(), sequence_parallel,
-                                        recompute=cfg.activation_checkpointing and trainable, pp=pp, stage=self.stage, device=acc.device)
-        self.stages = StageWeights(path, self.shape, model.config, pp, acc.device)
+                                        recompute=cfg.activation_checkpointing and trainable, pp=pp, stage=self.stage, device=acc.device,
+                                        ep=ep, ep_rank=self.ep_rank)
+        self.stages = StageWeights(path, self.shape, model.config, pp, acc.device, ep)
         model.to(acc.device)
         self.optimizer = None
         self.mixed = trainable and compute != master
@@ -90,8 +93,9 @@ class MegatronEngine(Engine):
             return
         self._build_trainable(model, self.mixed)
         c = model.config
-        logging.getLogger("spmd_rl").info("actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d, distributed optimizer, %s",
+        logging.getLogger("spmd_rl").info("actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d%s, distributed optimizer, %s",
                                           c.tensor_model_parallel_size, c.sequence_parallel, pp, ps.get_data_parallel_world_size(),
+                                          f" ep={ep} ({self.shape.experts} experts)" if self.shape.experts else "",
                                           "bf16 with float32 main params" if self.mixed else str(c.params_dtype).removeprefix("torch."))
 
     def _build_trainable(self, model, mixed: bool) -> None:
@@ -203,7 +207,8 @@ class MegatronEngine(Engine):
         decoder layers numbered over all stages, a tied last stage's copy of the embedding named
         as the embedding (``pipeline``)."""
         for name, p in self.model.named_parameters():
-            yield to_global(name.removeprefix("module.").removeprefix("module."), self.shape.layers, self.pp, self.stage, self.shape.tied), p
+            local = name.removeprefix("module.").removeprefix("module.")
+            yield to_global(local, self.shape.layers, self.pp, self.stage, self.shape.tied, self.shape.experts // self.ep, self.ep_rank), p
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
         return [(hf, list(t.shape)) for name in self.stages.names for hf, t in to_hf(name, self.stages.meta(name), self.shape)]

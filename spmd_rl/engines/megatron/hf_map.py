@@ -1,5 +1,5 @@
-"""Hugging Face <-> megatron-core names, layouts and tensor-parallel slices for the dense
-decoders (Qwen2, Qwen3, Llama) built from mcore's local layer spec.
+"""Hugging Face <-> megatron-core names, layouts and tensor-parallel slices for the decoders
+(Qwen2, Qwen3, Llama, Qwen3-MoE) built from mcore's local layer spec.
 
 Per decoder layer i (H hidden, nh query heads, ng KV groups, hd head dim, F intermediate):
 
@@ -15,6 +15,17 @@ Per decoder layer i (H hidden, nh query heads, ng KV groups, hd head dim, F inte
 | mlp.down_proj.weight                           | mlp.linear_fc2.weight (row, dim 1)                      |
 | model.norm.weight                              | decoder.final_layernorm.weight                          |
 | lm_head.weight (untied only)                   | output_layer.weight (column, dim 0)                     |
+
+In a Qwen3-MoE sparse layer the MLP rows are instead:
+
+| HF                                             | mcore                                                   |
+|------------------------------------------------|---------------------------------------------------------|
+| mlp.gate.weight (router)                       | mlp.router.weight (replicated)                          |
+| mlp.experts.e.{gate,up}_proj.weight            | mlp.experts.local_experts.e.linear_fc1.weight = [gate; up] |
+| mlp.experts.e.down_proj.weight                 | mlp.experts.local_experts.e.linear_fc2.weight           |
+
+with e the *global* expert index here; an expert-parallel rank numbers its own experts from 0
+(``pipeline.to_global`` maps them).
 
 QKV layout: for each KV group g, the rows [q heads of g (nh/ng x hd); k_g (hd); v_g (hd)],
 stacked over g (``attention.py`` views its output as [s, b, ng, (nh/ng + 2) hd]). A contiguous
@@ -44,12 +55,19 @@ class Shape:
     ng: int
     hd: int
     tied: bool
+    experts: int = 0
+    """Routed experts per sparse layer (0: dense)."""
+    sparse: tuple[int, ...] = ()
+    """The layers whose MLP is a mixture of experts."""
 
     @classmethod
     def of(cls, hf_config) -> "Shape":
         nh = hf_config.num_attention_heads
         hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
-        return cls(hf_config.num_hidden_layers, nh, hf_config.num_key_value_heads, hd, bool(hf_config.tie_word_embeddings))
+        experts = int(getattr(hf_config, "num_experts", 0) or 0) if hf_config.model_type == "qwen3_moe" else 0
+        step, dense = int(getattr(hf_config, "decoder_sparse_step", 1) or 1), set(getattr(hf_config, "mlp_only_layers", None) or [])
+        sparse = tuple(i for i in range(hf_config.num_hidden_layers) if experts and (i + 1) % step == 0 and i not in dense)
+        return cls(hf_config.num_hidden_layers, nh, hf_config.num_key_value_heads, hd, bool(hf_config.tie_word_embeddings), experts, sparse)
 
 
 def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:
@@ -73,7 +91,12 @@ def mcore_names(s: Shape, has_qkv_bias: bool, qk_norm: bool) -> list[str]:
         names += [m + "input_layernorm.weight", m + "self_attention.linear_proj.weight", m + "self_attention.linear_qkv.weight"]
         names += [m + "self_attention.linear_qkv.bias"] if has_qkv_bias else []
         names += [m + "self_attention.q_layernorm.weight", m + "self_attention.k_layernorm.weight"] if qk_norm else []
-        names += [m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.weight", m + "mlp.linear_fc2.weight"]
+        names.append(m + "pre_mlp_layernorm.weight")
+        if i in s.sparse:
+            names.append(m + "mlp.router.weight")
+            names += [f"{m}mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in range(s.experts) for k in (1, 2)]
+        else:
+            names += [m + "mlp.linear_fc1.weight", m + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
     return names + ([] if s.tied else ["output_layer.weight"])
 
@@ -119,6 +142,12 @@ def hf_names(name: str) -> list[str]:
         return [f"{pre}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}" for p in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"]
+    if rest == "mlp.router.weight":
+        return [pre + "mlp.gate.weight"]
+    if rest.startswith("mlp.experts.local_experts."):
+        e, fc = rest.split(".")[3], rest.split(".")[4]
+        parts = ("gate_proj", "up_proj") if fc == "linear_fc1" else ("down_proj",)
+        return [f"{pre}mlp.experts.{e}.{p}.weight" for p in parts]
     raise KeyError(f"no HF name for mcore parameter {name!r}")
 
 
