@@ -172,8 +172,7 @@ class MegatronEngine(Engine):
         n = len(micro_batches)
         total = []
         widths = [m.mask.shape[1] for m in micro_batches]
-
-        seen: dict[int, tuple] = {}
+        seen: dict[int, tuple] = {}  # the last stage's outputs, for the other stages
 
         def loss_of(k, micro, logits):
             lp, ent = self._response(micro, logits, with_entropy)
@@ -190,12 +189,12 @@ class MegatronEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._run(micro_batches, False, loss_of)
-        if self.pp > 1 and self.stage < self.pp - 1:  # loss_fn's contract: called once per micro-batch on every rank
-            got = self.stages.from_last([(None, None)] * n, [(len(m), w) for m, w in zip(micro_batches, widths)], with_entropy)
-            with torch.no_grad():
-                total += [loss_fn(lp, ent, k).detach() for k, (lp, ent) in enumerate(got)]
-        elif self.pp > 1:
-            self.stages.from_last([seen[k] for k in range(n)], [(len(m), w) for m, w in zip(micro_batches, widths)], with_entropy)
+        if self.pp > 1:  # loss_fn's contract: called once per micro-batch on every rank, the stages without outputs too
+            got = self.stages.from_last([seen.get(k, (None, None)) for k in range(n)], [(len(m), w) for m, w in zip(micro_batches, widths)],
+                                        with_entropy)
+            if self.stage < self.pp - 1:
+                with torch.no_grad():
+                    total += [loss_fn(lp, ent, k).detach() for k, (lp, ent) in enumerate(got)]
         with cpu_compat.cuda_as_cpu(self.acc.device):
             _ok, grad_norm, _zeros = self.optimizer.step()
         self.step_count += 1
