@@ -23,6 +23,9 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
                                  "set actor.backend: megatron, or sequence_parallel: false"))
         if pp > 1:
             out.append(Violation("parallel.train.pp", pp, "pipeline parallelism is the megatron backend's", "set actor.backend: megatron, or pp: 1"))
+        if arch is not None and arch.is_moe and train_tp > 1:
+            out.append(Violation("parallel.train.tp", train_tp, "the FSDP backend has no tensor-parallel plan for MoE experts",
+                                 "use tp: 1 (FSDP shards every expert over dp_shard)"))
         return out
     field, out = "actor.backend", []
     fix_fsdp = "or use actor.backend: fsdp"

@@ -77,9 +77,6 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
         for what, count in counts + ([("moe_intermediate_size", arch.moe_intermediate_size)] if arch.is_moe else []):
             if count % tp:
                 out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the model's {what}={count}", f"use a TP size dividing {count}"))
-    if arch.is_moe and cfg.actor.backend == "fsdp" and lay.train.tp > 1:
-        out.append(Violation("parallel.train.tp", lay.train.tp, "the FSDP backend has no tensor-parallel plan for MoE experts",
-                             "use tp: 1 (FSDP shards every expert over dp_shard)"))
     total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if arch.max_positions and total > arch.max_positions:
         out.append(

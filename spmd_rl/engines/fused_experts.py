@@ -36,9 +36,9 @@ def checkpoint_names(name: str, num_experts: int) -> list[str]:
 
 def read(reader: Callable[[str], torch.Tensor], name: str, num_experts: int) -> torch.Tensor:
     """The in-memory tensor ``name`` from per-expert checkpoint tensors (``reader(hf_name)``)."""
-    names = checkpoint_names(name, num_experts)
-    if len(names) == 1 and names[0] == name:
+    if not is_fused(name):
         return reader(name)
+    names = checkpoint_names(name, num_experts)
     per = len(names) // num_experts
     return torch.stack([torch.cat([reader(n) for n in names[e * per:(e + 1) * per]]) for e in range(num_experts)])
 

@@ -20,7 +20,7 @@ def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
     for name, p in model.named_parameters():  # a megatron checkpoint names MoE experts one by one, as HF files do
         parts = fused_experts.checkpoint_names(name, p.shape[0])
-        if name not in weights and parts != [name] and all(n in weights for n in parts):
+        if fused_experts.is_fused(name) and name not in weights and all(n in weights for n in parts):
             weights[name] = fused_experts.read(weights.__getitem__, name, p.shape[0])
             for n in parts:
                 del weights[n]

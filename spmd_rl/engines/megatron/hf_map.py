@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd_rl.config.model_arch import ModelArch
+
 COLUMN = ("embedding.word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "output_layer.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -64,10 +66,9 @@ class Shape:
     def of(cls, hf_config) -> "Shape":
         nh = hf_config.num_attention_heads
         hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
-        experts = int(getattr(hf_config, "num_experts", 0) or 0) if hf_config.model_type == "qwen3_moe" else 0
-        step, dense = int(getattr(hf_config, "decoder_sparse_step", 1) or 1), set(getattr(hf_config, "mlp_only_layers", None) or [])
-        sparse = tuple(i for i in range(hf_config.num_hidden_layers) if experts and (i + 1) % step == 0 and i not in dense)
-        return cls(hf_config.num_hidden_layers, nh, hf_config.num_key_value_heads, hd, bool(hf_config.tie_word_embeddings), experts, sparse)
+        arch = ModelArch.from_dict(hf_config.to_dict())  # the experts and sparse layers, read as plan and validate read them
+        return cls(hf_config.num_hidden_layers, nh, hf_config.num_key_value_heads, hd, bool(hf_config.tie_word_embeddings),
+                   arch.num_experts, arch.sparse_layers)
 
 
 def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:

@@ -29,10 +29,9 @@ ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 def init_groups(tp: int, pp: int, device: torch.device, ep: int = 1) -> None:
     """mcore's process groups over the world (TP innermost, then pipeline stages, then DP, as
     ``config.layout``; expert parallelism over ``ep`` consecutive DP ranks), once per process:
-    the actor and the reference share them. On a device,
-    also mcore's RNG tracker
-    (its attention forks the "model-parallel-rng" generator even with dropout off, and raises
-    when it was never added); on the CPU ``cpu_compat`` replaces the tracker."""
+    the actor and the reference share them. On a device, also mcore's RNG tracker (its
+    attention forks the "model-parallel-rng" generator even with dropout off, and raises when
+    it was never added); on the CPU ``cpu_compat`` replaces the tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.core import gae, grpo_advantages, kl_estimate, masked_moments, token_rewards, whiten
-from spmd_rl.trainer.metrics import global_sums
+from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded
 
@@ -60,8 +60,7 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     kl, mask = _kl(call, width)
     rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
-    tp = run.lay.train.group  # a replica's TP and PP peers hold the same samples: count each DP group once
-    g = {k: v / tp for k, v in global_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask)))).items()}
+    g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
     white = whiten(adv, mask, g["n"], g["s"], g["q"])
     lens = lengths.tolist()
     resid = (returns - values) * mask

@@ -17,16 +17,16 @@ from spmd_rl.config.schema import Config
 from spmd_rl.trainer.metrics import global_sums
 
 
-def dp_sums(values: dict[str, float], tp: int) -> dict[str, float]:
-    """Sums over all ranks, each DP group counted once (``tp``: its ranks, which hold identical
-    data: ``Layout.group``)."""
-    return {k: v / tp for k, v in global_sums(values).items()}
+def dp_sums(values: dict[str, float], group: int) -> dict[str, float]:
+    """Sums over all ranks, each DP group counted once (``group``: its ranks, which hold
+    identical data: ``Layout.group``)."""
+    return {k: v / group for k, v in global_sums(values).items()}
 
 
-def mini_batch_norm(mask: torch.Tensor, tp: int) -> LossNorm:
+def mini_batch_norm(mask: torch.Tensor, group: int) -> LossNorm:
     """Global response-token and sequence counts of a mini-batch whose DP shares are spread
     over the ranks (``mask`` is this rank's share)."""
-    g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, tp)
+    g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, group)
     return LossNorm(g["tokens"], g["seqs"])
 
 
