@@ -22,7 +22,7 @@ from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
-from spmd_rl.config.stages import pinned_roles, stages_for
+from spmd_rl.config.stages import pinned_roles, records_routes, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
@@ -135,7 +135,8 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
     colocated = side == "both"
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
-                            distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated)
+                            distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated,
+                            record_routes=records_routes(cfg))
     if colocated:
         rollout.sleep(discard_weights=True)
     return rollout

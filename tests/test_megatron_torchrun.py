@@ -78,11 +78,18 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
     that few tokens chose has gradient elements at rounding size, which it turns into lr-sized
     steps, so the update is compared element by element: all but a handful (about 1e-5 of
     them) within 1e-4, none beyond lr (a wrong lr, weight decay, expert order or step count
-    moves most elements by about lr)."""
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_moe), "SPMD_RL_OUT": str(tmp_path), "TP": "1", "EP": "2", "DTYPE": "float32"}
+    moves most elements by about lr). Then both replay the same random routes (R3)."""
+    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_moe), "SPMD_RL_OUT": str(tmp_path), "TP": "1", "EP": "2", "DTYPE": "float32", "ROUTES": "1"}
     run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=300)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # routing replay of random routes (far from either router's own choice): the same
+        # log-probs, statistics and gradient from mcore's sequence-first layout as from HF's
+        assert r["replay_moved_logprobs"] > 0.1 and r["replay_logprob_diff"] < 1e-5, r
+        assert abs(r["replay_grad_norms"][0] - r["replay_grad_norms"][1]) <= 1e-5 * r["replay_grad_norms"][0], r
+        sf, sm = r["sums_fsdp"], r["sums_megatron"]
+        assert sf["decisions"] == sm["decisions"] > 0 and sf["agree"] == sm["agree"] < 0.5 * sf["decisions"], r
+        assert sf["load_ratio"] == pytest.approx(sm["load_ratio"]), r
         assert r["logprob_diff_before"] < 1e-5 and r["logprob_diff_after"] < 1e-5, r
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
         assert r["weight_diff_fraction"] < 1e-4 and r["weight_diff_after"] < 1e-3, r

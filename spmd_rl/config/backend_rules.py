@@ -71,3 +71,20 @@ def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation
             out.append(Violation(f"parallel.train.{field}", value, "the megatron backend runs MoE models with expert parallelism only in this version",
                                  f"set {field}: 1 and use parallel.train.ep"))
     return out
+
+
+def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
+    """``actor.router_replay`` needs a MoE model whose expert ids fit the routes column's uint8,
+    and the in-process rollout engine whose routers ``engines.route_capture`` hooks."""
+    mode, field = cfg.actor.router_replay, "actor.router_replay"
+    if mode == "none" or arch is None:
+        return []
+    if not arch.is_moe:
+        return [Violation(field, mode, "the model has no experts to route", "set actor.router_replay: none")]
+    out = []
+    if arch.num_experts > 256:
+        out.append(Violation(field, mode, f"routes are stored as uint8 expert ids; the model has {arch.num_experts} experts", "set actor.router_replay: none"))
+    if cfg.parallel.placement == "separated":
+        out.append(Violation(field, mode, "routes are recorded by the in-process rollout engine; the separated placement runs vLLM in its own process",
+                             "use parallel.placement: colocated, or actor.router_replay: none"))
+    return out

@@ -27,6 +27,13 @@ def tcv_per_warehouse(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, 
     return G * N * B * (2 * PL + 3 * n * SL + 8 * (C + 1) * M) / S / GB
 
 
+def routes_bytes(G: int, N: int, PL: int, SL: int, layers: int, top_k: int, reads: int) -> int:
+    """Bytes the ``rollout_routes`` column moves per iteration at most: one uint8 expert id per
+    (position, layer, routed expert) over the PL + SL - 1 routed positions of each of the G x N
+    samples, written once and read by ``reads`` stages."""
+    return G * N * (PL + SL - 1) * layers * top_k * (1 + reads)
+
+
 def dispatch_seconds(tcv_gb: float, bandwidth_gb_s: float) -> float:
     """Time to move ``tcv_gb`` over one link of ``bandwidth_gb_s`` (GB/s, 1 GB = 1024^3 B)."""
     return tcv_gb / bandwidth_gb_s

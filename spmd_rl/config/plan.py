@@ -9,6 +9,7 @@ from spmd_rl.config.estimates import (
     rank_memory,
     redundant_memory,
     role_bytes,
+    routes_bytes,
     tcv_centralized,
     tcv_per_warehouse,
     unsharded_accumulation_bytes,
@@ -16,7 +17,7 @@ from spmd_rl.config.estimates import (
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import flow_counts, resident_roles, stages_for, written_columns
+from spmd_rl.config.stages import flow_counts, records_routes, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
 
@@ -150,7 +151,20 @@ def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
         f"  centralized buffer TCV, Eq. (2):   {central:12.6f} GB   dispatch {dispatch_seconds(central, bandwidth_gb_s):10.3f} s",
         f"  per warehouse TCV, Eq. (4):        {per_wh:12.6f} GB   dispatch {dispatch_seconds(per_wh, bandwidth_gb_s):10.3f} s",
         f"  (at {bandwidth_gb_s:g} GB/s per link; warehouses serve in parallel; ratio {central / per_wh:.2f}x)",
-    ]
+    ] + _routes_lines(cfg, stages)
+
+
+def _routes_lines(cfg: Config, stages: list) -> list[str]:
+    """``actor.router_replay``'s column, outside the paper's formulas (one byte per expert id)."""
+    if not records_routes(cfg):
+        return []
+    arch = ModelArch.from_folder(cfg.model.path)
+    reads = sum("rollout_routes" in s.inputs for s in stages)
+    G, N, PL, SL = cfg.data.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    total = routes_bytes(G, N, PL, SL, arch.num_layers, arch.experts_per_token, reads)
+    return [f"  rollout_routes (actor.router_replay): G x N x (PL + SL - 1) x {arch.num_layers} layers x {arch.experts_per_token} experts "
+            f"x 1 B, written once, read by {reads} stage(s): at most {total / GB:.6f} GB per iteration, "
+            f"{total / GB / max(1, cfg.parallel.nnodes):.6f} GB per warehouse"]
 
 
 def render(cfg: Config, arch: ModelArch, lay: Layouts, bandwidth_gb_s: float) -> str:

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from spmd_rl.config.backend_rules import check_backend
+from spmd_rl.config.backend_rules import check_backend, check_router_replay
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
@@ -265,7 +265,9 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_tls(cfg)
     out += check_partial(cfg)
     out += check_separated(cfg)
-    out += check_backend(cfg, _arch(cfg), lay.train)
+    arch = _arch(cfg)
+    out += check_backend(cfg, arch, lay.train)
+    out += check_router_replay(cfg, arch)
     return lay, out
 
 

@@ -81,6 +81,9 @@ class ActorConfig(Section):
     tis_cap: float | None = Field(
         None, gt=0.0, description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged)."
     )
+    router_replay: Literal["none", "record", "rollout"] = Field(
+        "none", description="MoE models only (engines.route_replay): record = the rollout engine returns the experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's prefix caching is off while it records) and every iteration logs router_agreement (fraction of token-layer top-k sets the trainer chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert load (expert_load_max_mean) is logged for every MoE actor but a compiled one (actor.compile)."
+    )
     param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
     backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend of the actor and the reference: fsdp = FSDP2 + DTensor TP (every role and head); megatron = megatron-core GPTModel with TP (+ `parallel.train.sequence_parallel`), Megatron DDP and the distributed optimizer, dense Qwen2/Qwen3/Llama (engines/megatron).")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")

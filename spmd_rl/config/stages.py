@@ -14,7 +14,7 @@ from typing import Literal
 
 from spmd_rl.config.schema import Config
 
-ColumnKind = Literal["prompt", "response", "scalar"]
+ColumnKind = Literal["prompt", "response", "scalar", "routes"]
 
 COLUMNS: dict[str, ColumnKind] = {
     "prompt_ids": "prompt",
@@ -33,8 +33,10 @@ COLUMNS: dict[str, ColumnKind] = {
     "prefix_log_prob": "response",
     "prefix_version": "response",
     "prefix_done": "scalar",
+    "prefix_routes": "routes",
     "reward": "scalar",
     "seq_advantage": "scalar",
+    "rollout_routes": "routes",
 }
 """Every column a stage may write, by length class. The sample index is implicit (one scalar).
 ``advantages`` are per token (PPO's GAE); ``seq_advantage`` is one scalar per sample (GRPO and
@@ -51,6 +53,10 @@ prompt ledger records the rows it trained as observed in the dock (``trainer.led
 
 PARTIAL_COLUMNS = ("prefix_ids", "prefix_log_prob", "prefix_version", "prefix_done")
 """Also written by the data loader under partial rollout (``trainer.partial``)."""
+
+PREFIX_ROUTES = ("prefix_routes",)
+"""Also written under partial rollout when routes are recorded: the ``rollout_routes`` of each
+sample's response so far, which its continuation extends (``trainer.carry.Piece``)."""
 
 
 ROLES = ("rollout", "actor", "ref", "critic", "reward_model")
@@ -90,14 +96,26 @@ def separated(cfg: Config) -> bool:
     return cfg.parallel.placement == "separated"
 
 
+def records_routes(cfg: Config) -> bool:
+    """The rollout writes ``rollout_routes`` (``actor.router_replay`` record or rollout)."""
+    return cfg.actor.router_replay != "none"
+
+
 def versioned(cfg: Config) -> bool:
     """Samples may come from an older policy than the one trained (partial rollout, separated
     placement): the rollout records each token's policy version (``response_version``)."""
     return partial_rollout(cfg) or separated(cfg)
 
 
+def partial_columns(cfg: Config) -> tuple[str, ...]:
+    """The data loader's ``prefix_*`` columns of this config (none without partial rollout)."""
+    if not partial_rollout(cfg):
+        return ()
+    return PARTIAL_COLUMNS + (PREFIX_ROUTES if records_routes(cfg) else ())
+
+
 def data_columns(cfg: Config) -> tuple[str, ...]:
-    return DATA_COLUMNS + (PARTIAL_COLUMNS if partial_rollout(cfg) else ())
+    return DATA_COLUMNS + partial_columns(cfg)
 
 
 def generation_rounds(cfg: Config) -> int:
@@ -134,14 +152,15 @@ def stages_for(cfg: Config) -> list[Stage]:
     seq = ("prompt_ids", "response_ids")
     model_reward = cfg.reward.kind == "model"
     partial = partial_rollout(cfg)
+    routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
     out = [
-        Stage("actor_rollout", ("prompt_ids",) + (("prompt_row",) + PARTIAL_COLUMNS if partial else ()),
-              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()), ("rollout",),
+        Stage("actor_rollout", ("prompt_ids",) + (("prompt_row",) + partial_columns(cfg) if partial else ()),
+              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()) + routes, ("rollout",),
               group_granular=True, layout="gen", per_round=True),
         Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
               ("reward_model",) if model_reward else (), per_round=True),
     ]
-    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ())
+    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
     kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
         out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("ref",)))
@@ -150,7 +169,8 @@ def stages_for(cfg: Config) -> list[Stage]:
         else:
             update_extra += ("ref_log_prob",)
     if needs_old_log_prob(cfg):
-        out.append(Stage("actor_logprob", seq, ("old_log_prob",), ("actor",)))
+        replayed = routes if cfg.actor.router_replay == "rollout" else ()
+        out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
         if off_policy(cfg):
             update_extra += ("old_log_prob",)
     if cfg.algorithm.name == "ppo":
@@ -204,7 +224,7 @@ def advantage_column(cfg: Config) -> str:
 
 
 def written_columns(stages: list[Stage]) -> list[str]:
-    cols: list[str] = list(DATA_COLUMNS) + [c for c in PARTIAL_COLUMNS if c in stages[0].inputs]
+    cols: list[str] = list(DATA_COLUMNS) + [c for c in PARTIAL_COLUMNS + PREFIX_ROUTES if c in stages[0].inputs]
     for s in stages:
         cols += [c for c in s.outputs if c not in cols]
     return cols

@@ -25,16 +25,20 @@ class SeqBatch:
     predictor: torch.Tensor  # [B, R] position of the logits predicting response token j
     targets: torch.Tensor  # [B, R] response token ids (pad where masked)
     mask: torch.Tensor  # [B, R] bool, True for real response tokens
+    routes: list[torch.Tensor] | None = None
+    """The rollout's routes of each sample ([positions, layers, top_k] uint8, positions 0 ..
+    P + R - 2), kept on the host; ``engines.route_replay`` lays them out per forward."""
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.attention_mask, self.predictor, self.targets, self.mask)
 
     def to(self, device: torch.device) -> "SeqBatch":
-        return SeqBatch(*(t.to(device) for t in self._fields()))
+        return SeqBatch(*(t.to(device) for t in self._fields()), self.routes)
 
     def __getitem__(self, rows: slice | torch.Tensor) -> "SeqBatch":
         """The samples ``rows`` (a slice or an index tensor over the batch dimension)."""
-        return SeqBatch(*(t[rows] for t in self._fields()))
+        routes = None if self.routes is None else (self.routes[rows] if isinstance(rows, slice) else [self.routes[int(i)] for i in rows])
+        return SeqBatch(*(t[rows] for t in self._fields()), routes)
 
     def trim(self) -> "SeqBatch":
         """The same samples without the padding columns no sample of this batch uses: T cut to
@@ -42,7 +46,7 @@ class SeqBatch:
         t = max(1, int(self.attention_mask.sum(1).max())) if len(self) else 1
         r = max(1, int(self.mask.sum(1).max())) if len(self) else 1
         return SeqBatch(self.input_ids[:, :t], self.attention_mask[:, :t], self.predictor[:, :r].clamp(max=t - 1),
-                        self.targets[:, :r], self.mask[:, :r])
+                        self.targets[:, :r], self.mask[:, :r], self.routes)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,7 +57,13 @@ def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
     return [batch[i : i + size] for i in range(0, len(batch), size)]
 
 
-def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int) -> SeqBatch:
+def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int,
+                routes: list[torch.Tensor] | None = None, route_shape: tuple[int, int] | None = None) -> SeqBatch:
+    """The right-padded batch of prompt ++ response; ``routes`` (flattened ``rollout_routes``)
+    are reshaped to [positions, *route_shape] (layers, top_k) and checked to cover P + R - 1
+    positions."""
+    if routes is not None:
+        routes = [_routes_of(r, route_shape, p.numel() + s.numel() - 1, k) for k, (r, p, s) in enumerate(zip(routes, prompts, responses))]
     b = len(prompts)
     plen = torch.tensor([p.numel() for p in prompts])
     rlen = torch.tensor([r.numel() for r in responses])
@@ -70,7 +80,14 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
     pos = (plen[:, None] + j).clamp(max=t - 1)
     predictor = (pos - 1).clamp(min=0)
     targets = torch.where(mask, ids.gather(1, pos), torch.full_like(pos, pad_id))
-    return SeqBatch(ids, att, predictor, targets, mask)
+    return SeqBatch(ids, att, predictor, targets, mask, routes)
+
+
+def _routes_of(flat: torch.Tensor, shape: tuple[int, int], positions: int, k: int) -> torch.Tensor:
+    if flat.numel() != positions * shape[0] * shape[1]:
+        raise ValueError(f"sample {k}: rollout_routes holds {flat.numel()} ids, expected {positions} positions x "
+                         f"{shape[0]} layers x {shape[1]} experts per token")
+    return flat.view(positions, *shape)
 
 
 def logit_window(batch: SeqBatch) -> tuple[int, int]:

@@ -43,6 +43,9 @@ class Sample:
     logprobs: list[float]
     stopped: bool = False
     """Ended on a stop token (EOS), not on the token limit of its request."""
+    routes: torch.Tensor | None = None
+    """With ``record_routes``: the experts vLLM chose at every position of prompt + response but
+    the last, flattened [(P + R - 1) x layers x top_k] uint8 (``engines.route_capture``)."""
 
 
 @contextlib.contextmanager
@@ -60,19 +63,23 @@ def _child_env(extra: dict[str, str]):
                 os.environ[k] = v
 
 
-def _sample(completion) -> Sample:
+def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
     ids = list(completion.token_ids)
-    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])], completion.finish_reason == "stop")
+    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])], completion.finish_reason == "stop", routes)
 
 
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
                  max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False,
-                 dummy_weights: bool = False):
+                 dummy_weights: bool = False, record_routes: bool = False):
         """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
         so vLLM initialises them randomly instead of reading the checkpoint; generating before
-        the first ``update_weights`` is refused. Build this engine before any training role
+        the first ``update_weights`` is refused. ``record_routes``: every sample carries the
+        experts its tokens were routed to (in-process engines; prefix caching off, since a
+        cached prompt block is never computed and so never routed). Build this engine before any training role
         takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
+        if record_routes and own_process:
+            raise ValueError("routes are recorded in-process only (engines.route_capture)")
         configure_vllm_env(cfg, own_process)
         import vllm
         from vllm import LLM
@@ -91,8 +98,11 @@ class RolloutEngine:
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
         with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) if own_process else {}):
             self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights))
+                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes))
         torch.set_float32_matmul_precision(precision)
+        self.record_routes = record_routes
+        if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm_options)
+            self.llm.collective_rpc("start_routes")
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
             self._watch = orphan_watch.OrphanWatch()
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
@@ -112,7 +122,7 @@ class RolloutEngine:
 
     def generate_stream(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
                         seed: int | None = None) -> Iterator[list[tuple[int, list[Sample]]]]:
-        """After each engine step that finished prompt groups: [(prompt index, its n samples)].
+        """As each prompt group finishes: [(prompt index, its n samples)].
         The samples are the ones ``generate`` returns (same requests, same per-request seeds
         seed + k)."""
         from vllm import SamplingParams
@@ -123,23 +133,49 @@ class RolloutEngine:
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
         params = [SamplingParams(**sampling_options(self.cfg, temp, per_request, max_tokens, None if seed is None else seed + k))
                   for k in range(len(owners))]
-        ids = self.llm.enqueue([{"prompt_token_ids": prompts[p]} for p in owners], params, use_tqdm=False)
-        # vLLM returns its internal ids ("<external>-<random>"); outputs carry the external one
-        slot = {rid.split("-", 1)[0]: (p, k) for k, (rid, p) in enumerate(zip(ids, owners))}
         groups: dict[int, list[tuple[int, list[Sample]]]] = {}
+        for k, samples in self._run([prompts[p] for p in owners], params):
+            p = owners[k]
+            got = groups.setdefault(p, [])
+            got.append((k, samples))
+            if len(got) * per_request == n:
+                yield [(p, [s for _, samples in sorted(got) for s in samples])]
+
+    def _run(self, contexts: list[list[int]], params: list) -> Iterator[tuple[int, list[Sample]]]:
+        """(request k, its samples by output index) as each request finishes, with their routes
+        when recorded. vLLM names requests internally "<external>-<random>" (outputs carry the
+        external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
+        ids = self.llm.enqueue([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        slot = {rid.split("-", 1)[0]: (k, rid) for k, rid in enumerate(ids)}
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
-            finished = []
             for out in engine.step():
                 if not out.finished or out.request_id not in slot:
                     continue
-                p, k = slot[out.request_id]
-                got = groups.setdefault(p, [])
-                got.append((k, [_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]))
-                if len(got) * per_request == n:
-                    finished.append((p, [s for _, samples in sorted(got) for s in samples]))
-            if finished:
-                yield finished
+                k, rid = slot[out.request_id]
+                outputs = sorted(out.outputs, key=lambda c: c.index)
+                routes = self._routes(contexts[k], outputs, rid, params[k].n) if self.record_routes else [None] * len(outputs)
+                yield k, [_sample(c, r) for c, r in zip(outputs, routes)]
+
+    def _routes(self, context: list[int], outputs: list, rid: str, n: int) -> list[torch.Tensor]:
+        """The recorded routes of a finished request's samples, checked to cover every position
+        of context + sample but the last: taken from the CPU worker's capture, or vLLM's own
+        ``routed_experts`` on a device."""
+        names = [f"{c.index}_{rid}" if n > 1 else rid for c in outputs]
+        if self.acc.kind == "cpu":
+            tables = self.llm.collective_rpc("take_routes", args=(names,))[0]
+        else:
+            tables = {name: c.routed_experts for name, c in zip(names, outputs)}
+        out = []
+        for name, c in zip(names, outputs):
+            table = tables[name]
+            if table is None:
+                raise RuntimeError(f"vLLM returned no routed experts for request {name}: is enable_return_routed_experts on?")
+            if table.shape[0] != len(context) + len(c.token_ids) - 1:
+                raise RuntimeError(f"vLLM routed {table.shape[0]} positions of request {name}, expected "
+                                   f"{len(context) + len(c.token_ids) - 1} (prompt {len(context)} + response {len(c.token_ids)} - 1)")
+            out.append(torch.from_numpy(table.astype("uint8", copy=False)).flatten())
+        return out
 
     def continue_samples(self, requests: list[tuple[list[int], int]], temperature: float | None = None,
                          seed: int | None = None) -> list[Sample]:
@@ -152,8 +188,8 @@ class RolloutEngine:
         self._require_weights()
         temp = self.cfg.temperature if temperature is None else temperature
         params = [SamplingParams(**sampling_options(self.cfg, temp, 1, m, None if seed is None else seed + k)) for k, (_, m) in enumerate(requests)]
-        outs = self.llm.generate([{"prompt_token_ids": c} for c, _ in requests], params, use_tqdm=False)
-        return [_sample(o.outputs[0]) for o in outs]
+        done = dict(self._run([c for c, _ in requests], params))
+        return [done[k][0] for k in range(len(requests))]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], meta: list[tuple[str, torch.dtype, list[int]]] | None = None) -> None:
         """Load new full weights and drop cached prefixes. In-process they are consumed lazily,

@@ -14,6 +14,7 @@ One class, three heads, four roles:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,11 +28,11 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.distributed.sides import side_group
-from spmd_rl.engines import fused_experts
+from spmd_rl.engines import fused_experts, route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
-from spmd_rl.engines.packing import packed_response_logprobs, packed_scores, packed_values
+from spmd_rl.engines.packing import packed_for, packed_response_logprobs, packed_scores, packed_values
 from spmd_rl.engines.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
@@ -87,8 +88,27 @@ class TrainEngine(Engine):
                 self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps))
         else:
             self.model.requires_grad_(False)
+        self.routers = route_replay.patch_hf(self.model) if trainable and head == "lm" and not cfg.compile else 0
+        """The actor's MoE routers go through ``engines.route_replay`` (replay, router metrics)."""
 
     # -- forward ------------------------------------------------------------------------------
+    def _routes(self, micro: SeqBatch):
+        """An MoE actor's routers see the micro-batch's routes (``engines.route_replay``) in the
+        forward's layout, through the forward and the backward inside this context."""
+        if not self.routers:
+            return contextlib.nullcontext()
+        micro = micro.trim()
+        lengths = micro.attention_mask.sum(1).tolist()
+        if self.cfg.pack_sequences:
+            p = packed_for(self.model, micro)
+            start, size = (p.last + 1 - torch.tensor(lengths)).tolist(), p.input_ids.numel()
+            index = lambda b, t: start[b] + t  # noqa: E731
+        else:
+            size, width = micro.input_ids.numel(), micro.input_ids.shape[1]
+            index = lambda b, t: b * width + t  # noqa: E731
+        routes, valid = route_replay.place(lengths, size, index, micro.routes)
+        return route_replay.feeding(routes, valid, self.cfg.router_replay == "rollout")
+
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
         padding that no sample uses), packed when ``cfg.pack_sequences``
@@ -127,7 +147,10 @@ class TrainEngine(Engine):
         """The head's outputs (module docstring) for the micro-batches, concatenated in order:
         ([B, R] log-probs or values, or [B] scores; [B, R] entropies of an LM when asked)."""
         self.model.eval()
-        outs = [self._forward(m, with_entropy) for m in micro_batches]
+        outs = []
+        for m in micro_batches:
+            with self._routes(m):
+                outs.append(self._forward(m, with_entropy))
         lp = torch.cat([o[0] for o in outs]).cpu()
         ent = torch.cat([o[1] for o in outs]).cpu() if with_entropy else None
         return lp, ent
@@ -146,9 +169,10 @@ class TrainEngine(Engine):
                     self.model.set_reshard_after_forward(False)
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
-                lp, ent = self._forward(micro, with_entropy)
-                loss = loss_fn(lp, ent, k)
-                loss.backward()
+                with self._routes(micro):
+                    lp, ent = self._forward(micro, with_entropy)
+                    loss = loss_fn(lp, ent, k)
+                    loss.backward()
                 total_loss += float(loss.detach())
         finally:
             if self.cfg.accumulate_unsharded:  # forward-only passes reshard after each module again

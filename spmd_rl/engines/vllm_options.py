@@ -16,7 +16,10 @@ Device-only choices and why (vLLM 0.32's CUDA worker; verl's vLLM rollout makes 
   (colocated): no rank reads the checkpoint a second time.
 
 Both kinds: prefix caching on (the N samples of one prompt share its KV blocks; the cache is
-reset after every weight load), no detokenization (the trainer decodes the ids it needs).
+reset after every weight load) unless routes are recorded (a cached block is never routed),
+no detokenization (the trainer decodes the ids it needs). Routes on a device come from vLLM's
+``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
+on the CPU from ``engines.route_capture``'s hooks on the V1 runner.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> Non
 
 
 def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False,
-                   dummy_weights: bool = False) -> dict:
+                   dummy_weights: bool = False, record_routes: bool = False) -> dict:
     """vLLM ``LLM(...)`` options from the config (module docstring)."""
-    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": "spmd_rl.engines.weight_receiver.WeightReceiver", "use_tqdm_on_load": False}
+    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": not record_routes, "logprobs_mode": "processed_logprobs",
+                "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker", "use_tqdm_on_load": False}
     if own_process:
         kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
     elif distributed:
@@ -57,6 +60,8 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
     if acc_kind != "cpu":
         kw |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": True,
                "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30), "disable_custom_all_reduce": True}
+        if record_routes:  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
+            kw["enable_return_routed_experts"] = True
     return kw
 
 

@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from spmd_rl.config.layout import Layouts
+from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.data.prompts import PromptSet
 from spmd_rl.data.sampler import PromptSampler
@@ -53,6 +54,11 @@ class Run:
         """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``),
         derived once from the graph."""
         return fused_stages(self.cfg, self.graph)
+
+    @cached_property
+    def arch(self) -> ModelArch:
+        """The policy's architecture (``model.path``'s config.json)."""
+        return ModelArch.from_folder(self.cfg.model.path)
 
     @property
     def actor(self) -> Engine:

@@ -2,7 +2,8 @@
 
 Env: MODEL, TP (megatron's TP; sequence parallel when TP > 1), PP (pipeline stages, default 1;
 megatron's DP is world / (TP x PP)), EP (expert parallelism over the DP ranks, MoE models;
-default 1), DTYPE, SPMD_RL_OUT. The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
+default 1), DTYPE, SPMD_RL_OUT, ROUTES (set: MoE routing replay of random routes, compared
+after the other checks). The FSDP engine always runs dp_shard = world. Writes rank<k>.json: the largest
 log-prob difference before and after one update, the two grad norms, the largest weight
 difference after the update (full HF tensors from each engine's ``full_weights``), and what the
 weight sync yields (names and shapes, against ``weight_shapes`` and the HF checkpoint).
@@ -32,6 +33,46 @@ def batch_of(n: int, seed: int):
     prompts = [torch.randint(3, 200, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
     responses = [torch.randint(3, 200, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
     return build_batch(prompts, responses, pad_id=0), torch.randn(n, generator=g)
+
+
+def with_random_routes(batch, layers: int, experts: int, k: int, seed: int):
+    """The batch with a random set of k distinct experts at every routed position (P + R - 1
+    of each sample): far from any router's own choice, so a misplaced row changes log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    routes = []
+    for n in (batch.attention_mask.sum(1) - 1).tolist():
+        routes.append(torch.rand(n, layers, experts, generator=g).argsort(-1)[..., :k].to(torch.uint8))
+    return type(batch)(batch.input_ids, batch.attention_mask, batch.predictor, batch.targets, batch.mask, routes)
+
+
+def replayed_logprobs(fsdp, mega, share, fdp: int, mdp: int) -> dict:
+    """Both engines, fresh (an update moves rarely chosen experts apart: Adam's first step),
+    replay the same random routes: their log-probs, without routes too, and router statistics."""
+    from spmd_rl.engines import route_replay
+
+    out = {}
+    for name, engine, dp in (("fsdp", fsdp, fdp), ("megatron", mega, mdp)):
+        mine, _ = share(dp)
+        route_replay.take_sums()
+        out[f"lp_{name}"] = engine.infer(split(mine, 3))[0].tolist()
+        out[f"own_{name}"] = engine.infer(split(type(mine)(*mine._fields()), 3))[0].tolist()  # the same samples, no routes
+        out[f"sums_{name}"] = route_replay.take_sums()
+    return out
+
+
+def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int) -> list[float]:
+    """One update of each engine replaying the routes: the gradient reaches the routers through
+    the replayed experts' gate weights (mcore's softmax of the chosen logits, HF's renormalised
+    probabilities)."""
+    norms = []
+    for engine, dp in ((fsdp, fdp), (mega, mdp)):
+        mine, a = share(dp)
+        micros = split(mine, 4)
+
+        def loss_fn(lp, ent, k, micros=micros, a=a, dp=dp):
+            return -(lp * a[k * 4:(k + 1) * 4, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
+        norms.append(engine.train_step(micros, loss_fn)["grad_norm"])
+    return norms
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
@@ -102,7 +143,8 @@ def main():
     pp, ep = int(os.environ.get("PP", "1")), int(os.environ.get("EP", "1"))
     acc = detect("cpu")
     torch.manual_seed(0)
-    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01)
+    routes = os.environ.get("ROUTES") is not None
+    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01, router_replay="rollout" if routes else "none")
     fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
     mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4, pp=pp, ep=ep)
     batch, adv = batch_of(16, seed=1)
@@ -125,13 +167,25 @@ def main():
         return engine.train_step(micros, loss_fn, with_entropy=True), mine
 
     fdp, mdp = world, world // (tp * pp)
+    out = {}
+    if routes:
+        from transformers import AutoConfig
+        hc = AutoConfig.from_pretrained(model)
+        plain, batch = batch, with_random_routes(batch, hc.num_hidden_layers, hc.num_experts, hc.num_experts_per_tok, seed=2)
+        got = [None] * world
+        dist.all_gather_object(got, replayed_logprobs(fsdp, mega, share, fdp, mdp))
+        cat = lambda key, dp: torch.cat([torch.tensor(got[r][key]) for r in range(0, world, world // dp)])  # noqa: E731
+        out["replay_logprob_diff"] = float((cat("lp_fsdp", fdp) - cat("lp_megatron", mdp)).abs().max())
+        out["replay_moved_logprobs"] = float((cat("lp_fsdp", fdp) - cat("own_fsdp", fdp)).abs().max())
+        out |= {"sums_fsdp": got[rank]["sums_fsdp"], "sums_megatron": got[rank]["sums_megatron"]}
+        routed, batch = batch, plain
     lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
     lp_m = mega.infer(split(share(mdp)[0], 3))[0]  # another split: infer is per micro-batch
     everyone = [None] * world
     dist.all_gather_object(everyone, (lp_f.tolist(), lp_m.tolist()))
     full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
     full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
-    out = {"logprob_diff_before": float((full_f - full_m).abs().max())}
+    out["logprob_diff_before"] = float((full_f - full_m).abs().max())
     sf, _ = step(fsdp, fdp, 4)
     sm, _ = step(mega, mdp, 2)  # another micro-batch split: the objective is split-invariant
     out |= {"grad_norm_fsdp": sf["grad_norm"], "grad_norm_megatron": sm["grad_norm"]}
@@ -156,6 +210,9 @@ def main():
     out["logprob_diff_after"] = float((full_f - full_m).abs().max())
     out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
+    if routes:
+        batch = routed
+        out["replay_grad_norms"] = replayed_grad_norms(fsdp, mega, share, tokens, fdp, mdp)
     out |= ledger_against_plan(mega, acc, tp, pp, dtype, model, ep) | {"dp": mdp}
     if os.environ.get("CKPT"):
         fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp, ep=ep)  # noqa: E731

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.engines import route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn
 from spmd_rl.engines.logprobs import SeqBatch, logit_window, response_logprobs
 from spmd_rl.engines.megatron import checkpoint, cpu_compat
@@ -83,6 +84,8 @@ class MegatronEngine(Engine):
                                         recompute=cfg.activation_checkpointing and trainable, pp=pp, stage=self.stage, device=acc.device,
                                         ep=ep, ep_rank=self.ep_rank)
         self.stages = StageWeights(path, self.shape, model.config, pp, acc.device, ep)
+        self.routers = route_replay.patch_mcore(model) if trainable and self.shape.experts else 0
+        """The actor's MoE routers go through ``engines.route_replay`` (replay, router metrics)."""
         model.to(acc.device)
         self.optimizer = None
         self.mixed = trainable and compute != master
@@ -137,12 +140,27 @@ class MegatronEngine(Engine):
 
         def forward_step(it, model):
             k, micro = next(it)
+            self._feed_routes(micro)
             logits = self._logits(model, micro)
             return logits, lambda out: (consume(k, micro, out), {})
 
         longest = max((m.input_ids.shape[1] for m in batches), default=1)
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(enumerate(batches)), model=[self.model],
-                                    num_microbatches=len(batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
+        try:
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(enumerate(batches)), model=[self.model],
+                                        num_microbatches=len(batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
+        finally:
+            route_replay.stop()
+
+    def _feed_routes(self, micro: SeqBatch) -> None:
+        """An MoE actor's routers see this micro-batch's routes (``engines.route_replay``) until
+        the next one's: mcore runs a micro-batch's backward (and its recompute) before the next
+        forward. mcore flattens tokens sequence-first: token t of sample b is row t * b_count + b
+        (MoE runs without TP, so without sequence parallelism's split)."""
+        if not self.routers:
+            return
+        count, seq = micro.input_ids.shape
+        routes, valid = route_replay.place(micro.attention_mask.sum(1).tolist(), count * seq, lambda b, t: t * count + b, micro.routes)
+        route_replay.start(routes, valid, self.cfg.router_replay == "rollout")
 
     def _response(self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         lo, hi = logit_window(micro)

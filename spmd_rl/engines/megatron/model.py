@@ -71,14 +71,16 @@ def _moe(hc, s: Shape, ep: int) -> dict:
     """Qwen3-MoE's router in mcore's terms: softmax over every expert then top-k renormalised
     (``norm_topk_prob``) equals mcore's top-k of the logits then softmax over the k; without
     renormalising, mcore's ``moe_router_pre_softmax``. Experts of ``moe_intermediate_size``,
-    one SequentialMLP each (no grouped GEMM), no load-balancing loss in the objective."""
+    one SequentialMLP each (no grouped GEMM), no load-balancing loss in the objective. Each
+    router gets mcore's ``RouterReplay`` hook, through which ``engines.route_replay`` replays
+    the rollout's experts and counts the router metrics."""
     if not s.experts:
         return {}
     if s.sparse != tuple(range(s.layers)):
         raise ValueError("the megatron backend maps Qwen3-MoE models whose every layer is sparse (decoder_sparse_step 1, no mlp_only_layers)")
     return {"num_moe_experts": s.experts, "moe_router_topk": hc.num_experts_per_tok, "moe_ffn_hidden_size": hc.moe_intermediate_size,
             "moe_router_pre_softmax": not getattr(hc, "norm_topk_prob", True), "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False, "expert_model_parallel_size": ep}
+            "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False, "expert_model_parallel_size": ep, "moe_enable_routing_replay": True}
 
 
 def _qkv_bias(hc) -> bool:

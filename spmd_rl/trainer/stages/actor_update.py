@@ -9,6 +9,7 @@ import torch
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
 from spmd_rl.config.stages import advantage_column, separated
+from spmd_rl.engines import route_replay
 from spmd_rl.trainer.metrics import global_max
 from spmd_rl.trainer.stages.micro import micro_plan
 from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, mini_batches
@@ -34,7 +35,7 @@ def actor_update(call: StageCall) -> StageResult:
     cfg, lay = run.cfg, run.lay.train
     a = cfg.actor
     use_ref, use_old = "ref_log_prob" in call.stage.inputs, "old_log_prob" in call.stage.inputs
-    seqs = seq_batch(run, batch)
+    seqs = seq_batch(run, batch, with_routes="rollout_routes" in call.stage.inputs)
     width = seqs.mask.shape[1]
     if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
         adv = torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width) if len(batch) else torch.zeros(0, width)
@@ -52,6 +53,8 @@ def actor_update(call: StageCall) -> StageResult:
     plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, a.micro_batch_size)
     acc = dict.fromkeys(_SUMS, 0.0) | {"mismatch_max": 0.0}
     steps, grad_norm, lr = 0, 0.0, 0.0
+    route_replay.take_sums()  # the router metrics are the first epoch's (as the mismatch's)
+    routing: dict[str, float] = {}
     for epoch in range(a.ppo_epochs):
         for sl, micros in zip(minis, plan):
             norm = mini_batch_norm(seqs.mask[sl], lay.group)
@@ -89,6 +92,8 @@ def actor_update(call: StageCall) -> StageResult:
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
+        if epoch == 0:
+            routing = route_replay.take_sums()
     run.residency.weights_changed()
     acc = on_host(acc)
     final = {}
@@ -96,12 +101,14 @@ def actor_update(call: StageCall) -> StageResult:
         lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
         acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
         final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
+    acc |= {f"route_{k}": v for k, v in routing.items()}
     g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.group)
     if final:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag
         if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
             raise RuntimeError(f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above stream.max_policy_lag={k}")
+    final |= route_replay.metrics({k.removeprefix("route_"): v for k, v in g.items() if k.startswith("route_")})
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
     return StageResult(consumed=consumed, final=final | {

@@ -43,11 +43,15 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
 
 
 def rollout_columns(samples: list[Sample]) -> dict[str, object]:
-    return {
+    """The rollout's columns; ``rollout_routes`` when the engine records routes."""
+    out: dict[str, object] = {
         "response_ids": [torch.tensor(s.token_ids, dtype=torch.int32) for s in samples],
         "rollout_log_prob": [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
         "response_length": torch.tensor([len(s.token_ids) for s in samples], dtype=torch.int32),
     }
+    if samples and samples[0].routes is not None:
+        out["rollout_routes"] = [s.routes for s in samples]
+    return out
 
 
 @register("actor_rollout")
@@ -68,14 +72,15 @@ def actor_rollout(call: StageCall) -> StageResult:
 def _continue(call: StageCall) -> StageResult:
     cfg, cols = call.run.cfg, call.batch.columns
     limit = cfg.rollout.max_response_length
-    pieces = [Piece.of(row, ids, lp, ver, done) for row, ids, lp, ver, done in
-              zip(cols["prompt_row"], cols["prefix_ids"], cols["prefix_log_prob"], cols["prefix_version"], cols["prefix_done"])]
+    routes = cols.get("prefix_routes", [None] * len(call.batch))
+    pieces = [Piece.of(row, ids, lp, ver, done, r if r is None or r.numel() else None) for row, ids, lp, ver, done, r in
+              zip(cols["prompt_row"], cols["prefix_ids"], cols["prefix_log_prob"], cols["prefix_version"], cols["prefix_done"], routes)]
     todo = [k for k, p in enumerate(pieces) if not p.done]
     got = call.run.rollout.continue_samples(
         [(cols["prompt_ids"][k].tolist() + pieces[k].token_ids, min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids))) for k in todo],
         seed=_seed(call))
     for k, s in zip(todo, got):
         pieces[k].extend(s, call.it, limit)
-    out = rollout_columns([Sample(p.token_ids, p.logprobs) for p in pieces])
+    out = rollout_columns([Sample(p.token_ids, p.logprobs, routes=p.routes) for p in pieces])
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
     return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)))

@@ -16,7 +16,10 @@ Plans (``dir`` is a folder the test and the workers share):
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
   ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
-  ``D/ledger_rank<r>.jsonl`` (phase, bytes by category).
+  ``D/ledger_rank<r>.jsonl`` (phase, bytes by category). With routes recorded, also each
+  request's routes as the rollout engine took them from vLLM (``D/vllm_routes_rank<r>_<n>.pt``:
+  context, responses, routes) and every sequence batch a stage built with routes
+  (``D/read_routes_rank<r>_<n>.pt``: prompts, responses, routes as read from the dock).
 - ``{"kind": "desync", "rank": r}``: the sampler of global rank r skips its first prompt
   position once, as a rank whose data order drifted from the others' would (the prompt
   ledger must see it: a putter writes rows the leader's sampler never handed out).
@@ -117,6 +120,34 @@ def _dump(plan: dict) -> None:
             f.write(json.dumps({"phase": phase, **self.ledger.rows[-1][1]}) + "\n")
 
     TransferDock.put, Residency.record = put_saving, record_saving
+    _dump_routes(folder, rank)
+
+
+def _dump_routes(folder: Path, rank: str) -> None:
+    import torch
+
+    from spmd_rl.engines import logprobs
+    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.trainer.stages import samples
+
+    taken, build, count = RolloutEngine._routes, logprobs.build_batch, [0, 0]
+
+    def routes_saving(self, context, outputs, rid, n):
+        got = taken(self, context, outputs, rid, n)
+        torch.save({"context": list(context), "responses": [list(c.token_ids) for c in outputs], "routes": [r.clone() for r in got]},
+                   folder / f"vllm_routes_rank{rank}_{count[0]}.pt")
+        count[0] += 1
+        return got
+
+    def build_saving(prompts, responses, pad_id, routes=None, route_shape=None):
+        if routes is not None:
+            torch.save({"prompts": [p.clone() for p in prompts], "responses": [r.clone() for r in responses],
+                        "routes": [r.clone() for r in routes]}, folder / f"read_routes_rank{rank}_{count[1]}.pt")
+            count[1] += 1
+        return build(prompts, responses, pad_id, routes, route_shape)
+
+    RolloutEngine._routes = routes_saving
+    samples.build_batch = build_saving
 
 
 def _desync(plan: dict) -> None:

@@ -1,0 +1,204 @@
+"""Rollout routing replay (R3) and the router statistics of a training forward.
+
+A forward's MoE routers see its tokens flattened in the engine's layout: rows of the right-padded
+[B, T] batch, the packed rows (``engines.packing``), or megatron's sequence-first [T, B]. The
+engine lays the rollout's routes out the same way (``place``) and makes them current for the
+forward (``feeding``). Each router, patched once (``patch_hf``, ``patch_mcore``), computes its
+own top-k and then asks ``choose(layer, own)`` which experts to use:
+
+- replay on and the token recorded: the rollout's experts e_1..e_k. The gate weights come from
+  the same router probabilities, gathered at those experts (HF: p = softmax(logits over every
+  expert), w_i = p[e_i] / sum_j p[e_j] with ``norm_topk_prob``; mcore: softmax over the k
+  chosen logits, the same numbers), so the router still learns through them;
+- otherwise its own top-k. Positions without a recorded route are padding and each sample's
+  last token, whose output no log-prob reads.
+
+Statistics, counted once per layer and forward (a backward's recompute does not count again):
+
+    router_agreement     = #(token, layer) with {own top-k} = {rollout's} / #(token, layer) recorded
+    routes_differ_tokens = #tokens whose sets differ in at least one layer / #tokens recorded
+    expert_load_max_mean = mean over layers of max_e load[l, e] / mean_e load[l, e],
+                           load = real tokens routed to expert e by the experts used
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Feed:
+    routes: torch.Tensor | None
+    """[N, layers, k] int64 in the forward's layout, -1 where no route was recorded; None: no routes."""
+    valid: torch.Tensor
+    """[N] bool, real tokens."""
+    replay: bool
+    seen: set = field(default_factory=set)
+    differ: torch.Tensor | None = None
+
+
+_current: Feed | None = None
+_sums: dict[str, torch.Tensor] = {}
+_experts: dict[int, int] = {}
+"""Experts per patched layer."""
+
+
+def place(lengths: list[int], size: int, index: Callable[[int, torch.Tensor], torch.Tensor],
+          routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(routes [size, layers, k] int64, -1 where none; valid [size] bool) of a forward whose
+    sample b's position t sits at row ``index(b, t)`` (t a tensor of positions)."""
+    valid = torch.zeros(size, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[index(b, torch.arange(n))] = True
+    if routes is None:
+        return None, valid
+    shape = routes[0].shape[1:] if routes else (0, 0)
+    out = torch.full((size, *shape), -1, dtype=torch.long)
+    for b, r in enumerate(routes):
+        out[index(b, torch.arange(r.shape[0]))] = r.long()
+    return out, valid
+
+
+def start(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool) -> None:
+    """Make ``routes`` / ``valid`` (``place``) current until ``stop`` or the next ``start``:
+    for a micro-batch's forward and its backward (which recomputes the forward under
+    activation checkpointing, and must replay the same experts)."""
+    global _current
+    stop()
+    _current = Feed(routes, valid, replay)
+
+
+def stop() -> None:
+    global _current
+    if _current is not None and _current.differ is not None:
+        _add("differ_tokens", _current.differ.sum())
+    _current = None
+
+
+@contextlib.contextmanager
+def feeding(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool):
+    """``start`` ... ``stop`` around the block."""
+    start(routes, valid, replay)
+    try:
+        yield
+    finally:
+        stop()
+
+
+def choose(layer: int, own: torch.Tensor) -> torch.Tensor:
+    """The experts [N, k] a router uses (module docstring); counts the statistics."""
+    f = _current
+    if f is None:
+        return own
+    routes = None if f.routes is None else f.routes[:, layer].to(own.device)
+    recorded = None if routes is None else routes[:, 0] >= 0
+    if layer not in f.seen:
+        f.seen.add(layer)
+        _count(f, layer, own, routes, recorded)
+    if f.replay and routes is not None:
+        return torch.where(recorded[:, None], routes, own)
+    return own
+
+
+def _count(f: Feed, layer: int, own: torch.Tensor, routes: torch.Tensor | None, recorded: torch.Tensor | None) -> None:
+    valid = f.valid.to(own.device)
+    used = own if not (f.replay and routes is not None) else torch.where(recorded[:, None], routes, own)
+    experts = int(_experts.get(layer, int(used.max()) + 1 if used.numel() else 1))
+    load = torch.zeros(experts, device=own.device).index_add_(0, used[valid].flatten(), torch.ones(int(valid.sum()) * used.shape[1], device=own.device))
+    _add("load_ratio", load.max() / load.mean().clamp(min=1e-12) if valid.any() else torch.zeros((), device=own.device))
+    _add("load_layers", torch.ones((), device=own.device) if valid.any() else torch.zeros((), device=own.device))
+    if routes is None:
+        return
+    same = (own.sort(dim=1).values == routes.sort(dim=1).values).all(dim=1) & recorded
+    _add("agree", same.sum())
+    _add("decisions", recorded.sum())
+    if f.differ is None:
+        f.differ = torch.zeros_like(recorded)
+        _add("recorded_tokens", recorded.sum())
+    f.differ |= recorded & ~same
+
+
+def _add(name: str, value: torch.Tensor) -> None:
+    v = value.detach().double()
+    _sums[name] = _sums[name] + v if name in _sums else v
+
+
+def take_sums() -> dict[str, float]:
+    """The statistics' sums since the last call (``agree``, ``decisions``, ``differ_tokens``,
+    ``recorded_tokens``, ``load_ratio``, ``load_layers``), then reset."""
+    names = ("agree", "decisions", "differ_tokens", "recorded_tokens", "load_ratio", "load_layers")
+    out = {k: float(_sums[k]) if k in _sums else 0.0 for k in names}
+    _sums.clear()
+    return out
+
+
+def metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The logged ratios (module docstring) of summed ``take_sums`` values; the route ones only
+    when routes were recorded."""
+    out = {"expert_load_max_mean": sums["load_ratio"] / max(sums["load_layers"], 1.0)} if sums["load_layers"] else {}
+    if sums["decisions"]:
+        out |= {"router_agreement": sums["agree"] / sums["decisions"],
+                "routes_differ_tokens": sums["differ_tokens"] / max(sums["recorded_tokens"], 1.0)}
+    return out
+
+
+def patch_hf(model: torch.nn.Module) -> int:
+    """Route every HF Qwen3-MoE router of ``model`` through ``choose``; returns how many."""
+    done = 0
+    for layer, block in enumerate(model.model.layers):
+        router = getattr(block.mlp, "gate", None)
+        if router is None or not hasattr(router, "top_k"):
+            continue
+        _experts[layer] = router.num_experts
+        router.forward = _hf_forward(router, layer)
+        done += 1
+    return done
+
+
+def _hf_forward(router: torch.nn.Module, layer: int):
+    """Qwen3MoeTopKRouter.forward (transformers 5) with ``choose`` between the top-k and the gather."""
+
+    def forward(hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(hidden_states, router.weight)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top, own = torch.topk(probs, router.top_k, dim=-1)
+        idx = choose(layer, own)
+        if idx is not own:
+            top = probs.gather(1, idx)
+        if router.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    return forward
+
+
+def patch_mcore(model: torch.nn.Module) -> int:
+    """Route every mcore ``TopKRouter`` of ``model`` through ``choose`` (its ``RouterReplay``
+    hook, built with ``moe_enable_routing_replay``); returns how many."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    done = 0
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            if m.router_replay is None:
+                raise RuntimeError("mcore router built without moe_enable_routing_replay: routes cannot be replayed")
+            layer = int(m.layer_number) - 1
+            _experts[layer] = m.config.num_moe_experts
+            m.router_replay.get_replay_topk = _mcore_topk(layer)
+            done += 1
+    return done
+
+
+def _mcore_topk(layer: int):
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        idx = choose(layer, own)
+        return (values, own) if idx is own else (scores.gather(1, idx), idx)
+
+    return get_replay_topk

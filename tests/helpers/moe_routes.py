@@ -1,0 +1,109 @@
+"""Routing replay against vLLM on the tiny Qwen3-MoE (one process: vLLM, then HF). Samples with
+routes recorded (``RolloutEngine(record_routes=True)``), then scores the samples with an HF
+float32 forward three ways: the model's own routing, the project's replay
+(``engines.route_replay``, padded and packed layouts), and an independent replay written here
+(each MoE block recomputed from the recorded experts). Prints one JSON line. Args: FOLDER DTYPE."""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from spmd_rl.config.schema import RolloutConfig
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.engines import route_replay
+from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
+from spmd_rl.engines.packing import pack, packed_response_logprobs
+from spmd_rl.engines.rollout import RolloutEngine
+
+
+def own_replay(model, batch, routes):
+    """Independent replay: every sparse block's forward recomputed from the recorded experts
+    (gate = softmax over every expert, gathered, renormalised), own top-k where none."""
+    b, t = batch.input_ids.shape
+    layers, k = routes[0].shape[1:]
+    table = torch.full((b, t, layers, k), -1, dtype=torch.long)
+    for i, r in enumerate(routes):
+        table[i, : r.shape[0]] = r.long()
+
+    def block_forward(block, layer):
+        def forward(hidden):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            probs = F.softmax(F.linear(flat, block.gate.weight), dtype=torch.float, dim=-1)
+            own = probs.topk(block.gate.top_k, dim=-1).indices
+            given = table[:, :, layer].reshape(-1, k)
+            idx = torch.where(given[:, :1] >= 0, given, own)
+            w = probs.gather(1, idx)
+            w = (w / w.sum(-1, keepdim=True)).to(flat.dtype)
+            out = torch.zeros_like(flat)
+            for j in range(k):
+                for e in idx[:, j].unique().tolist():
+                    rows = (idx[:, j] == e).nonzero()[:, 0]
+                    gate, up = F.linear(flat[rows], block.experts.gate_up_proj[e]).chunk(2, dim=-1)
+                    out[rows] += w[rows, j, None] * F.linear(F.silu(gate) * up, block.experts.down_proj[e])
+            return out.reshape(hidden.shape)
+        return forward
+
+    saved = []
+    for layer, dec in enumerate(model.model.layers):
+        saved.append(dec.mlp.forward)
+        dec.mlp.forward = block_forward(dec.mlp, layer)
+    try:
+        return lm_response_logprobs(model, batch)[0]
+    finally:
+        for dec, f in zip(model.model.layers, saved):
+            dec.mlp.forward = f
+
+
+if __name__ == "__main__":
+    folder, dtype = sys.argv[1], sys.argv[2]
+    cfg = RolloutConfig(n=4, max_response_length=12, temperature=1.0)
+    engine = RolloutEngine(folder, detect("cpu"), cfg, tp=1, dtype=dtype, max_model_len=64, seed=0, distributed=False, record_routes=True)
+    prompts = [[5, 17, 30, 41, 9, 12], [7, 8, 100, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
+    samples = engine.generate(prompts, n=4, max_tokens=12, seed=3)
+    partial = engine.continue_samples([(prompts[0] + samples[0].token_ids[:3], 5)], seed=4)[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    resp = [torch.tensor(s.token_ids) for s in samples]
+    prom = [torch.tensor(prompts[i // 4]) for i in range(len(samples))]
+    batch = build_batch(prom, resp, 0, [s.routes for s in samples], (layers, k))
+    rollout = torch.zeros_like(batch.mask, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        rollout[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    route_replay.patch_hf(model)
+    out = {}
+    with torch.no_grad():
+        sizes = batch.input_ids.numel()
+        width = batch.input_ids.shape[1]
+        lengths = batch.attention_mask.sum(1).tolist()
+        for name, replay in (("own", False), ("replay", True)):
+            route_replay.take_sums()
+            routes, valid = route_replay.place(lengths, sizes, lambda b, t: b * width + t, batch.routes)
+            with route_replay.feeding(routes, valid, replay):
+                out[name] = lm_response_logprobs(model, batch)[0]
+            out[name + "_sums"] = route_replay.take_sums()
+        p = pack(batch)
+        start = (p.last + 1 - torch.tensor(lengths)).tolist()
+        routes, valid = route_replay.place(lengths, p.input_ids.numel(), lambda b, t: start[b] + t, batch.routes)
+        with route_replay.feeding(routes, valid, True):
+            out["packed"] = packed_response_logprobs(model, batch)[0]
+        route_replay.take_sums()
+        route_replay._current = None
+        reference = own_replay(model, batch, batch.routes)
+    m = batch.mask
+    diff = lambda a, b: float(((a - b).abs() * m).sum() / m.sum())  # noqa: E731
+    dmax = lambda a, b: float(((a - b).abs() * m).max())  # noqa: E731
+    first = samples[0].routes.view(-1, layers, k)
+    same_prompt = all(torch.equal(s.routes.view(-1, layers, k)[: len(prompts[0])], first[: len(prompts[0])]) for s in samples[:4])
+    print(json.dumps({
+        "positions": [int(s.routes.numel() // (layers * k)) for s in samples],
+        "expected": [len(prompts[i // 4]) + len(s.token_ids) - 1 for i, s in enumerate(samples)],
+        "partial_positions": int(partial.routes.numel() // (layers * k)), "partial_expected": len(prompts[0]) + 3 + len(partial.token_ids) - 1,
+        "same_prompt_routes": same_prompt,
+        "mismatch_own": diff(out["own"], rollout), "mismatch_replay": diff(out["replay"], rollout),
+        "replay_vs_reference_max": dmax(out["replay"], reference), "packed_vs_padded_max": dmax(out["packed"], out["replay"]),
+        "own_sums": out["own_sums"], "replay_sums": out["replay_sums"],
+        "metrics": route_replay.metrics(out["own_sums"])}))

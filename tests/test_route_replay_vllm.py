@@ -1,0 +1,52 @@
+"""Rollout routing replay against a real in-process vLLM on the tiny Qwen3-MoE
+(tests/helpers/moe_routes.py: vLLM samples with routes recorded, then an HF float32 forward
+scores the samples).
+
+What a broken version would do and why it fails here:
+- routes of the wrong request or shifted positions: the row count per sample is checked against
+  prompt + response - 1, the prompt rows of the N samples of one prompt (computed separately,
+  prefix caching off) must agree, and the replayed forward must equal an independent replay
+  written in the helper (each sparse block recomputed from the recorded experts);
+- a layout bug in the packed path: packed replay must equal padded replay;
+- replay that does nothing: with vLLM in bf16 some decisions differ from the float32 trainer's,
+  and replaying them must bring the trainer's log-probs closer to vLLM's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_helper
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_moe):
+    return run_helper("moe_routes.py", tiny_moe, "float32", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_moe):
+    return run_helper("moe_routes.py", tiny_moe, "bfloat16", timeout=600)
+
+
+@pytest.mark.slow
+def test_vllm_records_a_route_for_every_computed_position(fp32):
+    assert fp32["positions"] == fp32["expected"]
+    assert fp32["partial_positions"] == fp32["partial_expected"]  # a continuation routes its whole context
+    assert fp32["same_prompt_routes"]
+
+
+@pytest.mark.slow
+def test_in_float32_vllm_and_the_trainer_agree_and_replay_changes_nothing(fp32):
+    assert fp32["metrics"]["router_agreement"] == 1.0 and fp32["metrics"]["routes_differ_tokens"] == 0.0
+    assert fp32["mismatch_own"] < 1e-5 and fp32["mismatch_replay"] < 1e-5
+    assert fp32["replay_vs_reference_max"] < 1e-5 and fp32["packed_vs_padded_max"] < 1e-5
+
+
+@pytest.mark.slow
+def test_replaying_bf16_routes_brings_the_trainer_closer_to_vllm(bf16):
+    m = bf16["metrics"]
+    assert m["router_agreement"] < 1.0 and m["routes_differ_tokens"] > 0.0  # otherwise the test shows nothing
+    s = bf16["own_sums"]
+    assert m["router_agreement"] == pytest.approx(s["agree"] / s["decisions"])
+    assert bf16["mismatch_replay"] < bf16["mismatch_own"]
+    assert bf16["replay_vs_reference_max"] < 1e-5 and bf16["packed_vs_padded_max"] < 1e-5
