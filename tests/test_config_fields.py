@@ -32,6 +32,8 @@ COVERED = {
     "actor.policy_loss": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "actor.tis_cap": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "actor.router_replay": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",
+    "actor.moe_aux_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",
+    "actor.moe_z_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",
     "reward.kind": "test_cli_validate.py::test_broken_config_names_field",
     "reward.rule": "test_math_verify.py::test_training_with_math_verify_on_latex_answers",
     "reward.model_path": "test_cli_validate.py::test_broken_config_names_field",

@@ -98,13 +98,16 @@ def test_the_graph_carries_routes_only_where_read(in_repo):
     assert "rollout_routes" in rep["actor_logprob"].inputs and "prefix_routes" in rep["actor_rollout"].inputs
 
 
-@pytest.mark.parametrize("overrides,problem", [
-    (("model.path=assets/tiny-qwen2",), "the model has no experts"),
-    (("parallel.placement=separated", "parallel.gen_ranks=1"), "separated placement runs vLLM in its own process"),
+@pytest.mark.parametrize("overrides,field,problem", [
+    (("model.path=assets/tiny-qwen2",), "actor.router_replay", "the model has no experts"),
+    (("parallel.placement=separated", "parallel.gen_ranks=1"), "actor.router_replay", "separated placement runs vLLM in its own process"),
+    (("actor.compile=true",), "actor.compile", "nothing would be replayed"),
+    (("actor.router_replay=none", "actor.moe_aux_loss_coef=0.01"), "actor.moe_aux_loss_coef", "counted from the rollout's routes"),
+    (("actor.router_replay=none", "model.path=assets/tiny-qwen2", "actor.moe_z_loss_coef=0.01"), "actor.moe_z_loss_coef", "no router"),
 ])
-def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_moe, overrides, problem):
+def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_moe, overrides, field, problem):
     res = CliRunner().invoke(app, ["validate", "configs/quickstart_moe.yaml", "actor.router_replay=rollout", *overrides])
-    assert res.exit_code == 2 and "actor.router_replay" in res.output and problem in res.output, res.output
+    assert res.exit_code == 2 and field in res.output and problem in res.output, res.output
 
 
 def test_engine_options_record_routes_per_device_kind():
@@ -134,3 +137,61 @@ def test_device_routes_are_checked_against_the_sequence():
     short = type("C", (), {"index": 0, "token_ids": [5, 6, 7], "routed_experts": np.ones((5, 2, 2), np.uint8)})()
     with pytest.raises(RuntimeError, match="vLLM routed 5 positions of request 0-x, expected 6"):
         engine._routes([1, 2, 3, 4], [short], "0-x", 1)
+
+
+def test_router_terms_are_the_formula_and_split_invariant():
+    """algos.router_loss against Switch's and ST-MoE's formulas in float64 on the whole
+    mini-batch: the per-micro-batch sums with global f and T add up to them."""
+    from spmd_rl.algos import router_loss
+
+    g = torch.Generator().manual_seed(0)
+    layers, tokens, experts, k = 2, 12, 4, 2
+    logits = torch.randn(layers, tokens, experts, generator=g, dtype=torch.float64)
+    valid = torch.rand(tokens, generator=g) > 0.25
+    routes = [torch.rand(5, layers, experts, generator=g).argsort(-1)[..., :k].to(torch.uint8) for _ in range(3)]
+    counts = router_loss.load_fractions(routes, experts)
+    f = counts / counts.sum(1, keepdim=True)
+    T = float(valid.sum())
+    p = logits.softmax(-1)
+    want_lb = sum(experts * (f[l] * p[l][valid].mean(0)).sum() for l in range(layers)) / layers
+    want_z = sum(torch.logsumexp(logits[l][valid], -1).square().mean() for l in range(layers)) / layers
+    for cut in ([12], [5, 7], [1, 4, 7]):
+        lb = z = 0.0
+        for part in torch.arange(tokens).split(cut):
+            for l in range(layers):
+                lb += float(router_loss.load_balance_terms(p[l][part], valid[part], f[l], T, layers))
+                z += float(router_loss.z_loss_terms(logits[l][part], valid[part], T, layers))
+        assert lb == pytest.approx(float(want_lb), rel=1e-6) and z == pytest.approx(float(want_z), rel=1e-6)
+    slots = torch.stack([r.long() for r in routes]).permute(2, 0, 1, 3).reshape(layers, -1)
+    assert torch.equal(counts, torch.stack([torch.bincount(s, minlength=experts) for s in slots]).double())
+
+
+def test_the_attached_router_terms_give_the_formulas_gradient(tiny_moe):
+    """The patched HF router injects d(scale x (a L_lb + b L_z)) into the router's weight through
+    its gate weights, whatever the loss downstream: equal to autograd of the formula computed
+    directly from the router's logits."""
+    from spmd_rl.algos import router_loss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    route_replay.patch_hf(model)
+    router = model.model.layers[2].mlp.gate
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    valid = torch.tensor([True] * 7 + [False] * 2)
+    f = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 4)
+    obj = route_replay.RouterObjective(aux_coef=0.3, z_coef=0.05, fractions=f, tokens=20.0, layers=4, scale=2.0)
+    route_replay.set_objective(obj)
+    try:
+        with route_replay.feeding(None, valid, replay=False):
+            _, weights, _ = router(x)
+            (weights * 0).sum().backward()
+    finally:
+        route_replay.set_objective(None)
+    got = router.weight.grad.clone()
+    w = router.weight.detach().clone().requires_grad_(True)
+    logits = x @ w.T
+    want = 2.0 * (0.3 * router_loss.load_balance_terms(logits.softmax(-1), valid, f[2], 20.0, 4)
+                  + 0.05 * router_loss.z_loss_terms(logits, valid, 20.0, 4))
+    want.backward()
+    assert got.abs().max() > 0 and torch.allclose(got, w.grad, atol=1e-7, rtol=1e-5)
+    sums = route_replay.take_sums()
+    assert sums["aux"] > 0 and sums["z"] > 0

@@ -1,6 +1,7 @@
 """Rollout routing replay end to end: 2 ranks under torchrun, real etcd, in-process vLLM, the
 tiny Qwen3-MoE on FSDP, with partial rollout (responses carried across iterations) and two PPO
-epochs (an old-log-prob pass that replays too).
+epochs (an old-log-prob pass that replays too), with both router terms in the objective
+(their values logged every update).
 
 Observed, not constructed: the dump plan (tests/helpers/faults) saves every route table as the
 rollout engine took it from vLLM's worker, keyed by the request's token context, and every
@@ -19,7 +20,8 @@ from tests.dock_dump import dump_env
 from tests.trainer_util import train
 
 MOE = ("model.path=assets/tiny-qwen3-moe", "actor.router_replay=rollout", "stream.partial_tokens=3", "actor.ppo_epochs=2",
-       "actor.tis_cap=2.0", "trainer.iterations=4", "actor.lr=0.02", "actor.entropy_coef=0.5")  # large steps even where every reward is equal: a continuation's recomputed routes differ
+       "actor.tis_cap=2.0", "trainer.iterations=4", "actor.lr=0.02", "actor.entropy_coef=0.5",
+       "actor.moe_aux_loss_coef=0.01", "actor.moe_z_loss_coef=0.001")  # large steps even where every reward is equal: a continuation's recomputed routes differ
 
 
 def segments(records: list[dict]) -> dict[tuple[int, ...], list[tuple[int, torch.Tensor]]]:
@@ -63,6 +65,7 @@ def test_the_trainer_reads_the_routes_vllm_returned_across_carries(request, tiny
     assert len(updated) >= 2 and all("router_agreement" in r for r in updated), rows
     for r in updated:
         assert 0.0 < r["router_agreement"] <= 1.0 and 1.0 <= r["expert_load_max_mean"] <= 4.0, r
+        assert 0.5 < r["moe_aux_loss"] < 4.0 and r["moe_z_loss"] > 0.0, r  # Switch's term is 1 under uniform load, E at most
     by_context = segments([torch.load(f, weights_only=True) for f in sorted(folder.glob("vllm_routes_rank*_*.pt"))])
     row = 4 * 2  # layers x experts per token
     reads = [torch.load(f, weights_only=True) for f in sorted(folder.glob("read_routes_rank*_*.pt"))]

@@ -49,6 +49,8 @@ class ModelArch:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
+    """The top-k gate weights are renormalised to sum to 1 (Qwen3-MoE's default)."""
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelArch":
@@ -79,7 +81,7 @@ class ModelArch:
         if experts is None:
             raise KeyError("num_experts")
         return {"num_experts": int(experts), "experts_per_token": int(cfg["num_experts_per_tok"]),
-                "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+                "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
                 "sparse_layers": tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense)}
 
     @classmethod

@@ -84,6 +84,12 @@ class ActorConfig(Section):
     router_replay: Literal["none", "record", "rollout"] = Field(
         "none", description="MoE models only (engines.route_replay): record = the rollout engine returns the experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's prefix caching is off while it records) and every iteration logs router_agreement (fraction of token-layer top-k sets the trainer chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert load (expert_load_max_mean) is logged for every MoE actor but a compiled one (actor.compile)."
     )
+    moe_aux_loss_coef: float = Field(
+        0.0, ge=0.0, description="MoE models: coefficient of the load-balancing loss in the update's objective (algos.router_loss: Switch's E sum_e f_e P_e, mean over layers; f counted from the rollout's routes of the whole mini-batch, P over its real tokens on every DP rank, so the micro-batch and DP split does not change it); logged as moe_aux_loss. Needs actor.router_replay record or rollout; 0 disables."
+    )
+    moe_z_loss_coef: float = Field(
+        0.0, ge=0.0, description="MoE models: coefficient of the router z-loss (ST-MoE: mean over the mini-batch's real tokens and the layers of logsumexp(router logits)^2) in the update's objective; logged as moe_z_loss; 0 disables."
+    )
     param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the sharded master parameters, grads and optimizer states.")
     backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend of the actor and the reference: fsdp = FSDP2 + DTensor TP (every role and head); megatron = megatron-core GPTModel with TP (+ `parallel.train.sequence_parallel`), Megatron DDP and the distributed optimizer, dense Qwen2/Qwen3/Llama (engines/megatron).")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward.")

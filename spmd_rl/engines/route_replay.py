@@ -13,6 +13,13 @@ own top-k and then asks ``choose(layer, own)`` which experts to use:
 - otherwise its own top-k. Positions without a recorded route are padding and each sample's
   last token, whose output no log-prob reads.
 
+Router objectives (``algos.router_loss``, set per mini-batch with ``set_objective``): each
+router adds its layer's share of this forward's tokens to the gradient by attaching it to its
+gate weights (``_Attach``: the identity forward, and the term's gradient injected in backward,
+as mcore's ``MoEAuxLossAutoScaler``), so the term follows the gate weights through activation
+checkpointing (a recomputed router attaches again; the forward whose graph is backpropagated
+injects once).
+
 Statistics, counted once per layer and forward (a backward's recompute does not count again):
 
     router_agreement     = #(token, layer) with {own top-k} = {rollout's} / #(token, layer) recorded
@@ -30,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from spmd_rl.algos import router_loss
+
 
 @dataclass
 class Feed:
@@ -42,7 +51,34 @@ class Feed:
     differ: torch.Tensor | None = None
 
 
+@dataclass
+class RouterObjective:
+    """One mini-batch's router terms (``algos.router_loss``): coefficients, the load fractions
+    f [layers, experts] (rows sum to 1; None without load balancing), the mini-batch's real
+    tokens T over every DP rank, and ``scale``: the factor the stage's loss carries (the DP size
+    that undoes the gradient average)."""
+
+    aux_coef: float
+    z_coef: float
+    fractions: torch.Tensor | None
+    tokens: float
+    layers: int
+    scale: float
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+        ctx.term_shape = term.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.term_shape, device=grad.device, dtype=torch.float32)
+
+
 _current: Feed | None = None
+_objective: RouterObjective | None = None
 _sums: dict[str, torch.Tensor] = {}
 _experts: dict[int, int] = {}
 """Experts per patched layer."""
@@ -105,6 +141,35 @@ def choose(layer: int, own: torch.Tensor) -> torch.Tensor:
     return own
 
 
+def set_objective(objective: RouterObjective | None) -> None:
+    """The router terms of the coming training forwards (None: none)."""
+    global _objective
+    _objective = objective
+
+
+def attach(layer: int, logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` carrying this layer's router terms of the current forward (module docstring);
+    unchanged outside a training forward with an objective set."""
+    f, obj = _current, _objective
+    if f is None or obj is None or not torch.is_grad_enabled():
+        return weights
+    valid = f.valid.to(logits.device)
+    term = torch.zeros((), device=logits.device)
+    key = ("objective", layer)
+    if obj.aux_coef and obj.fractions is not None:
+        lb = router_loss.load_balance_terms(probs, valid, obj.fractions[layer], obj.tokens, obj.layers)
+        term = term + obj.aux_coef * lb
+        if key not in f.seen:
+            _add("aux", lb)
+    if obj.z_coef:
+        z = router_loss.z_loss_terms(logits, valid, obj.tokens, obj.layers)
+        term = term + obj.z_coef * z
+        if key not in f.seen:
+            _add("z", z)
+    f.seen.add(key)
+    return _Attach.apply(weights, term * obj.scale)
+
+
 def _count(f: Feed, layer: int, own: torch.Tensor, routes: torch.Tensor | None, recorded: torch.Tensor | None) -> None:
     valid = f.valid.to(own.device)
     used = own if not (f.replay and routes is not None) else torch.where(recorded[:, None], routes, own)
@@ -130,8 +195,9 @@ def _add(name: str, value: torch.Tensor) -> None:
 
 def take_sums() -> dict[str, float]:
     """The statistics' sums since the last call (``agree``, ``decisions``, ``differ_tokens``,
-    ``recorded_tokens``, ``load_ratio``, ``load_layers``), then reset."""
-    names = ("agree", "decisions", "differ_tokens", "recorded_tokens", "load_ratio", "load_layers")
+    ``recorded_tokens``, ``load_ratio``, ``load_layers``, and the router objectives' values
+    ``aux`` and ``z``), then reset."""
+    names = ("agree", "decisions", "differ_tokens", "recorded_tokens", "load_ratio", "load_layers", "aux", "z")
     out = {k: float(_sums[k]) if k in _sums else 0.0 for k in names}
     _sums.clear()
     return out
@@ -173,7 +239,7 @@ def _hf_forward(router: torch.nn.Module, layer: int):
             top = probs.gather(1, idx)
         if router.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), idx
+        return logits, attach(layer, logits, probs, top.to(logits.dtype)), idx
 
     return forward
 
@@ -190,15 +256,20 @@ def patch_mcore(model: torch.nn.Module) -> int:
                 raise RuntimeError("mcore router built without moe_enable_routing_replay: routes cannot be replayed")
             layer = int(m.layer_number) - 1
             _experts[layer] = m.config.num_moe_experts
-            m.router_replay.get_replay_topk = _mcore_topk(layer)
+            m.router_replay.get_replay_topk = _mcore_topk(layer, m.config.moe_router_pre_softmax)
             done += 1
     return done
 
 
-def _mcore_topk(layer: int):
+def _mcore_topk(layer: int, pre_softmax: bool):
+    """mcore hands the router's logits (its softmax under ``moe_router_pre_softmax``, when the
+    z-loss has no logits: refused by ``config.backend_rules``)."""
+
     def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         idx = choose(layer, own)
-        return (values, own) if idx is own else (scores.gather(1, idx), idx)
+        values = values if idx is own else scores.gather(1, idx)
+        probs = scores if pre_softmax else torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return attach(layer, scores, probs, values), idx
 
     return get_replay_topk

@@ -60,18 +60,36 @@ def replayed_logprobs(fsdp, mega, share, fdp: int, mdp: int) -> dict:
     return out
 
 
-def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int) -> list[float]:
-    """One update of each engine replaying the routes: the gradient reaches the routers through
-    the replayed experts' gate weights (mcore's softmax of the chosen logits, HF's renormalised
-    probabilities)."""
-    norms = []
-    for engine, dp in ((fsdp, fdp), (mega, mdp)):
-        mine, a = share(dp)
-        micros = split(mine, 4)
+def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, objective: bool) -> list[float]:
+    """One update of each engine replaying the routes, FSDP in micro-batches of 4 and megatron
+    of 2: the gradient reaches the routers through the replayed experts' gate weights (mcore's
+    softmax of the chosen logits, HF's renormalised probabilities). With ``objective``, the
+    router terms of actor.moe_aux_loss_coef = 0.5 and actor.moe_z_loss_coef = 0.05 alone (the
+    policy term times 0, so a wrong scale, f, T or layer mean shows in full), their f and T the
+    whole batch's (what the update stage hands them, ``actor_update.router_objective``)."""
+    from spmd_rl.algos import router_loss
+    from spmd_rl.engines import route_replay
 
-        def loss_fn(lp, ent, k, micros=micros, a=a, dp=dp):
-            return -(lp * a[k * 4:(k + 1) * 4, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
-        norms.append(engine.train_step(micros, loss_fn)["grad_norm"])
+    norms = []
+    for engine, dp, size in ((fsdp, fdp, 4), (mega, mdp, 2)):
+        mine, a = share(dp)
+        micros = split(mine, size)
+        if objective:
+            counts = router_loss.load_fractions(batch.routes, 4)
+            route_replay.set_objective(route_replay.RouterObjective(0.5, 0.05, (counts / counts.sum(1, keepdim=True)).float(),
+                                                                    float(batch.attention_mask.sum()), 4, dp))
+
+        def loss_fn(lp, ent, k, micros=micros, a=a, dp=dp, size=size):
+            if objective:
+                return (lp * 0).sum()
+            return -(lp * a[k * size:(k + 1) * size, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
+        try:
+            norms.append(engine.train_step(micros, loss_fn)["grad_norm"])
+        finally:
+            route_replay.set_objective(None)
+    if objective:
+        sums = route_replay.take_sums()
+        norms += [sums["aux"], sums["z"]]
     return norms
 
 
@@ -212,7 +230,8 @@ def main():
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
     if routes:
         batch = routed
-        out["replay_grad_norms"] = replayed_grad_norms(fsdp, mega, share, tokens, fdp, mdp)
+        out["replay_grad_norms"] = replayed_grad_norms(fsdp, mega, share, tokens, fdp, mdp, batch, objective=False)
+        out["objective_grad_norms"] = replayed_grad_norms(fsdp, mega, share, tokens, fdp, mdp, batch, objective=True)
     out |= ledger_against_plan(mega, acc, tp, pp, dtype, model, ep) | {"dp": mdp}
     if os.environ.get("CKPT"):
         fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp, ep=ep)  # noqa: E731

@@ -5,10 +5,13 @@ objective per mini-batch however it is split)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from spmd_rl.algos import router_loss
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
 from spmd_rl.config.stages import advantage_column, separated
+from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
 from spmd_rl.trainer.metrics import global_max
 from spmd_rl.trainer.stages.micro import micro_plan
@@ -25,6 +28,25 @@ def on_host(sums: dict) -> dict[str, float]:
     values = [torch.as_tensor(v).detach().double().reshape(()) for v in sums.values()]
     device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
     return dict(zip(sums, torch.stack([v.to(device) for v in values]).cpu().tolist()))
+
+
+def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | None:
+    """The mini-batch's router terms (``algos.router_loss``): its real tokens and, with load
+    balancing, its load fractions from the rollout's routes, both summed over every DP rank
+    (collective over the training side; None when both coefficients are 0)."""
+    a = run.cfg.actor
+    if not (a.moe_aux_loss_coef or a.moe_z_loss_coef):
+        return None
+    group, arch = run.lay.train.group, run.arch
+    fractions = None
+    if a.moe_aux_loss_coef:
+        counts = router_loss.load_fractions(seqs[sl].routes or [], arch.num_experts)
+        if not counts.numel():
+            counts = torch.zeros(arch.num_layers, arch.num_experts, dtype=torch.float64)
+        dist.all_reduce(counts, group=side_group())
+        fractions = (counts / counts.sum(1, keepdim=True).clamp(min=1.0)).float()
+    tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group)["tokens"]
+    return route_replay.RouterObjective(a.moe_aux_loss_coef, a.moe_z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp)
 
 
 @register("actor_update")
@@ -88,7 +110,11 @@ def actor_update(call: StageCall) -> StageResult:
                     acc["rollout_kl"] += (-diff).sum()
                 return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
-            out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True)
+            route_replay.set_objective(router_objective(run, seqs, sl))
+            try:
+                out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True)
+            finally:
+                route_replay.set_objective(None)
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
@@ -109,6 +135,8 @@ def actor_update(call: StageCall) -> StageResult:
         if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
             raise RuntimeError(f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above stream.max_policy_lag={k}")
     final |= route_replay.metrics({k.removeprefix("route_"): v for k, v in g.items() if k.startswith("route_")})
+    if a.moe_aux_loss_coef or a.moe_z_loss_coef:  # each mini-batch's objective is the sum over its ranks and micro-batches
+        final |= {"moe_aux_loss": g["route_aux"] / len(minis), "moe_z_loss": g["route_z"] / len(minis)}
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
     return StageResult(consumed=consumed, final=final | {
