@@ -95,3 +95,17 @@ def test_same_node_bench_moves_through_shared_memory():
     assert out.returncode == 0, out.stderr[-3000:]
     out = out.stdout
     assert "wire" in out and "shared memory" in out and "wire / shared memory: get" in out
+
+
+def test_bench_replay_summary_leaves_out_the_first_iteration_and_keeps_the_curve():
+    import bench_replay
+
+    rows = [{"iteration": 0, "iteration_s": 9.0, "time_actor_update": 5.0, "time_actor_rollout": 3.0, "logprob_mismatch_mean": 1.0,
+             "eval_accuracy": 0.25},
+            {"iteration": 1, "iteration_s": 1.0, "time_actor_update": 0.5, "time_actor_rollout": 0.25, "logprob_mismatch_mean": 0.1,
+             "router_agreement": 0.9, "routes_differ_tokens": 0.2},
+            {"iteration": 2, "iteration_s": 3.0, "time_actor_update": 1.5, "time_actor_rollout": 0.75, "logprob_mismatch_mean": 0.3,
+             "router_agreement": 0.7, "routes_differ_tokens": 0.4, "eval_accuracy": 0.5}]
+    s = bench_replay.summary(rows)
+    assert s["curve"] == [(0, 0.25), (2, 0.5)] and s["iteration_s"] == 2.0 and s["update_s"] == 1.0
+    assert s["mismatch"] == pytest.approx(0.2) and s["agreement"] == pytest.approx(0.8) and s["differ"] == pytest.approx(0.3)
