@@ -146,6 +146,8 @@ class RolloutEngine:
         """(request k, its samples by output index) as each request finishes, with their routes
         when recorded. vLLM names requests internally "<external>-<random>" (outputs carry the
         external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
+        if self.record_routes and self.acc.kind == "cpu":
+            self.llm.collective_rpc("drop_routes")
         ids = self.llm.enqueue([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
         slot = {rid.split("-", 1)[0]: (k, rid) for k, rid in enumerate(ids)}
         engine = self.llm.llm_engine

@@ -39,7 +39,7 @@ class RouteCapture:
             raise RuntimeError("routing capture found no vLLM MoE router (BaseRouter) in the rollout model")
         runner._route_tables, runner._route_lengths = {}, {}
         runner._route_layers = len(layers)
-        runner._route_step = {}
+        runner._route_step, runner._route_scheduled = {}, {}
         for m in layers:
             m.router.set_capture_fn(partial(_capture, runner._route_step, int(m.layer_id)))
         inner_forward, inner_execute = runner._model_forward, runner.execute_model
@@ -65,7 +65,8 @@ class RouteCapture:
         return {r: runner._route_tables.pop(r, empty)[:runner._route_lengths.pop(r, 0)] for r in req_ids}
 
     def drop_routes(self) -> None:
-        """Forget every table (requests aborted or never taken)."""
+        """Forget every table: the rollout engine calls it before each batch of requests, so
+        the tables of requests that never finished (an aborted generation) do not pile up."""
         self.model_runner._route_tables.clear()
         self.model_runner._route_lengths.clear()
 
