@@ -1,0 +1,19 @@
+"""Environment lookup: a built-in by name, or a user's ``module:function`` factory."""
+
+from __future__ import annotations
+
+import importlib
+
+from spmd_rl.envs import calculator, python_tool  # noqa: F401  (the built-ins register themselves)
+from spmd_rl.envs.base import ENVIRONMENTS, EnvironmentFactory
+
+
+def environment_factory(name: str) -> EnvironmentFactory:
+    """A registered environment, or ``module:function`` (a factory taking the dataset row)."""
+    if ":" not in name:
+        return ENVIRONMENTS.lookup(name)
+    module, _, attr = name.partition(":")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise ValueError(f"environment {name!r}: {module} has no function {attr!r}")
+    return fn
