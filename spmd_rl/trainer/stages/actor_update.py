@@ -57,7 +57,7 @@ def actor_update(call: StageCall) -> StageResult:
     cfg, lay = run.cfg, run.lay.train
     a = cfg.actor
     use_ref, use_old = "ref_log_prob" in call.stage.inputs, "old_log_prob" in call.stage.inputs
-    seqs = seq_batch(run, batch, with_routes="rollout_routes" in call.stage.inputs)
+    seqs = seq_batch(run, batch)
     width = seqs.mask.shape[1]
     if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
         adv = torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width) if len(batch) else torch.zeros(0, width)

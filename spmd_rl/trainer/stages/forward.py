@@ -22,7 +22,7 @@ def forward_stage(call: StageCall) -> StageResult:
         return StageResult()
     role = ENGINE_OF[call.stage.name]
     micro = ref_micro_batch_size(run.cfg) if role == "ref" else run.cfg.actor.micro_batch_size
-    seqs = seq_batch(run, batch, with_routes="rollout_routes" in call.stage.inputs)
+    seqs = seq_batch(run, batch)
     order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order and micro-batches
     seqs = seqs[order]
     plan = micro_plan(run.cfg, seqs.attention_mask.sum(1), mini_batches(run.cfg, run.lay.train.dp, len(batch)), micro)

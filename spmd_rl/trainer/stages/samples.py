@@ -33,14 +33,11 @@ def padded(columns: list[torch.Tensor], width: int, dtype: torch.dtype = torch.f
     return out
 
 
-def seq_batch(run: Run, batch, with_routes: bool = False) -> SeqBatch:
-    """The stage's samples as a sequence batch; ``with_routes``: carrying the ``rollout_routes``
-    column the stage reads (routing replay and the router metrics)."""
-    routes = batch.columns["rollout_routes"] if with_routes and "rollout_routes" in batch.columns else None
-    shape = None
-    if routes is not None:
-        arch = run.arch
-        shape = (arch.num_layers, arch.experts_per_token)
+def seq_batch(run: Run, batch) -> SeqBatch:
+    """The stage's samples as a sequence batch, carrying the ``rollout_routes`` column when the
+    stage reads it (routing replay and the router metrics)."""
+    routes = batch.columns.get("rollout_routes")
+    shape = None if routes is None else (run.arch.num_layers, run.arch.experts_per_token)
     return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id, routes, shape)
 
 
