@@ -54,6 +54,12 @@ if [ ! -f assets/tiny-qwen3-moe/model.safetensors ]; then
 else
     step "tiny MoE present: assets/tiny-qwen3-moe ($(cat assets/tiny-qwen3-moe/warmstart.json | tr -d '\n '))"
 fi
+if [ ! -f assets/tiny-tools/model.safetensors ]; then
+    step "building the tiny tool-using model and its a*b task (about four minutes): assets/tiny-tools"
+    "$VENV/bin/python" tools/make_tool_model.py --out assets/tiny-tools
+else
+    step "tiny tool model present: assets/tiny-tools ($(cat assets/tiny-tools/warmstart.json | tr -d '\n '))"
+fi
 if [ ! -f assets/tiny-qwen2/reward_model/model.safetensors ]; then
     step "building the tiny reward model (about a minute): assets/tiny-qwen2/reward_model"
     "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2

@@ -112,7 +112,9 @@ def evaluate(
     data: Path = typer.Option(..., "--data", help="Prompt file (.jsonl/.parquet) with prompt and answer columns."),
     rule: str = typer.Option("exact_match", "--rule", help="Reward rule deciding correctness."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts."),
-    max_tokens: int = typer.Option(8, "--max-tokens", help="Greedy response length limit."),
+    max_tokens: int = typer.Option(8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."),
+    environment: Optional[str] = typer.Option(None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."),
+    max_turns: int = typer.Option(4, "--max-turns", help="With --environment: the most sampled turns per trajectory."),
 ) -> None:
     """Greedy accuracy through in-process vLLM; prints one JSON line."""
     import json
@@ -137,7 +139,7 @@ def evaluate(
         else:
             typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
             raise typer.Exit(code=2)
-        result = greedy_accuracy(model_dir, data, rule, limit, max_tokens)
+        result = greedy_accuracy(model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns)
     typer.echo(json.dumps(result | {"model": str(model)}))
 
 

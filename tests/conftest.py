@@ -11,6 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
+TINY_TOOLS = REPO / "assets" / "tiny-tools"
 TINY_MOE = REPO / "assets" / "tiny-qwen3-moe"
 
 
@@ -40,6 +41,14 @@ def tiny_model() -> Path:
     if not (TINY / "model.safetensors").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(TINY)], check=True)
     return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_tools() -> Path:
+    """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml); built with the setup's command when missing."""
+    if not (TINY_TOOLS / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_tool_model.py"), "--out", str(TINY_TOOLS)], check=True)
+    return TINY_TOOLS
 
 
 @pytest.fixture(scope="session")

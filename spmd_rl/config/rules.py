@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
+from spmd_rl.config.env_rules import check_environment
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
@@ -269,6 +270,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += check_backend(cfg, arch, lay.train)
     out += check_router_replay(cfg, arch)
     out += check_gen_experts(cfg, arch, lay.gen)
+    out += check_environment(cfg, lay.gen)
     return lay, out
 
 

@@ -53,6 +53,13 @@ class RolloutConfig(Section):
         0.5, gt=0.0, lt=1.0, description="Fraction of device memory vLLM may take on CUDA/NPU (weights + KV cache)."
     )
     enforce_eager: bool = Field(True, description="Disable graph capture in vLLM (faster start, slower decode).")
+    environment: str | None = Field(
+        None, description="Multi-turn, tool-using rollouts: a registered environment (`calculator`, `python`) or a user's `module:function` factory taking the dataset row (spmd_rl.envs). Each response is then the policy's sampled turns with the tool turns inserted between them (`response_mask` marks the sampled tokens; only they are trained). null = one prompt, one response."
+    )
+    max_turns: int = Field(4, gt=0, description="With `environment`: the most sampled turns per trajectory (a trajectory still calling tools after them is truncated).")
+    tool_timeout_s: float = Field(
+        10.0, gt=0.0, description="With `environment`: seconds a tool call may take; past them the policy gets an error observation (counted in `tool_timeouts`) and the trajectory goes on."
+    )
 
 
 class ActorConfig(Section):

@@ -37,6 +37,8 @@ COLUMNS: dict[str, ColumnKind] = {
     "reward": "scalar",
     "seq_advantage": "scalar",
     "rollout_routes": "routes",
+    "response_mask": "response",
+    "env_reward": "scalar",
 }
 """Every column a stage may write, by length class. The sample index is implicit (one scalar).
 ``advantages`` are per token (PPO's GAE); ``seq_advantage`` is one scalar per sample (GRPO and
@@ -44,7 +46,9 @@ DAPO: a group-normalised reward, the same for every token). ``answer`` is the re
 of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader. Partial
 rollout adds ``response_version`` (the policy version, i.e. the number of updates, that
 generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new one, and whether it
-already finished)."""
+already finished). Multi-turn rollouts (``rollout.environment``) add ``response_mask`` (1 on
+sampled tokens, 0 on inserted ones: every stage that computes per-token terms reads it) and
+``env_reward`` (the environment's summed reward contributions)."""
 
 DATA_COLUMNS = ("prompt_ids", "answer", "prompt_row")
 """Written by the data loader (``put_prompts``), before the first stage. ``prompt_row`` is the
@@ -101,6 +105,11 @@ def records_routes(cfg: Config) -> bool:
     return cfg.actor.router_replay != "none"
 
 
+def multi_turn(cfg: Config) -> bool:
+    """Rollouts are multi-turn trajectories with an environment (``envs.multi_turn``)."""
+    return cfg.rollout.environment is not None
+
+
 def versioned(cfg: Config) -> bool:
     """Samples may come from an older policy than the one trained (partial rollout, separated
     placement): the rollout records each token's policy version (``response_version``)."""
@@ -149,16 +158,18 @@ def stages_for(cfg: Config) -> list[Stage]:
     """The stage graph of one iteration, in execution order. Invariants (tested): each stage
     reads exactly its ``inputs`` from the dock, every column written is read by a later stage,
     and only the stage's ``roles`` are resident while it runs."""
-    seq = ("prompt_ids", "response_ids")
+    turns: tuple[str, ...] = ("response_mask",) if multi_turn(cfg) else ()
+    seq = ("prompt_ids", "response_ids") + turns
     model_reward = cfg.reward.kind == "model"
     partial = partial_rollout(cfg)
     routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
+    rows: tuple[str, ...] = ("prompt_row",) if partial or turns else ()  # the environment starts from the dataset row
     out = [
-        Stage("actor_rollout", ("prompt_ids",) + (("prompt_row",) + partial_columns(cfg) if partial else ()),
-              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()) + routes, ("rollout",),
-              group_granular=True, layout="gen", per_round=True),
-        Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer"), ("reward",),
-              ("reward_model",) if model_reward else (), per_round=True),
+        Stage("actor_rollout", ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
+              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()) + routes
+              + (turns + ("env_reward",) if turns else ()), ("rollout",), group_granular=True, layout="gen", per_round=True),
+        Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer")
+              + (turns + ("env_reward",) if turns else ()), ("reward",), ("reward_model",) if model_reward else (), per_round=True),
     ]
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
     kl_cols: tuple[str, ...] = ()

@@ -19,6 +19,8 @@ class PromptSet:
     answers: list[str]
     rows: list[int]
     """Row number in the file of each kept prompt."""
+    texts: list[str] = field(default_factory=list)
+    """The prompt text of each kept prompt (a multi-turn environment starts from it)."""
     skipped: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -52,7 +54,7 @@ def prompts_for(cfg, tokenizer, path: str | Path) -> "PromptSet":
 
 def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column: str, max_prompt_length: int,
                  chat_template: bool = True) -> PromptSet:
-    out = PromptSet([], [], [])
+    out = PromptSet([], [], [], [])
     for row_no, row in enumerate(load_rows(path)):
         reason = None
         if prompt_column not in row or row[prompt_column] is None:
@@ -71,6 +73,7 @@ def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column:
         out.prompt_ids.append(ids)
         out.answers.append(str(row[answer_column]))
         out.rows.append(row_no)
+        out.texts.append(str(row[prompt_column]))
     for reason, rows in out.skipped.items():
         log.warning("%s: skipped %d row(s) with %s, e.g. row %s", path, len(rows), reason, rows[:5])
     if not out.prompt_ids:

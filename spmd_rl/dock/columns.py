@@ -28,7 +28,8 @@ class ColumnSpec:
 
 _DTYPES = {"prompt_ids": torch.int32, "answer": torch.uint8, "response_ids": torch.int32, "response_length": torch.int32,
            "response_version": torch.int32, "prompt_row": torch.int32, "prefix_ids": torch.int32, "prefix_version": torch.int32,
-           "prefix_done": torch.int32, "rollout_routes": torch.uint8, "prefix_routes": torch.uint8}
+           "prefix_done": torch.int32, "rollout_routes": torch.uint8, "prefix_routes": torch.uint8,
+           "response_mask": torch.uint8}
 
 
 def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:

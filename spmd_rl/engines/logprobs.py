@@ -6,7 +6,9 @@ logprob[b, j] = log pi(s_b[P_b + j] | logits[b, P_b + j - 1]) with pi the sampli
 (``token_logprob.SamplingPolicy``: softmax(logits / T), renormalised over the top-k / top-p set
 when those are on: the distribution vLLM drew the token from); entropy
 H[b, j] = -sum_v p_v log p_v of that distribution. Float32 log-softmax whatever the logits'
-dtype; padded response positions (j >= R_b) are masked out by ``mask``.
+dtype; padded response positions (j >= R_b) are masked out by ``mask``, and so are a
+multi-turn response's inserted tokens (``response_mask`` 0: tool output, turn separators):
+every log-prob, ratio, KL, entropy and loss term exists only where the policy sampled.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class SeqBatch:
     attention_mask: torch.Tensor  # [B, T]
     predictor: torch.Tensor  # [B, R] position of the logits predicting response token j
     targets: torch.Tensor  # [B, R] response token ids (pad where masked)
-    mask: torch.Tensor  # [B, R] bool, True for real response tokens
+    mask: torch.Tensor  # [B, R] bool, True for sampled response tokens (real, and not inserted)
     routes: list[torch.Tensor] | None = None
     """The rollout's routes of each sample ([positions, layers, top_k] uint8, positions 0 ..
     P + R - 2), kept on the host; ``engines.route_replay`` lays them out per forward."""
@@ -44,7 +46,8 @@ class SeqBatch:
         """The same samples without the padding columns no sample of this batch uses: T cut to
         the longest sequence, R to the longest response (right padding, so nothing moves)."""
         t = max(1, int(self.attention_mask.sum(1).max())) if len(self) else 1
-        r = max(1, int(self.mask.sum(1).max())) if len(self) else 1
+        used = self.mask.any(0).nonzero()
+        r = int(used.max()) + 1 if used.numel() else 1
         return SeqBatch(self.input_ids[:, :t], self.attention_mask[:, :t], self.predictor[:, :r].clamp(max=t - 1),
                         self.targets[:, :r], self.mask[:, :r], self.routes)
 
@@ -58,10 +61,12 @@ def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
 
 
 def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int,
-                routes: list[torch.Tensor] | None = None, route_shape: tuple[int, int] | None = None) -> SeqBatch:
+                routes: list[torch.Tensor] | None = None, route_shape: tuple[int, int] | None = None,
+                sampled: list[torch.Tensor] | None = None) -> SeqBatch:
     """The right-padded batch of prompt ++ response; ``routes`` (flattened ``rollout_routes``)
     are reshaped to [positions, *route_shape] (layers, top_k) and checked to cover P + R - 1
-    positions."""
+    positions; ``sampled`` (a multi-turn rollout's ``response_mask``, 1 where the policy
+    sampled) keeps inserted tokens out of ``mask``."""
     if routes is not None:
         routes = [_routes_of(r, route_shape, p.numel() + s.numel() - 1, k) for k, (r, p, s) in enumerate(zip(routes, prompts, responses))]
     b = len(prompts)
@@ -77,6 +82,11 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
         att[k, : seq.numel()] = 1
     j = torch.arange(r)[None, :]
     mask = j < rlen[:, None]
+    if sampled is not None:
+        for k, m in enumerate(sampled):
+            if m.numel() != int(rlen[k]):
+                raise ValueError(f"sample {k}: response_mask has {m.numel()} entries for {int(rlen[k])} response tokens")
+            mask[k, : m.numel()] &= m.bool()
     pos = (plen[:, None] + j).clamp(max=t - 1)
     predictor = (pos - 1).clamp(min=0)
     targets = torch.where(mask, ids.gather(1, pos), torch.full_like(pos, pad_id))

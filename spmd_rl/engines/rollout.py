@@ -46,6 +46,12 @@ class Sample:
     routes: torch.Tensor | None = None
     """With ``record_routes``: the experts vLLM chose at every position of prompt + response but
     the last, flattened [(P + R - 1) x layers x top_k] uint8 (``engines.route_capture``)."""
+    mask: list[int] | None = None
+    """A multi-turn trajectory's ``response_mask``: 1 where sampled, 0 where inserted (``envs``)."""
+    env_reward: float = 0.0
+    """A multi-turn trajectory's summed environment reward."""
+    stats: dict[str, int] | None = None
+    """A multi-turn trajectory's turn and tool counts (``envs.trajectory.STATS``)."""
 
 
 @contextlib.contextmanager
@@ -102,6 +108,8 @@ class RolloutEngine:
                            **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel))
         torch.set_float32_matmul_precision(precision)
         self.record_routes = record_routes
+        self._open: dict[str, tuple[object, list[int], str, int]] = {}
+        """Unfinished requests: vLLM's external id -> (key, context, internal id, n)."""
         if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm_options)
             self.llm.collective_rpc("start_routes")
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
@@ -126,14 +134,11 @@ class RolloutEngine:
         """As each prompt group finishes: [(prompt index, its n samples)].
         The samples are the ones ``generate`` returns (same requests, same per-request seeds
         seed + k)."""
-        from vllm import SamplingParams
-
         self._require_weights()
         temp = self.cfg.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n  # vLLM's greedy mode takes n=1: repeat the prompts instead
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
-        params = [SamplingParams(**sampling_options(self.cfg, temp, per_request, max_tokens, None if seed is None else seed + k))
-                  for k in range(len(owners))]
+        params = [self.sampling_params(max_tokens, temp, None if seed is None else seed + k, per_request) for k in range(len(owners))]
         groups: dict[int, list[tuple[int, list[Sample]]]] = {}
         for k, samples in self._run([prompts[p] for p in owners], params):
             p = owners[k]
@@ -144,21 +149,45 @@ class RolloutEngine:
 
     def _run(self, contexts: list[list[int]], params: list) -> Iterator[tuple[int, list[Sample]]]:
         """(request k, its samples by output index) as each request finishes, with their routes
-        when recorded. vLLM names requests internally "<external>-<random>" (outputs carry the
-        external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
+        when recorded."""
         if self.record_routes and self.acc.kind == "cpu":
             self.llm.collective_rpc("drop_routes")
-        ids = self.llm.enqueue([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
-        slot = {rid.split("-", 1)[0]: (k, rid) for k, rid in enumerate(ids)}
-        engine = self.llm.llm_engine
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if not out.finished or out.request_id not in slot:
-                    continue
-                k, rid = slot[out.request_id]
-                outputs = sorted(out.outputs, key=lambda c: c.index)
-                routes = self._routes(contexts[k], outputs, rid, params[k].n) if self.record_routes else [None] * len(outputs)
-                yield k, [_sample(c, r) for c, r in zip(outputs, routes)]
+        self.submit(list(enumerate(contexts)), params)
+        while self.busy():
+            yield from self.step()
+
+    def submit(self, requests: list[tuple[object, list[int]]], params: list) -> None:
+        """Queue (key, context) requests with their sampling params; ``step`` returns each one's
+        samples under its key once it finishes. Requests may be added while others run (vLLM
+        schedules them continuously): multi-turn rollouts submit a trajectory's next turn as
+        soon as its tool returns. vLLM names requests internally "<external>-<random>" (outputs
+        carry the external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
+        self._require_weights()
+        ids = self.llm.enqueue([{"prompt_token_ids": c} for _, c in requests], params, use_tqdm=False)
+        self._open.update({rid.split("-", 1)[0]: (key, ctx, rid, p.n) for (key, ctx), rid, p in zip(requests, ids, params)})
+
+    def busy(self) -> bool:
+        """Whether a submitted request is still unfinished."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[object, list[Sample]]]:
+        """One engine step: (key, samples by output index) of the requests it finished."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished or out.request_id not in self._open:
+                continue
+            key, context, rid, n = self._open.pop(out.request_id)
+            outputs = sorted(out.outputs, key=lambda c: c.index)
+            routes = self._routes(context, outputs, rid, n) if self.record_routes else [None] * len(outputs)
+            done.append((key, [_sample(c, r) for c, r in zip(outputs, routes)]))
+        return done
+
+    def sampling_params(self, max_tokens: int, temperature: float | None = None, seed: int | None = None, n: int = 1):
+        """vLLM sampling params of one request under the rollout config."""
+        from vllm import SamplingParams
+
+        temp = self.cfg.temperature if temperature is None else temperature
+        return SamplingParams(**sampling_options(self.cfg, temp, n, max_tokens, seed))
 
     def _routes(self, context: list[int], outputs: list, rid: str, n: int) -> list[torch.Tensor]:
         """The recorded routes of a finished request's samples, checked to cover every position
@@ -186,11 +215,8 @@ class RolloutEngine:
         ``context`` (the prompt followed by the response so far); request k is seeded seed + k.
         Partial rollout's primitive: at temperature 0 a response continued in pieces equals the
         one generated at once (tested)."""
-        from vllm import SamplingParams
-
         self._require_weights()
-        temp = self.cfg.temperature if temperature is None else temperature
-        params = [SamplingParams(**sampling_options(self.cfg, temp, 1, m, None if seed is None else seed + k)) for k, (_, m) in enumerate(requests)]
+        params = [self.sampling_params(m, temperature, None if seed is None else seed + k) for k, (_, m) in enumerate(requests)]
         done = dict(self._run([c for c, _ in requests], params))
         return [done[k][0] for k in range(len(requests))]
 

@@ -20,6 +20,11 @@ reset after every weight load) unless routes are recorded (a cached block is nev
 no detokenization (the trainer decodes the ids it needs). Routes on a device come from vLLM's
 ``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
 on the CPU from ``engines.route_capture``'s hooks on the V1 runner.
+
+CPU only: no chunked prefill. vLLM discards the token it samples for a partly prefilled request
+and rewinds that request's seeded generator by an offset, which CPU generators do not have
+("CPU Generator does not use offset"); multi-turn rollouts submit long contexts while other
+requests run, which made vLLM chunk them.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
         kw["distributed_executor_backend"] = "external_launcher"
     if dummy_weights:
         kw["load_format"] = "dummy"
-    if acc_kind != "cpu":
+    if acc_kind == "cpu":
+        kw["enable_chunked_prefill"] = False  # module docstring
+    else:
         kw |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": True,
                "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30), "disable_custom_all_reduce": True}
         if record_routes:  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)

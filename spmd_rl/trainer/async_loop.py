@@ -31,9 +31,9 @@ from spmd_rl.distributed import sides
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
-from spmd_rl.trainer.iteration_metrics import IterationMetrics
+from spmd_rl.trainer.iteration_metrics import IterationMetrics, turn_metrics
 from spmd_rl.trainer.ledger import StepRecord
-from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
+from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, global_sums, throughput
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.observed import trained_groups
@@ -104,7 +104,8 @@ def generate(run: Run, start: int) -> None:
                 out["eval_accuracy"] = run.evaluator()
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
-        run_stage(run, it, run.graph[0], list(range(G * N)), timer)
+        res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
+        out |= turn_metrics(global_sums(res.sums), G * N)  # multi-turn counts, summed over the generators
         run.dock.release(it)
         if leader:
             report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}

@@ -18,6 +18,8 @@ from spmd_rl.dock.fetch import Peer
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.config.stages import Stage, fused_stages
 from spmd_rl.engines.base import Engine
+from spmd_rl.envs.factory import environment_factory
+from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 from spmd_rl.reshard.residency import Residency
 from spmd_rl.trainer.ledger import PromptLedger
 
@@ -59,6 +61,19 @@ class Run:
     def arch(self) -> ModelArch:
         """The policy's architecture (``model.path``'s config.json)."""
         return ModelArch.from_folder(self.cfg.model.path)
+
+    @cached_property
+    def turns(self) -> MultiTurnRollout | None:
+        """Multi-turn rollouts through this rank's engine (``rollout.environment``), else None."""
+        r = self.cfg.rollout
+        if r.environment is None or self.rollout is None:
+            return None
+        return MultiTurnRollout(self.rollout, self.tokenizer, environment_factory(r.environment),
+                                TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s))
+
+    def environment_row(self, position: int) -> dict:
+        """What an environment starts from: prompt ``position``'s text and reference answer."""
+        return {"prompt": self.prompts.texts[position], "answer": self.prompts.answers[position]}
 
     @property
     def actor(self) -> Engine:

@@ -39,8 +39,11 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_match", limit: int | None = None,
-                    max_tokens: int = 8, prompt_column: str = "prompt", answer_column: str = "answer") -> dict:
-    """Greedy accuracy on a prompt file through in-process vLLM (single process)."""
+                    max_tokens: int = 8, prompt_column: str = "prompt", answer_column: str = "answer",
+                    environment: str | None = None, max_turns: int = 4) -> dict:
+    """Greedy accuracy on a prompt file through in-process vLLM (single process). With an
+    ``environment`` each prompt is a greedy multi-turn trajectory of at most ``max_tokens``
+    response tokens (``envs.multi_turn``), scored on its last sampled turn."""
     from spmd_rl.config.schema import RolloutConfig
     from spmd_rl.data.prompts import load_prompts
     from spmd_rl.distributed.accelerator import detect
@@ -53,8 +56,16 @@ def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     engine = RolloutEngine(model_dir, detect("auto"), RolloutConfig(n=1, max_response_length=max_tokens), tp=1,
                            dtype="float32", max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096), distributed=False)
-    samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
-    texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    if environment is not None:
+        from spmd_rl.envs.factory import environment_factory
+        from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
+
+        turns = MultiTurnRollout(engine, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0))
+        rows = [{"prompt": t, "answer": a} for t, a in zip(prompts.texts[:limit], answers)]
+        texts = [t.last_text for t in turns.run(list(zip(ids, rows)), temperature=0.0)]
+    else:
+        samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
+        texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     fn = get_reward(rule)
     correct = sum(fn(t, a) > 0.5 for t, a in zip(texts, answers))
     return {"model": str(model_dir), "data": str(data), "prompts": len(ids), "correct": correct, "accuracy": correct / len(ids)}

@@ -23,7 +23,7 @@ from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import compute, group_size, is_writer, publish, stage_layout
 from spmd_rl.trainer.stages import StageCall, StageResult
-from spmd_rl.trainer.stages.rollout import rollout_columns, rollout_groups
+from spmd_rl.trainer.stages.rollout import rollout_columns, rollout_groups, turn_sums
 
 
 def merge(results: list[StageResult]) -> StageResult:
@@ -58,7 +58,7 @@ def run_fused(run: Run, it: int, rollout: Stage, fused: list[Stage], expected: l
                    for s in fused]
         writer = is_writer(run, rollout)
         for indices, samples in rollout_groups(StageCall(run, it, rollout, batch, writer, expected)):
-            results[rollout.name].append(publish(run, it, rollout, indices, StageResult(columns=rollout_columns(samples)), writer))
+            results[rollout.name].append(publish(run, it, rollout, indices, StageResult(columns=rollout_columns(samples), sums=turn_sums(run.cfg, samples)), writer))
             for stage, stream in zip(fused, streams):
                 while (wave := stream.poll()) is not None:
                     results[stage.name].append(_run_wave(run, it, stage, wave, expected))
@@ -69,6 +69,7 @@ def run_fused(run: Run, it: int, rollout: Stage, fused: list[Stage], expected: l
             results[stage.name] += [_run_wave(run, it, stage, wave, expected) for wave in stream]
     merged = [merge(results[s.name]) for s in (rollout, *fused)]
     merged[0].maxes |= {"fused_waves_early": float(early), "fused_waves_late": float(sum(map(len, results.values())) - early - len(results[rollout.name]))}
+    merged[0].sums = turn_sums(run.cfg, []) | merged[0].sums  # every key on every rank, groups or not
     return merged
 
 

@@ -4,6 +4,7 @@ values taken as they are. ``finish`` derives the per-sample and per-token means.
 
 from __future__ import annotations
 
+from spmd_rl.envs.trajectory import STATS
 from spmd_rl.trainer.metrics import global_maxes, global_sums
 from spmd_rl.trainer.stages import StageResult
 
@@ -16,7 +17,18 @@ _MEANS = {  # metric: (sum, count) of the global sums
     "kl_reward": ("kl_reward_sum", "kl_reward_tokens"),
     "values_mean": ("values_sum", "value_tokens"),
     "returns_mean": ("returns_sum", "value_tokens"),
+    "env_reward_mean": ("env_reward_sum", "generated"),
 }
+_COUNTS = tuple(k for k in STATS if k != "turns")
+"""Multi-turn counts reported as iteration totals: tool calls, errors, timeouts, truncations,
+prefix breaks, sampled and inserted tokens (``envs.trajectory.STATS``)."""
+
+
+def turn_metrics(g: dict[str, float], samples: float) -> dict[str, float]:
+    """Multi-turn metrics from the summed counts of ``samples`` trajectories (none single-turn)."""
+    if "turns" not in g:
+        return {}
+    return {"turns_mean": g["turns"] / max(samples, 1.0)} | {k: g[k] for k in _COUNTS if k in g}
 
 
 class IterationMetrics:
@@ -45,5 +57,6 @@ class IterationMetrics:
             var_r = g["returns_sq"] / t - (g["returns_sum"] / t) ** 2
             var_e = g["resid_sq"] / t - (g["resid_sum"] / t) ** 2
             out["value_explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
+        out |= turn_metrics(g, n)
         out |= global_maxes(self.maxes)
         return out | self.final

@@ -3,7 +3,9 @@
 - ``reward.kind: rule``: r = rule(decoded response, reference answer);
 - ``reward.kind: model``: r = RM(prompt ++ response) + ``rule_weight`` x rule(...), the reward
   model's score taken at the last real token (``engines.train``, head ``score``);
-- DAPO's soft overlong penalty is added in both cases.
+- DAPO's soft overlong penalty is added in both cases;
+- multi-turn rollouts (``response_mask`` present): the rule scores the policy's last sampled
+  turn (not the tool output inserted before it), and the environment's ``env_reward`` is added.
 
 The rule always runs: "correct" (the accuracy metric) is the rule's score above 0.5, whatever
 the reward, so a reward model's run is measured on the same task as a rule's.
@@ -25,7 +27,9 @@ def reward(call: StageCall) -> StageResult:
     run, batch, cfg = call.run, call.batch, call.run.cfg
     if not len(batch):
         return StageResult(sums={"generated": 0.0}, maxes={"response_length_max": 0.0}, rewards=torch.zeros(len(call.expected), dtype=torch.float64))
-    texts = run.tokenizer.batch_decode([r.tolist() for r in batch.columns["response_ids"]], skip_special_tokens=True)
+    masks = batch.columns.get("response_mask")
+    responses = [r.tolist() if masks is None else last_turn(r, masks[k]) for k, r in enumerate(batch.columns["response_ids"])]
+    texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
     answers = [decode_text(a) for a in batch.columns["answer"]]
     rule = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     sums: dict[str, float] = {}
@@ -35,6 +39,10 @@ def reward(call: StageCall) -> StageResult:
         sums |= {"reward_model_sum": float(model_score.sum()), "reward_rule_sum": float(rule.sum())}
     else:
         scores = rule.clone()
+    if masks is not None:
+        env = torch.stack(batch.columns["env_reward"]).float()
+        scores = scores + env
+        sums["env_reward_sum"] = float(env.sum())
     lengths = torch.stack(batch.columns["response_length"])
     algo = cfg.algorithm
     if algo.name == "dapo" and algo.overlong_buffer:
@@ -46,3 +54,13 @@ def reward(call: StageCall) -> StageResult:
     sums |= {"reward_sum": float(scores.sum()), "reward_sq": float((scores**2).sum()), "correct": float((rule > 0.5).sum()),
              "generated": float(len(batch)), "response_tokens": float(lengths.float().sum())}
     return StageResult(columns={"reward": scores}, sums=sums, maxes={"response_length_max": float(lengths.max())}, rewards=dense)
+
+
+def last_turn(response: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """The tokens of a multi-turn response's last sampled turn: its last run of mask 1."""
+    sampled = mask.bool().tolist()
+    end = max((j for j, m in enumerate(sampled) if m), default=-1) + 1
+    start = end
+    while start > 0 and sampled[start - 1]:
+        start -= 1
+    return response[start:end].tolist()

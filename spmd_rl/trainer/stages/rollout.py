@@ -11,7 +11,12 @@ from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, re
 seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
 tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
 far). Under separated placement every token is tagged with the version of the weights the
-generator holds (``Run.policy_version``), up to ``stream.max_policy_lag`` behind ``it``."""
+generator holds (``Run.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
+
+With ``rollout.environment`` every sample is a multi-turn trajectory (``envs.multi_turn``:
+sampled turns with tool turns inserted between them, all of the share's trajectories through the
+engine at once); the stage also writes ``response_mask`` and ``env_reward`` and sums the
+trajectories' turn and tool counts (``envs.trajectory.STATS``)."""
 
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from collections.abc import Iterator
 
 import torch
 
-from spmd_rl.config.stages import partial_rollout, versioned
+from spmd_rl.config.stages import multi_turn, partial_rollout, versioned
 from spmd_rl.engines.rollout import Sample
+from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
@@ -37,6 +43,9 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
     idx = batch.indices.tolist()
     if not idx:
         return
+    if run.turns is not None:  # trajectories finish in any order; the groups are handed over together
+        yield idx, [_as_sample(t) for t in _trajectories(call)]
+        return
     firsts = batch.columns["prompt_ids"][::n]
     for step in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)):
         yield [i for p, _ in step for i in idx[p * n:(p + 1) * n]], [s for _, samples in step for s in samples]
@@ -51,14 +60,28 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
     }
     if samples and samples[0].routes is not None:
         out["rollout_routes"] = [s.routes for s in samples]
+    if samples and samples[0].mask is not None:
+        out["response_mask"] = [torch.tensor(s.mask, dtype=torch.uint8) for s in samples]
+        out["env_reward"] = torch.tensor([s.env_reward for s in samples], dtype=torch.float32)
     return out
+
+
+def _trajectories(call: StageCall) -> list[Trajectory]:
+    """One multi-turn trajectory per sample of the share, in index order."""
+    run, cols = call.run, call.batch.columns
+    items = [(p.tolist(), run.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
+    return run.turns.run(items, seed=_seed(call))
+
+
+def _as_sample(t: Trajectory) -> Sample:
+    return Sample(t.ids, t.logprobs, t.stopped, mask=t.mask, env_reward=t.reward, stats=dict(t.stats))
 
 
 @register("actor_rollout")
 def actor_rollout(call: StageCall) -> StageResult:
     partial = partial_rollout(call.run.cfg)
     if not len(call.batch):
-        return StageResult(pieces={} if partial else None)
+        return StageResult(pieces={} if partial else None, sums=turn_sums(call.run.cfg, []))
     if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
@@ -66,7 +89,15 @@ def actor_rollout(call: StageCall) -> StageResult:
     out = rollout_columns(samples)
     if versioned(call.run.cfg):  # separated placement: the version of the weights the engine holds
         out["response_version"] = [torch.full((len(s.token_ids),), call.run.policy_version, dtype=torch.int32) for s in samples]
-    return StageResult(columns=out)
+    return StageResult(columns=out, sums=turn_sums(call.run.cfg, samples))
+
+
+def turn_sums(cfg, samples: list[Sample]) -> dict[str, float]:
+    """The multi-turn counts of these samples: every key on every rank under
+    ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
+    if not multi_turn(cfg):
+        return {}
+    return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
 
 
 def _continue(call: StageCall) -> StageResult:

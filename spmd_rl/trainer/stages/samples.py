@@ -35,10 +35,12 @@ def padded(columns: list[torch.Tensor], width: int, dtype: torch.dtype = torch.f
 
 def seq_batch(run: Run, batch) -> SeqBatch:
     """The stage's samples as a sequence batch, carrying the ``rollout_routes`` column when the
-    stage reads it (routing replay and the router metrics)."""
+    stage reads it (routing replay and the router metrics) and masking inserted tokens when it
+    reads ``response_mask`` (multi-turn rollouts)."""
     routes = batch.columns.get("rollout_routes")
     shape = None if routes is None else (run.arch.num_layers, run.arch.experts_per_token)
-    return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id, routes, shape)
+    return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id, routes, shape,
+                       batch.columns.get("response_mask"))
 
 
 def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int = 0) -> list[int]:

@@ -1,0 +1,53 @@
+"""Rules of multi-turn rollouts (``rollout.environment``): what the environment needs from the
+rest of the config, and the combinations this version refuses with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from spmd_rl.config.errors import Violation
+from spmd_rl.config.layout import Layout
+from spmd_rl.config.schema import Config
+
+_TURN_FIELDS = ("max_turns", "tool_timeout_s")
+
+
+def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
+    r = cfg.rollout
+    if r.environment is None:
+        return [Violation(f"rollout.{f}", getattr(r, f), "only read with rollout.environment", "remove it or set rollout.environment")
+                for f in _TURN_FIELDS if f in r.model_fields_set]
+    out = _check_name(r.environment)
+    if not cfg.data.apply_chat_template:
+        out.append(Violation("data.apply_chat_template", False, "tool turns are rendered by the chat template, which starts from the prompt's user message",
+                             "set data.apply_chat_template: true"))
+    if cfg.algorithm.name == "ppo":
+        out.append(Violation("algorithm.name", "ppo", "GAE over trajectories with inserted tool tokens is not built in this version",
+                             "use grpo or dapo with rollout.environment"))
+    if cfg.stream.partial_tokens:
+        out.append(Violation("stream.partial_tokens", cfg.stream.partial_tokens, "partial rollout does not carry environments across iterations in this version",
+                             "set stream.partial_tokens: 0 with rollout.environment"))
+    if cfg.actor.router_replay != "none":
+        out.append(Violation("actor.router_replay", cfg.actor.router_replay, "routes are recorded per request, and a trajectory is several requests",
+                             "set actor.router_replay: none with rollout.environment"))
+    if gen.tp > 1:
+        out.append(Violation("parallel.gen.tp", gen.tp, "a generation group's TP ranks must submit every turn at the same engine step, and tools finish at different times on each",
+                             "set parallel.gen.tp: 1 with rollout.environment (raise parallel.gen.dp instead)"))
+    return out
+
+
+def _check_name(name: str) -> list[Violation]:
+    from spmd_rl.envs.factory import ENVIRONMENTS  # importing the factory registers the built-ins
+
+    if ":" not in name:
+        if name not in ENVIRONMENTS:
+            return [Violation("rollout.environment", name, "not a registered environment", f"use one of {', '.join(sorted(ENVIRONMENTS))} or my_pkg.envs:make")]
+        return []
+    module, _, func = name.partition(":")
+    try:
+        found = bool(module) and func.isidentifier() and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return [Violation("rollout.environment", name, f"module {module!r} not importable or {func!r} not a name", "put the module on PYTHONPATH and give module:function")]
+    return []

@@ -1,0 +1,107 @@
+"""One multi-turn trajectory, tokens in and tokens out.
+
+The response is the concatenation of the policy's sampled turns and the tokens inserted
+between them (tool turns and turn separators). ``mask`` is 1 on sampled tokens, 0 on inserted
+ones; ``logprobs`` holds vLLM's sampling log-prob of each sampled token (0 where inserted).
+Nothing is ever re-tokenized from text: a text observation is rendered by the chat template,
+and the tokens it inserts are the rendering's tokens past the trajectory's own.
+
+Exact-prefix invariant: the template's rendering of the whole conversation so far (prompt
+message, each sampled turn as its decoded text, each observation as a ``tool`` message, then
+the generation prompt) must begin with exactly prompt + response. If it does not (the template
+rewrites an earlier turn, or the decoded text re-tokenizes differently), the trajectory ends
+before the observation and counts a ``prefix_breaks``: what is trained is only what was
+sampled or inserted, never an altered copy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from spmd_rl.envs.base import Environment, Step
+
+STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
+"""Per-trajectory counts the rollout sums into metrics."""
+
+
+@dataclass
+class Trajectory:
+    key: int
+    prompt: list[int]
+    messages: list[dict[str, str]]
+    """The conversation as the chat template sees it (starts with the prompt's user message)."""
+    env: Environment
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    """Sum of the environment's reward contributions."""
+    stopped: bool = False
+    """The last sampled turn ended on a stop token (not on the token budget)."""
+    done: bool = False
+    stats: Counter = field(default_factory=Counter)
+    last_text: str = ""
+    """The text of the last sampled turn (what a reward rule scores)."""
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.ids
+
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], text: str, stopped: bool) -> None:
+        self.ids += token_ids
+        self.logprobs += logprobs
+        self.mask += [1] * len(token_ids)
+        self.stats["turns"] += 1
+        self.stats["sampled_tokens"] += len(token_ids)
+        self.messages.append({"role": "assistant", "content": text})
+        self.last_text = text
+        self.stopped = stopped
+
+    def add_inserted(self, token_ids: list[int]) -> None:
+        self.ids += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.mask += [0] * len(token_ids)
+        self.stats["inserted_tokens"] += len(token_ids)
+
+    def finish(self, reason: str | None = None) -> None:
+        if reason is not None:
+            self.stats[reason] += 1
+        self.done = True
+
+    def apply(self, step: Step, tokenizer, budget: int, max_turns: int) -> bool:
+        """Take an environment step; True when the trajectory continues with another turn.
+        Ends it when the environment is done, at ``max_turns`` sampled turns, when the
+        observation would leave no room for a sampled token within ``budget`` response tokens
+        (a truncation), or on a prefix break."""
+        self.reward += float(step.reward)
+        for k in ("tool_calls", "tool_errors", "tool_timeouts"):
+            self.stats[k] += int(step.metadata.get(k, 0))
+        if step.done or step.observation is None:
+            self.finish()
+            return False
+        if self.stats["turns"] >= max_turns:
+            self.finish("truncations")
+            return False
+        inserted = self._render(step.observation, tokenizer)
+        if inserted is None:
+            self.finish("prefix_breaks")
+            return False
+        if len(self.ids) + len(inserted) >= budget:
+            self.finish("truncations")
+            return False
+        self.add_inserted(inserted)
+        return True
+
+    def _render(self, observation: str | list[int], tokenizer) -> list[int] | None:
+        """The tokens an observation inserts, or None on a prefix break. Token ids are inserted
+        as they are; text becomes a ``tool`` message rendered by the chat template."""
+        if not isinstance(observation, str):
+            return [int(t) for t in observation]
+        messages = self.messages + [{"role": "tool", "content": observation}]
+        full = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ctx = self.context
+        if full[: len(ctx)] != ctx:
+            return None
+        self.messages = messages
+        return full[len(ctx):]

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Build the tiny tool-using model and its task: "a*b=" with 100 <= a < 1000, 10 <= b < 100,
+products the tiny model cannot compute, and the ``calculator`` environment that can.
+
+Same architecture and tokenizer as ``tools/make_tiny_model.py``. The warm start is supervised
+on two kinds of conversation, the loss on the assistant's tokens only:
+
+- a tool conversation (``--tool-fraction`` of them): the assistant writes ``<calc>a*b</calc>``,
+  the tool turn holds the product, the assistant copies it;
+- a direct one: the assistant writes the product at once (which it cannot learn to compute).
+
+So the warm-started policy calls the calculator in about that fraction of its samples and
+answers directly otherwise: greedy decoding answers directly (and is almost always wrong), and
+reinforcement learning with the tool has a rare, correct behaviour to make the mode; without the
+tool it has nothing. ``warmstart.json`` records the tool-call rate at temperature 1, how often a
+tool conversation's copy is right, and the greedy accuracy without the tool.
+
+    python tools/make_tool_model.py --out assets/tiny-tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_tiny_model import build_model, build_tokenizer, prompt_ids  # noqa: E402  (tools/ is the script's folder)
+
+
+def make_task(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    pairs = {(rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(3 * (n_train + n_test))}
+    rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in sorted(pairs)]
+    rng.shuffle(rows)
+    return rows[n_test:n_test + n_train], rows[:n_test]
+
+
+def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one supervised conversation; labels -100 outside the assistant's turns."""
+    a, b = row["prompt"].rstrip("=").split("*")
+    user = {"role": "user", "content": row["prompt"]}
+    turns = [{"role": "assistant", "content": f"<calc>{a}*{b}</calc>"}, {"role": "tool", "content": row["answer"]},
+             {"role": "assistant", "content": row["answer"]}] if tool else [{"role": "assistant", "content": row["answer"]}]
+    ids = prompt_ids(tok, row["prompt"])
+    labels = [-100] * len(ids)
+    messages = [user]
+    for m in turns:
+        messages.append(m)
+        full = tok.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                       add_generation_prompt=m["role"] == "tool")
+        new = full[len(ids):]
+        if m["role"] == "assistant":
+            new = new[:-1]  # the template's "\n" after <|im_end|> is the next turn's separator
+            labels += new
+        else:
+            labels += [-100] * len(new)
+        ids += new
+    return ids, labels
+
+
+def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float):
+    convs = [conversation(tok, r, rng.random() < tool_fraction) for r in rows]
+    width = max(len(i) for i, _ in convs)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    lab = torch.full((len(rows), width), -100)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for k, (i, l) in enumerate(convs):
+        ids[k, : len(i)], lab[k, : len(l)], att[k, : len(i)] = torch.tensor(i), torch.tensor(l), 1
+    return ids, att, lab
+
+
+@torch.no_grad()
+def measure(model, tok, rows: list[dict]) -> dict[str, float]:
+    """Tool-call rate of sampled first turns, copy accuracy of tool conversations (greedy, the
+    tool turn given), greedy accuracy without the tool."""
+    model.eval()
+    enc = tok.pad({"input_ids": [prompt_ids(tok, r["prompt"]) for r in rows]}, padding=True, return_tensors="pt")
+    gen = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, max_new_tokens=24)
+    sampled = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, **gen)
+    calls = sum("<calc>" in t for t in tok.batch_decode(sampled[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    greedy = model.generate(**enc, do_sample=False, **gen)
+    direct = sum(t.strip() == r["answer"] for t, r in zip(tok.batch_decode(greedy[:, enc["input_ids"].shape[1]:], skip_special_tokens=True), rows))
+    copies = 0
+    for r in rows:
+        ids, _ = conversation(tok, r, True)
+        cut = len(ids) - len(tok.encode(r["answer"])) - 1  # up to the final assistant turn
+        out = model.generate(input_ids=torch.tensor([ids[:cut]]), do_sample=False, **gen)
+        copies += tok.decode(out[0, cut:], skip_special_tokens=True).strip() == r["answer"]
+    model.train()
+    return {"tool_call_rate": calls / len(rows), "copy_accuracy": copies / len(rows), "greedy_accuracy_without_tool": direct / len(rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-train", type=int, default=4000)
+    ap.add_argument("--n-test", type=int, default=500)
+    ap.add_argument("--tool-fraction", type=float, default=0.25)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tok = build_tokenizer()
+    model = build_model(tok, args.seed)
+    train, test = make_task(args.seed, args.n_train, args.n_test)
+    rng = random.Random(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    t0 = time.time()
+    for step in range(1, args.steps + 1):
+        ids, att, lab = batch(tok, rng.sample(train, args.batch_size), rng, args.tool_fraction)
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0:
+            print(f"[make_tool_model] step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
+    report = {"seed": args.seed, "sft_steps": args.steps, "tool_fraction": args.tool_fraction} | measure(model, tok, test[:200])
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id)
+    model.save_pretrained(args.out, safe_serialization=True)
+    tok.save_pretrained(args.out)
+    for name, rows in (("train", train), ("test", test)):
+        with open(args.out / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    (args.out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[make_tool_model] wrote {args.out}: {report}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
