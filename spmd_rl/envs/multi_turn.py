@@ -41,8 +41,8 @@ class MultiTurnRollout:
         self.lockstep, self.tool_workers = lockstep, tool_workers
 
     def run(self, items: list[tuple[list[int], dict]], seed: int | None = None, temperature: float | None = None) -> list[Trajectory]:
-        """One trajectory per (prompt ids, dataset row); the row (with its ``prompt`` text)
-        makes the trajectory's environment."""
+        """One trajectory per (prompt ids, dataset row), run to its end; the row (with its
+        ``prompt`` text) makes the trajectory's environment."""
         trajs = [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row))
                  for k, (ids, row) in enumerate(items)]
         ready = list(trajs)
@@ -55,8 +55,7 @@ class MultiTurnRollout:
                     ready = []
                 if self.engine.busy():
                     for key, (sample,) in self.engine.step():
-                        t = trajs[key]
-                        self._sampled(t, sample, pool, tools)
+                        self._sampled(trajs[key], sample, pool, tools)
                 elif tools:
                     wait(list(tools), timeout=max(0.0, min(d for _, d in tools.values()) - time.monotonic()), return_when=FIRST_COMPLETED)
                 ready += self._returned(tools)

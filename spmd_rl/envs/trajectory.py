@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from spmd_rl.envs.base import Environment, Step
 
-STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
-"""Per-trajectory counts the rollout sums into metrics."""
+STATS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
+"""Per-trajectory counts the rollout sums into metrics (``trajectories``: 1 each, the count
+the means divide by)."""
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Trajectory:
     stopped: bool = False
     """The last sampled turn ended on a stop token (not on the token budget)."""
     done: bool = False
-    stats: Counter = field(default_factory=Counter)
+    stats: Counter = field(default_factory=lambda: Counter(trajectories=1))
     last_text: str = ""
     """The text of the last sampled turn (what a reward rule scores)."""
 
@@ -49,6 +50,7 @@ class Trajectory:
         return self.prompt + self.ids
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float], text: str, stopped: bool) -> None:
+        """Append a sampled turn: its tokens, their log-probs, and its decoded text."""
         self.ids += token_ids
         self.logprobs += logprobs
         self.mask += [1] * len(token_ids)

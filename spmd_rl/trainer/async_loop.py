@@ -105,7 +105,7 @@ def generate(run: Run, start: int) -> None:
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
-        out |= turn_metrics(global_sums(res.sums), G * N)  # multi-turn counts, summed over the generators
+        out |= turn_metrics(global_sums(res.sums))  # multi-turn counts, summed over the generators
         run.dock.release(it)
         if leader:
             report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}

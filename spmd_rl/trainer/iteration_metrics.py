@@ -19,16 +19,16 @@ _MEANS = {  # metric: (sum, count) of the global sums
     "returns_mean": ("returns_sum", "value_tokens"),
     "env_reward_mean": ("env_reward_sum", "generated"),
 }
-_COUNTS = tuple(k for k in STATS if k != "turns")
+_COUNTS = tuple(k for k in STATS if k not in ("turns", "trajectories"))
 """Multi-turn counts reported as iteration totals: tool calls, errors, timeouts, truncations,
 prefix breaks, sampled and inserted tokens (``envs.trajectory.STATS``)."""
 
 
-def turn_metrics(g: dict[str, float], samples: float) -> dict[str, float]:
-    """Multi-turn metrics from the summed counts of ``samples`` trajectories (none single-turn)."""
+def turn_metrics(g: dict[str, float]) -> dict[str, float]:
+    """Multi-turn metrics from the summed counts of the trajectories that ended (none single-turn)."""
     if "turns" not in g:
         return {}
-    return {"turns_mean": g["turns"] / max(samples, 1.0)} | {k: g[k] for k in _COUNTS if k in g}
+    return {"turns_mean": g["turns"] / max(g["trajectories"], 1.0)} | {k: g[k] for k in _COUNTS + ("trajectories",)}
 
 
 class IterationMetrics:
@@ -57,6 +57,6 @@ class IterationMetrics:
             var_r = g["returns_sq"] / t - (g["returns_sum"] / t) ** 2
             var_e = g["resid_sq"] / t - (g["resid_sum"] / t) ** 2
             out["value_explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
-        out |= turn_metrics(g, n)
+        out |= turn_metrics(g)
         out |= global_maxes(self.maxes)
         return out | self.final
