@@ -21,9 +21,6 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     if not cfg.data.apply_chat_template:
         out.append(Violation("data.apply_chat_template", False, "tool turns are rendered by the chat template, which starts from the prompt's user message",
                              "set data.apply_chat_template: true"))
-    if cfg.stream.partial_tokens:
-        out.append(Violation("stream.partial_tokens", cfg.stream.partial_tokens, "the dock may deal a carried trajectory to another generation group, and an environment's state does not travel through the dock",
-                             "set stream.partial_tokens: 0 with rollout.environment"))
     if cfg.algorithm.name == "ppo":
         out.append(Violation("algorithm.name", "ppo", "GAE over trajectories with inserted tool tokens is not built in this version",
                              "use grpo or dapo with rollout.environment"))

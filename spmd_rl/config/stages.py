@@ -34,6 +34,8 @@ COLUMNS: dict[str, ColumnKind] = {
     "prefix_version": "response",
     "prefix_done": "scalar",
     "prefix_routes": "routes",
+    "prefix_mask": "response",
+    "prefix_env_reward": "scalar",
     "reward": "scalar",
     "seq_advantage": "scalar",
     "rollout_routes": "routes",
@@ -61,6 +63,13 @@ PARTIAL_COLUMNS = ("prefix_ids", "prefix_log_prob", "prefix_version", "prefix_do
 PREFIX_ROUTES = ("prefix_routes",)
 """Also written under partial rollout when routes are recorded: the ``rollout_routes`` of each
 sample's response so far, which its continuation extends (``trainer.carry.Piece``)."""
+
+PREFIX_TURNS = ("prefix_mask", "prefix_env_reward")
+"""Also written under partial rollout of multi-turn trajectories: the ``response_mask`` and
+``env_reward`` of each sample's response so far; the rollout rebuilds the trajectory from its
+tokens and mask (``envs.trajectory.Trajectory.replay``)."""
+
+PREFIX_EXTRA = PREFIX_ROUTES + PREFIX_TURNS
 
 
 ROLES = ("rollout", "actor", "ref", "critic", "reward_model")
@@ -120,7 +129,7 @@ def partial_columns(cfg: Config) -> tuple[str, ...]:
     """The data loader's ``prefix_*`` columns of this config (none without partial rollout)."""
     if not partial_rollout(cfg):
         return ()
-    return PARTIAL_COLUMNS + (PREFIX_ROUTES if records_routes(cfg) else ())
+    return PARTIAL_COLUMNS + (PREFIX_ROUTES if records_routes(cfg) else ()) + (PREFIX_TURNS if multi_turn(cfg) else ())
 
 
 def data_columns(cfg: Config) -> tuple[str, ...]:
@@ -235,7 +244,7 @@ def advantage_column(cfg: Config) -> str:
 
 
 def written_columns(stages: list[Stage]) -> list[str]:
-    cols: list[str] = list(DATA_COLUMNS) + [c for c in PARTIAL_COLUMNS + PREFIX_ROUTES if c in stages[0].inputs]
+    cols: list[str] = list(DATA_COLUMNS) + [c for c in PARTIAL_COLUMNS + PREFIX_EXTRA if c in stages[0].inputs]
     for s in stages:
         cols += [c for c in s.outputs if c not in cols]
     return cols

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, PREFIX_ROUTES, Stage
+from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, PREFIX_EXTRA, Stage
 from spmd_rl.dock.errors import DockRequestError
 
 
@@ -29,13 +29,13 @@ class ColumnSpec:
 _DTYPES = {"prompt_ids": torch.int32, "answer": torch.uint8, "response_ids": torch.int32, "response_length": torch.int32,
            "response_version": torch.int32, "prompt_row": torch.int32, "prefix_ids": torch.int32, "prefix_version": torch.int32,
            "prefix_done": torch.int32, "rollout_routes": torch.uint8, "prefix_routes": torch.uint8,
-           "response_mask": torch.uint8}
+           "response_mask": torch.uint8, "prefix_mask": torch.uint8}
 
 
 def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
     """Specs of every column written by ``stages`` and by the data loader (``DATA_COLUMNS``, and
     the ``PARTIAL_COLUMNS`` the rollout reads under partial rollout)."""
-    writers = dict.fromkeys(DATA_COLUMNS + tuple(c for c in PARTIAL_COLUMNS + PREFIX_ROUTES if stages and c in stages[0].inputs), "data")
+    writers = dict.fromkeys(DATA_COLUMNS + tuple(c for c in PARTIAL_COLUMNS + PREFIX_EXTRA if stages and c in stages[0].inputs), "data")
     for s in stages:
         writers.update({c: s.name for c in s.outputs})
     return {

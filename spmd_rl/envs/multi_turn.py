@@ -8,7 +8,10 @@ synchronous": every trajectory's turn t is submitted together once all of turn t
 tools are done (``tools/bench_multi_turn.py`` compares the two).
 
 Budgets per trajectory: at most ``max_turns`` sampled turns and ``max_tokens`` response tokens
-(sampled + inserted; each turn may sample what is left). A tool call that has not returned
+(sampled + inserted; each turn may sample what is left). Partial rollout continues
+trajectories across iterations (``advance`` with ``segment`` = B): each samples at most B more
+tokens per call and is then paused, mid-turn or before its next turn; the next iteration
+rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not returned
 after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
 goes on; an environment that raises becomes an error observation (``tool_errors``). Turn t of
 trajectory k is seeded seed + k * max_turns + t, so a rerun samples the same trajectories.
@@ -40,12 +43,24 @@ class MultiTurnRollout:
         self.engine, self.tokenizer, self.factory, self.limits = engine, tokenizer, factory, limits
         self.lockstep, self.tool_workers = lockstep, tool_workers
 
+    def start(self, items: list[tuple[list[int], dict]]) -> list[Trajectory]:
+        """One new trajectory per (prompt ids, dataset row); the row (with its ``prompt`` text)
+        makes the trajectory's environment."""
+        return [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row))
+                for k, (ids, row) in enumerate(items)]
+
     def run(self, items: list[tuple[list[int], dict]], seed: int | None = None, temperature: float | None = None) -> list[Trajectory]:
-        """One trajectory per (prompt ids, dataset row), run to its end; the row (with its
-        ``prompt`` text) makes the trajectory's environment."""
-        trajs = [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row))
-                 for k, (ids, row) in enumerate(items)]
-        ready = list(trajs)
+        """New trajectories run to their end."""
+        return self.advance(self.start(items), seed, temperature)
+
+    def advance(self, trajs: list[Trajectory], seed: int | None = None, temperature: float | None = None,
+                segment: int | None = None) -> list[Trajectory]:
+        """Run every unfinished trajectory until it ends or, with ``segment``, has sampled that
+        many more tokens (then it is paused: not done). Trajectory k of the list is keyed k."""
+        for k, t in enumerate(trajs):
+            t.key = k
+        self._spent, self._segment = [0] * len(trajs), segment
+        ready = [t for t in trajs if not t.done]
         tools: dict[Future, tuple[Trajectory, float]] = {}
         pool = ThreadPoolExecutor(self.tool_workers, thread_name_prefix="spmd-rl-tool")
         try:
@@ -63,22 +78,29 @@ class MultiTurnRollout:
             pool.shutdown(wait=False, cancel_futures=True)  # a tool past its timeout is left to its own limits
         return trajs
 
+    def _left(self, t: Trajectory) -> int:
+        """Tokens the trajectory may sample next: what its budget and this call's segment leave."""
+        left = self.limits.max_tokens - len(t.ids)
+        return left if self._segment is None else min(left, self._segment - self._spent[t.key])
+
     def _submit(self, trajs: list[Trajectory], seed: int | None, temperature: float | None) -> None:
         lim = self.limits
-        params = [self.engine.sampling_params(lim.max_tokens - len(t.ids), temperature,
+        params = [self.engine.sampling_params(self._left(t), temperature,
                                               None if seed is None else seed + t.key * lim.max_turns + t.stats["turns"]) for t in trajs]
         self.engine.submit([(t.key, t.context) for t in trajs], params)
 
     def _sampled(self, t: Trajectory, sample, pool: ThreadPoolExecutor, tools: dict) -> None:
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        t.add_sampled(sample.token_ids, sample.logprobs, text, sample.stopped)
-        if not sample.stopped or len(t.ids) >= self.limits.max_tokens:
+        text = t.add_sampled(sample.token_ids, sample.logprobs, sample.stopped, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        self._spent[t.key] += len(sample.token_ids)
+        if len(t.ids) >= self.limits.max_tokens or (not sample.stopped and self._segment is None):
             t.finish("truncations")
-            return
-        tools[pool.submit(t.env.step, Turn(text, tuple(sample.token_ids)))] = (t, time.monotonic() + self.limits.tool_timeout_s)
+        elif sample.stopped:
+            tools[pool.submit(t.env.step, Turn(text, tuple(t.ids[t.turn_start:])))] = (t, time.monotonic() + self.limits.tool_timeout_s)
+        # else: the segment is spent mid-turn; the trajectory is paused with its turn open
 
     def _returned(self, tools: dict[Future, tuple[Trajectory, float]]) -> list[Trajectory]:
-        """Apply every tool step that returned or timed out; the trajectories that go on."""
+        """Apply every tool step that returned or timed out; the trajectories that go on now
+        (one whose segment is spent pauses before its next turn)."""
         now, going = time.monotonic(), []
         for fut, (t, deadline) in list(tools.items()):
             if fut.done():
@@ -90,7 +112,7 @@ class MultiTurnRollout:
             else:
                 continue
             del tools[fut]
-            if t.apply(step, self.tokenizer, self.limits.max_tokens, self.limits.max_turns):
+            if t.apply(step, self.tokenizer, self.limits.max_tokens, self.limits.max_turns) and self._left(t) > 0:
                 going.append(t)
         return going
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from spmd_rl.envs.base import Environment, Step
+from spmd_rl.envs.base import Environment, Step, Turn
 
 STATS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
 """Per-trajectory counts the rollout sums into metrics (``trajectories``: 1 each, the count
@@ -40,6 +40,11 @@ class Trajectory:
     """Sum of the environment's reward contributions."""
     stopped: bool = False
     """The last sampled turn ended on a stop token (not on the token budget)."""
+    open_turn: bool = False
+    """The last sampled segment did not end its turn: partial rollout paused it mid-turn, and
+    the next segment continues the same turn (``envs.multi_turn``, ``segment``)."""
+    turn_start: int = 0
+    """Where the current (or last) sampled turn starts in ``ids``."""
     done: bool = False
     stats: Counter = field(default_factory=lambda: Counter(trajectories=1))
     last_text: str = ""
@@ -49,16 +54,21 @@ class Trajectory:
     def context(self) -> list[int]:
         return self.prompt + self.ids
 
-    def add_sampled(self, token_ids: list[int], logprobs: list[float], text: str, stopped: bool) -> None:
-        """Append a sampled turn: its tokens, their log-probs, and its decoded text."""
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], stopped: bool, decode) -> str:
+        """Append sampled tokens (a new turn, or the rest of an open one); returns the turn's
+        text so far, ``decode`` of its tokens."""
+        if not self.open_turn:
+            self.turn_start = len(self.ids)
+            self.stats["turns"] += 1
+            self.messages.append({"role": "assistant", "content": ""})
         self.ids += token_ids
         self.logprobs += logprobs
         self.mask += [1] * len(token_ids)
-        self.stats["turns"] += 1
         self.stats["sampled_tokens"] += len(token_ids)
-        self.messages.append({"role": "assistant", "content": text})
-        self.last_text = text
-        self.stopped = stopped
+        self.last_text = decode(self.ids[self.turn_start:])
+        self.messages[-1]["content"] = self.last_text
+        self.stopped, self.open_turn = stopped, not stopped
+        return self.last_text
 
     def add_inserted(self, token_ids: list[int]) -> None:
         self.ids += token_ids
@@ -107,3 +117,32 @@ class Trajectory:
             return None
         self.messages = messages
         return full[len(ctx):]
+
+    def replay(self, ids: list[int], logprobs: list[float], mask: list[int], tokenizer, budget: int, max_turns: int) -> bool:
+        """Rebuild a carried trajectory (partial rollout) from its response so far: each sampled
+        turn is fed to this trajectory's fresh environment in order, and each observation must
+        render to exactly the inserted tokens that follow it. The tokens, log-probs and mask are
+        the carried ones whatever happens; False when the environment now answers differently
+        (the trajectory then ends there, a ``prefix_breaks``). A last sampled run not followed
+        by inserted tokens is the turn the previous segment left open."""
+        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+        runs, j = [], 0
+        while j < len(ids):
+            k = j
+            while k < len(ids) and mask[k] == mask[j]:
+                k += 1
+            runs.append((j, k, mask[j]))
+            j = k
+        for n, (a, b, sampled) in enumerate(runs):
+            if not sampled:
+                continue
+            text = self.add_sampled(ids[a:b], logprobs[a:b], n + 1 < len(runs), decode)
+            if n + 1 == len(runs):
+                return True  # the open turn
+            before, kept = len(self.ids), Counter(self.stats)
+            step = self.env.step(Turn(text, tuple(ids[a:b])))
+            if not self.apply(step, tokenizer, budget, max_turns) or self.ids[before:] != ids[b:runs[n + 1][1]]:
+                self.ids, self.logprobs, self.mask, self.done, self.stats = list(ids), list(logprobs), list(mask), True, kept
+                self.stats["prefix_breaks"] += 1
+                return False
+        return True

@@ -24,6 +24,10 @@ class Piece:
     versions: list[int] = field(default_factory=list)
     done: bool = False
     routes: torch.Tensor | None = None
+    mask: list[int] | None = None
+    """A multi-turn sample's ``response_mask`` so far (1 sampled, 0 inserted)."""
+    env_reward: float = 0.0
+    """A multi-turn sample's environment reward so far."""
 
     @classmethod
     def of(cls, row: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, done: torch.Tensor,
@@ -48,7 +52,9 @@ class Piece:
                 "prefix_log_prob": torch.tensor(self.logprobs, dtype=torch.float32),
                 "prefix_version": torch.tensor(self.versions, dtype=torch.int32),
                 "prefix_done": torch.tensor(int(self.done), dtype=torch.int32)} | (
-                    {} if self.routes is None else {"prefix_routes": self.routes})
+                    {} if self.routes is None else {"prefix_routes": self.routes}) | (
+                    {} if self.mask is None else {"prefix_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                                                  "prefix_env_reward": torch.tensor(self.env_reward, dtype=torch.float32)})
 
 
 @dataclass

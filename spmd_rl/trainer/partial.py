@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.config.stages import PREFIX_ROUTES, records_routes
+from spmd_rl.config.stages import partial_columns
 from spmd_rl.trainer.carry import CarriedGroup
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
@@ -58,8 +58,10 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
         prefix = [p.columns() for p in pieces]
         cols = prompt_columns(run, [p.row for p in pieces]) | {
             "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
-        names = ("prefix_ids", "prefix_log_prob", "prefix_version") + (PREFIX_ROUTES if records_routes(run.cfg) else ())
+        names = tuple(c for c in partial_columns(run.cfg) if c not in ("prefix_done", "prefix_env_reward"))
         cols |= {k: [c.get(k, torch.zeros(0, dtype=torch.uint8)) for c in prefix] for k in names}
+        if "prefix_env_reward" in partial_columns(run.cfg):
+            cols["prefix_env_reward"] = torch.stack([c.get("prefix_env_reward", torch.tensor(0.0)) for c in prefix])
         run.dock.put("data", it, cols, list(range(g * per * n, (g + 1) * per * n)))
     return rows, [int(r) - 1 for r in slot_rows]
 

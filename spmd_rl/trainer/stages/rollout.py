@@ -106,6 +106,8 @@ def _continue(call: StageCall) -> StageResult:
     routes = cols.get("prefix_routes", [None] * len(call.batch))
     pieces = [Piece.of(row, ids, lp, ver, done, r if r is None or r.numel() else None) for row, ids, lp, ver, done, r in
               zip(cols["prompt_row"], cols["prefix_ids"], cols["prefix_log_prob"], cols["prefix_version"], cols["prefix_done"], routes)]
+    if call.run.turns is not None:
+        return _continue_turns(call, pieces)
     todo = [k for k, p in enumerate(pieces) if not p.done]
     got = call.run.rollout.continue_samples(
         [(cols["prompt_ids"][k].tolist() + pieces[k].token_ids, min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids))) for k in todo],
@@ -115,3 +117,28 @@ def _continue(call: StageCall) -> StageResult:
     out = rollout_columns([Sample(p.token_ids, p.logprobs, routes=p.routes) for p in pieces])
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
     return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)))
+
+
+def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
+    """Partial rollout of multi-turn trajectories: each unfinished sample is rebuilt from the
+    dock's tokens and mask (``Trajectory.replay``: a fresh environment, its turns fed again;
+    whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
+    A trajectory's counts are summed once, in the iteration it ends."""
+    run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
+    trajs = run.turns.start([(p.tolist(), run.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])])
+    todo = []
+    for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
+        p.mask, p.env_reward = m.tolist(), float(reward)
+        if not p.done and (not p.token_ids or t.replay(p.token_ids, p.logprobs, p.mask, run.tokenizer, lim.max_tokens, lim.max_turns)):
+            todo.append(t)
+    run.turns.advance(todo, seed=_seed(call), segment=run.cfg.stream.partial_tokens)
+    samples, ended = [], []
+    for p, t in zip(pieces, trajs):
+        ended.append(not p.done and t.done)  # its counts are summed in the iteration it ends
+        if not p.done:
+            p.versions += [call.it] * (len(t.ids) - len(p.token_ids))
+            p.token_ids, p.logprobs, p.mask, p.done, p.env_reward = list(t.ids), list(t.logprobs), list(t.mask), t.done, t.reward
+        samples.append(Sample(p.token_ids, p.logprobs, mask=p.mask, env_reward=p.env_reward, stats=dict(t.stats) if ended[-1] else {}))
+    out = rollout_columns(samples)
+    out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
+    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run.cfg, samples))
