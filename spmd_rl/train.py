@@ -22,11 +22,11 @@ from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
-from spmd_rl.config.stages import pinned_roles, records_routes, stages_for
+from spmd_rl.config.stages import multi_turn, pinned_roles, records_routes, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.distributed.mesh import train_mesh
+from spmd_rl.distributed.mesh import replica_group, train_mesh
 from spmd_rl.distributed.sides import init_sides
 from spmd_rl.distributed.timeouts import set_collective_timeout
 from spmd_rl.distributed.teardown import exit_after
@@ -109,6 +109,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
             log.info("resumed from %s at iteration %d", folder, start)
     run = Run(cfg, lay, peer, acc, dock, graph, roles, rollout, residency, tok, prompts, sampler,
               get_reward(cfg.reward.rule, cfg.reward.format_score))
+    if multi_turn(cfg) and lay.gen.tp > 1:  # the TP ranks of a generation group run each multi-turn rollout together
+        run.gen_tp_group = replica_group(lay.gen, peer.rank)
     if folder is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
     run.ledger = PromptLedger(MetadataStore(endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)))

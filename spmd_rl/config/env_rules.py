@@ -27,9 +27,9 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     if cfg.actor.router_replay != "none":
         out.append(Violation("actor.router_replay", cfg.actor.router_replay, "routes are recorded per request, and a trajectory is several requests",
                              "set actor.router_replay: none with rollout.environment"))
-    if gen.tp > 1:
-        out.append(Violation("parallel.gen.tp", gen.tp, "a generation group's TP ranks must submit every turn at the same engine step, and tools finish at different times on each",
-                             "set parallel.gen.tp: 1 with rollout.environment (raise parallel.gen.dp instead)"))
+    if gen.tp > 1 and cfg.stream.partial_tokens:
+        out.append(Violation("parallel.gen.tp", gen.tp, "under partial rollout each TP rank rebuilds the carried trajectories itself, and they must agree",
+                             "set parallel.gen.tp: 1 with rollout.environment and stream.partial_tokens (raise parallel.gen.dp instead)"))
     return out
 
 

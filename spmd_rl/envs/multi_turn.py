@@ -24,8 +24,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from spmd_rl.envs.base import EnvironmentFactory, Step, Turn
 from spmd_rl.envs.trajectory import Trajectory
+from spmd_rl.envs.turn_sync import END, GO, PAUSE, share
 
 log = logging.getLogger("spmd_rl")
 
@@ -39,9 +42,12 @@ class TurnLimits:
 
 class MultiTurnRollout:
     def __init__(self, engine, tokenizer, factory: EnvironmentFactory, limits: TurnLimits, lockstep: bool = False,
-                 tool_workers: int = 8):
+                 tool_workers: int = 8, tp_group=None):
+        """``tp_group``: the generation group's TP ranks, which run the rollout together; only
+        its first rank steps the environments (``envs.turn_sync``)."""
         self.engine, self.tokenizer, self.factory, self.limits = engine, tokenizer, factory, limits
-        self.lockstep, self.tool_workers = lockstep, tool_workers
+        self.lockstep, self.tool_workers, self.tp_group = lockstep, tool_workers, tp_group
+        self.leader = tp_group is None or dist.get_rank() == dist.get_global_rank(tp_group, 0)
 
     def start(self, items: list[tuple[list[int], dict]]) -> list[Trajectory]:
         """One new trajectory per (prompt ids, dataset row); the row (with its ``prompt`` text)
@@ -62,10 +68,11 @@ class MultiTurnRollout:
         self._spent, self._segment = [0] * len(trajs), segment
         ready = [t for t in trajs if not t.done]
         tools: dict[Future, tuple[Trajectory, float]] = {}
+        pending = False  # the leader's tools still running (the same value on every TP rank)
         pool = ThreadPoolExecutor(self.tool_workers, thread_name_prefix="spmd-rl-tool")
         try:
-            while ready or tools or self.engine.busy():
-                if ready and (not self.lockstep or not (tools or self.engine.busy())):
+            while ready or pending or self.engine.busy():
+                if ready and (not self.lockstep or not (pending or self.engine.busy())):
                     self._submit(ready, seed, temperature)
                     ready = []
                 if self.engine.busy():
@@ -73,7 +80,9 @@ class MultiTurnRollout:
                         self._sampled(trajs[key], sample, pool, tools)
                 elif tools:
                     wait(list(tools), timeout=max(0.0, min(d for _, d in tools.values()) - time.monotonic()), return_when=FIRST_COMPLETED)
-                ready += self._returned(tools)
+                decided = self._returned(tools) if self.leader else []
+                going, pending = share(decided, bool(tools), trajs, self.tp_group)
+                ready += going
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a tool past its timeout is left to its own limits
         return trajs
@@ -94,14 +103,14 @@ class MultiTurnRollout:
         self._spent[t.key] += len(sample.token_ids)
         if len(t.ids) >= self.limits.max_tokens or (not sample.stopped and self._segment is None):
             t.finish("truncations")
-        elif sample.stopped:
+        elif sample.stopped and self.leader:
             tools[pool.submit(t.env.step, Turn(text, tuple(t.ids[t.turn_start:])))] = (t, time.monotonic() + self.limits.tool_timeout_s)
         # else: the segment is spent mid-turn; the trajectory is paused with its turn open
 
-    def _returned(self, tools: dict[Future, tuple[Trajectory, float]]) -> list[Trajectory]:
-        """Apply every tool step that returned or timed out; the trajectories that go on now
-        (one whose segment is spent pauses before its next turn)."""
-        now, going = time.monotonic(), []
+    def _returned(self, tools: dict[Future, tuple[Trajectory, float]]) -> list[tuple[Trajectory, list[int], int]]:
+        """Apply every tool step that returned or timed out: (trajectory, tokens inserted,
+        ``turn_sync`` status) of each; one whose segment is spent pauses before its next turn."""
+        now, decided = time.monotonic(), []
         for fut, (t, deadline) in list(tools.items()):
             if fut.done():
                 step = _result(fut)
@@ -112,9 +121,10 @@ class MultiTurnRollout:
             else:
                 continue
             del tools[fut]
-            if t.apply(step, self.tokenizer, self.limits.max_tokens, self.limits.max_turns) and self._left(t) > 0:
-                going.append(t)
-        return going
+            before = len(t.ids)
+            goes = t.apply(step, self.tokenizer, self.limits.max_tokens, self.limits.max_turns)
+            decided.append((t, t.ids[before:], END if not goes else GO if self._left(t) > 0 else PAUSE))
+        return decided
 
 
 def _result(fut: Future) -> Step:

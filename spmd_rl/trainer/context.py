@@ -51,6 +51,9 @@ class Run:
     carry: list = field(default_factory=list)
     """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
 
+    gen_tp_group: Any = None
+    """Multi-turn with generation TP > 1: this rank's generation group (``envs.turn_sync``)."""
+
     @cached_property
     def fused(self) -> list[Stage]:
         """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``),
@@ -69,7 +72,7 @@ class Run:
         if r.environment is None or self.rollout is None:
             return None
         return MultiTurnRollout(self.rollout, self.tokenizer, environment_factory(r.environment),
-                                TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s))
+                                TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s), tp_group=self.gen_tp_group)
 
     def environment_row(self, position: int) -> dict:
         """What an environment starts from: prompt ``position``'s text and reference answer."""
