@@ -94,3 +94,24 @@ def test_gae_by_hand():
     adv, ret = gae(r, v, m, g, lam)
     assert torch.allclose(adv, torch.tensor([[a0, a1, a2]], dtype=D))
     assert torch.allclose(ret, adv + v)
+
+
+def test_gae_skips_inserted_tokens_as_if_they_were_not_there():
+    """A multi-turn response (mask 0 on inserted tool tokens, right padding past the end): GAE
+    equals GAE over its sampled tokens compressed (each row separately, float64), and is 0 at
+    the skipped positions; with a contiguous mask it is the textbook recursion (test above)."""
+    torch.manual_seed(0)
+    b, w, g, lam = 5, 17, 0.95, 0.9
+    m = torch.rand(b, w) < 0.6
+    m[:, -3:] = False  # padding
+    m[0] = False  # an empty row
+    r, v = torch.randn(b, w, dtype=D), torch.randn(b, w, dtype=D)
+    adv, ret = gae(r, v, m, g, lam)
+    for k in range(b):
+        idx = m[k].nonzero().squeeze(-1)
+        want_adv, want_ret = torch.zeros(w, dtype=D), torch.zeros(w, dtype=D)
+        if idx.numel():
+            a, rt = gae(r[k, idx][None], v[k, idx][None], torch.ones(1, idx.numel()), g, lam)
+            want_adv[idx], want_ret[idx] = a[0], rt[0]
+        assert torch.allclose(adv[k], want_adv) and torch.allclose(ret[k], want_ret), k
+    assert bool((adv[~m] == 0).all()) and bool((ret[~m] == 0).all())

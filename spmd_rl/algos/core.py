@@ -41,18 +41,23 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over response tokens (token rewards [B, R]):
-    delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  returns = A + V,
-    with V and A zero past the last real token."""
-    m = mask.to(values.dtype)
+    """Generalised advantage estimation over the response tokens where ``mask`` is 1 (token
+    rewards [B, R]): with t' the next masked-in position after t,
+    delta_t = r_t + gamma V_t' - V_t,  A_t = delta_t + gamma lam A_t',  returns = A + V,
+    V and A zero past the last one. Positions where ``mask`` is 0 are skipped, not ends: a
+    multi-turn response's inserted tool tokens are not steps of the policy, so its sampled
+    tokens are one sequence of steps (the same as GAE over them compressed, tested); A and the
+    returns there are 0."""
+    m = mask.bool()
     adv = torch.zeros_like(values)
     last = torch.zeros_like(values[:, 0])
+    next_v = torch.zeros_like(last)
     for t in reversed(range(values.shape[1])):
-        next_v = values[:, t + 1] * m[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * next_v - values[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
-    return adv, adv + values
+        step = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * last
+        last = torch.where(m[:, t], step, last)
+        next_v = torch.where(m[:, t], values[:, t], next_v)
+        adv[:, t] = step * m[:, t]
+    return adv, adv + values * m
 
 
 def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, width: int, kl: torch.Tensor | None = None,

@@ -21,9 +21,6 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     if not cfg.data.apply_chat_template:
         out.append(Violation("data.apply_chat_template", False, "tool turns are rendered by the chat template, which starts from the prompt's user message",
                              "set data.apply_chat_template: true"))
-    if cfg.algorithm.name == "ppo":
-        out.append(Violation("algorithm.name", "ppo", "GAE over trajectories with inserted tool tokens is not built in this version",
-                             "use grpo or dapo with rollout.environment"))
     if cfg.actor.router_replay != "none":
         out.append(Violation("actor.router_replay", cfg.actor.router_replay, "routes are recorded per request, and a trajectory is several requests",
                              "set actor.router_replay: none with rollout.environment"))

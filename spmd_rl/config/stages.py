@@ -195,11 +195,11 @@ def stages_for(cfg: Config) -> list[Stage]:
             update_extra += ("old_log_prob",)
     if cfg.algorithm.name == "ppo":
         out.append(Stage("critic_value", seq, ("values",), ("critic",)))
-        adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length")
+        adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(Stage("advantage", adv_in, ("advantages", "returns")))
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
     else:
-        out.append(Stage("advantage", ("reward",) + kl_cols, ("seq_advantage",), group_granular=True))
+        out.append(Stage("advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True))
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
 

@@ -4,7 +4,7 @@
   reward (else s = r), then A = group-normalised s (``algos.core.grpo_advantages``), one
   scalar per sample.
 - PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
-  in float64, returns = A + V (before whitening), then A whitened with the mean and variance
+  in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before whitening), then A whitened with the mean and variance
   of the *whole iteration's* tokens: moments are summed over the DP ranks (each DP group
   once), so the result does not depend on the layout (tested against a single-process float64
   recomputation from the dock's columns).
@@ -23,10 +23,13 @@ from spmd_rl.trainer.stages.samples import padded
 
 
 def _kl(call: StageCall, width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Per-token KL [B, width] when KL is in the reward (else None), and the response mask."""
+    """Per-token KL [B, width] when KL is in the reward (else None), and the mask of the
+    sampled response tokens (a multi-turn response's inserted tokens are out)."""
     cols = call.batch.columns
     lengths = torch.stack(cols["response_length"]).long()
     mask = torch.arange(width)[None, :] < lengths[:, None]
+    if "response_mask" in cols:
+        mask &= padded(cols["response_mask"], width, torch.bool)
     if "ref_log_prob" not in cols:
         return None, mask
     old, ref = padded(cols["old_log_prob"], width, torch.float64), padded(cols["ref_log_prob"], width, torch.float64)
