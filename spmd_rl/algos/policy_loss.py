@@ -128,3 +128,17 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     ratio = torch.exp(log_ratio.clamp(-20, 20))
     per_token, active = _clipped_surrogate(ratio, adv, clip)
     return _finish(per_token, active, mask, clip, norm, weight)
+
+
+@register_policy_loss("cispo")
+def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+          clip: ClipConfig, norm: LossNorm | None = None, weight: torch.Tensor | None = None) -> PolicyLossOut:
+    """CISPO (MiniMax-M1, 2025): the importance weight is clipped and detached, and every token
+    keeps its gradient: L_t = -sg[clip(r_t, 1 - low, 1 + high)] A_t log pi(t), with r_t =
+    exp(logp_t - old_logp_t). Unlike PPO's clip, a token outside the band still contributes
+    (its gradient scaled by the bound), so rare high-ratio tokens are not dropped. The clip
+    fraction counts the tokens whose weight was clipped."""
+    adv = advantages if advantages.dim() == logp.dim() else advantages[:, None]
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20)).detach()
+    bounded = ratio.clamp(1 - clip.low, 1 + clip.high)
+    return _finish(-bounded * adv * logp, bounded != ratio, mask, clip, norm, weight)

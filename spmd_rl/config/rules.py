@@ -169,13 +169,14 @@ def _check_reward(cfg: Config) -> list[Violation]:
 
 def _check_algorithm(cfg: Config) -> list[Violation]:
     a, out = cfg.algorithm, []
-    if a.name in ("grpo", "dapo"):
+    if a.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline"):
         if cfg.rollout.n < 2:
-            out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} normalises rewards within a group of N responses; N=1 makes every advantage 0", "set rollout.n >= 2"))
+            out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} compares each response with the other responses to its prompt; N=1 has none", "set rollout.n >= 2"))
         if cfg.rollout.temperature == 0 and cfg.rollout.n > 1:
             out.append(Violation("rollout.temperature", 0.0, "greedy sampling gives N identical responses and zero advantages", "set a temperature > 0, e.g. 1.0"))
     if a.name != "ppo":
-        for field in sorted({"gamma", "lam", "value_clip", "critic_lr"} & a.model_fields_set):
+        critic_only = {"lam", "value_clip", "critic_lr"} | (set() if a.name.startswith("reinforce_pp") else {"gamma"})
+        for field in sorted(critic_only & a.model_fields_set):
             out.append(Violation(f"algorithm.{field}", getattr(a, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove it or set algorithm.name: ppo"))
         for field in sorted(cfg.critic.model_fields_set):
             out.append(Violation(f"critic.{field}", getattr(cfg.critic, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove the critic section or set algorithm.name: ppo"))
@@ -187,6 +188,12 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
         out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
     if a.dynamic_sampling and a.name != "dapo":
         out.append(Violation("algorithm.dynamic_sampling", True, f"dynamic sampling is DAPO's; algorithm.name is {a.name}", "set algorithm.name: dapo or dynamic_sampling: false"))
+    if not a.norm_adv_by_std and a.name not in ("grpo", "dapo"):  # asks for Dr. GRPO's undivided advantages
+        out.append(Violation("algorithm.norm_adv_by_std", False, f"only GRPO and DAPO divide by the group std; algorithm.name is {a.name}", "remove it"))
+    for field in ("icepop_band", "mis_band"):
+        band = getattr(cfg.actor, field)
+        if band is not None and not band[0] < 1.0 < band[1]:
+            out.append(Violation(f"actor.{field}", list(band), "the band must hold ratio 1 strictly inside ([low, high], low < 1 < high)", "e.g. [0.5, 2.0]"))
     if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
         out.append(Violation("actor.clip_ratio_high", cfg.actor.clip_ratio_high, "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low", f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28"))
     return out

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Ratio = Annotated[float, Field(gt=0.0)]
 
 
 class Section(BaseModel):
@@ -82,11 +83,17 @@ class ActorConfig(Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
         "token-mean", description="How per-token losses reduce to one scalar, normalised over the whole mini-batch (all DP ranks): token-mean divides by its token count, the seq-mean modes by its sequence count."
     )
-    policy_loss: Literal["vanilla", "gspo"] = Field(
-        "vanilla", description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high (DAPO clip-higher when high > low); gspo = sequence-level ratio."
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = Field(
+        "vanilla", description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high (DAPO clip-higher when high > low); gspo = sequence-level ratio; cispo = MiniMax-M1's clipped, detached importance weight times the log-prob (every token keeps a gradient)."
     )
     tis_cap: float | None = Field(
         None, gt=0.0, description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged)."
+    )
+    icepop_band: tuple[Ratio, Ratio] | None = Field(
+        None, description="IcePop rollout correction (algos.rollout_correction): tokens whose ratio pi_old / pi_rollout lies outside [low, high] get weight 0 in the loss (logged as icepop_masked_frac); e.g. [0.5, 2.0]; null disables."
+    )
+    mis_band: tuple[Ratio, Ratio] | None = Field(
+        None, description="Sequence-level masked importance sampling (algos.rollout_correction): a sample whose geometric-mean ratio exp(mean_t log(pi_old / pi_rollout)) lies outside [low, high] is rejected, all its tokens weight 0 (logged as mis_rejected_frac); e.g. [0.5, 2.0]; null disables."
     )
     router_replay: Literal["none", "record", "rollout"] = Field(
         "none", description="MoE models only (engines.route_replay): record = the rollout engine returns the experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's prefix caching is off while it records) and every iteration logs router_agreement (fraction of token-layer top-k sets the trainer chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert load (expert_load_max_mean) is logged for every MoE actor but a compiled one (actor.compile)."
@@ -129,7 +136,9 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "dapo"] = Field("grpo", description="RL algorithm.")
+    name: Literal["grpo", "ppo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo", description="RL algorithm, i.e. the advantage estimator (algos.estimators): grpo and dapo group-normalise the reward; rloo subtracts the mean reward of the prompt's other samples; reinforce_pp (REINFORCE++) and reinforce_pp_baseline (the reward minus its group mean) whiten per-token discounted returns (algorithm.gamma) over the whole batch, with the KL in the reward when use_kl_loss is false; ppo trains a critic for GAE."
+    )
     norm_adv_by_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std (false = Dr.GRPO).")
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient beta against the reference policy; 0 skips the reference pass.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 = log r, k2 = (log r)^2/2, k3 = r - 1 - log r (low variance).")
@@ -142,7 +151,7 @@ class AlgorithmConfig(Section):
     )
     overlong_buffer: int = Field(0, ge=0, description="DAPO: soft overlong punishment over the last this-many tokens of SL; 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0.0, description="DAPO: maximum overlong penalty.")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE over response tokens.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO and REINFORCE++: discount over response tokens (GAE; the returns).")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="PPO: GAE lambda (1 = Monte-Carlo returns minus the value baseline).")
     value_clip: float | None = Field(
         0.5, gt=0.0, description="PPO: the critic's new values are clipped to old value +- this in the clipped value loss (verl cliprange_value); null disables the clip."

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from spmd_rl.algos.estimators import TOKEN_ESTIMATORS
 from spmd_rl.config.schema import Config
 
 ColumnKind = Literal["prompt", "response", "scalar", "routes"]
@@ -198,6 +199,9 @@ def stages_for(cfg: Config) -> list[Stage]:
         adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(Stage("advantage", adv_in, ("advantages", "returns")))
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
+    elif cfg.algorithm.name in TOKEN_ESTIMATORS:  # REINFORCE++: per-token returns, whitened over the batch
+        adv_in = ("reward", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
+        out.append(Stage("advantage", adv_in, ("advantages",), group_granular=cfg.algorithm.name == "reinforce_pp_baseline"))
     else:
         out.append(Stage("advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True))
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
@@ -240,7 +244,8 @@ def resident_roles(cfg: Config, stage: Stage, graph: list[Stage]) -> set[str]:
 
 
 def advantage_column(cfg: Config) -> str:
-    return "advantages" if cfg.algorithm.name == "ppo" else "seq_advantage"
+    """Per-token ``advantages`` (PPO's GAE, REINFORCE++'s returns) or one ``seq_advantage`` per sample."""
+    return "advantages" if cfg.algorithm.name == "ppo" or cfg.algorithm.name in TOKEN_ESTIMATORS else "seq_advantage"
 
 
 def written_columns(stages: list[Stage]) -> list[str]:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
+from spmd_rl.algos.rollout_correction import icepop_mask, mis_mask
 from spmd_rl.config.stages import advantage_column, separated
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
@@ -19,7 +20,7 @@ from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_n
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
-_SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl")
+_SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl", "icepop_masked", "mis_rejected", "seqs")
 
 
 def on_host(sums: dict) -> dict[str, float]:
@@ -70,6 +71,21 @@ def actor_update(call: StageCall) -> StageResult:
     seqs, adv, rollout = seqs[order], adv[order], rollout[order]
     ref, old = (None if t is None else t[order] for t in (ref, old))
     objective = get_policy_loss(a.policy_loss)
+
+    def correction(old_lp, roll, mask, sums):
+        """The rollout-correction weight of each token (``algos.rollout_correction``), None when
+        every one is off; ``sums`` (the first epoch's) count what IcePop masked and MIS rejected."""
+        weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
+        for band, mask_fn, key in ((a.icepop_band, lambda: icepop_mask(old_lp, roll, a.icepop_band), "icepop_masked"),
+                                   (a.mis_band, lambda: mis_mask(old_lp, roll, mask, a.mis_band), "mis_rejected")):
+            if band is None:
+                continue
+            keep = mask_fn()
+            if sums is not None:
+                dropped = (1 - keep) * mask
+                sums[key] += dropped.sum() if key == "icepop_masked" else dropped.any(-1).sum()
+            weight = keep if weight is None else weight * keep
+        return weight
     clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
     minis = mini_batches(cfg, lay.dp, len(batch))
     plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, a.micro_batch_size)
@@ -87,7 +103,7 @@ def actor_update(call: StageCall) -> StageResult:
                 m = mask.to(lp.dtype)
                 old_lp = old[s].to(lp.device) if old is not None else lp.detach()
                 roll = rollout[s].to(lp.device)
-                weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
+                weight = correction(old_lp, roll, mask, acc if first_epoch else None)
                 out = objective(lp, old_lp, adv[s].to(lp.device), mask, clip, norm, weight)
                 loss = out.loss
                 if ref is not None:
@@ -108,6 +124,7 @@ def actor_update(call: StageCall) -> StageResult:
                     if m.numel():
                         acc["mismatch_max"] = torch.maximum(torch.as_tensor(acc["mismatch_max"], device=diff.device), diff.abs().max())
                     acc["rollout_kl"] += (-diff).sum()
+                    acc["seqs"] += float(mask.any(-1).sum())
                 return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
             route_replay.set_objective(router_objective(run, seqs, sl))
@@ -144,4 +161,6 @@ def actor_update(call: StageCall) -> StageResult:
         "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
         "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),
         "rollout_kl": g["rollout_kl"] / mt,
+        **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.icepop_band else {}),
+        **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.mis_band else {}),
         "micro_batches": sum(map(len, plan)) / max(len(plan), 1)})  # per optimizer step, the same on every rank

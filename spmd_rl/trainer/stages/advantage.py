@@ -1,8 +1,11 @@
-"""advantage: GRPO/DAPO group-normalised scalars, or PPO's GAE with whitened advantages.
+"""advantage: a critic-free estimator's advantages, or PPO's GAE with whitened advantages.
 
-- GRPO/DAPO (group-granular): the sequence score s = r - beta sum_t kl_t when KL is in the
-  reward (else s = r), then A = group-normalised s (``algos.core.grpo_advantages``), one
-  scalar per sample.
+- GRPO/DAPO/RLOO (group-granular): the sequence score s = r - beta sum_t kl_t when KL is in the
+  reward (else s = r), then A = the registered sequence estimator of s
+  (``algos.estimators.SEQ_ESTIMATORS``), one scalar per sample.
+- REINFORCE++ (-baseline): per-token discounted returns of the token rewards
+  (``algos.estimators``), whitened with the moments of every sampled token of the iteration's
+  batch (summed over the DP ranks, as PPO's whitening).
 - PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
   in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before whitening), then A whitened with the mean and variance
   of the *whole iteration's* tokens: moments are summed over the DP ranks (each DP group
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from spmd_rl.algos.core import gae, grpo_advantages, kl_estimate, masked_moments, token_rewards, whiten
+from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
+from spmd_rl.algos.estimators import SEQ_ESTIMATORS, TOKEN_ESTIMATORS, discounted_returns, group_centred
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded
@@ -44,13 +48,15 @@ def advantage(call: StageCall) -> StageResult:
     rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
     if "values" in call.stage.inputs:
         return _gae(call, rewards)
+    if run.cfg.algorithm.name in TOKEN_ESTIMATORS:
+        return _reinforce(call, rewards)
     n, sums = run.cfg.rollout.n, {}
     if "ref_log_prob" in batch.columns:
         width = int(torch.stack(batch.columns["response_length"]).max())
         kl, mask = _kl(call, width)
         rewards = rewards - run.cfg.algorithm.kl_coef * kl.sum(-1)
         sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
-    adv = grpo_advantages(rewards, n, run.cfg.algorithm.norm_adv_by_std)
+    adv = SEQ_ESTIMATORS.lookup(run.cfg.algorithm.name)(rewards, n, run.cfg.algorithm.norm_adv_by_std)
     sums["adv_zero_groups"] = float((adv.reshape(-1, n) == 0).all(dim=1).sum())
     return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
 
@@ -74,3 +80,18 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
         sums |= {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
     return StageResult(columns={"advantages": [white[k, :L].float() for k, L in enumerate(lens)],
                                 "returns": [returns[k, :L].float() for k, L in enumerate(lens)]}, sums=sums)
+
+
+def _reinforce(call: StageCall, scores: torch.Tensor) -> StageResult:
+    run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
+    lengths = torch.stack(cols["response_length"]).long()
+    width = max(1, int(lengths.max()))
+    if algo.name == "reinforce_pp_baseline":
+        scores = group_centred(scores, run.cfg.rollout.n)
+    kl, mask = _kl(call, width)
+    returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef), mask, algo.gamma)
+    g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
+    white = whiten(returns, mask, g["n"], g["s"], g["q"])
+    sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())} if kl is not None else {}
+    return StageResult(columns={"advantages": [white[k, :L].float() for k, L in enumerate(lengths.tolist())]},
+                       sums=sums | {"adv_zero_groups": 0.0})

@@ -1,0 +1,78 @@
+"""The critic-free estimators, CISPO and the rollout corrections against their papers'
+formulas, written out element by element in float64 (``algos.estimators``,
+``algos.policy_loss.cispo``, ``algos.rollout_correction``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spmd_rl.algos.core import token_rewards, whiten
+from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
+from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, get_policy_loss
+from spmd_rl.algos.rollout_correction import icepop_mask, mis_mask
+
+D = torch.float64
+
+
+def test_rloo_is_the_reward_minus_the_mean_of_the_other_samples():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0], dtype=D)
+    got = SEQ_ESTIMATORS.lookup("rloo")(r, 4, False)
+    for i in range(8):
+        g = (i // 4) * 4
+        others = [float(r[j]) for j in range(g, g + 4) if j != i]
+        assert math.isclose(float(got[i]), float(r[i]) - sum(others) / 3, abs_tol=1e-12)
+    # N / (N - 1) times the group-centred reward, and 0 for a constant group
+    assert torch.allclose(got, 4 / 3 * group_centred(r, 4))
+    assert SEQ_ESTIMATORS.lookup("rloo")(torch.ones(4, dtype=D), 4, False).abs().max() == 0
+
+
+def test_discounted_returns_by_hand_and_over_sampled_tokens_only():
+    r = torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=D)
+    m = torch.tensor([[1, 1, 1, 0]])
+    g = 0.9
+    assert torch.allclose(discounted_returns(r, m, g), torch.tensor([[1 + g * (2 + g * 3), 2 + g * 3, 3.0, 0.0]], dtype=D))
+    holes = torch.tensor([[1, 0, 1, 1]])  # position 1 is an inserted tool token: skipped, not an end
+    r2 = torch.tensor([[1.0, 9.0, 2.0, 3.0]], dtype=D)
+    assert torch.allclose(discounted_returns(r2, holes, g), torch.tensor([[1 + g * (2 + g * 3), 0.0, 2 + g * 3, 3.0]], dtype=D))
+
+
+def test_reinforce_pp_advantages_are_whitened_returns_with_the_kl_in_the_reward():
+    torch.manual_seed(0)
+    b, w, beta, g = 6, 5, 0.1, 1.0
+    lengths = torch.tensor([5, 3, 4, 1, 5, 2])
+    mask = torch.arange(w)[None, :] < lengths[:, None]
+    scores = torch.randn(b, dtype=D)
+    kl = torch.rand(b, w, dtype=D) * mask
+    returns = discounted_returns(token_rewards(scores, lengths, w, kl, beta), mask, g)
+    for k in range(b):  # G_t = s - beta sum_{k >= t} kl_k at gamma 1
+        for t in range(int(lengths[k])):
+            assert math.isclose(float(returns[k, t]), float(scores[k]) - beta * float(kl[k, t:lengths[k]].sum()), abs_tol=1e-12)
+    vals = returns[mask]
+    white = whiten(returns, mask, float(mask.sum()), float(vals.sum()), float((vals ** 2).sum()))
+    assert torch.allclose(white[mask], (vals - vals.mean()) / vals.std(unbiased=True), atol=1e-6)
+
+
+def test_cispo_gradient_is_the_detached_clipped_weight_times_the_advantage():
+    torch.manual_seed(1)
+    logp = (torch.rand(3, 4, dtype=D) * -2).requires_grad_()
+    old = logp.detach() + torch.tensor([[0.0, 0.5, -0.5, 0.1]] * 3, dtype=D)  # ratios exp(-0.0), exp(-0.5), exp(0.5), exp(-0.1)
+    adv = torch.tensor([1.0, -2.0, 0.5], dtype=D)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    out = get_policy_loss("cispo")(logp, old, adv, mask, ClipConfig(0.2, 0.28, None, "token-mean"), LossNorm(12.0, 3.0))
+    out.loss.backward()
+    ratio = torch.exp(logp.detach() - old)
+    want = -ratio.clamp(0.8, 1.28) * adv[:, None] / 12.0  # d/dlogp of -sg(w) A logp / T
+    assert torch.allclose(logp.grad, want)
+    assert float(out.clipped_tokens) == 6.0  # exp(-0.5) < 0.8 and exp(0.5) > 1.28 in every row; exp(-0.1) is inside
+
+
+def test_icepop_masks_tokens_and_mis_rejects_sequences_outside_the_band():
+    old = torch.log(torch.tensor([[1.0, 0.4, 2.5, 1.2], [0.9, 1.1, 1.0, 1.0]], dtype=D))
+    roll = torch.zeros(2, 4, dtype=D)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    assert icepop_mask(old, roll, (0.5, 2.0)).tolist() == [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    # geometric means: (1 * 0.4 * 2.5 * 1.2)^(1/4) = 1.2^(1/4) ~ 1.047; (0.9 * 1.1 * 1.0)^(1/3) ~ 0.997
+    assert mis_mask(old, roll, mask, (0.99, 1.01)).tolist() == [[0.0] * 4, [1.0] * 4]
+    assert mis_mask(old, roll, mask, (0.5, 2.0)).tolist() == [[1.0] * 4, [1.0] * 4]
