@@ -72,6 +72,25 @@ def plan(
 
 
 @app.command()
+def doctor(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+) -> None:
+    """Check this node for the config: package versions, devices, etcd, dock ports, host memory and
+    /dev/shm. One line per check; exit 0 when none failed, 2 with each fix otherwise."""
+    from spmd_rl.launcher.doctor import diagnose
+
+    cfg, lay = _checked(config, overrides, None, None)
+    checks = diagnose(cfg, lay, ModelArch.from_folder(cfg.model.path))
+    for c in checks:
+        typer.echo(c.line())
+    failed = [c.name for c in checks if not c.ok]
+    typer.echo(f"{len(checks) - len(failed)} of {len(checks)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise typer.Exit(code=2)
+
+
+@app.command()
 def train(
     config: Path = ConfigArg,
     overrides: Optional[list[str]] = OverridesArg,

@@ -3,9 +3,9 @@
 - the tool quickstart (``configs/quickstart_tools.yaml``) raises held-out greedy accuracy by at
   least 15 points with the calculator, where the same model and config without it cannot;
 - the turn fields act (``rollout.max_turns``, ``rollout.tool_timeout_s``, a user's
-  ``module:function`` environment), colocated, fused, separated, under partial rollout, with
-  a generation group of 2 TP ranks (only the first runs the tools, ``envs.turn_sync``) and with
-  PPO, and the
+  ``module:function`` environment): colocated with PPO, fused with a generation group of 2 TP
+  ranks (only the first runs the tools, ``envs.turn_sync``), separated, and under partial
+  rollout; and the
   trainer's log-probs at the sampled tokens equal vLLM's (float32): an update that trained the
   inserted tool tokens would show their whole log-prob as mismatch;
 - a worker SIGKILLed while trajectories are inside their tool turns: the iteration is redone
@@ -64,21 +64,20 @@ def test_the_calculator_raises_held_out_accuracy_where_the_model_alone_cannot(ti
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "fused", "separated", "partial", "gen-tp2", "ppo"])
+@pytest.mark.parametrize("mode", ["colocated-ppo", "fused-tp2", "separated", "partial"])
 def test_turn_fields_act_and_only_sampled_tokens_are_trained(tiny_model, tmp_path, etcd, mode):
-    extra = {"colocated": ["algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"],  # reference and old log-probs read the mask too
-             "fused": ["stream.fuse=true"],
+    extra = {  # PPO with the KL in the reward: the reference, old-log-prob, value and GAE passes all read the mask
+             "colocated-ppo": ["algorithm.name=ppo", "algorithm.critic_lr=1e-4", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"],
+             # stage fusion, and one generation group of 2 TP ranks: only the first steps the tool (50 ms),
+             # both submit each next turn at the same engine step (envs.turn_sync)
+             "fused-tp2": ["stream.fuse=true", "parallel.gen.tp=2", "parallel.gen.dp=1"],
              "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
                            "actor.tis_cap=2.0"],
              # 4 sampled tokens per iteration: trajectories pause mid-turn and between turns, and
              # continue on whichever generation group the dock deals them to (rebuilt from the dock)
-             "partial": ["stream.partial_tokens=4", "actor.tis_cap=2.0", "trainer.iterations=6"],
-             # one generation group of 2 TP ranks: only the first steps the tool (50 ms), both submit each next turn together
-             "gen-tp2": ["parallel.gen.tp=2", "parallel.gen.dp=1"],
-             # GAE over the sampled tokens, inserted ones skipped (algos.core.gae); the critic reads the mask too
-             "ppo": ["algorithm.name=ppo", "algorithm.critic_lr=1e-4"]}[mode]
+             "partial": ["stream.partial_tokens=4", "actor.tis_cap=2.0", "trainer.iterations=6"]}[mode]
     rows = train(tmp_path, mode, etcd.endpoint, *ECHO, "rollout.max_turns=2", *extra,
-                 extra_env={"SPMD_RL_TEST_TOOL_SLEEP": "0.05"} if mode == "gen-tp2" else None)
+                 extra_env={"SPMD_RL_TEST_TOOL_SLEEP": "0.05"} if mode == "fused-tp2" else None)
     if mode == "partial":
         assert sum(r["partial_carried_groups"] > 0 for r in rows) >= 3 and sum(r["partial_trained_groups"] for r in rows) > 0, rows
         rows = [r for r in rows if r["trajectories"] > 0]
@@ -88,9 +87,9 @@ def test_turn_fields_act_and_only_sampled_tokens_are_trained(tiny_model, tmp_pat
         assert r["tool_errors"] == 0 and r["tool_timeouts"] == 0, r
         # a turn that stopped on <|endoftext|> (a stop token the template never renders) is a true prefix break
         assert r["prefix_breaks"] <= 0.1 * r["tool_calls"], r
-        if mode in ("colocated", "fused", "gen-tp2", "ppo"):  # float32, on-policy: the trainer's log-prob of every trained token is vLLM's
+        if mode in ("colocated-ppo", "fused-tp2"):  # float32, on-policy: the trainer's log-prob of every trained token is vLLM's
             assert r["logprob_mismatch_max"] < 1e-3, r
-    if mode == "colocated":  # one turn at most: every observation is cut by the turn limit; a slow tool by its timeout
+    if mode == "colocated-ppo":  # one turn at most: every observation is cut by the turn limit; a slow tool by its timeout
         rows = train(tmp_path, "one_turn", etcd.endpoint, *ECHO, "rollout.max_turns=1", "rollout.tool_timeout_s=0.5",
                      extra_env={"SPMD_RL_TEST_TOOL_SLEEP": "3"})
         for r in rows:

@@ -201,6 +201,8 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
 
 def _check_runtime(cfg: Config) -> list[Violation]:
     out: list[Violation] = []
+    if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        out.append(Violation("logging.wandb", cfg.logging.wandb.project, "the wandb package is not installed", "pip install 'spmd-rl[wandb]' (or wandb), or set logging.wandb.mode: disabled"))
     e = cfg.elastic
     if e.min_nodes > e.max_nodes:
         out.append(Violation("elastic.min_nodes", e.min_nodes, f"greater than elastic.max_nodes={e.max_nodes}", "make min_nodes <= max_nodes"))

@@ -257,12 +257,23 @@ class CheckpointConfig(Section):
     resume: str = Field("auto", description="auto: latest complete checkpoint if any; never; or a checkpoint folder path.")
 
 
+class WandbConfig(Section):
+    project: str = Field(description="Weights & Biases project the run logs to.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="online: stream to the W&B server (WANDB_API_KEY); offline: write the run under <logging.dir>/wandb for `wandb sync`; disabled: no-op."
+    )
+    name: str | None = Field(None, description="Run name; null = metadata.job.")
+
+
 class LoggingConfig(Section):
     dir: str = Field("runs/logs", description="Where metrics.jsonl and TensorBoard events go.")
     jsonl: bool = Field(True, description="Write one JSON line of metrics per iteration.")
     tensorboard: bool = Field(False, description="Write TensorBoard scalars.")
     progress: bool = Field(True, description="Show a rich progress bar on rank 0.")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    wandb: WandbConfig | None = Field(
+        None, description="Also log every iteration's metrics to Weights & Biases (rank 0; the same names as metrics.jsonl; install the `wandb` extra); null = off."
+    )
 
 
 class ElasticConfig(Section):

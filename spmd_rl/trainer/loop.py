@@ -125,7 +125,8 @@ def train(run: Run, start_iteration: int) -> None:
         return async_loop.train_side(run, start_iteration, save_checkpoint)
     cfg = run.cfg
     rank0 = run.peer.rank == 0
-    metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration)
+    metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration,
+                         wandb=cfg.logging.wandb, job=cfg.metadata.job, config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
     bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
     for it in range(start_iteration, cfg.trainer.iterations):
         m = run_iteration(run, it, bar.stage)

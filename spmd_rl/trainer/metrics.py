@@ -82,15 +82,24 @@ def truncate_from(path: Path, start_iteration: int) -> None:
 
 
 class MetricsLog:
-    """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars when enabled). Lines of
-    iterations at or after ``start_iteration`` (left by a run that was restarted from an older
-    checkpoint) are removed first."""
+    """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars, and a W&B run, when enabled).
+    Lines of iterations at or after ``start_iteration`` (left by a run that was restarted from
+    an older checkpoint) are removed first. A restarted run continues the same W&B run (its id
+    is the job name), logging from ``start_iteration`` again."""
 
-    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0):
+    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0,
+                 wandb=None, job: str = "", config: dict | None = None):
         self.enabled = enabled
         self.folder = Path(folder)
         self._jsonl = None
         self._tb = None
+        self._wandb = None
+        if enabled and wandb is not None:
+            import wandb as wandb_lib
+
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb_lib.init(project=wandb.project, mode=wandb.mode, name=wandb.name or job, id=job or None,
+                                         dir=str(self.folder), config=config, resume="allow")
         if enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             if jsonl:
@@ -111,9 +120,13 @@ class MetricsLog:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, iteration)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"iteration": iteration}, step=iteration)
 
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

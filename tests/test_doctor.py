@@ -1,0 +1,65 @@
+"""``spmd-rl doctor`` on this machine: it passes for the quickstart against a real etcd, and
+each failing check exits 2 naming the check and its fix: an etcd that does not answer, a
+/dev/shm too small for the config (a 1 MiB tmpfs mounted over it in a private mount namespace),
+a busy dock port, more host memory than the node has; a version other than the tested one is a
+warning, not a failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from spmd_rl.cli import app
+from spmd_rl.launcher import doctor
+from tests.conftest import REPO, subprocess_env
+
+QUICK = "configs/quickstart.yaml"
+
+
+def _doctor(*overrides: str):
+    return CliRunner().invoke(app, ["doctor", QUICK, *overrides])
+
+
+def test_doctor_passes_on_this_machine_with_a_real_etcd(in_repo, tiny_model, etcd):
+    res = _doctor(f"metadata.endpoints=[{etcd.endpoint}]")
+    assert res.exit_code == 0, res.output
+    assert f"ok    etcd: {etcd.endpoint} answers without TLS" in res.output and "9 of 9 checks passed" in res.output
+
+
+def test_an_etcd_that_does_not_answer_fails_with_the_fix(in_repo, tiny_model):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = _doctor(f"metadata.endpoints=[127.0.0.1:{port}]", "metadata.retry_s=1")
+    assert res.exit_code == 2, res.output
+    assert f"FAIL  etcd: 127.0.0.1:{port} without TLS did not answer" in res.output and "launch/etcd.sh" in res.output
+
+
+def test_a_busy_dock_port_and_too_little_host_memory_fail(in_repo, tiny_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        res = _doctor(f"dock.port={s.getsockname()[1]}", "rollout.kv_cache_gib=4096")
+    assert res.exit_code == 2, res.output
+    assert "FAIL  dock ports" in res.output and "busy" in res.output and "pick another dock.port" in res.output
+    assert "FAIL  host memory" in res.output and "lower rollout.kv_cache_gib" in res.output
+
+
+def test_a_small_dev_shm_fails_with_the_fix():
+    assert os.geteuid() == 0 and shutil.which("unshare"), "this check mounts a small tmpfs over /dev/shm in a private mount namespace"
+    cmd = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -m spmd_rl.cli doctor {QUICK}"
+    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "FAIL  /dev/shm: 1 MiB free, 64 MiB needed on cpu -> remount it larger" in res.stdout, res.stdout
+
+
+def test_an_untested_version_is_a_warning(in_repo, tiny_model, monkeypatch):
+    monkeypatch.setitem(doctor.TESTED, "transformers", "0.0.1")
+    res = _doctor()
+    assert res.exit_code == 0, res.output
+    assert "warn  transformers:" in res.output and "tested with 0.0.1" in res.output

@@ -1,0 +1,29 @@
+"""``logging.wandb`` through a real 2-rank run in W&B's offline mode: every iteration's row in
+the run file holds every metric metrics.jsonl has, with the same values, and the logged config
+leaves out the job token (``tests/helpers/wandb_records.py`` reads the file)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.wandb_records import config_text, history, run_name
+from tests.trainer_util import train
+
+TOKEN = "trainer-test-token-0123456789"  # tests.trainer_util's job token
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_the_jsonl_metrics(tiny_model, tmp_path, etcd):
+    rows = train(tmp_path, "wb", etcd.endpoint, "logging.wandb.project=spmd-rl-test", "logging.wandb.mode=offline", "logging.wandb.name=tiny-run",
+                 "checkpoint.interval=0", extra_env={"WANDB_SILENT": "true"})
+    (run,) = (tmp_path / "wb/logs/wandb").glob("offline-run-*/run-*.wandb")
+    logged = history(run)
+    assert run_name(run) == "tiny-run"
+    assert len(logged) == len(rows) == 2
+    for want, got in zip(rows, logged):
+        numeric = {k: v for k, v in want.items() if isinstance(v, (int, float))}
+        assert set(numeric) <= set(got), set(numeric) - set(got)
+        assert all(got[k] == pytest.approx(v) for k, v in numeric.items())
+    config = config_text(run)
+    assert "rollout=" in config and '"environment":null' in config  # the run's config, as validated
+    assert TOKEN not in config
