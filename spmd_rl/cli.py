@@ -91,6 +91,35 @@ def doctor(
 
 
 @app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run's logging folder (logging.dir, holding metrics.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where the PNGs and report.html go; default RUN_DIR/report."),
+) -> None:
+    """PNG plots of a run's metrics (reward, accuracy, lengths, KL, entropy, clip fraction, mismatch,
+    grad norm, time and memory per stage) and one self-contained HTML page with them and the config."""
+    import json
+
+    from rich.progress import Progress
+
+    from spmd_rl.report.page import render as render_page
+    from spmd_rl.report.plots import draw, read_rows
+
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        typer.echo(f"INVALID {run_dir}: no metrics.jsonl there -> pass the run's logging.dir (e.g. runs/quickstart/logs)", err=True)
+        raise typer.Exit(code=2)
+    out = out or run_dir / "report"
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"reading {metrics}", total=metrics.stat().st_size)
+        rows = read_rows(metrics, lambda n: bar.advance(task, n))
+    drawn, empty = draw(rows, out)
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else None
+    page = out / "report.html"
+    page.write_text(render_page(f"spmd-rl run {run_dir}", drawn, empty, config, len(rows)))
+    typer.echo(json.dumps({"html": str(page), "figures": [str(p) for _, p in drawn], "no_data": [f.name for f in empty]}))
+
+
+@app.command()
 def train(
     config: Path = ConfigArg,
     overrides: Optional[list[str]] = OverridesArg,

@@ -84,7 +84,8 @@ def truncate_from(path: Path, start_iteration: int) -> None:
 class MetricsLog:
     """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars, and a W&B run, when enabled).
     Lines of iterations at or after ``start_iteration`` (left by a run that was restarted from
-    an older checkpoint) are removed first. A restarted run continues the same W&B run (its id
+    an older checkpoint) are removed first; ``config`` (the validated config, without secrets)
+    is written to ``config.json``. A restarted run continues the same W&B run (its id
     is the job name), logging from ``start_iteration`` again."""
 
     def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0,
@@ -94,6 +95,9 @@ class MetricsLog:
         self._jsonl = None
         self._tb = None
         self._wandb = None
+        if enabled and config is not None:  # what `spmd-rl report` shows beside the plots
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
         if enabled and wandb is not None:
             import wandb as wandb_lib
 
