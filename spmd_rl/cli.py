@@ -94,6 +94,7 @@ def doctor(
 def report(
     run_dir: Path = typer.Argument(..., help="A run's logging folder (logging.dir, holding metrics.jsonl)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where the PNGs and report.html go; default RUN_DIR/report."),
+    trace: bool = typer.Option(False, "--trace", help="Also write trace.json: every rank's stage timeline as one Chrome/Perfetto trace (open it in ui.perfetto.dev)."),
 ) -> None:
     """PNG plots of a run's metrics (reward, accuracy, lengths, KL, entropy, clip fraction, mismatch,
     grad norm, time and memory per stage) and one self-contained HTML page with them and the config."""
@@ -116,7 +117,17 @@ def report(
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else None
     page = out / "report.html"
     page.write_text(render_page(f"spmd-rl run {run_dir}", drawn, empty, config, len(rows)))
-    typer.echo(json.dumps({"html": str(page), "figures": [str(p) for _, p in drawn], "no_data": [f.name for f in empty]}))
+    made = {"html": str(page), "figures": [str(p) for _, p in drawn], "no_data": [f.name for f in empty]}
+    if trace:
+        from spmd_rl.report.trace import chrome_trace, read_timelines
+
+        timelines = read_timelines(run_dir / "trace")
+        if not timelines:
+            typer.echo(f"INVALID {run_dir}/trace: no rank timelines there (every run writes them from this version on)", err=True)
+            raise typer.Exit(code=2)
+        (out / "trace.json").write_text(json.dumps(chrome_trace(timelines)))
+        made["trace"] = str(out / "trace.json")
+    typer.echo(json.dumps(made))
 
 
 @app.command()

@@ -34,7 +34,7 @@ COVERED = {
     "actor.loss_agg_mode": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
     "actor.policy_loss": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "actor.tis_cap": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
-    "logging.wandb": "test_wandb_torchrun.py::test_wandb_offline_logs_the_jsonl_metrics",
+    "logging.wandb": "test_run_outputs_torchrun.py::test_wandb_offline_logs_the_jsonl_metrics",
     "actor.icepop_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
     "actor.mis_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
     "actor.router_replay": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",

@@ -1,7 +1,7 @@
 """``spmd-rl report`` on a metrics file: every figure whose metrics are there is a PNG, the page
 inlines them with the config, a metric the run did not log leaves the others drawn and is
 listed, a line cut by a kill is skipped, and a folder without metrics exits 2. (On a real
-finished run: ``test_wandb_torchrun.py``.)"""
+finished run: ``test_run_outputs_torchrun.py``.)"""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from spmd_rl.config.schema import ActorConfig
+from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import fused_experts, route_replay
@@ -169,7 +170,7 @@ class TrainEngine(Engine):
                     self.model.set_reshard_after_forward(False)
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
-                with self._routes(micro):
+                with self._routes(micro), timeline.span("forward_backward"):
                     lp, ent = self._forward(micro, with_entropy)
                     loss = loss_fn(lp, ent, k)
                     loss.backward()
@@ -177,15 +178,16 @@ class TrainEngine(Engine):
         finally:
             if self.cfg.accumulate_unsharded:  # forward-only passes reshard after each module again
                 self.model.set_reshard_after_forward(True)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = global_grad_norm(params)
-        coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in params], coef)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with timeline.span("optimizer"):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = global_grad_norm(params)
+            coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in params], coef)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return {"loss": total_loss, "grad_norm": float(norm), "lr": lr}
 

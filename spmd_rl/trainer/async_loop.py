@@ -27,7 +27,7 @@ import time
 
 import torch.distributed as dist
 
-from spmd_rl.distributed import sides
+from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
@@ -95,8 +95,10 @@ def generate(run: Run, start: int) -> None:
     run.policy_version = -1  # nothing received yet: the engine holds the base model, not version `start`
     receive(run)
     for it in range(start, cfg.trainer.iterations):
-        while run.policy_version < generation_version(it, start, k):
-            receive(run)
+        t0 = timeline.now_us()
+        with timeline.span("receive_weights", "stage"):
+            while run.policy_version < generation_version(it, start, k):
+                receive(run)
         timer, out = StageTimer(), {"gen_version": float(run.policy_version)}
         run.dock.begin_iteration(it, G * N)
         if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
@@ -106,10 +108,12 @@ def generate(run: Run, start: int) -> None:
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
         out |= turn_metrics(global_sums(res.sums))  # multi-turn counts, summed over the generators
-        run.dock.release(it)
-        if leader:
-            report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}
-            run.dock.meta.put(_generator_key(run, it), json.dumps(report).encode())
+        with timeline.span("commit", "stage"):
+            run.dock.release(it)
+            if leader:
+                report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}
+                run.dock.meta.put(_generator_key(run, it), json.dumps(report).encode())
+        timeline.flush(cfg.logging.dir, run.peer.rank, it, t0)
     with _waiting(run):
         dist.barrier()
 
@@ -136,7 +140,7 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
     bar = progress_for(leader and cfg.logging.progress, cfg.trainer.iterations, start)
     publish(run, start)
     for it in range(start, cfg.trainer.iterations):
-        t0, timer, m = time.perf_counter(), StageTimer(bar.stage), IterationMetrics()
+        t0, timer, m, start_us = time.perf_counter(), StageTimer(bar.stage), IterationMetrics(), timeline.now_us()
         run.dock.begin_iteration(it, G * N)
         rows = run.sampler.next_batch(G)  # what the generators should have drawn: the same sampler, the same order
         consumed: list[tuple[int, int]] = []
@@ -145,15 +149,16 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
             m.add(res)
             consumed += res.consumed or []
         trained, read = trained_groups(consumed, G * N, N)  # observed in the dock (trainer.observed)
-        out = m.finish()
-        dist.barrier(group=sides.side_group())
-        gen, put = _generator_report(run, it) if leader else ({}, [])
-        if leader:
-            run.dock.commit(it, alone=True)
-            if run.ledger is not None:
-                run.ledger.record(StepRecord(it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N))
-        else:
-            run.dock.release(it)
+        with timeline.span("commit", "stage"):
+            out = m.finish()
+            dist.barrier(group=sides.side_group())
+            gen, put = _generator_report(run, it) if leader else ({}, [])
+            if leader:
+                run.dock.commit(it, alone=True)
+                if run.ledger is not None:
+                    run.ledger.record(StepRecord(it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N))
+            else:
+                run.dock.release(it)
         if it + 1 in published(start, cfg.trainer.iterations, k):
             with timer.stage("publish"):
                 publish(run, it + 1)
@@ -162,11 +167,14 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
         out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
         out["throughput_eq5"] = throughput(G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds)
         out |= {f"time_{n}": v for n, v in timer.times.items()}
-        metrics.write(it, out)
-        bar.iteration_done(it, out)
+        with timeline.span("log", "stage"):
+            metrics.write(it, out)
+            bar.iteration_done(it, out)
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or it + 1 == cfg.trainer.iterations:
             bar.stage("checkpoint")
-            save_checkpoint(run, it + 1)
+            with timeline.span("checkpoint", "stage"):
+                save_checkpoint(run, it + 1)
+        timeline.flush(cfg.logging.dir, run.peer.rank, it, start_us)
     bar.close()
     metrics.close()
     with _waiting(run):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.config.stages import dynamic_sampling, generation_rounds, partial_rollout
-from spmd_rl.distributed import sides
+from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.trainer import async_loop, checkpoint
 from spmd_rl.trainer.context import Run
@@ -82,7 +82,8 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
 def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
     cfg, timer, m = run.cfg, StageTimer(on_stage), IterationMetrics()
     t0 = time.perf_counter()
-    run.dock.begin_iteration(it, generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n)
+    with timeline.span("begin", "stage"):
+        run.dock.begin_iteration(it, generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n)
     with generation_phase(cfg):  # the collectives after generation wait for the slowest DP group
         if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"):
@@ -101,11 +102,19 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     size = generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n
     record.trained, record.trained_samples = trained_groups(consumed, size, cfg.rollout.n)
     record.group_size = cfg.rollout.n
-    dist.barrier()
-    run.dock.commit(it)
-    if run.ledger is not None and run.peer.rank == 0:
-        run.ledger.record(record)
+    with timeline.span("commit", "stage"):
+        dist.barrier()
+        run.dock.commit(it)
+        if run.ledger is not None and run.peer.rank == 0:
+            run.ledger.record(record)
     seconds = time.perf_counter() - t0
+    with timeline.span("metrics", "stage"):
+        return _metrics(run, timer, m, train_idx, seconds)
+
+
+def _metrics(run: Run, timer: StageTimer, m: IterationMetrics, train_idx: list[int], seconds: float) -> dict[str, float]:
+    """Collective: the iteration's metrics, reduced over the ranks."""
+    cfg = run.cfg
     out = m.finish() | {"world": run.lay.world, "samples": len(train_idx), "iteration_s": seconds}
     ran = [s.name for s in run.graph if s.name in timer.times]  # partial rollout may train nothing
     # the largest rank's memory; the slowest and fastest rank's rollout stage (their gap is how
@@ -129,13 +138,17 @@ def train(run: Run, start_iteration: int) -> None:
                          wandb=cfg.logging.wandb, job=cfg.metadata.job, config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
     bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
     for it in range(start_iteration, cfg.trainer.iterations):
+        start = timeline.now_us()
         m = run_iteration(run, it, bar.stage)
-        metrics.write(it, m)
-        bar.iteration_done(it, m)
+        with timeline.span("log", "stage"):
+            metrics.write(it, m)
+            bar.iteration_done(it, m)
         last = it + 1 == cfg.trainer.iterations
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or last:
             bar.stage("checkpoint")
-            save_checkpoint(run, it + 1)
+            with timeline.span("checkpoint", "stage"):
+                save_checkpoint(run, it + 1)
+        timeline.flush(cfg.logging.dir, run.peer.rank, it, start)
     bar.close()
     metrics.close()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed import timeline
 from spmd_rl.distributed.sides import side_group
 
 
@@ -57,7 +58,8 @@ class StageTimer:
         if self.on_stage is not None:
             self.on_stage(name)
         t0 = time.perf_counter()
-        yield
+        with timeline.span(name, "stage"):
+            yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 

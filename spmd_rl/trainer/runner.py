@@ -14,6 +14,7 @@ For a stage of the graph (``config.stages.Stage``):
 from __future__ import annotations
 
 from spmd_rl.config.stages import Stage
+from spmd_rl.distributed import timeline
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
@@ -21,9 +22,11 @@ from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
 
 def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: StageTimer) -> StageResult:
     with timer.stage(stage.name):
-        run.residency.enter(stage.name, stage.roles)
+        with timeline.span("residency"):
+            run.residency.enter(stage.name, stage.roles)
         layout = stage_layout(run, stage)
-        batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected)
+        with timeline.span("dock_get"):
+            batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected)
         return compute(run, it, stage, batch, expected)
 
 
@@ -52,7 +55,8 @@ def publish(run: Run, it: int, stage: Stage, indices, result: StageResult, write
         if set(result.columns) != set(stage.outputs):
             raise RuntimeError(f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares {sorted(stage.outputs)}")
         if writer and len(indices):
-            run.dock.put(stage.name, it, result.columns, indices)
+            with timeline.span("dock_put"):
+                run.dock.put(stage.name, it, result.columns, indices)
     if not writer:
         result.sums = dict.fromkeys(result.sums, 0.0)
         if result.consumed is not None:

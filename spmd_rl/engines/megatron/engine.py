@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmd_rl.config.schema import ActorConfig
+from spmd_rl.distributed import timeline
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import route_replay
@@ -206,14 +207,15 @@ class MegatronEngine(Engine):
         lr = self.cfg.lr * lr_factor(self.step_count, self.cfg.lr_schedule, self.cfg.warmup_steps, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._run(micro_batches, False, loss_of)
+        with timeline.span("forward_backward"):
+            self._run(micro_batches, False, loss_of)
         if self.pp > 1:  # loss_fn's contract: called once per micro-batch on every rank, the stages without outputs too
             got = self.stages.from_last([seen.get(k, (None, None)) for k in range(n)], [(len(m), w) for m, w in zip(micro_batches, widths)],
                                         with_entropy)
             if self.stage < self.pp - 1:
                 with torch.no_grad():
                     total += [loss_fn(lp, ent, k).detach() for k, (lp, ent) in enumerate(got)]
-        with cpu_compat.cuda_as_cpu(self.acc.device):
+        with cpu_compat.cuda_as_cpu(self.acc.device), timeline.span("optimizer"):
             _ok, grad_norm, _zeros = self.optimizer.step()
         self.step_count += 1
         return {"loss": float(torch.stack(total).sum()) if total else 0.0, "grad_norm": float(grad_norm), "lr": lr}

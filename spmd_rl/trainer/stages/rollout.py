@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from spmd_rl.config.stages import multi_turn, partial_rollout, versioned
+from spmd_rl.distributed import timeline
 from spmd_rl.engines.rollout import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
@@ -79,6 +80,11 @@ def _as_sample(t: Trajectory) -> Sample:
 
 @register("actor_rollout")
 def actor_rollout(call: StageCall) -> StageResult:
+    with timeline.span("generate"):
+        return _rollout(call)
+
+
+def _rollout(call: StageCall) -> StageResult:
     partial = partial_rollout(call.run.cfg)
     if not len(call.batch):
         return StageResult(pieces={} if partial else None, sums=turn_sums(call.run.cfg, []))
