@@ -26,7 +26,7 @@ tok = AutoTokenizer.from_pretrained(folder)
 rows = [json.loads(line) for line in (Path(folder) / "test.jsonl").read_text().splitlines()[:3]]
 prompts = [tok(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False),
                add_special_tokens=False)["input_ids"] for r in rows]
-run = SimpleNamespace(cfg=cfg, rollout=engine)
+run = SimpleNamespace(cfg=cfg, rollout=engine, turns=None)  # single-turn: no environment
 
 
 def call(it, pieces):
