@@ -30,17 +30,19 @@ from tests.torchrun_util import OwnShm, kill_tree, workers_of
 from tests.trainer_util import train
 
 TOOLS = "configs/quickstart_tools.yaml"
-ITERS = 60
+ITERS = 30  # held-out accuracy with the calculator reached 0.99 by iteration 20 (docs/benchmarks.md)
 GAIN = 0.15
+HELD_OUT = 200
 ECHO = ("rollout.environment=tests.helpers.envs:echo", "rollout.max_response_length=48")
 
 
 def held_out(model: str, *environment: str) -> float:
     res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", model, "--data", "assets/tiny-tools/test.jsonl",
-                          "--max-tokens", "64", *environment], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+                          "--max-tokens", "64", "--limit", str(HELD_OUT), *environment], cwd=REPO, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["prompts"] == 500
+    assert got["prompts"] == HELD_OUT  # the margin is over 7 standard errors at this size
     return got["accuracy"]
 
 
