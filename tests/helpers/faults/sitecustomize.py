@@ -139,12 +139,12 @@ def _dump_routes(folder: Path, rank: str) -> None:
         count[0] += 1
         return got
 
-    def build_saving(prompts, responses, pad_id, routes=None, route_shape=None):
+    def build_saving(prompts, responses, pad_id, routes=None, route_shape=None, sampled=None):
         if routes is not None:
             torch.save({"prompts": [p.clone() for p in prompts], "responses": [r.clone() for r in responses],
                         "routes": [r.clone() for r in routes]}, folder / f"read_routes_rank{rank}_{count[1]}.pt")
             count[1] += 1
-        return build(prompts, responses, pad_id, routes, route_shape)
+        return build(prompts, responses, pad_id, routes, route_shape, sampled)
 
     RolloutEngine._routes = routes_saving
     samples.build_batch = build_saving
