@@ -33,6 +33,11 @@ def _type(annotation) -> str:
         base, *meta = typing.get_args(annotation)
         ranges = [_range(m) for m in meta if isinstance(m, FieldInfo)]
         return _type(base) + "".join(f" ({r})" for r in ranges if r)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):  # a nested section: its fields
+        return "{" + ", ".join(f"{k}: {_type(f.annotation)}" for k, f in annotation.model_fields.items()) + "}"
+    args = typing.get_args(annotation)
+    if args and any(isinstance(a, type) and issubclass(a, BaseModel) for a in args):  # an optional section
+        return " or ".join("None" if a is type(None) else _type(a) for a in args)
     text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
     return text.replace("typing.", "").replace("NoneType", "None").replace("|", "or")
 
