@@ -31,6 +31,8 @@ EXPECTED_RELOAD_MISSES = {"ParallelLMHead", "RotaryEmbedding"}
 
 EXPECTED: tuple[tuple[str, str, str], ...] = (
     ("vllm.engine.arg_utils", "The global random seed is set", "the in-process engine shares the rank's process; the trainer seeds it"),
+    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill",
+     "CPU engines prefill whole prompts: CPU generators cannot rewind a chunked prefill's seeded sample (engines.vllm_options)"),
     ("vllm.config.vllm", "Enforce eager set", "rollout.enforce_eager (the default) says so"),
     ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.enforce_eager"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "vLLM CPU has no Triton; the V1 runner is the tested one"),
