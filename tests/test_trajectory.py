@@ -34,10 +34,6 @@ def _new(tok, env) -> Trajectory:
     return Trajectory(0, prompt, [{"role": "user", "content": "12+30="}], env)
 
 
-def _decode(tok):
-    return lambda ids: tok.decode(ids, skip_special_tokens=True)
-
-
 def _play(tok, env, turns: list[str], pause_after: int | None = None) -> Trajectory:
     """Sample ``turns`` (each ends on <|im_end|>), the last one cut after ``pause_after`` tokens."""
     t = _new(tok, env)
@@ -45,9 +41,9 @@ def _play(tok, env, turns: list[str], pause_after: int | None = None) -> Traject
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         last = k + 1 == len(turns)
         if last and pause_after is not None:
-            t.add_sampled(ids[:pause_after], [-0.1] * pause_after, False, _decode(tok))
+            t.add_sampled(ids[:pause_after], [-0.1] * pause_after, False, tok)
             return t
-        out = t.add_sampled(ids, [-0.1] * len(ids), True, _decode(tok))
+        out = t.add_sampled(ids, [-0.1] * len(ids), True, tok)
         assert t.apply(t.env.step(Turn(out, tuple(ids))), tok, 200, 8) or last
     return t
 

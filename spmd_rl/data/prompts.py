@@ -26,6 +26,10 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def environment_row(self, position: int) -> dict:
+        """What a multi-turn environment starts from: prompt ``position``'s text and answer."""
+        return {"prompt": self.texts[position], "answer": self.answers[position]}
+
 
 def load_rows(path: str | Path) -> list[dict]:
     """Rows of a .jsonl or .parquet file; ``BadFile`` (a ValueError) names the file and line."""

@@ -99,7 +99,7 @@ class MultiTurnRollout:
         self.engine.submit([(t.key, t.context) for t in trajs], params)
 
     def _sampled(self, t: Trajectory, sample, pool: ThreadPoolExecutor, tools: dict) -> None:
-        text = t.add_sampled(sample.token_ids, sample.logprobs, sample.stopped, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        text = t.add_sampled(sample.token_ids, sample.logprobs, sample.stopped, self.tokenizer)
         self._spent[t.key] += len(sample.token_ids)
         if len(t.ids) >= self.limits.max_tokens or (not sample.stopped and self._segment is None):
             t.finish("truncations")

@@ -26,6 +26,19 @@ STATS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts", 
 the means divide by)."""
 
 
+def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, value) of each maximal run of equal values: a response's sampled turns
+    (value 1) and inserted stretches (value 0), in order."""
+    runs, j = [], 0
+    while j < len(mask):
+        k = j
+        while k < len(mask) and mask[k] == mask[j]:
+            k += 1
+        runs.append((j, k, mask[j]))
+        j = k
+    return runs
+
+
 @dataclass
 class Trajectory:
     key: int
@@ -54,9 +67,9 @@ class Trajectory:
     def context(self) -> list[int]:
         return self.prompt + self.ids
 
-    def add_sampled(self, token_ids: list[int], logprobs: list[float], stopped: bool, decode) -> str:
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], stopped: bool, tokenizer) -> str:
         """Append sampled tokens (a new turn, or the rest of an open one); returns the turn's
-        text so far, ``decode`` of its tokens."""
+        text so far, its tokens decoded without special tokens."""
         if not self.open_turn:
             self.turn_start = len(self.ids)
             self.stats["turns"] += 1
@@ -65,7 +78,7 @@ class Trajectory:
         self.logprobs += logprobs
         self.mask += [1] * len(token_ids)
         self.stats["sampled_tokens"] += len(token_ids)
-        self.last_text = decode(self.ids[self.turn_start:])
+        self.last_text = tokenizer.decode(self.ids[self.turn_start:], skip_special_tokens=True)
         self.messages[-1]["content"] = self.last_text
         self.stopped, self.open_turn = stopped, not stopped
         return self.last_text
@@ -125,18 +138,11 @@ class Trajectory:
         the carried ones whatever happens; False when the environment now answers differently
         (the trajectory then ends there, a ``prefix_breaks``). A last sampled run not followed
         by inserted tokens is the turn the previous segment left open."""
-        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-        runs, j = [], 0
-        while j < len(ids):
-            k = j
-            while k < len(ids) and mask[k] == mask[j]:
-                k += 1
-            runs.append((j, k, mask[j]))
-            j = k
+        runs = mask_runs(mask)
         for n, (a, b, sampled) in enumerate(runs):
             if not sampled:
                 continue
-            text = self.add_sampled(ids[a:b], logprobs[a:b], n + 1 < len(runs), decode)
+            text = self.add_sampled(ids[a:b], logprobs[a:b], n + 1 < len(runs), tokenizer)
             if n + 1 == len(runs):
                 return True  # the open turn
             before, kept = len(self.ids), Counter(self.stats)

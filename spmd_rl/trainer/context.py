@@ -74,10 +74,6 @@ class Run:
         return MultiTurnRollout(self.rollout, self.tokenizer, environment_factory(r.environment),
                                 TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s), tp_group=self.gen_tp_group)
 
-    def environment_row(self, position: int) -> dict:
-        """What an environment starts from: prompt ``position``'s text and reference answer."""
-        return {"prompt": self.prompts.texts[position], "answer": self.prompts.answers[position]}
-
     @property
     def actor(self) -> Engine:
         return self.roles["actor"]

@@ -21,7 +21,7 @@ def eval_accuracy(run: Run, test: PromptSet, correct_fn) -> float:
     mine = list(range(g, min(limit, len(test)), lay.dp))
     texts: list[str] = []
     if mine and run.turns is not None:
-        items = [(test.prompt_ids[i], {"prompt": test.texts[i], "answer": test.answers[i]}) for i in mine]
+        items = [(test.prompt_ids[i], test.environment_row(i)) for i in mine]
         texts = [t.last_text for t in run.turns.run(items, temperature=0.0)]
     elif mine:
         samples = run.rollout.generate([test.prompt_ids[i] for i in mine], n=1,

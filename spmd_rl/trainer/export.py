@@ -61,8 +61,7 @@ def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_
         from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 
         turns = MultiTurnRollout(engine, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0))
-        rows = [{"prompt": t, "answer": a} for t, a in zip(prompts.texts[:limit], answers)]
-        texts = [t.last_text for t in turns.run(list(zip(ids, rows)), temperature=0.0)]
+        texts = [t.last_text for t in turns.run([(p, prompts.environment_row(i)) for i, p in enumerate(ids)], temperature=0.0)]
     else:
         samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
         texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)

@@ -4,6 +4,8 @@ objective per mini-batch however it is split)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -75,17 +77,16 @@ def actor_update(call: StageCall) -> StageResult:
     def correction(old_lp, roll, mask, sums):
         """The rollout-correction weight of each token (``algos.rollout_correction``), None when
         every one is off; ``sums`` (the first epoch's) count what IcePop masked and MIS rejected."""
-        weight = tis_weight(old_lp, roll, a.tis_cap) if a.tis_cap is not None else None
-        for band, mask_fn, key in ((a.icepop_band, lambda: icepop_mask(old_lp, roll, a.icepop_band), "icepop_masked"),
-                                   (a.mis_band, lambda: mis_mask(old_lp, roll, mask, a.mis_band), "mis_rejected")):
-            if band is None:
-                continue
-            keep = mask_fn()
+        weights = [tis_weight(old_lp, roll, a.tis_cap)] if a.tis_cap is not None else []
+        if a.icepop_band is not None:
+            weights.append(icepop_mask(old_lp, roll, a.icepop_band))
             if sums is not None:
-                dropped = (1 - keep) * mask
-                sums[key] += dropped.sum() if key == "icepop_masked" else dropped.any(-1).sum()
-            weight = keep if weight is None else weight * keep
-        return weight
+                sums["icepop_masked"] += ((1 - weights[-1]) * mask).sum()
+        if a.mis_band is not None:
+            weights.append(mis_mask(old_lp, roll, mask, a.mis_band))
+            if sums is not None:
+                sums["mis_rejected"] += ((1 - weights[-1]) * mask).any(-1).sum()
+        return math.prod(weights[1:], start=weights[0]) if weights else None
     clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
     minis = mini_batches(cfg, lay.dp, len(batch))
     plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, a.micro_batch_size)

@@ -18,6 +18,7 @@ import torch
 from spmd_rl.algos.core import overlong_penalty
 from spmd_rl.config.stages import ref_micro_batch_size
 from spmd_rl.engines.logprobs import split
+from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 
@@ -58,9 +59,5 @@ def reward(call: StageCall) -> StageResult:
 
 def last_turn(response: torch.Tensor, mask: torch.Tensor) -> list[int]:
     """The tokens of a multi-turn response's last sampled turn: its last run of mask 1."""
-    sampled = mask.bool().tolist()
-    end = max((j for j, m in enumerate(sampled) if m), default=-1) + 1
-    start = end
-    while start > 0 and sampled[start - 1]:
-        start -= 1
-    return response[start:end].tolist()
+    turns = [(a, b) for a, b, sampled in mask_runs(mask.tolist()) if sampled]
+    return response[turns[-1][0]:turns[-1][1]].tolist() if turns else []

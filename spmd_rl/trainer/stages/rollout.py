@@ -70,7 +70,7 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
 def _trajectories(call: StageCall) -> list[Trajectory]:
     """One multi-turn trajectory per sample of the share, in index order."""
     run, cols = call.run, call.batch.columns
-    items = [(p.tolist(), run.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
+    items = [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
     return run.turns.run(items, seed=_seed(call))
 
 
@@ -131,7 +131,7 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
     A trajectory's counts are summed once, in the iteration it ends."""
     run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
-    trajs = run.turns.start([(p.tolist(), run.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])])
+    trajs = run.turns.start([(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])])
     todo = []
     for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
         p.mask, p.env_reward = m.tolist(), float(reward)
