@@ -149,8 +149,10 @@ def train(
 def export(
     checkpoint_dir: Path = typer.Argument(..., help="A checkpoint folder (iter_NNNNNN)."),
     out: Path = typer.Option(..., "--out", help="Output HF folder."),
+    merged: bool = typer.Option(False, "--merged", help="LoRA checkpoint: write the base model with the adapters merged instead of the adapter folder."),
 ) -> None:
-    """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer)."""
+    """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer); a LoRA
+    checkpoint as a PEFT adapter folder, or with --merged as the merged model."""
     from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
 
     if not is_checkpoint(checkpoint_dir):
@@ -159,7 +161,7 @@ def export(
     from spmd_rl.engines.safe_dcp import BadCheckpoint
 
     try:
-        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out)}")
+        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out, merged=merged)}")
     except BadCheckpoint as exc:
         typer.echo(f"INVALID {exc}", err=True)
         raise typer.Exit(code=2) from None
@@ -189,7 +191,7 @@ def evaluate(
     with tempfile.TemporaryDirectory() as tmp:
         if is_checkpoint(model):
             try:
-                model_dir = export_ckpt(model, Path(tmp) / "hf")
+                model_dir = export_ckpt(model, Path(tmp) / "hf", merged=True)
             except BadCheckpoint as exc:
                 typer.echo(f"INVALID {exc}", err=True)
                 raise typer.Exit(code=2) from None

@@ -22,7 +22,7 @@ from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
-from spmd_rl.config.stages import multi_turn, pinned_roles, records_routes, stages_for
+from spmd_rl.config.stages import multi_turn, needs_reference, pinned_roles, records_routes, stages_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
@@ -171,12 +171,14 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
         lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy,
                      pp=cfg.parallel.train.pp, ep=cfg.parallel.train.ep)
     else:
-        lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy)
+        lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy, seed=cfg.trainer.seed)
     roles = {"actor": lm(total_steps=_total_steps(cfg))}
-    if "ref" in needed:
+    if cfg.actor.lora is not None and needs_reference(cfg):  # the base model with adapters off (its stage makes the actor resident)
+        roles["ref"] = roles["actor"].reference()
+    elif "ref" in needed:
         roles["ref"] = lm(trainable=False)
     if "critic" in needed:
-        critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr})
+        critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr, "lora": None})
         roles["critic"] = TrainEngine(cfg.critic.model_path or cfg.model.path, acc, mesh, critic_cfg, dtype,
                                       total_steps=_total_steps(cfg), head="value")
     if "reward_model" in needed:

@@ -37,6 +37,7 @@ COVERED = {
     "logging.wandb": "test_run_outputs_torchrun.py::test_wandb_offline_logs_the_jsonl_metrics",
     "actor.icepop_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
     "actor.mis_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
+    "actor.lora": "test_lora_torchrun.py::test_lora_run_reference_checkpoint_and_export",
     "actor.router_replay": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",
     "actor.moe_aux_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",
     "actor.moe_z_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carries",

@@ -37,13 +37,21 @@ MODES = {
     "rloo": ["algorithm.name=rloo"],
     "reinforce_pp": ["algorithm.name=reinforce_pp"],
     "cispo": ["actor.policy_loss=cispo"],
+    # LoRA RL (issue 36): rank-16 adapters on every projection, at the learning rate LoRA needs
+    "lora": ["actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=1e-3"],
 }
 
-LONGER = {"rloo": 100}
+LONGER = {"rloo": 100, "lora": 200}
 """RLOO's advantages are not divided by the group std: for this task's 0/1 rewards about 2.5x
 smaller than GRPO's. Its training reward rose as GRPO's did (40 iterations: 0.129 -> 0.191
 against 0.127 -> 0.184), but 60 iterations moved held-out greedy accuracy only 0.240 -> 0.248,
 and a larger learning rate made it worse (2e-4: 0.130; 3e-4: 0.022)."""
+
+
+MARGINS = {"lora": 0.12}
+"""LoRA is asked to gain 15 points on the quickstart. Its 200-iteration run gained 15.8
+(0.240 -> 0.398, full fine-tuning's at the same length: see docs/benchmarks.md); the test
+keeps two standard errors below that."""
 
 
 def held_out_accuracy(model: str) -> float:
@@ -68,8 +76,8 @@ def test_final_checkpoint_beats_the_start_on_held_out_prompts(request, tiny_mode
     late_entropy = sum(r["entropy"] for r in rows[-10:]) / 10
     print(f"{mode}: held-out greedy accuracy {start:.3f} -> {final:.3f} after {iters} iterations; "
           f"entropy first {rows[0]['entropy']:.3f}, last 10 {late_entropy:.3f}")
-    assert final - start >= MARGIN, (start, final)
-    if mode in ("grpo", "megatron", "megatron-pp2", "moe", "megatron-moe-ep2", "rloo", "reinforce_pp", "cispo"):  # float32: trainer and vLLM agree after every sync (with two stages:
+    assert final - start >= MARGINS.get(mode, MARGIN), (start, final)
+    if mode in ("grpo", "megatron", "megatron-pp2", "moe", "megatron-moe-ep2", "rloo", "reinforce_pp", "cispo", "lora"):  # float32: trainer and vLLM agree after every sync (with two stages:
         assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3  # vLLM got each stage's layers, the trainer the last stage's log-probs)
     if "moe" in mode:  # float32: the trainer's routers choose what vLLM's chose, but where a near-tie flips
         assert min(r["router_agreement"] for r in rows) > 0.99 and all(r["expert_load_max_mean"] >= 1.0 for r in rows)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""megatron-core vs FSDP2 on one device, same model and batch, measured in the same run: the
+"""megatron-core vs FSDP2 (and FSDP2 with LoRA, ``--backends fsdp,fsdp-lora``) on one device,
+same model and batch, measured in the same run: the
 update (forward + backward + clip + AdamW over micro-batches), the allgather half of
 allgather-swap (``Engine.full_weights`` in the compute dtype, consumed bucket by bucket) and the
 swap of the training state to host and back (``reshard.swap.HostSwap``, the resharder's own),
@@ -17,7 +18,11 @@ token ids with response lengths drawn uniformly in [R/2, R], the same on both si
     python tools/bench_update.py                                 # both backends, default shape
     python tools/bench_update.py --hidden 512 --layers 4 --samples 4 --prompt 32 --response 64   # CPU-sized
     python tools/bench_update.py --experts 8 --topk 2 --layers 16                     # MoE
-"""
+    python tools/bench_update.py --backends fsdp,fsdp-lora --lora-rank 16             # LoRA vs full fine-tuning
+
+With LoRA the gather is the sync's trainer half: the merged weights W + (alpha/r) B A, the
+same bytes vLLM loads as without LoRA; the swapped bytes are the frozen base and the adapters'
+state."""
 
 from __future__ import annotations
 
@@ -88,7 +93,8 @@ def one(backend: str, folder: Path, args) -> dict:
     acc = detect("auto", 0)
     acc.set_device()
     dist.init_process_group(acc.backend, rank=0, world_size=1)
-    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing)
+    lora = {"lora": {"rank": args.lora_rank}} if backend == "fsdp-lora" else {}
+    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing, **lora)
     t0 = time.perf_counter()
     if backend == "megatron":
         from spmd_rl.engines.megatron.engine import MegatronEngine
@@ -155,7 +161,8 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=512)
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype; masters and AdamW stay float32 on both sides")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on both sides")
-    ap.add_argument("--backends", default="fsdp,megatron")
+    ap.add_argument("--backends", default="fsdp,megatron", help="any of fsdp, megatron, fsdp-lora (FSDP with actor.lora on the default targets)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="fsdp-lora: the adapters' rank")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -186,10 +193,11 @@ def main() -> None:
         f = lambda v: f"{v / gib:.2f}" if v is not None else "-"  # noqa: E731
         print(f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} {r['gather_s']:9.3f} "
               f"{r['swap_out_s']:10.3f} {r['swap_in_s']:9.3f} {f(r['swapped_bytes']):>11s} {f(r['left_during_generation']):>9s} {r['loss']:8.4f} {r['grad_norm']:9.4f}")
-    if {"fsdp", "megatron"} <= rows.keys():
-        m, s = rows["megatron"], rows["fsdp"]
-        print("megatron / fsdp: " + ", ".join(f"{k} {m[k] / s[k]:.2f}x" for k in ("update_s", "gather_s", "swap_out_s", "swap_in_s", "swapped_bytes")
-                                               if s[k]))
+    for other in ("megatron", "fsdp-lora"):
+        if {"fsdp", other} <= rows.keys():
+            m, s = rows[other], rows["fsdp"]
+            print(f"{other} / fsdp: " + ", ".join(f"{k} {m[k] / s[k]:.2f}x" for k in ("update_s", "gather_s", "swap_out_s", "swap_in_s", "swapped_bytes", "peak_bytes")
+                                                   if s[k]))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "params": n, "rows": rows}, indent=1))
 

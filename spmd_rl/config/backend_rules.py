@@ -26,8 +26,10 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
         if arch is not None and arch.is_moe and train_tp > 1:
             out.append(Violation("parallel.train.tp", train_tp, "the FSDP backend has no tensor-parallel plan for MoE experts",
                                  "use tp: 1 (FSDP shards every expert over dp_shard)"))
-        return out
+        return out + _check_lora(cfg, arch, train_tp)
     field, out = "actor.backend", []
+    if a.lora is not None:
+        out.append(Violation("actor.lora", "set", "LoRA runs on the FSDP backend in this version", "remove actor.lora, or use actor.backend: fsdp"))
     fix_fsdp = "or use actor.backend: fsdp"
     if sp and train_tp == 1:
         out.append(Violation("parallel.train.sequence_parallel", True, "splits the sequence over the TP group; parallel.train.tp is 1",
@@ -50,6 +52,25 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
     if arch is not None and arch.vocab_size % train_tp:
         out.append(Violation("parallel.train.tp", train_tp, f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
                              f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}"))
+    return out
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _check_lora(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Violation]:
+    """LoRA (``engines.lora``) adapts nn.Linear layers of an FSDP actor without a TP plan."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return []
+    out = []
+    if train_tp > 1:
+        out.append(Violation("actor.lora", "set", f"the adapters have no tensor-parallel plan; parallel.train.tp is {train_tp}",
+                             "use parallel.train.tp: 1 (FSDP shards the frozen base over dp_shard), or remove actor.lora"))
+    fused = [t for t in lora.target_modules if t in MLP_PROJECTIONS]
+    if arch is not None and arch.is_moe and fused:
+        out.append(Violation("actor.lora.target_modules", fused, "this MoE model's experts are fused tensors, not nn.Linear layers",
+                             "adapt the attention projections: target_modules: [q_proj, k_proj, v_proj, o_proj]"))
     return out
 
 

@@ -71,7 +71,9 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
     """Per-rank bytes. FSDP2 shards every training tensor over dp_shard after the training TP
     plan has split attention/MLP projections (embeddings and norms stay whole); AdamW keeps two
     states per parameter in the master dtype. vLLM keeps the TP slice of split tensors (its
-    embedding is vocab-parallel) and a full copy of replicated ones."""
+    embedding is vocab-parallel) and a full copy of replicated ones. With ``actor.lora`` the
+    base is frozen in ``model.dtype`` and gradients and AdamW cover the adapters only
+    (``lora_numels``, each sharded over dp_shard)."""
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     gb = DTYPE_BYTES[cfg.model.dtype]
     train_numel = gen_numel = 0
@@ -81,10 +83,16 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
     if cfg.actor.backend == "megatron":
         return _megatron_memory(cfg, arch, lay, gen_numel * gb)
+    adapters = 0
+    if cfg.actor.lora is not None:  # the base frozen in the compute dtype; grads and AdamW over the adapters only
+        adapters = sum(-(-n // lay.train.dp) for n in lora_numels(arch, cfg.actor.lora.rank, cfg.actor.lora.target_modules))
     # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
     # alone (its gather output plus this rank's 1/dp input) exceeds half of it
     lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
     temp = max(cfg.reshard.bucket_bytes, int(2 * lone))
+    if adapters:
+        return RankMemory(train_params=train_numel * gb + adapters * pb, train_grads=adapters * pb, train_optim=2 * adapters * pb,
+                          gen_weights=gen_numel * gb, kv_cache=int(cfg.rollout.kv_cache_gib * GB), temp_buffer=temp)
     return RankMemory(
         train_params=train_numel * pb,
         train_grads=train_numel * pb,
@@ -93,6 +101,21 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         kv_cache=int(cfg.rollout.kv_cache_gib * GB),
         temp_buffer=temp,
     )
+
+
+def lora_numels(arch: ModelArch, rank: int, targets: list[str]) -> list[int]:
+    """Elements of each adapter tensor (A: r x in, B: out x r) of every targeted dense linear
+    layer (``engines.lora``; fused MoE experts are never adapted)."""
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    f = arch.intermediate_size
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    out = []
+    for layer in range(arch.num_layers):
+        for t in targets:
+            if t in shapes and (t in ("q_proj", "k_proj", "v_proj", "o_proj") or layer not in arch.sparse_layers):
+                o, i = shapes[t]
+                out += [rank * i, o * rank]
+    return out
 
 
 def megatron_local_numel(arch: ModelArch, tp: int, pp: int = 1, ep: int = 1, experts_only: bool = False) -> int:
@@ -167,7 +190,10 @@ def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArc
     pb = DTYPE_BYTES[cfg.actor.param_dtype]
     mem = rank_memory(cfg, arch, lay)
     cb = DTYPE_BYTES[cfg.model.dtype]
-    ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp, cfg.parallel.train.ep) * cb if cfg.actor.backend == "megatron" else mem.train_params // pb * cb
+    if cfg.actor.backend == "megatron":
+        ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp, cfg.parallel.train.ep) * cb
+    else:  # a LoRA reference is the actor with adapters off: no memory of its own
+        ref = 0 if cfg.actor.lora is not None else mem.train_params // pb * cb
     out = {"actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
            "ref": ref, "rollout": mem.gen_weights + mem.kv_cache}
     for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):

@@ -6,6 +6,7 @@ from spmd_rl.config.estimates import (
     DTYPE_BYTES,
     GB,
     dispatch_seconds,
+    lora_numels,
     rank_memory,
     redundant_memory,
     role_bytes,
@@ -85,6 +86,8 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
         + (", megatron distributed optimizer: float32 grad buffer, moments over dp)" if cfg.actor.backend == "megatron" else ")") + (f", training ranks {_span(lay.train.ranks)}:" if lay.separated else ":"),
         f"  params {_gib(mem.train_params)}   grads {_gib(mem.train_grads)}   optimizer {_gib(mem.train_optim)}",
     ]
+    if cfg.actor.lora is not None:
+        head += _lora_lines(cfg, arch, lay, mem)
     if lay.separated:  # disjoint state: nothing to swap, no redundant copy (Eq. 3 is about colocation)
         return head + [
             f"  + one gather bucket {_gib(mem.temp_buffer).strip()} while publishing weights; peak {_gib(mem.train_state + mem.temp_buffer).strip()}",
@@ -105,6 +108,18 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
            " the update (full params in the compute dtype, full grads in float32)"] if cfg.actor.accumulate_unsharded else []),
         *_eq3_lines(lay, arch, tw, ew, r_eq3, gep),
     ]
+
+
+def _lora_lines(cfg: Config, arch: ModelArch, lay: Layouts, mem) -> list[str]:
+    """The adapters' size and the training state LoRA saves against full fine-tuning."""
+    lora = cfg.actor.lora
+    adapters = sum(lora_numels(arch, lora.rank, lora.target_modules))
+    full = rank_memory(cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"lora": None})}), arch, lay)
+    return [f"  LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapters / 1e6:.3f} M adapter parameters "
+            f"({100 * adapters / arch.num_params():.2f} % of the model); base frozen in {cfg.model.dtype}",
+            f"  full fine-tuning would hold {_gib(full.train_state).strip()} per rank; LoRA holds {_gib(mem.train_state).strip()}, "
+            f"saved {_gib(full.train_state - mem.train_state).strip()} (the reference shares the actor's base: "
+            f"no second copy of {_gib(full.train_params // DTYPE_BYTES[cfg.actor.param_dtype] * DTYPE_BYTES[cfg.model.dtype]).strip()})"]
 
 
 def stage_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> tuple[list[tuple[str, list[str], int]], int]:

@@ -184,7 +184,7 @@ def stages_for(cfg: Config) -> list[Stage]:
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
     kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
-        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("ref",)))
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("actor",) if cfg.actor.lora else ("ref",)))  # LoRA: the actor, adapters off
         if kl_in_reward(cfg):
             kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
         else:

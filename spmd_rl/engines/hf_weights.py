@@ -105,10 +105,12 @@ def attention_for(device: torch.device) -> str:
 
 
 def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
-                  shard: Callable[[nn.Module], nn.Module], head: str = "lm") -> nn.Module:
+                  shard: Callable[[nn.Module], nn.Module], head: str = "lm", fresh: Callable[[str], bool] | None = None) -> nn.Module:
     """The model of ``path`` in ``dtype``, parallelized by ``shard`` while still on the meta
     device, then materialised on ``device`` holding only this rank's shards of the weights.
-    ``head: value`` has one label and no dropout (its output must not depend on the rank)."""
+    ``head: value`` has one label and no dropout (its output must not depend on the rank).
+    Parameters ``fresh(name)`` names (LoRA adapters ``shard`` added) are left for the caller to
+    initialise."""
     config = AutoConfig.from_pretrained(path)
     if head == "value":
         config.num_labels, config.classifier_dropout = 1, 0.0
@@ -121,15 +123,19 @@ def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
-        load_shards(model, SafetensorsFolder(path), zero_missing=NEW_HEAD if head == "value" else None)
+        load_shards(model, SafetensorsFolder(path), zero_missing=NEW_HEAD if head == "value" else None, fresh=fresh)
     return model
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str | None = None) -> None:
+def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str | None = None,
+                fresh: Callable[[str], bool] | None = None) -> None:
     """Fill every parameter's local shard from ``weights``, one checkpoint tensor at a time;
-    parameters named ``zero_missing*`` that the folder lacks are zeroed."""
+    parameters named ``zero_missing*`` that the folder lacks are zeroed, those ``fresh`` names
+    are skipped."""
     for name, p in model.named_parameters():  # tied parameters are listed once
+        if fresh is not None and fresh(name):
+            continue
         if zero_missing and name.startswith(zero_missing) and name not in weights:
             (p.to_local() if isinstance(p, DTensor) else p).zero_()
             continue

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -29,7 +29,7 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.distributed.sides import side_group
-from spmd_rl.engines import fused_experts, route_replay
+from spmd_rl.engines import fused_experts, lora, route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
@@ -65,9 +65,11 @@ class TrainEngine(Engine):
     """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
 
     def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
-                 trainable: bool = True, total_steps: int = 1, policy: SamplingPolicy = SamplingPolicy(), head: str = "lm"):
+                 trainable: bool = True, total_steps: int = 1, policy: SamplingPolicy = SamplingPolicy(), head: str = "lm",
+                 seed: int = 0):
         """``policy``: the rollout's sampling policy (temperature, top-k, top-p); every log-prob
-        and entropy is of that distribution (``engines.token_logprob``)."""
+        and entropy is of that distribution (``engines.token_logprob``). A trainable LM with
+        ``cfg.lora`` trains adapters only (``engines.lora``; ``seed`` draws them)."""
         self.head = head
         self.acc = acc
         self.cfg = cfg
@@ -76,14 +78,24 @@ class TrainEngine(Engine):
         master = DTYPES[cfg.param_dtype] if trainable else compute  # a frozen role needs no master copy
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != master else None
         checkpointing = cfg.activation_checkpointing and trainable
-        self.model = build_sharded(path, master, acc.device, lambda m: parallelize(m, mesh, mp, checkpointing=checkpointing, compile=cfg.compile), head)
+        self.lora = cfg.lora if trainable and head == "lm" else None
+        adapt = self.lora
+
+        def shard(m: torch.nn.Module) -> torch.nn.Module:
+            if adapt is not None:  # the base frozen in the compute dtype, the adapters in the master dtype
+                lora.inject(m, adapt.rank, adapt.alpha, adapt.dropout, adapt.target_modules, master)
+            return parallelize(m, mesh, mp, checkpointing=checkpointing, compile=cfg.compile)
+
+        self.model = build_sharded(path, compute if adapt else master, acc.device, shard, head, fresh=lora.is_adapter if adapt else None)
+        if adapt is not None:
+            lora.init_adapters(self.model, seed)
         self.model.config.use_cache = False
         self.trainable = trainable
         self.optimizer = None
         self.scheduler = None
         self.step_count = 0
         if trainable:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
                                                weight_decay=cfg.weight_decay, foreach=True)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps))
@@ -196,16 +208,31 @@ class TrainEngine(Engine):
         """(HF name, FSDP2 / TP DTensor) of every parameter."""
         return self.model.named_parameters()
 
+    def _base_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters in checkpoint names, LoRA adapters left out."""
+        return [(n, p) for n, p in self.model.named_parameters() if not lora.is_adapter(n)]
+
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
         """Checkpoint names and full shapes (a DTensor's shape is the full one; fused MoE experts
         one expert at a time, ``engines.fused_experts``)."""
-        return [s for name, p in self.model.named_parameters() for s in fused_experts.split_shape(name, list(p.shape))]
+        return [s for name, p in self._base_parameters() for s in fused_experts.split_shape(name, list(p.shape))]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``), in checkpoint names."""
-        buckets = bucket_gather.plan(list(self.model.named_parameters()), dtype.itemsize, bucket_bytes)
+        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``), in checkpoint
+        names; with LoRA each adapted weight merged, W + (alpha / r) B A (``engines.lora``)."""
+        buckets = bucket_gather.plan(self._base_parameters(), dtype.itemsize, bucket_bytes)
         peak = max(bucket_gather.in_flight(buckets, dtype.itemsize), default=0)
-        return peak, (s for bucket in buckets for name, t in bucket_gather.gather(bucket, dtype) for s in fused_experts.split(name, t))
+        deltas = lora.merge_deltas(self.model) if self.lora else {}
+
+        def merged(name: str, t: torch.Tensor) -> torch.Tensor:
+            return (t.float() + deltas.pop(name)).to(dtype) if name in deltas else t
+
+        return peak, (s for bucket in buckets for name, t in bucket_gather.gather(bucket, dtype) for s in fused_experts.split(name, merged(name, t)))
+
+    def reference(self) -> Engine:
+        """The reference policy of a LoRA actor: this engine with adapters off (``engines.lora``)."""
+        assert self.lora is not None, "only a LoRA actor holds its reference"
+        return lora.BaseModelView(self)
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [local(p) for p in self.model.parameters()]
@@ -220,11 +247,14 @@ class TrainEngine(Engine):
                 if isinstance(v, torch.Tensor) and v.dim() > 0]
 
     def state_dict(self) -> dict:
-        msd, osd = get_state_dict(self.model, self.optimizer or [])
+        msd, osd = get_state_dict(self.model, self.optimizer or [], options=StateDictOptions(ignore_frozen_params=self.lora is not None))
+        if self.lora is not None:  # the adapters only (a tied LM head slips through ignore_frozen_params)
+            msd = {k: v for k, v in msd.items() if lora.is_adapter(k)}
         return {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict() if self.scheduler else {}, "steps": self.step_count}
 
     def save(self, folder: str | Path) -> None:
-        """Collective over this side's ranks (the world, or the training side when separated)."""
+        """Collective over this side's ranks (the world, or the training side when separated). A LoRA
+        actor writes its adapters, their AdamW states and the schedule only."""
         dcp.save(self.state_dict(), checkpoint_id=str(folder), process_group=side_group())
 
     def load(self, folder: str | Path) -> None:
@@ -235,7 +265,8 @@ class TrainEngine(Engine):
         verify(folder)
         state = self.state_dict()
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
-        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None))
         if self.scheduler:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["steps"])

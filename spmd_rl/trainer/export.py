@@ -1,4 +1,5 @@
-"""Checkpoint -> HF folder, and greedy evaluation of an HF folder through vLLM."""
+"""Checkpoint -> HF folder (or a LoRA checkpoint -> PEFT adapter folder), and greedy evaluation
+of an HF folder through vLLM."""
 
 from __future__ import annotations
 
@@ -8,28 +9,61 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rl.engines import fused_experts
+from spmd_rl.engines import fused_experts, lora
 from spmd_rl.trainer.checkpoint import model_weights, read_state
 
 
-def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
-    """Write the actor weights of a DCP checkpoint as a standard HF folder (safetensors +
-    tokenizer), using the base model's config."""
+def export(checkpoint_dir: str | Path, out: str | Path, merged: bool = False) -> Path:
+    """Write the actor of a DCP checkpoint as a standard HF folder (safetensors + tokenizer),
+    using the base model's config. A LoRA checkpoint (adapters only) becomes its adapter folder
+    in PEFT's layout, or with ``merged`` the HF model with W + (alpha / r) B A."""
     state = read_state(checkpoint_dir)
     weights = model_weights(checkpoint_dir)
+    out = Path(out)
+    if "lora" in state and not merged:
+        return write_adapter(weights, state, out)
     model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
+    if "lora" in state:
+        merge_adapters(model, weights, state["lora"])
+        weights = {}
     for name, p in model.named_parameters():  # a megatron checkpoint names MoE experts one by one, as HF files do
         parts = fused_experts.checkpoint_names(name, p.shape[0])
         if fused_experts.is_fused(name) and name not in weights and all(n in weights for n in parts):
             weights[name] = fused_experts.read(weights.__getitem__, name, p.shape[0])
             for n in parts:
                 del weights[n]
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise ValueError(f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if weights:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if m != "lm_head.weight"]:
+            raise ValueError(f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()
-    out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def merge_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor], cfg: dict) -> None:
+    """W += (alpha / r) B A for every adapted linear layer, in float32 (``engines.lora``)."""
+    params = dict(model.named_parameters())
+    scale = cfg["alpha"] / cfg["rank"]
+    for name in sorted(n[: -len(".lora_A")] for n in adapters if n.endswith(".lora_A")):
+        if f"{name}.weight" not in params:
+            raise ValueError(f"adapter {name!r} of the checkpoint names no layer of the base model {cfg}")
+        w = params[f"{name}.weight"]
+        w += (scale * adapters[f"{name}.lora_B"].float() @ adapters[f"{name}.lora_A"].float()).to(w.dtype)
+
+
+def write_adapter(adapters: dict[str, torch.Tensor], state: dict, out: Path) -> Path:
+    """PEFT's adapter folder: ``adapter_model.safetensors`` (``base_model.model.<layer>.lora_A.weight``
+    ...) and ``adapter_config.json``; the tokenizer beside them."""
+    from safetensors.torch import save_file
+
+    cfg = state["lora"]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({lora.peft_name(n): t.contiguous() for n, t in adapters.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        lora.peft_config(str(Path(state["model_path"]).resolve()), cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["target_modules"]), indent=1))
     AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
     return out
 

@@ -158,6 +158,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     state = {"iteration": iteration, "origin": checkpoint.origin_of(cfg.checkpoint.resume),
              "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
              "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
+    if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)
+        state["lora"] = cfg.actor.lora.model_dump()
     if partial_rollout(cfg):
         state["carry_rows"] = carried_rows(run)
     run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)

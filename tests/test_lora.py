@@ -1,0 +1,122 @@
+"""LoRA (``engines.lora``): the layer against its formula in float64, the injection's errors,
+and a LoRA actor under torchrun against HF forwards and vLLM (``helpers/lora_worker.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmd_rl.engines import lora
+from tests.conftest import REPO
+from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(6, 5, bias=True)
+        self.down_proj = nn.Linear(5, 3, bias=False)
+        self.norm = nn.LayerNorm(3)
+
+
+def adapted(seed=0, rank=2, alpha=3.0, dropout=0.0, targets=("q_proj", "down_proj")):
+    torch.manual_seed(seed)
+    m = Block().double()
+    names = lora.inject(m, rank, alpha, dropout, list(targets), torch.float64)
+    lora.init_adapters(m, seed=1)
+    return m, names
+
+
+def test_lora_linear_is_the_formula_in_float64():
+    m, names = adapted()
+    assert names == ["q_proj", "down_proj"]
+    with torch.no_grad():  # B starts at 0: the layer is the base layer
+        x = torch.randn(4, 6, dtype=torch.float64)
+        assert torch.equal(m.q_proj(x), x @ m.q_proj.weight.T + m.q_proj.bias)
+        m.q_proj.lora_B.normal_()
+        a, b, w = m.q_proj.lora_A, m.q_proj.lora_B, m.q_proj.weight
+        want = x @ w.T + m.q_proj.bias + (3.0 / 2) * (x @ a.T) @ b.T
+        assert torch.allclose(m.q_proj(x), want, atol=1e-12, rtol=0)
+        merged = w + lora.merge_deltas(m)["q_proj.weight"].double()
+        assert torch.allclose(x @ merged.T + m.q_proj.bias, want, atol=1e-6, rtol=0)  # merge_deltas is float32
+        with lora.adapters_off(m):
+            assert torch.equal(m.q_proj(x), x @ w.T + m.q_proj.bias)
+        assert m.q_proj.enabled
+
+
+def test_only_adapters_train_and_init_is_seeded():
+    m, _ = adapted()
+    trainable = sorted(n for n, p in m.named_parameters() if p.requires_grad)
+    assert trainable == ["down_proj.lora_A", "down_proj.lora_B", "q_proj.lora_A", "q_proj.lora_B"]
+    assert m.q_proj.lora_A.shape == (2, 6) and m.q_proj.lora_B.shape == (5, 2) and not m.q_proj.lora_B.any()
+    bound = 1 / 6 ** 0.5
+    assert m.q_proj.lora_A.abs().max() <= bound and m.q_proj.lora_A.abs().max() > bound / 2
+    other, _ = adapted(seed=5)  # another model init, the same adapter seed: the same adapters
+    assert torch.equal(other.q_proj.lora_A, m.q_proj.lora_A)
+
+
+def test_dropout_acts_in_training_only():
+    m, _ = adapted(dropout=0.5)
+    with torch.no_grad():
+        m.q_proj.lora_B.normal_()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    m.eval()
+    assert torch.equal(m.q_proj(x), m.q_proj(x))
+    m.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(m.q_proj(x), m.eval().q_proj(x))
+
+
+def test_a_target_naming_no_linear_layer_is_refused():
+    with pytest.raises(ValueError, match=r"actor.lora.target_modules: \['o_proj', 'norm'\].*\['down_proj', 'q_proj'\]"):
+        lora.inject(Block(), 2, 4.0, 0.0, ["q_proj", "o_proj", "norm"], torch.float32)
+
+
+def test_peft_names():
+    assert lora.peft_name("model.layers.0.self_attn.q_proj.lora_A") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    cfg = lora.peft_config("/m", 8, 16.0, 0.0, ["v_proj", "q_proj"])
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["peft_type"] == "LORA"
+
+
+@pytest.mark.slow
+def test_lora_actor_under_torchrun(tmp_path, tiny_model):
+    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path)}
+    run_nodes(REPO / "tests/helpers/lora_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["initial_vs_base"] < 1e-5  # B = 0: the adapted model starts as the base model
+        assert r["adapted_moved"] > 0.1  # three updates moved the policy
+        assert r["reference_vs_base"] < 1e-5  # adapters off == the HF base model: the reference
+        assert r["base_frozen_bit_exact"]  # the base weights never moved
+        assert r["merged_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4  # the sync's weights are the trained policy
+        assert r["vllm_vs_trainer"] < 1e-4  # vLLM, fed by allgather-swap, samples from the trainer's policy
+        assert r["adapted_layers"] == 4 * r["decoder_layers"]  # every targeted projection of every layer
+        assert r["optimizer_local_numel"] == 2 * r["adapter_local_numel"]  # AdamW over the adapters, nothing else
+        assert 2 * r["adapter_local_numel"] == r["adapter_full_numel"]  # FSDP shards the adapters over DP 2
+        assert r["saved_model_keys_are_adapters"] and r["resumed_vs_saved"] == 0.0
+
+
+def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
+    """The plan's LoRA training state: the frozen base in model.dtype plus adapters with two AdamW
+    states, against full fine-tuning's float32 masters and states (rank 16 on every projection)."""
+    from spmd_rl.config.estimates import lora_numels, rank_memory
+    from spmd_rl.config.layout import Layout, Layouts
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.config.model_arch import ModelArch
+    from spmd_rl.config.plan import memory_lines
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=16", "model.dtype=bfloat16"])
+    arch, lay = ModelArch.from_folder(tiny_model), Layouts(2, 2, Layout(2, 1), Layout(2, 1))
+    adapters = lora_numels(arch, 16, cfg.actor.lora.target_modules)
+    h, f = arch.hidden_size, arch.intermediate_size
+    assert adapters[-2:] == [16 * f, h * 16]  # down_proj of the last layer: A [16, f], B [h, 16]
+    mem = rank_memory(cfg, arch, lay)
+    local = sum(-(-n // 2) for n in adapters)
+    assert mem.train_grads == 4 * local and mem.train_optim == 8 * local
+    base = sum(-(-t.numel // 2) for t in arch.tensors())
+    assert mem.train_params == 2 * base + 4 * local  # bfloat16 base, float32 adapters
+    text = "\n".join(memory_lines(cfg, arch, lay))
+    assert f"{sum(adapters) / 1e6:.3f} M adapter parameters" in text and "full fine-tuning would hold" in text
