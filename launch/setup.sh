@@ -64,5 +64,9 @@ if [ ! -f assets/tiny-qwen2/reward_model/model.safetensors ]; then
     step "building the tiny reward model (about a minute): assets/tiny-qwen2/reward_model"
     "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2
 fi
+if [ ! -f assets/tiny-qwen2/preferences_train.jsonl ]; then
+    step "building the tiny preference set for DPO: assets/tiny-qwen2/preferences_{train,test}.jsonl"
+    "$VENV/bin/python" tools/make_preference_data.py --model assets/tiny-qwen2
+fi
 
 step "done: activate with 'source $VENV/bin/activate'"

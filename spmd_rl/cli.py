@@ -176,8 +176,11 @@ def evaluate(
     max_tokens: int = typer.Option(8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."),
     environment: Optional[str] = typer.Option(None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."),
     max_turns: int = typer.Option(4, "--max-turns", help="With --environment: the most sampled turns per trajectory."),
+    pairs: bool = typer.Option(False, "--pairs", help="--data is a preference file (prompt, chosen, rejected): print DPO's held-out margin and accuracy against --reference instead."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."),
 ) -> None:
-    """Greedy accuracy through in-process vLLM; prints one JSON line."""
+    """Greedy accuracy through in-process vLLM, or with --pairs the preference margin of the
+    model against its reference (HF forwards); prints one JSON line."""
     import json
     import tempfile
 
@@ -200,7 +203,17 @@ def evaluate(
         else:
             typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
             raise typer.Exit(code=2)
-        result = greedy_accuracy(model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns)
+        if pairs:
+            from spmd_rl.trainer.checkpoint import read_state
+            from spmd_rl.trainer.pair_eval import preference_eval
+
+            ref = reference or (Path(read_state(model)["model_path"]) if is_checkpoint(model) else None)
+            if ref is None or not (ref / "config.json").is_file():
+                typer.echo(f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base model)", err=True)
+                raise typer.Exit(code=2)
+            result = preference_eval(model_dir, ref, data, limit)
+        else:
+            result = greedy_accuracy(model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns)
     typer.echo(json.dumps(result | {"model": str(model)}))
 
 

@@ -23,6 +23,7 @@ from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import multi_turn, needs_reference, pinned_roles, records_routes, stages_for
+from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
 from spmd_rl.distributed.accelerator import detect
@@ -89,8 +90,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     side = init_sides(lay, peer.rank).side  # separated placement: "gen" hosts only vLLM, "train" only the training roles
     mesh = train_mesh(acc, lay.train)
     tok = load_tokenizer(cfg)
-    prompts = prompts_for(cfg, tok, cfg.data.train_path)
-    rollout = build_rollout(cfg, acc, lay, peer, side)
+    prompts = preferences_for(cfg, tok, cfg.data.train_path) if cfg.algorithm.name == "dpo" else prompts_for(cfg, tok, cfg.data.train_path)
+    rollout = build_rollout(cfg, acc, lay, peer, side) if any("rollout" in s.roles for s in graph) else None  # DPO generates nothing
     roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
     check_accumulation_fits(cfg, acc, lay, roles)
     residency = Residency(Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg))

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
+from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
@@ -280,6 +281,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += check_router_replay(cfg, arch)
     out += check_gen_experts(cfg, arch, lay.gen)
     out += check_environment(cfg, lay.gen)
+    out += check_dpo(cfg)
     return lay, out
 
 

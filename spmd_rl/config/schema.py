@@ -33,6 +33,8 @@ class DataConfig(Section):
     test_path: str | None = Field(None, description="Held-out prompts for `spmd-rl eval` and periodic evaluation.")
     prompt_column: str = Field("prompt", description="Column holding the prompt text.")
     answer_column: str = Field("answer", description="Column holding the reference answer given to the reward.")
+    chosen_column: str = Field("chosen", description="algorithm.name dpo: the column holding the preferred response text.")
+    rejected_column: str = Field("rejected", description="algorithm.name dpo: the column holding the dispreferred response text.")
     global_batch_size: int = Field(gt=0, description="G: prompts per iteration, over the whole cluster.")
     max_prompt_length: int = Field(gt=0, description="PL: prompts longer than this (in tokens) are skipped with a warning.")
     apply_chat_template: bool = Field(True, description="Wrap each prompt as a user message with the tokenizer's chat template.")
@@ -148,8 +150,12 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
-        "grpo", description="RL algorithm, i.e. the advantage estimator (algos.estimators): grpo and dapo group-normalise the reward; rloo subtracts the mean reward of the prompt's other samples; reinforce_pp (REINFORCE++) and reinforce_pp_baseline (the reward minus its group mean) whiten per-token discounted returns (algorithm.gamma) over the whole batch, with the KL in the reward when use_kl_loss is false; ppo trains a critic for GAE."
+    name: Literal["grpo", "ppo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dpo"] = Field(
+        "grpo", description="RL algorithm, i.e. the advantage estimator (algos.estimators): grpo and dapo group-normalise the reward; rloo subtracts the mean reward of the prompt's other samples; reinforce_pp (REINFORCE++) and reinforce_pp_baseline (the reward minus its group mean) whiten per-token discounted returns (algorithm.gamma) over the whole batch, with the KL in the reward when use_kl_loss is false; ppo trains a critic for GAE. dpo is offline preference training (algos.preference) on data.train_path's (prompt, chosen, rejected) rows: no rollout, its own stage graph (pairs -> reference log-probs -> DPO update); rollout.n must be 2."
+    )
+    dpo_beta: float = Field(0.1, gt=0.0, description="DPO: beta, the implicit reward's scale beta (log pi - log pi_ref) and the strength of the tie to the reference.")
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="DPO: conservative label smoothing eps (cDPO): the loss is -(1 - eps) log sigmoid(h) - eps log sigmoid(-h); 0 = DPO."
     )
     norm_adv_by_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std (false = Dr.GRPO).")
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient beta against the reference policy; 0 skips the reference pass.")

@@ -95,7 +95,7 @@ class Stage:
 
 
 def needs_reference(cfg: Config) -> bool:
-    return cfg.algorithm.kl_coef > 0
+    return cfg.algorithm.kl_coef > 0 or cfg.algorithm.name == "dpo"
 
 
 def dynamic_sampling(cfg: Config) -> bool:
@@ -168,6 +168,8 @@ def stages_for(cfg: Config) -> list[Stage]:
     """The stage graph of one iteration, in execution order. Invariants (tested): each stage
     reads exactly its ``inputs`` from the dock, every column written is read by a later stage,
     and only the stage's ``roles`` are resident while it runs."""
+    if cfg.algorithm.name == "dpo":
+        return dpo_stages(cfg)
     turns: tuple[str, ...] = ("response_mask",) if multi_turn(cfg) else ()
     seq = ("prompt_ids", "response_ids") + turns
     model_reward = cfg.reward.kind == "model"
@@ -206,6 +208,17 @@ def stages_for(cfg: Config) -> list[Stage]:
         out.append(Stage("advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True))
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
+
+
+def dpo_stages(cfg: Config) -> list[Stage]:
+    """DPO's graph (``trainer.stages.preference``): no rollout. The data loader puts each
+    prompt twice (``rollout.n`` = 2), the pair's responses come from the dataset (sample 2q
+    chosen, 2q + 1 rejected), then the reference's log-probs of both and the update over whole
+    pairs. With LoRA the reference is the actor with adapters off."""
+    seq = ("prompt_ids", "response_ids")
+    return [Stage("preference_pairs", ("prompt_row",), ("response_ids",), (), group_granular=True, per_round=True),
+            Stage("ref_logprob", seq, ("ref_log_prob",), ("actor",) if cfg.actor.lora else ("ref",)),
+            Stage("dpo_update", seq + ("ref_log_prob", "prompt_row"), (), ("actor",), group_granular=True)]
 
 
 def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:

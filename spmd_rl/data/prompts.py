@@ -21,6 +21,8 @@ class PromptSet:
     """Row number in the file of each kept prompt."""
     texts: list[str] = field(default_factory=list)
     """The prompt text of each kept prompt (a multi-turn environment starts from it)."""
+    pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """Preference data (``data.preferences``): the (chosen, rejected) response token ids of each prompt."""
     skipped: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -1,0 +1,40 @@
+"""Rules of DPO (``algorithm.name: dpo``): an offline graph with no rollout engine, so every
+field that configures generation-time behaviour is refused rather than ignored, and the DPO
+fields are refused outside DPO."""
+
+from __future__ import annotations
+
+from spmd_rl.config.errors import Violation
+from spmd_rl.config.schema import Config
+
+_DPO_FIELDS = ("dpo_beta", "dpo_label_smoothing")
+_DPO_DATA_FIELDS = ("chosen_column", "rejected_column")
+
+
+def check_dpo(cfg: Config) -> list[Violation]:
+    al = cfg.algorithm
+    if al.name != "dpo":
+        return [Violation(f"{section}.{f}", getattr(obj, f), "only read by algorithm.name: dpo", "remove it")
+                for section, obj, names in (("algorithm", al, _DPO_FIELDS), ("data", cfg.data, _DPO_DATA_FIELDS))
+                for f in names if f in obj.model_fields_set]
+    out = []
+    if cfg.rollout.n != 2:
+        out.append(Violation("rollout.n", cfg.rollout.n, "DPO puts each prompt twice, once per response of its pair", "set rollout.n: 2"))
+    if cfg.trainer.eval_interval:
+        out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "the in-run eval samples greedily through vLLM, and DPO builds no rollout engine",
+                             "set trainer.eval_interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint to evaluate it)"))
+    refused = {
+        "parallel.placement": (cfg.parallel.placement == "separated", "separated"),
+        "stream.partial_tokens": (cfg.stream.partial_tokens > 0, cfg.stream.partial_tokens),
+        "stream.fuse": (cfg.stream.fuse, True),
+        "rollout.environment": (cfg.rollout.environment is not None, cfg.rollout.environment),
+        "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay),
+        "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef),
+        "actor.backend": (cfg.actor.backend == "megatron", "megatron"),
+    }
+    for field, (bad, value) in refused.items():
+        if bad:
+            why = ("DPO's tie to the reference is algorithm.dpo_beta" if field == "algorithm.kl_coef" else
+                   "DPO runs on the FSDP backend in this version" if field == "actor.backend" else "DPO generates nothing")
+            out.append(Violation(field, value, why, f"remove {field} with algorithm.name: dpo"))
+    return out

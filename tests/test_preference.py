@@ -1,0 +1,94 @@
+"""DPO's pieces without a process group: the loss against its formula in float64, the
+preference file's rows, the pairing of samples, the graph and the config rules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from spmd_rl.algos.preference import dpo, get_preference_loss
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.rules import check
+from spmd_rl.config.stages import stages_for
+from spmd_rl.data.preferences import load_preferences
+from spmd_rl.trainer.stages.preference import pair_order
+from tests.conftest import REPO
+
+QUICKSTART = REPO / "configs/quickstart_dpo.yaml"
+
+
+def _reference(pc, pr, rc, rr, beta, eps):
+    h = beta * ((pc - rc) - (pr - rr))
+    log_sig = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    return -(1 - eps) * log_sig(h) - eps * log_sig(-h)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_dpo_loss_is_the_formula_in_float64(eps):
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(7, generator=g, dtype=torch.float64) * 5 for _ in range(4))
+    out = dpo(pc, pr, rc, rr, 0.3, eps)
+    want = torch.tensor([_reference(*(float(t[k]) for t in (pc, pr, rc, rr)), 0.3, eps) for k in range(7)], dtype=torch.float64)
+    assert torch.allclose(out.loss, want, atol=1e-12, rtol=0)
+    assert torch.allclose(out.chosen_reward, 0.3 * (pc - rc)) and torch.allclose(out.rejected_reward, 0.3 * (pr - rr))
+    assert get_preference_loss("dpo") is dpo
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    pc, pr = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    dpo(pc, pr, torch.zeros(3), torch.zeros(3), 0.5).loss.sum().backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()  # descent raises log pi(chosen), lowers log pi(rejected)
+    assert torch.allclose(pc.grad, torch.full((3,), -0.25)) and torch.allclose(pr.grad, -pc.grad)  # beta x sigmoid(0)
+
+
+def test_preference_rows_are_tokenised_with_eos_and_bad_rows_skipped(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "1+1=", "chosen": "2"},
+            {"prompt": "2+2=", "chosen": "4", "rejected": "4"}, {"prompt": "5+5=", "chosen": "10" * 20, "rejected": "9"},
+            {"prompt": "3+3=", "chosen": "", "rejected": "5"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
+    assert got.rows == [0] and got.pairs[0] == (tok.encode("3") + [tok.eos_token_id], tok.encode("4") + [tok.eos_token_id])
+    assert got.skipped == {"missing column 'rejected'": [1], "chosen equals rejected": [2],
+                           "response of 41 tokens > rollout.max_response_length=8": [3], "empty 'chosen'": [4]}
+    path.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="no usable preference rows.*missing column 'rejected': 1"):
+        load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
+
+
+def test_pairs_are_found_by_index_and_a_half_pair_is_an_error():
+    chosen, rejected = pair_order([5, 4, 0, 1])
+    assert chosen.tolist() == [2, 1] and rejected.tolist() == [3, 0]
+    with pytest.raises(RuntimeError, match="half of the pairs"):
+        pair_order([4, 0, 1])
+
+
+def test_dpo_graph_has_no_rollout_and_reads_what_it_writes(tiny_model):
+    cfg = load_config(QUICKSTART, [f"model.path={tiny_model}"])
+    graph = stages_for(cfg)
+    assert [s.name for s in graph] == ["preference_pairs", "ref_logprob", "dpo_update"]
+    assert not any("rollout" in s.roles for s in graph) and graph[1].roles == ("ref",)
+    lora = stages_for(load_config(QUICKSTART, [f"model.path={tiny_model}", "actor.lora.rank=4"]))
+    assert lora[1].roles == ("actor",)  # the reference is the actor with adapters off
+
+
+@pytest.mark.parametrize("override,field", [
+    ("rollout.n=4", "rollout.n"), ("trainer.eval_interval=10", "trainer.eval_interval"), ("stream.fuse=true", "stream.fuse"),
+    ("algorithm.kl_coef=0.1", "algorithm.kl_coef"), ("actor.backend=megatron", "actor.backend"),
+    ("rollout.environment=calculator", "rollout.environment")])
+def test_dpo_refuses_what_it_would_ignore(tiny_model, override, field):
+    cfg = load_config(QUICKSTART, [f"model.path={tiny_model}", override])
+    _, violations = check(cfg, 2, 2)
+    assert field in [v.field for v in violations], violations
+
+
+def test_dpo_fields_are_refused_outside_dpo(tiny_model):
+    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "algorithm.dpo_beta=0.2", "data.rejected_column=bad"])
+    _, violations = check(cfg, 2, 2)
+    assert [v.field for v in violations] == ["algorithm.dpo_beta", "data.rejected_column"]
