@@ -36,6 +36,7 @@ from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
+from spmd_rl.engines.lora import lora_modules
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.engines.train import TrainEngine
@@ -174,6 +175,10 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     else:
         lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy, seed=cfg.trainer.seed)
     roles = {"actor": lm(total_steps=_total_steps(cfg))}
+    if cfg.actor.lora is not None:
+        adapted = len(list(lora_modules(roles["actor"].model)))
+        log.info("actor: LoRA rank %d alpha %g on %d layers (%s); weight sync: merged weights W + (alpha/r) B A through allgather-swap "
+                 "(adapter-only sync to vLLM is not built)", cfg.actor.lora.rank, cfg.actor.lora.alpha, adapted, ", ".join(cfg.actor.lora.target_modules))
     if cfg.actor.lora is not None and needs_reference(cfg):  # the base model with adapters off (its stage makes the actor resident)
         roles["ref"] = roles["actor"].reference()
     elif "ref" in needed:
