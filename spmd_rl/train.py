@@ -140,7 +140,8 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
                             distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated,
-                            record_routes=records_routes(cfg), expert_parallel=cfg.parallel.gen.expert_parallel)
+                            record_routes=records_routes(cfg), expert_parallel=cfg.parallel.gen.expert_parallel,
+                            lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None)
     if colocated:
         rollout.sleep(discard_weights=True)
     return rollout
@@ -177,8 +178,10 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     roles = {"actor": lm(total_steps=_total_steps(cfg))}
     if cfg.actor.lora is not None:
         adapted = len(list(lora_modules(roles["actor"].model)))
-        log.info("actor: LoRA rank %d alpha %g on %d layers (%s); weight sync: merged weights W + (alpha/r) B A through allgather-swap "
-                 "(adapter-only sync to vLLM is not built)", cfg.actor.lora.rank, cfg.actor.lora.alpha, adapted, ", ".join(cfg.actor.lora.target_modules))
+        sync = ("the adapters alone to vLLM's LoRA (the base weights loaded once)" if cfg.actor.lora.sync == "adapter"
+                else "merged weights W + (alpha/r) B A through allgather-swap")
+        log.info("actor: LoRA rank %d alpha %g on %d layers (%s); weight sync: %s", cfg.actor.lora.rank, cfg.actor.lora.alpha, adapted,
+                 ", ".join(cfg.actor.lora.target_modules), sync)
     if cfg.actor.lora is not None and needs_reference(cfg):  # the base model with adapters off (its stage makes the actor resident)
         roles["ref"] = roles["actor"].reference()
     elif "ref" in needed:

@@ -82,8 +82,9 @@ def test_peft_names():
 
 
 @pytest.mark.slow
-def test_lora_actor_under_torchrun(tmp_path, tiny_model):
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path)}
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
+    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "LORA_SYNC": sync}
     run_nodes(REPO / "tests/helpers/lora_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -91,8 +92,13 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model):
         assert r["adapted_moved"] > 0.1  # three updates moved the policy
         assert r["reference_vs_base"] < 1e-5  # adapters off == the HF base model: the reference
         assert r["base_frozen_bit_exact"]  # the base weights never moved
-        assert r["merged_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4  # the sync's weights are the trained policy
-        assert r["vllm_vs_trainer"] < 1e-4  # vLLM, fed by allgather-swap, samples from the trainer's policy
+        assert r["synced_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4  # merged weights are the trained policy
+        assert max(r["vllm_vs_trainer"]) < 1e-4  # after each of two syncs vLLM samples from the trainer's policy
+        if sync == "adapter":  # the base weights went to vLLM once; then only adapters, a new version per sync
+            assert r["synced_is_base"] and r["full_weight_loads"] == 1 and r["adapter_versions"] == 2
+        else:  # the merged weights every time
+            assert not r["synced_is_base"] and r["full_weight_loads"] == 2 and r["adapter_versions"] == 0
+        print(f"{sync} sync (gather + load + first generation), rank {rank}: {r['sync_s']}")
         assert r["adapted_layers"] == 4 * r["decoder_layers"]  # every targeted projection of every layer
         assert r["optimizer_local_numel"] == 2 * r["adapter_local_numel"]  # AdamW over the adapters, nothing else
         assert 2 * r["adapter_local_numel"] == r["adapter_full_numel"]  # FSDP shards the adapters over DP 2

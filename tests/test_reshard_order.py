@@ -59,6 +59,7 @@ class TinyEngine(Engine):
 
 class FakeRollout:
     weights_current = True
+    adapters = None  # full-weight sync (LoRA adapter sync: engines.adapter_sync)
 
     def __init__(self, calls: list, train_params):
         self.calls, self.params = calls, train_params

@@ -67,6 +67,12 @@ def _check_lora(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Viol
     if train_tp > 1:
         out.append(Violation("actor.lora", "set", f"the adapters have no tensor-parallel plan; parallel.train.tp is {train_tp}",
                              "use parallel.train.tp: 1 (FSDP shards the frozen base over dp_shard), or remove actor.lora"))
+    if lora.sync == "adapter":
+        why = ("the generators load weights in their own processes, by broadcast" if cfg.parallel.placement == "separated" else
+               "vLLM's LoRA serves ranks up to 512" if lora.rank > 512 else
+               "adapter sync runs on dense models in this version" if arch is not None and arch.is_moe else None)
+        if why is not None:
+            out.append(Violation("actor.lora.sync", "adapter", why, "set actor.lora.sync: merged"))
     fused = [t for t in lora.target_modules if t in MLP_PROJECTIONS]
     if arch is not None and arch.is_moe and fused:
         out.append(Violation("actor.lora.target_modules", fused, "this MoE model's experts are fused tensors, not nn.Linear layers",

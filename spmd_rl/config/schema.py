@@ -72,6 +72,9 @@ class LoRAConfig(Section):
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1,
         description="Last name part of the nn.Linear layers that get adapters; one that names no linear layer of the model is refused (fused MoE experts are not nn.Linear: adapt the attention projections of an MoE model).",
     )
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter", description="How the rollout engine gets the policy: adapter = vLLM's LoRA serves the adapters over the base weights it loaded once (each sync sends only the adapters, as a PEFT folder in host memory; every request carries them; colocated dense models); merged = the merged weights W + (alpha/r) B A through allgather-swap after every update."
+    )
 
 
 class ActorConfig(Section):
@@ -121,7 +124,7 @@ class ActorConfig(Section):
     accumulate_unsharded: bool = Field(False, description="Between the micro-batches of one optimizer step keep parameters and gradients unsharded: one gradient reduce-scatter per step instead of one per micro-batch, and one parameter all-gather per FSDP module per step instead of one in forward and one in backward per micro-batch; costs (1 - 1/dp_shard) x the full parameters in compute dtype plus the full gradients in float32 (FSDP2 accumulates unsharded gradients in the reduce dtype) while it lasts; `plan` prints the bytes and a device run refuses it when they exceed the free device memory.")
     pack_sequences: bool = Field(True, description="Padding-free forward and update passes of every FSDP role (actor, reference, critic, reward model): each micro-batch's samples are packed into rows as long as its longest sample (positions restart per sample, attention stays within each sample), and the LM or value head runs only on the positions that predict a response token (the reward model's score head is read at each sample's last token). The same log-probs and gradients up to float rounding; false computes every sample right-padded.")
     lora: LoRAConfig | None = Field(
-        None, description="LoRA RL (engines.lora, FSDP backend, parallel.train.tp 1): the base weights frozen in model.dtype, only the adapters in AdamW and in checkpoints; the reference is the base model with adapters off (no second copy); the rollout engine gets the merged weights W + (alpha/r) B A through allgather-swap; `export` writes the adapter folder (PEFT layout) and, with --merged, the merged HF model; null = full fine-tuning."
+        None, description="LoRA RL (engines.lora, FSDP backend, parallel.train.tp 1): the base weights frozen in model.dtype, only the adapters in AdamW and in checkpoints; the reference is the base model with adapters off (no second copy); the rollout engine gets the adapters alone or the merged weights (`sync`); `export` writes the adapter folder (PEFT layout) and, with --merged, the merged HF model; null = full fine-tuning."
     )
     compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes, before FSDP wrapping, as torchtitan does) for the training and log-prob passes of every FSDP role; the first iteration pays the compile time (about 15 s on the bench model on CPU); with pack_sequences, the first micro-batch with packed rows compiles a second graph (block mask instead of none).")
 

@@ -28,6 +28,7 @@ from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
+from spmd_rl.engines.adapter_sync import AdapterSync
 from spmd_rl.engines.vllm_options import check_version, child_device_env, configure_vllm_env, engine_options, sampling_options
 
 log = logging.getLogger("spmd_rl")
@@ -77,13 +78,15 @@ def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
 class RolloutEngine:
     def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
                  max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False,
-                 dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False):
+                 dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False, lora=None):
         """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
         so vLLM initialises them randomly instead of reading the checkpoint; generating before
         the first ``update_weights`` is refused. ``record_routes``: every sample carries the
         experts its tokens were routed to (in-process engines; prefix caching off, since a
         cached prompt block is never computed and so never routed). ``expert_parallel``: vLLM's
-        expert parallelism over the engine's TP ranks (devices only). Build this engine before any training role
+        expert parallelism over the engine's TP ranks (devices only). ``lora`` (``actor.lora`` with
+        ``sync: adapter``): every request carries the adapters ``update_adapters`` published
+        (``engines.adapter_sync``). Build this engine before any training role
         takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
         if record_routes and own_process:
             raise ValueError("routes are recorded in-process only (engines.route_capture)")
@@ -105,7 +108,9 @@ class RolloutEngine:
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
         with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) if own_process else {}):
             self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel))
+                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel,
+                                            None if lora is None else lora.rank))
+        self.adapters = None if lora is None else AdapterSync(path, lora.rank, lora.alpha, lora.target_modules)
         torch.set_float32_matmul_precision(precision)
         self.record_routes = record_routes
         self._open: dict[str, tuple[object, list[int], str, int]] = {}
@@ -163,7 +168,8 @@ class RolloutEngine:
         soon as its tool returns. vLLM names requests internally "<external>-<random>" (outputs
         carry the external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
         self._require_weights()
-        ids = self.llm.enqueue([{"prompt_token_ids": c} for _, c in requests], params, use_tqdm=False)
+        ids = self.llm.enqueue([{"prompt_token_ids": c} for _, c in requests], params, use_tqdm=False,
+                               lora_request=self.adapters.request if self.adapters else None)
         self._open.update({rid.split("-", 1)[0]: (key, ctx, rid, p.n) for (key, ctx), rid, p in zip(requests, ids, params)})
 
     def busy(self) -> bool:
@@ -240,6 +246,11 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.weights_current = True
 
+    def update_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Serve these LoRA adapters over the loaded base weights (``engines.adapter_sync``)."""
+        self.adapters.publish(adapters, self.llm)
+        self.llm.reset_prefix_cache()
+
     def weight_bytes(self) -> int:
         """Bytes of this rank's generation weights. vLLM CPU moves linear weights into packed
         GEMM closures (their parameters become empty), so on CPU the count comes from the
@@ -255,7 +266,7 @@ class RolloutEngine:
         return self.llm.collective_rpc("kv_cache_bytes")[0]
 
     def _require_weights(self) -> None:
-        if not self.weights_current:
+        if not self.weights_current or (self.adapters is not None and self.adapters.request is None):
             raise RuntimeError("the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
                                "load them with update_weights before generating")
 
@@ -268,6 +279,8 @@ class RolloutEngine:
             self.llm.sleep(level=2 if discard_weights else 1)
             self._asleep = True
             self.weights_current = self.weights_current and not discard_weights
+            if self.adapters is not None:  # vLLM may drop its LoRA buffers (verl #7434): publish again after the wake
+                self.adapters.stale = True
 
     def wake_weights(self) -> None:
         """Bring back the weights only (the KV cache stays released until ``wake_kv_cache``);

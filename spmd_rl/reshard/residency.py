@@ -14,7 +14,9 @@ the manager
    (the actor is brought back for the gather if it was on host, and leaves again before the KV
    cache wakes, so training state, weights and KV cache are never resident together). A
    colocated engine sleeps at vLLM level 2, dropping its weights instead of backing them up to
-   host: every wake after it is followed by a gather, which overwrites them anyway;
+   host: every wake after it is followed by a gather, which overwrites them anyway. An engine
+   serving LoRA adapters (``actor.lora.sync: adapter``) sleeps at level 1, keeping the base
+   weights it loaded once, and gets the adapters again after every wake;
 4. records a ledger row: every role's resident bytes at the stage's entry.
 
 Invariant (tested from the ledger): while a stage runs, the resident roles are the stage's
@@ -81,9 +83,11 @@ class Residency:
         if not want:  # host-only work: whatever is resident stays
             self.record(phase)
             return
-        stale = "rollout" in want and (self.rollout_version != self.actor_version or not self.rollout.weights_current)
+        adapters = self.rollout.adapters if self.rollout is not None else None  # LoRA adapter sync keeps the base across sleep
+        stale = "rollout" in want and (self.rollout_version != self.actor_version or not self.rollout.weights_current
+                                       or (adapters is not None and adapters.stale))
         if "rollout" not in want and self.rollout_awake:
-            self.rollout.sleep(discard_weights=self.colocated)
+            self.rollout.sleep(discard_weights=self.colocated and adapters is None)
             self.rollout_awake = False
         for role in self.engines:
             if role not in want and not (stale and role == "actor"):

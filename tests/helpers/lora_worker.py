@@ -2,17 +2,20 @@
 
 - before any update: the adapted trainer == the base model (HF forward), B = 0;
 - after three updates: adapters off == the HF base model; adapters on == an HF model loaded
-  with the merged weights the sync yields; vLLM fed those weights by allgather-swap returns
-  the trainer's log-probs at its sampled tokens; the base weights are bit-identical to the file;
-  the optimizer holds two states per adapter element and nothing else;
+  with the merged weights; the base weights are bit-identical to the file; the optimizer holds
+  two states per adapter element and nothing else;
+- the sync (``LORA_SYNC``): ``merged`` sends W + (alpha/r) B A through allgather-swap;
+  ``adapter`` loads the base once and then only the adapters into vLLM's LoRA. Either way vLLM
+  returns the trainer's log-probs at its sampled tokens after each of two syncs;
 - save / load: the checkpoint holds the adapters only, and a fresh engine loading it computes
   the same log-probs.
 
-Env: MODEL, SPMD_RL_OUT. Writes rank<k>.json.
+Env: MODEL, SPMD_RL_OUT, LORA_SYNC. Writes rank<k>.json.
 """
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -62,7 +65,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(MODEL)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in QUESTIONS]
     cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=2e-2, grad_clip=1.0, pack_sequences=False,
-                      lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+                      lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], sync=os.environ["LORA_SYNC"]))
     engine = TrainEngine(MODEL, acc, mesh, cfg, "float32", total_steps=10, seed=3)
     fixed = build_batch([torch.tensor(p) for p in prompts], [torch.tensor([19, 20, 2]) for _ in prompts], tok.pad_token_id)
     report: dict = {"rank": rank}
@@ -76,9 +79,12 @@ def main():
     report["adapted_moved"] = float((lp - base).abs().max())
     report["reference_vs_base"] = float((ref - base).abs().max())
     _, stream = engine.full_weights(torch.float32, 1 << 20)
-    merged = {n: t.clone() for n, t in stream}
-    report["merged_names_are_checkpoint_names"] = sorted(merged) == sorted(SafetensorsFolder(MODEL).index)
+    synced = {n: t.clone() for n, t in stream}
+    report["synced_names_are_checkpoint_names"] = sorted(synced) == sorted(SafetensorsFolder(MODEL).index)
+    merged = synced if cfg.lora.sync == "merged" else {
+        n: t + lora.merge_deltas(engine.model).get(n, torch.zeros(())) for n, t in synced.items()}
     report["merged_vs_adapted"] = float((hf_logprobs(merged, fixed) - lp).abs().max())
+    report["synced_is_base"] = all(torch.equal(t, SafetensorsFolder(MODEL).read(n)) for n, t in synced.items())
     files = SafetensorsFolder(MODEL)
     report["base_frozen_bit_exact"] = all(
         torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, files.read(n)) for n, p in engine.model.named_parameters() if not lora.is_adapter(n))
@@ -88,16 +94,29 @@ def main():
     report["adapter_full_numel"] = sum(p.numel() for p in adapters)
     report["adapted_layers"] = len(list(lora.lora_modules(engine.model)))
     report["decoder_layers"] = engine.model.config.num_hidden_layers
-    # the sync: vLLM gets the merged weights by allgather-swap and samples; its log-probs are the trainer's
-    rollout = RolloutEngine(MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=2, dtype="float32", max_model_len=64)
+    # the sync, twice: vLLM samples from the trainer's policy after each
+    rollout = RolloutEngine(MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=2, dtype="float32", max_model_len=64, dummy_weights=True,
+                            lora=cfg.lora if cfg.lora.sync == "adapter" else None)
+    loads = []
+    full_load = rollout.update_weights
+    rollout.update_weights = lambda *a, **k: (loads.append(1), full_load(*a, **k))[1]
     resharder = Resharder(engine, rollout, ReshardConfig(mode="allgather_swap", bucket_bytes=64 << 10), "float32")
-    resharder.to_generation()
-    samples = rollout.generate(prompts, n=1, max_tokens=6, temperature=1.0, seed=7)
-    resharder.to_training()
-    seqs = build_batch([torch.tensor(p) for p in prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id)
-    got, _ = engine.infer(split(seqs, 4))
-    report["vllm_vs_trainer"] = max(abs(got[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids)))
+    report["vllm_vs_trainer"], report["sync_s"] = [], []
+    for round_ in range(2):
+        if round_:
+            engine.train_step(split(fixed, 2), lambda lp, ent, k: -(lp.sum() / fixed.mask.sum()))
+        t0 = time.perf_counter()
+        resharder.to_generation()
+        samples = rollout.generate(prompts, n=1, max_tokens=6, temperature=1.0, seed=7 + round_)
+        report["sync_s"].append(time.perf_counter() - t0)
+        resharder.to_training()
+        seqs = build_batch([torch.tensor(p) for p in prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id)
+        got, _ = engine.infer(split(seqs, 4))
+        report["vllm_vs_trainer"].append(max(abs(got[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids))))
+    report["full_weight_loads"] = len(loads)
+    report["adapter_versions"] = rollout.adapters.version if rollout.adapters else 0
     # checkpoint: adapters and their optimizer state only; a fresh engine resumes them
+    lp, _ = engine.infer(split(fixed, 4))  # after the fourth update
     folder = Path(os.environ["SPMD_RL_OUT"], "ckpt")
     engine.save(folder)
     state = engine.state_dict()

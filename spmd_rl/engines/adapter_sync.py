@@ -1,0 +1,63 @@
+"""Adapter-only weight sync (``actor.lora.sync: adapter``): vLLM's LoRA serves the actor's
+adapters over the base weights it loaded once.
+
+Each sync writes the adapters, gathered whole on every rank, as a PEFT folder
+(``adapter_model.safetensors`` + ``adapter_config.json``). It writes them to a private
+directory in host memory (``/dev/shm`` when present, mode 0700, one per rank, so TP ranks on
+one node never share a file). The engine then gets a new ``LoRARequest``, a fresh id per
+version, and the previous one is removed from vLLM. Every request the engine enqueues carries
+the current request (``RolloutEngine.submit``).
+
+Invariants:
+
+- the engine's policy is the base weights + (alpha / r) B A of the latest published adapters,
+  the trainer's (vLLM's log-probs equal the trainer's: ``tests/test_lora.py``);
+- a published version is never overwritten: a new version has a new id and a new folder, so
+  vLLM's cache cannot serve stale adapters under a reused id;
+- a sleep makes the adapters stale (``stale``): vLLM may lose its LoRA buffers across sleep and
+  wake (verl #7434), so the next sync publishes again even when the actor has not moved.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from spmd_rl.engines import lora
+
+
+class AdapterSync:
+    def __init__(self, base: str | Path, rank: int, alpha: float, targets: list[str]):
+        self.base, self.rank, self.alpha, self.targets = str(base), rank, alpha, list(targets)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.root = Path(tempfile.mkdtemp(prefix="spmd-rl-lora-", dir=shm))  # mode 0700
+        self.version = 0
+        self.request = None
+        """The ``LoRARequest`` every request carries; None until the first publish."""
+        self.stale = True
+        atexit.register(self.close)
+
+    def publish(self, adapters: dict[str, torch.Tensor], llm) -> None:
+        """Serve ``adapters`` ({``<linear>.lora_A`` / ``.lora_B``: full tensor}) from now on."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self.version += 1
+        folder = self.root / f"v{self.version}"
+        folder.mkdir()
+        save_file({lora.peft_name(n): t.detach().cpu().contiguous() for n, t in adapters.items()}, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(lora.peft_config(self.base, self.rank, self.alpha, 0.0, self.targets)))
+        old, self.request = self.request, LoRARequest(f"spmd-rl-v{self.version}", self.version, str(folder))
+        if old is not None:
+            llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.stale = False
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
