@@ -126,3 +126,18 @@ def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
     assert mem.train_params == 2 * base + 4 * local  # bfloat16 base, float32 adapters
     text = "\n".join(memory_lines(cfg, arch, lay))
     assert f"{sum(adapters) / 1e6:.3f} M adapter parameters" in text and "full fine-tuning would hold" in text
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"], "by broadcast"),
+    (["actor.lora.rank=1024"], "up to 512"),
+    (["model.path=assets/tiny-qwen3-moe", "actor.lora.target_modules=[q_proj]"], "dense models")])
+def test_adapter_sync_is_refused_where_it_does_not_run_and_merged_is_not(tiny_model, tiny_moe, overrides, why):
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.config.rules import check
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides])
+    _, violations = check(cfg, 2, 2)
+    assert [(v.field, why in v.problem) for v in violations if v.field.startswith("actor.lora")] == [("actor.lora.sync", True)], violations
+    merged = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides, "actor.lora.sync=merged"])
+    assert not [v for v in check(merged, 2, 2)[1] if v.field.startswith("actor.lora")]
