@@ -92,3 +92,21 @@ def test_dpo_fields_are_refused_outside_dpo(tiny_model):
     cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "algorithm.dpo_beta=0.2", "data.rejected_column=bad"])
     _, violations = check(cfg, 2, 2)
     assert [v.field for v in violations] == ["algorithm.dpo_beta", "data.rejected_column"]
+
+
+def test_the_run_reads_its_preference_columns(tiny_model, tmp_path):
+    """``data.chosen_column`` / ``rejected_column`` pick the columns the trainer loads
+    (``preferences_for``, what ``spmd_rl.train`` calls): swapped, every pair is reversed; the
+    same column twice leaves no usable pair."""
+    from transformers import AutoTokenizer
+
+    from spmd_rl.data.preferences import preferences_for
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+2=", "chosen": "3", "rejected": "4"}) + "\n")
+    load = lambda *o: preferences_for(load_config(QUICKSTART, [f"model.path={tiny_model}", *o]), tok, path)  # noqa: E731
+    chosen, rejected = load().pairs[0]
+    assert load("data.chosen_column=rejected", "data.rejected_column=chosen").pairs[0] == (rejected, chosen)
+    with pytest.raises(ValueError, match="chosen equals rejected: 1"):
+        load("data.chosen_column=rejected")

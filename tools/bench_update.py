@@ -20,9 +20,10 @@ token ids with response lengths drawn uniformly in [R/2, R], the same on both si
     python tools/bench_update.py --experts 8 --topk 2 --layers 16                     # MoE
     python tools/bench_update.py --backends fsdp,fsdp-lora --lora-rank 16             # LoRA vs full fine-tuning
 
-With LoRA the gather is the sync's trainer half: the merged weights W + (alpha/r) B A, the
-same bytes vLLM loads as without LoRA; the swapped bytes are the frozen base and the adapters'
-state."""
+With LoRA the gather is the merged sync's trainer half (``actor.lora.sync: merged``): the
+merged weights W + (alpha/r) B A, the same bytes vLLM loads as without LoRA. ``adapter gather
+s`` is the adapter sync's (the default): the adapters alone, gathered whole. The swapped bytes
+are the frozen base and the adapters' state."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def one(backend: str, folder: Path, args) -> dict:
     acc = detect("auto", 0)
     acc.set_device()
     dist.init_process_group(acc.backend, rank=0, world_size=1)
-    lora = {"lora": {"rank": args.lora_rank}} if backend == "fsdp-lora" else {}
+    lora = {"lora": {"rank": args.lora_rank, "sync": "merged"}} if backend == "fsdp-lora" else {}  # the gather merges; adapters timed apart
     cfg = ActorConfig(mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing, **lora)
     t0 = time.perf_counter()
     if backend == "megatron":
@@ -128,6 +129,7 @@ def one(backend: str, folder: Path, args) -> dict:
         for _name, _t in it:
             pass
     gathers = [timed(gather) for _ in range(args.rounds)]
+    adapter_gathers = [timed(lambda: engine.adapter_tensors(dtype)) for _ in range(args.rounds)] if backend == "fsdp-lora" else [0.0]
     swap = HostSwap(acc)
     swap.track(engine.param_tensors() + engine.grad_tensors() + engine.optimizer_tensors())
     outs, ins, left = [], [], []
@@ -139,7 +141,7 @@ def one(backend: str, folder: Path, args) -> dict:
     mean = statistics.mean
     return {"backend": backend, "device": torch.cuda.get_device_name() if acc.kind == "cuda" else acc.kind, "build_s": build_s,
             "loss": first["loss"], "grad_norm": first["grad_norm"], "update_s": mean(steps), "update_tokens_per_s": tokens / mean(steps), "peak_bytes": peak,
-            "gather_s": mean(gathers), "swap_out_s": mean(outs), "swap_in_s": mean(ins), "swapped_bytes": swap.nbytes,
+            "gather_s": mean(gathers), "adapter_gather_s": mean(adapter_gathers), "swap_out_s": mean(outs), "swap_in_s": mean(ins), "swapped_bytes": swap.nbytes,
             "left_during_generation": left[-1], "tokens": tokens}
 
 
@@ -187,11 +189,11 @@ def main() -> None:
                 continue
             rows[backend] = json.loads(line[0].removeprefix("RESULT "))
     gib = 2**30
-    print(f"\n{'backend':10s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'swap out s':>10s} "
+    print(f"\n{'backend':10s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'adapter gather s':>16s} {'swap out s':>10s} "
           f"{'swap in s':>9s} {'swapped GiB':>11s} {'left GiB':>9s} {'loss':>8s} {'grad norm':>9s}   (means; device: {next(iter(rows.values()))['device'] if rows else '-'})")
     for b, r in rows.items():
         f = lambda v: f"{v / gib:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} {r['gather_s']:9.3f} "
+        print(f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} {r['gather_s']:9.3f} {r['adapter_gather_s']:16.4f} "
               f"{r['swap_out_s']:10.3f} {r['swap_in_s']:9.3f} {f(r['swapped_bytes']):>11s} {f(r['left_during_generation']):>9s} {r['loss']:8.4f} {r['grad_norm']:9.4f}")
     for other in ("megatron", "fsdp-lora"):
         if {"fsdp", other} <= rows.keys():
