@@ -110,3 +110,24 @@ def test_the_run_reads_its_preference_columns(tiny_model, tmp_path):
     assert load("data.chosen_column=rejected", "data.rejected_column=chosen").pairs[0] == (rejected, chosen)
     with pytest.raises(ValueError, match="chosen equals rejected: 1"):
         load("data.chosen_column=rejected")
+
+
+def test_the_pairs_stage_reads_the_sampled_position_even_after_skipped_rows(tmp_path, tiny_model):
+    """``prompt_row`` holds the sampler's position in the loaded set (what ``put_prompts``
+    writes), not the file's row number: with a bad first row they differ by one."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from spmd_rl.trainer.stages.preference import preference_pairs
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": "0+0=", "chosen": "0"}, {"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
+    assert prompts.rows == [1, 2]
+    batch = SimpleNamespace(indices=[2, 3, 0, 1], columns={"prompt_row": torch.tensor([1, 1, 0, 0], dtype=torch.int32)})
+    got = preference_pairs(SimpleNamespace(run=SimpleNamespace(prompts=prompts), batch=batch)).columns["response_ids"]
+    eos = tok.eos_token_id
+    assert [g.tolist() for g in got] == [tok.encode("4") + [eos], tok.encode("5") + [eos], tok.encode("3") + [eos], tok.encode("4") + [eos]]

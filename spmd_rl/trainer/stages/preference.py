@@ -23,10 +23,10 @@ _SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct")
 
 @register("preference_pairs")
 def preference_pairs(call: StageCall) -> StageResult:
-    """Sample i's response: the chosen (i even) or rejected (i odd) tokens of its dataset row."""
-    pairs, position = call.run.prompts.pairs, {row: p for p, row in enumerate(call.run.prompts.rows)}
-    out = [torch.tensor(pairs[position[int(row)]][int(i) % 2], dtype=torch.int32)
-           for i, row in zip(call.batch.indices, call.batch.columns["prompt_row"])]
+    """Sample i's response: the chosen (i even) or rejected (i odd) tokens of its pair;
+    ``prompt_row`` is the sampler's position in the loaded set (``put_prompts``)."""
+    pairs = call.run.prompts.pairs
+    out = [torch.tensor(pairs[int(row)][int(i) % 2], dtype=torch.int32) for i, row in zip(call.batch.indices, call.batch.columns["prompt_row"])]
     return StageResult(columns={"response_ids": out})
 
 
