@@ -83,20 +83,17 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
     if cfg.actor.backend == "megatron":
         return _megatron_memory(cfg, arch, lay, gen_numel * gb)
-    adapters = 0
-    if cfg.actor.lora is not None:  # the base frozen in the compute dtype; grads and AdamW over the adapters only
-        adapters = sum(-(-n // lay.train.dp) for n in lora_numels(arch, cfg.actor.lora.rank, cfg.actor.lora.target_modules))
+    lora = cfg.actor.lora  # the base frozen in the compute dtype; grads and AdamW over the adapters only
+    frozen, trained = (train_numel, sum(-(-n // lay.train.dp) for n in lora_numels(arch, lora.rank, lora.target_modules))) \
+        if lora is not None else (0, train_numel)
     # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
     # alone (its gather output plus this rank's 1/dp input) exceeds half of it
     lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
     temp = max(cfg.reshard.bucket_bytes, int(2 * lone))
-    if adapters:
-        return RankMemory(train_params=train_numel * gb + adapters * pb, train_grads=adapters * pb, train_optim=2 * adapters * pb,
-                          gen_weights=gen_numel * gb, kv_cache=int(cfg.rollout.kv_cache_gib * GB), temp_buffer=temp)
     return RankMemory(
-        train_params=train_numel * pb,
-        train_grads=train_numel * pb,
-        train_optim=2 * train_numel * pb,
+        train_params=frozen * gb + trained * pb,
+        train_grads=trained * pb,
+        train_optim=2 * trained * pb,
         gen_weights=gen_numel * gb,
         kv_cache=int(cfg.rollout.kv_cache_gib * GB),
         temp_buffer=temp,

@@ -98,6 +98,12 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.kl_coef > 0 or cfg.algorithm.name == "dpo"
 
 
+def reference_roles(cfg: Config) -> tuple[str, ...]:
+    """What the reference pass makes resident: the frozen reference, or with ``actor.lora`` the
+    actor itself (the reference is the actor with adapters off, ``engines.lora``)."""
+    return ("actor",) if cfg.actor.lora else ("ref",)
+
+
 def dynamic_sampling(cfg: Config) -> bool:
     return cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling
 
@@ -186,7 +192,7 @@ def stages_for(cfg: Config) -> list[Stage]:
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
     kl_cols: tuple[str, ...] = ()
     if needs_reference(cfg):
-        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), ("actor",) if cfg.actor.lora else ("ref",)))  # LoRA: the actor, adapters off
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)))
         if kl_in_reward(cfg):
             kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
         else:
@@ -214,10 +220,10 @@ def dpo_stages(cfg: Config) -> list[Stage]:
     """DPO's graph (``trainer.stages.preference``): no rollout. The data loader puts each
     prompt twice (``rollout.n`` = 2), the pair's responses come from the dataset (sample 2q
     chosen, 2q + 1 rejected), then the reference's log-probs of both and the update over whole
-    pairs. With LoRA the reference is the actor with adapters off."""
+    pairs."""
     seq = ("prompt_ids", "response_ids")
     return [Stage("preference_pairs", ("prompt_row",), ("response_ids",), (), group_granular=True, per_round=True),
-            Stage("ref_logprob", seq, ("ref_log_prob",), ("actor",) if cfg.actor.lora else ("ref",)),
+            Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)),
             Stage("dpo_update", seq + ("ref_log_prob", "prompt_row"), (), ("actor",), group_granular=True)]
 
 

@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import tempfile
@@ -45,14 +44,11 @@ class AdapterSync:
 
     def publish(self, adapters: dict[str, torch.Tensor], llm) -> None:
         """Serve ``adapters`` ({``<linear>.lora_A`` / ``.lora_B``: full tensor}) from now on."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         self.version += 1
         folder = self.root / f"v{self.version}"
-        folder.mkdir()
-        save_file({lora.peft_name(n): t.detach().cpu().contiguous() for n, t in adapters.items()}, str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps(lora.peft_config(self.base, self.rank, self.alpha, 0.0, self.targets)))
+        lora.write_peft_folder(folder, adapters, self.base, self.rank, self.alpha, 0.0, self.targets)
         old, self.request = self.request, LoRARequest(f"spmd-rl-v{self.version}", self.version, str(folder))
         if old is not None:
             llm.llm_engine.remove_lora(old.lora_int_id)

@@ -19,6 +19,7 @@ forward equals the base model's. Invariants:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,17 @@ def peft_config(base: str, rank: int, alpha: float, dropout: float, targets: lis
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank, "lora_alpha": alpha,
             "lora_dropout": dropout, "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False,
             "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+def write_peft_folder(folder: Path, adapters: dict[str, torch.Tensor], base: str, rank: int, alpha: float, dropout: float,
+                      targets: list[str]) -> None:
+    """PEFT's adapter folder: ``adapter_model.safetensors`` (``peft_name`` of every
+    ``<linear>.lora_A`` / ``.lora_B``) and ``adapter_config.json`` (``peft_config``)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({peft_name(n): t.detach().cpu().contiguous() for n, t in adapters.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(peft_config(base, rank, alpha, dropout, targets), indent=1))
 
 
 class BaseModelView(Engine):

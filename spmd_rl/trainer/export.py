@@ -55,15 +55,9 @@ def merge_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor], cf
 
 
 def write_adapter(adapters: dict[str, torch.Tensor], state: dict, out: Path) -> Path:
-    """PEFT's adapter folder: ``adapter_model.safetensors`` (``base_model.model.<layer>.lora_A.weight``
-    ...) and ``adapter_config.json``; the tokenizer beside them."""
-    from safetensors.torch import save_file
-
+    """PEFT's adapter folder (``engines.lora.write_peft_folder``) with the tokenizer beside it."""
     cfg = state["lora"]
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({lora.peft_name(n): t.contiguous() for n, t in adapters.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(
-        lora.peft_config(str(Path(state["model_path"]).resolve()), cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["target_modules"]), indent=1))
+    lora.write_peft_folder(out, adapters, str(Path(state["model_path"]).resolve()), cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["target_modules"])
     AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
     return out
 
