@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import train
@@ -51,6 +52,32 @@ def test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split(preferenc
     assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
     both = run("beta-eps", *LAYOUTS["dp2-micro16"], "algorithm.dpo_beta=0.3", "algorithm.dpo_label_smoothing=0.25")
     assert _rel(both["grad_norm"], 1.5 * a["grad_norm"]) < 1e-4, (both["grad_norm"], a["grad_norm"])
+    want = reference_grad_norm(preferences, 16, 0.1)  # the mean over the 16 pairs, in one process, float64
+    assert _rel(a["grad_norm"], want) < 1e-3, (a["grad_norm"], want)
+
+
+def reference_grad_norm(model_dir, pairs: int, beta: float) -> float:
+    """The DPO gradient's norm at iteration 0 computed apart from the trainer: the first
+    ``pairs`` pairs the run's sampler hands out, an HF forward and backward in float64 of the
+    mean loss over them (at h = 0, -beta/2 x the mean of grad(log pi(c) - log pi(r)))."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spmd_rl.algos.preference import dpo
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.data.preferences import preferences_for
+    from spmd_rl.data.sampler import sampler_for
+    from spmd_rl.trainer.pair_eval import sequence_logprobs
+
+    cfg = load_config(REPO / "configs/quickstart_dpo.yaml", [f"model.path={model_dir}"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = preferences_for(cfg, tok, model_dir / "preferences_train.jsonl")
+    rows = sampler_for(cfg, len(data)).next_batch(pairs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    prompts = [data.prompt_ids[r] for r in rows]
+    lp_c = sequence_logprobs(model, prompts, [data.pairs[r][0] for r in rows], grad=True)
+    lp_r = sequence_logprobs(model, prompts, [data.pairs[r][1] for r in rows], grad=True)
+    dpo(lp_c, lp_r, lp_c.detach(), lp_r.detach(), beta).loss.mean().backward()
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
 
 
 @pytest.mark.slow

@@ -19,9 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spmd_rl.data.preferences import load_preferences
 
 
-@torch.no_grad()
-def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], batch: int = 64) -> torch.Tensor:
-    """[len(prompts)] log pi(response | prompt): the sum of the response tokens' log-probs."""
+def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], batch: int = 64, grad: bool = False) -> torch.Tensor:
+    """[len(prompts)] log pi(response | prompt): the sum of the response tokens' log-probs
+    (differentiable with ``grad``)."""
+    with torch.set_grad_enabled(grad):
+        return _sequence_logprobs(model, prompts, responses, batch)
+
+
+def _sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], batch: int) -> torch.Tensor:
     out = []
     for s in range(0, len(prompts), batch):
         seqs = [p + r for p, r in zip(prompts[s:s + batch], responses[s:s + batch])]
