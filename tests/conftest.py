@@ -38,7 +38,7 @@ def world_of_one():
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The warm-started tiny model + data; built with the setup's command when missing."""
-    if not (TINY / "model.safetensors").is_file():
+    if not (TINY / "warmstart.json").is_file():  # written last: an interrupted build is built again
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(TINY)], check=True)
     return TINY
 
@@ -46,7 +46,7 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tools() -> Path:
     """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml); built with the setup's command when missing."""
-    if not (TINY_TOOLS / "model.safetensors").is_file():
+    if not (TINY_TOOLS / "warmstart.json").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tool_model.py"), "--out", str(TINY_TOOLS)], check=True)
     return TINY_TOOLS
 
@@ -54,7 +54,7 @@ def tiny_tools() -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe() -> Path:
     """The tiny model's Qwen3-MoE sibling (same task and tokenizer); built with the setup's command when missing."""
-    if not (TINY_MOE / "model.safetensors").is_file():
+    if not (TINY_MOE / "warmstart.json").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe", "--out", str(TINY_MOE)], check=True)
     return TINY_MOE
 
@@ -63,7 +63,7 @@ def tiny_moe() -> Path:
 def tiny_reward_model(tiny_model) -> Path:
     """The tiny reward model (a sequence classifier on the tiny policy's trunk); built when missing."""
     folder = tiny_model / "reward_model"
-    if not (folder / "model.safetensors").is_file():
+    if not (folder / "train_report.json").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_reward_model.py"), "--model", str(tiny_model)], check=True)
     return folder
 

@@ -66,14 +66,16 @@ def test_the_rollout_tags_versions_the_update_reads(in_repo):
     assert "response_version" in graph[0].outputs and "response_version" in graph[-1].inputs
 
 
+@pytest.mark.parametrize("final", [False, True], ids=["no-eval", "final-eval"])
 @pytest.mark.parametrize("start, iterations, k", [(0, 6, 1), (0, 6, 2), (3, 9, 1), (0, 3, 5), (2, 3, 1)])
-def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start, iterations, k):
+def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start, iterations, k, final):
     """The generator's loop against the trainer's published versions (both as in
     ``trainer.async_loop``, with k = stream.max_policy_lag): it receives exactly those, in
     order, and iteration i is trained (update i) at most k updates after the policy that
-    generated it."""
+    generated it. With the final eval (``trainer.eval_interval``) its one receive after the
+    loop is the final policy, version ``iterations``."""
     k = load_config(REPO / "configs/quickstart.yaml", [*SEP, f"stream.max_policy_lag={k}"]).stream.max_policy_lag
-    sent = published(start, iterations, k)
+    sent = published(start, iterations, k, final)
     holds, received = start, []
     for it in range(start, iterations):
         while holds < generation_version(it, start, k):
@@ -81,6 +83,9 @@ def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start,
             received.append(holds)
         assert holds == generation_version(it, start, k) and 0 <= it - holds <= k
         assert all(v <= it for v in received)  # version v is published after update v - 1 < it
+    if final:
+        received.append(sent[len(received)])  # the generators' receive after their loop
+        assert received[-1] == iterations
     assert received == sent
 
 

@@ -12,7 +12,9 @@ Schedule, with k = ``stream.max_policy_lag`` and s the start iteration:
 So iteration i is generated with version max(s, i - k) and trained by update i: a lag of at
 most k (checked on every update, ``stages.actor_update``), and generation of iterations
 i + 1 .. i + k runs while iteration i trains. Both sides derive the same published set
-{s + 1 .. iterations - 1 - k}, so every broadcast has its receiver. The sides share no other
+{s + 1 .. iterations - 1 - k}, plus the final version ``iterations`` when
+``trainer.eval_interval`` asks for held-out evaluation (the generators evaluate it and the
+trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides share no other
 collective until the final barrier; each iteration's generator metrics (held-out accuracy,
 generation time, version) reach the training leader through etcd next to the iteration's
 put-records.
@@ -42,9 +44,10 @@ from spmd_rl.trainer.stages.samples import put_prompts
 log = logging.getLogger("spmd_rl")
 
 
-def published(start: int, iterations: int, k: int) -> list[int]:
-    """The versions the trainers broadcast after an update: s + 1 .. iterations - 1 - k."""
-    return list(range(start + 1, iterations - k))
+def published(start: int, iterations: int, k: int, final: bool = False) -> list[int]:
+    """The versions the trainers broadcast after an update: s + 1 .. iterations - 1 - k, and
+    ``iterations`` (the final policy) when ``final`` (it is evaluated)."""
+    return list(range(start + 1, iterations - k)) + ([iterations] if final else [])
 
 
 def generation_version(it: int, start: int, k: int) -> int:
@@ -114,6 +117,12 @@ def generate(run: Run, start: int) -> None:
                 report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}
                 run.dock.meta.put(_generator_key(run, it), json.dumps(report).encode())
         timeline.flush(cfg.logging.dir, run.peer.rank, it, t0)
+    if run.evaluator is not None:  # the final policy (module docstring)
+        receive(run)
+        with generation_phase(cfg):
+            final = {"final_eval_accuracy": run.evaluator()}
+        if leader:
+            run.dock.meta.put(_generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode())
     with _waiting(run):
         dist.barrier()
 
@@ -159,9 +168,11 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
                     run.ledger.record(StepRecord(it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N))
             else:
                 run.dock.release(it)
-        if it + 1 in published(start, cfg.trainer.iterations, k):
+        if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.trainer.eval_interval)):
             with timer.stage("publish"):
                 publish(run, it + 1)
+        if it + 1 == cfg.trainer.iterations and cfg.trainer.eval_interval and leader:
+            gen |= _generator_report(run, it + 1)[0]  # the generators' final_eval_accuracy
         seconds = time.perf_counter() - t0
         out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
         out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))

@@ -2,7 +2,8 @@
 graph (``config.stages``), make its roles resident and run it (``runner.run_stage``).
 
     [eval] -> (prompts -> actor_rollout -> reward) x rounds -> [ref_logprob] -> [actor_logprob]
-           -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit -> [checkpoint]
+           -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit
+           -> [final eval, after the last iteration] -> [checkpoint]
 
 With ``stream.fuse`` the fused stages (``config.stages.fused_stages``) run inside the rollout
 on the groups already generated (``trainer.fusion``) and are not run again after it. With
@@ -140,10 +141,12 @@ def train(run: Run, start_iteration: int) -> None:
     for it in range(start_iteration, cfg.trainer.iterations):
         start = timeline.now_us()
         m = run_iteration(run, it, bar.stage)
+        last = it + 1 == cfg.trainer.iterations
+        if last and run.evaluator is not None:
+            m["final_eval_accuracy"] = final_eval(run, bar.stage)
         with timeline.span("log", "stage"):
             metrics.write(it, m)
             bar.iteration_done(it, m)
-        last = it + 1 == cfg.trainer.iterations
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or last:
             bar.stage("checkpoint")
             with timeline.span("checkpoint", "stage"):
@@ -151,6 +154,15 @@ def train(run: Run, start_iteration: int) -> None:
         timeline.flush(cfg.logging.dir, run.peer.rank, it, start)
     bar.close()
     metrics.close()
+
+
+def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
+    """Collective: held-out greedy accuracy of the policy after the last update (the weights the
+    last checkpoint holds), logged as ``final_eval_accuracy`` on the last iteration's row."""
+    on_stage("eval")
+    with timeline.span("eval", "stage"), generation_phase(run.cfg):
+        run.residency.enter("eval", ("rollout",))  # syncs the updated weights into the engine
+        return run.evaluator()
 
 
 def save_checkpoint(run: Run, iteration: int) -> None:

@@ -38,6 +38,7 @@ class LiveProgress(Quiet):
         line = (f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
                 f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip {m['clip_frac']:.3f} "
                 f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T {m['throughput_eq5']:.0f} tok/s/dev")
+        line += "".join(f" | {label} {m[key]:.3f}" for key, label in (("eval_accuracy", "eval"), ("final_eval_accuracy", "final eval")) if key in m)
         self.bar.console.print(line, soft_wrap=True)  # one line, never wrapped (a pipe or a narrow terminal)
         self.bar.update(self.task, advance=1, reward=f"{m['reward_mean']:.3f}", description="iteration done")
 
