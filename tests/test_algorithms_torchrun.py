@@ -51,9 +51,11 @@ def test_the_objective_does_not_depend_on_the_split(tiny_model, tmp_path, etcd, 
 
 
 @pytest.mark.slow
-def test_icepop_and_mis_bands_mask_and_reject(tiny_model, tmp_path, etcd):
-    base = train(tmp_path, "base", etcd.endpoint, *ONE)[0]
-    cut = train(tmp_path, "cut", etcd.endpoint, *ONE, "actor.icepop_band=[0.9999999,1.0000001]", "actor.mis_band=[0.99999999,1.00000001]")[0]
+def test_icepop_and_mis_bands_mask_and_reject(tiny_model, tmp_path, etcd, grpo):
+    """Against the GRPO run of the same samples and layout, without the bands."""
+    base = grpo
+    cut = train(tmp_path, "cut", etcd.endpoint, *ONE, *LAYOUTS["dp2-micro16"], "actor.icepop_band=[0.9999999,1.0000001]",
+                "actor.mis_band=[0.99999999,1.00000001]")[0]
     assert base["reward_mean"] == cut["reward_mean"]
     assert 0 < cut["icepop_masked_frac"] < 1 and 0 < cut["mis_rejected_frac"] <= 1, cut
     assert "icepop_masked_frac" not in base and "mis_rejected_frac" not in base

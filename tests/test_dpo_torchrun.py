@@ -39,14 +39,26 @@ def preferences(tiny_model):
     return tiny_model
 
 
+@pytest.fixture(scope="module")
+def learning_run(preferences, tmp_path_factory, etcd) -> tuple[list[dict], object]:
+    """The 100-iteration DPO run (2 FSDP ranks, 16-pair micro-batches, lr 1e-4 as the quickstart):
+    its metrics rows and checkpoint folder. Its iteration 0 is the dp2-micro16 layout below."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    rows = train(tmp, "dpo", etcd.endpoint, *DPO, f"trainer.iterations={ITERS}", "data.global_batch_size=16",
+                 "actor.mini_batch_size=16", *LAYOUTS["dp2-micro16"], "actor.lr=1e-4")
+    return rows, tmp / f"dpo/ckpt/iter_{ITERS:06d}"
+
+
 @pytest.mark.slow
-def test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split(preferences, tmp_path, etcd):
+def test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split(preferences, learning_run, tmp_path, etcd):
     """At h = 0 the loss is log 2 and its gradient is -(1 - 2 eps) beta / 2 times that of
     D_c - D_r: ``dpo_beta`` 0.3 with ``dpo_label_smoothing`` 0.25 gives 1.5 x the grad norm of
-    beta 0.1 without smoothing (0.5 x if beta were ignored, 3 x if eps were)."""
+    beta 0.1 without smoothing (0.5 x if beta were ignored, 3 x if eps were). The dp2-micro16
+    layout is the learning run's iteration 0 (the same pairs, config and seed: its first update
+    comes after the row's loss and gradient)."""
     run = lambda name, *extra: train(tmp_path, name, etcd.endpoint, *DPO, "trainer.iterations=1",  # noqa: E731
                                      "data.global_batch_size=16", "actor.mini_batch_size=16", *extra)[0]
-    a, b = (run(name, *lay) for name, lay in LAYOUTS.items())
+    a, b = learning_run[0][0], run("tp2-micro4", *LAYOUTS["tp2-micro4"])
     for r in (a, b):  # the policy is the reference: h = 0 for every pair
         assert abs(r["loss"] - math.log(2)) < 1e-6 and r["dpo_margin"] == 0.0 and r["grad_norm"] > 0
     assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
@@ -81,11 +93,9 @@ def reference_grad_norm(model_dir, pairs: int, beta: float) -> float:
 
 
 @pytest.mark.slow
-def test_dpo_grows_the_held_out_margin(preferences, tmp_path, etcd):
-    rows = train(tmp_path, "dpo", etcd.endpoint, *DPO, f"trainer.iterations={ITERS}", "data.global_batch_size=16",
-                 "actor.mini_batch_size=16", "actor.micro_batch_size=16", "actor.lr=1e-4")
+def test_dpo_grows_the_held_out_margin(learning_run):
+    rows, ckpt = learning_run
     assert rows[0]["dpo_margin"] == 0.0 and sum(r["dpo_margin"] for r in rows[-10:]) / 10 > 0.02  # beta x margin on the training pairs
-    ckpt = tmp_path / f"dpo/ckpt/iter_{ITERS:06d}"
     done = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", "assets/tiny-qwen2/preferences_test.jsonl", "--pairs"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,13 +16,35 @@ from tests.conftest import REPO
 from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
 
 
+LAYOUTS = {"tp2-sp": (2, 1), "tp1-dp2": (1, 1), "pp2": (1, 2)}
+"""The writer first: in each layout the worker compares megatron with FSDP, then (``CKPT``) the
+first job saves its checkpoint and takes a second update, and the other two load it and take
+the same second update."""
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_model, tmp_path_factory):
+    """One 2-rank torchrun job per layout, shared by the two dense tests below. Each job's
+    comparison with FSDP is over before its checkpoint step begins, so the checkpoint part does
+    not touch what the comparison reports."""
+    root = tmp_path_factory.mktemp("megatron-layouts")
+    ckpt = root / "ckpt-run"
+    ckpt.mkdir()
+    for name, (tp, pp) in LAYOUTS.items():
+        out = root / name
+        out.mkdir()
+        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(out), "TP": str(tp), "PP": str(pp), "DTYPE": "float32",
+                                 "CKPT": str(ckpt)}
+        run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300)
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1-dp2", "tp2-sp", "pp2"])
-def test_megatron_equals_fsdp(tiny_model, tmp_path, tp, pp):
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TP": str(tp), "PP": str(pp), "DTYPE": "float32"}
-    run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=300)
+@pytest.mark.parametrize("layout", ["tp1-dp2", "tp2-sp", "pp2"])
+def test_megatron_equals_fsdp(layouts, layout):
+    tp, pp = LAYOUTS[layout]
     for rank in range(2):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        r = json.loads((layouts / layout / f"rank{rank}.json").read_text())
         assert r["logprob_diff_before"] < 1e-5, r
         # the gradient norm sees the loss scale (Adam alone would not): the micro-batch and DP
         # normalisations of both backends agree
@@ -47,26 +69,19 @@ def test_megatron_equals_fsdp(tiny_model, tmp_path, tp, pp):
 
 
 @pytest.mark.slow
-def test_megatron_checkpoint_resumes_in_another_layout(tiny_model, tmp_path):
+def test_megatron_checkpoint_resumes_in_another_layout(layouts):
     """Written with TP 2 + SP (DP 1), read with TP 1 (DP 2, the distributed optimizer split
     differently) and with two pipeline stages (each reads its own layers; the last stage's copy
     of the tied embedding reads the embedding): the weights come back bit for bit, the next update equals the writer's own
     next update (AdamW moments and step count restored: a lost moment or step changes it by
     about lr), and ``spmd-rl export``'s reader sees the same HF weights."""
-    ckpt = tmp_path / "ckpt-run"
-    ckpt.mkdir()
-    for name, tp, pp in (("tp2", 2, 1), ("tp1", 1, 1), ("pp2", 1, 2)):
-        out = tmp_path / name
-        out.mkdir()
-        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(out), "TP": str(tp), "PP": str(pp), "DTYPE": "float32", "CKPT": str(ckpt)}
-        run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300)
-    for reader in ("tp1", "pp2"):
+    for reader in ("tp1-dp2", "pp2"):
         for rank in range(2):
-            r = json.loads((tmp_path / reader / f"rank{rank}.json").read_text())
+            r = json.loads((layouts / reader / f"rank{rank}.json").read_text())
             assert r["resumed_diff"] == 0.0 and r["steps"] == 2, (reader, r)
             assert r["second_step_moved"] > 5e-4, (reader, r)  # the second update is lr-sized (1e-3)
             assert r["second_step_diff"] < 1e-4, (reader, r)
-        assert json.loads((tmp_path / reader / "rank0.json").read_text())["exported_diff"] == 0.0
+        assert json.loads((layouts / reader / "rank0.json").read_text())["exported_diff"] == 0.0
 
 
 @pytest.mark.slow

@@ -37,3 +37,13 @@ def test_logging_progress_picks_the_bar():
     live.close()
     assert type(progress_for(False, 10, 0)) is Quiet
     Quiet().iteration_done(0, METRICS)  # no output, no error
+
+
+def test_the_line_shows_held_out_accuracy_when_the_iteration_evaluated():
+    out = io.StringIO()
+    bar = LiveProgress(total=2, start=0, console=Console(file=out, force_terminal=False, width=400))
+    bar.iteration_done(0, METRICS | {"eval_accuracy": 0.242})
+    bar.iteration_done(1, METRICS | {"final_eval_accuracy": 0.31})
+    bar.close()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("iter ")]
+    assert lines[0].endswith("tok/s/dev | eval 0.242") and lines[1].endswith("tok/s/dev | final eval 0.310"), lines

@@ -3,7 +3,7 @@ that would notice). Each runs the real CLI with two values and looks at what the
 
 - ``dock.port`` (non-zero) is the port node 0's warehouse registers in etcd, ``elastic.
   heartbeat_ttl_s`` the TTL granted to each rank's liveness lease, ``logging.progress`` the
-  per-iteration lines on stderr;
+  per-iteration lines on stderr, and the same run's terminal shows no vLLM chatter;
 - ``metadata.retry_s`` is how long a rank retries an unreachable etcd before it gives up;
 - ``stream.max_policy_lag`` = 2 lets a separated run train iteration i on samples of policy
   i - 2 (k = 1 allows only i - 1)."""
@@ -61,15 +61,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_dock_port_heartbeat_ttl_and_progress_act(tiny_model, tmp_path, etcd):
+@pytest.fixture(scope="module")
+def fields_a(tiny_model, tmp_path_factory, etcd) -> tuple[dict, str, int, object]:
+    """A 2-iteration quickstart run with a fixed dock port, a 5 s heartbeat TTL and the progress
+    lines on: what the etcd poller saw, its stderr, the port, its folder. Shared by the field
+    test and the terminal test below."""
+    tmp = tmp_path_factory.mktemp("fields")
     port = _free_port()  # a race with another process only fails this test's bind, loudly
-    a, err_a = _run_observed(tmp_path, etcd, "fields-a", f"dock.port={port}", "elastic.heartbeat_ttl_s=5", "logging.progress=true")
+    seen, err = _run_observed(tmp, etcd, "fields-a", f"dock.port={port}", "elastic.heartbeat_ttl_s=5", "logging.progress=true")
+    return seen, err, port, tmp / "fields-a"
+
+
+@pytest.mark.slow
+def test_dock_port_heartbeat_ttl_and_progress_act(fields_a, tmp_path, etcd):
+    a, err_a, port, _ = fields_a
     b, err_b = _run_observed(tmp_path, etcd, "fields-b", "dock.port=0", "elastic.heartbeat_ttl_s=9", "logging.progress=false")
     assert a.get("ttl") == {5} and b.get("ttl") == {9}, (a, b)
     assert a["warehouse"].endswith(f":{port}\"}}") and not b["warehouse"].endswith(f":{port}\"}}"), (a, b)
     assert err_a.count("iter 1/2") == 1 and err_a.count("iter 2/2") == 1
     assert "iter 1/2" not in err_b
+
+
+@pytest.mark.slow
+def test_a_run_terminal_shows_no_vllm_chatter(fields_a):
+    """The terminal filter (``engines.vllm_logs``, unit-tested in test_vllm_logs.py) on a real
+    run: no vLLM chatter on stderr, one unwrapped progress line per iteration, and vLLM's own log
+    kept per rank in the run folder."""
+    _, err, _, run = fields_a
+    assert "Failed to load weights" not in err and "LD_PRELOAD" not in err and "reduce_op" not in err, err[-3000:]
+    assert "vllm" not in err.lower().replace("vllm-rank", ""), err[-3000:]
+    assert err.count("iter 1/2 ") == 1 and err.count("iter 2/2 ") == 1
+    assert [line for line in err.splitlines() if line.startswith("iter 1/2")][0].endswith("tok/s/dev")  # not wrapped
+    logs = sorted(p.name for p in (run / "logs").glob("vllm-rank*.log"))
+    assert logs == ["vllm-rank0.log", "vllm-rank1.log"]
+    assert "Failed to load weights" in (run / "logs/vllm-rank0.log").read_text()  # kept in the run folder
 
 
 @pytest.mark.slow
