@@ -116,6 +116,6 @@ class TrainerConfig(Section):
     deterministic: bool = Field(False, description="Deterministic algorithms and sampling (for resume-equality tests).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu, then cuda, then cpu.")
     eval_interval: int = Field(
-        0, ge=0, description="Greedy accuracy on `data.test_path` (through the rollout engine) before iterations 0, k, 2k, ... (the policy after that many updates), logged as eval_accuracy, and of the final policy (the last checkpoint's) after the last iteration, logged as final_eval_accuracy on its row; 0 disables. Offline: `spmd-rl eval` on a checkpoint."
+        0, ge=0, description="Greedy accuracy on `data.test_path` (through the rollout engine) before iterations 0, k, 2k, ... (the policy after that many updates), logged as eval_accuracy, and of the final policy (the last checkpoint's) after the last iteration, logged as final_eval_accuracy on its row; which prompts each evaluation got right goes to `<logging.dir>/eval_prompts.jsonl` (for paired comparisons); 0 disables. Offline: `spmd-rl eval` on a checkpoint."
     )
     eval_limit: int | None = Field(None, gt=0, description="Evaluate on at most this many test prompts (the first ones); null = all.")

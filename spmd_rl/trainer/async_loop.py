@@ -106,7 +106,7 @@ def generate(run: Run, start: int) -> None:
         run.dock.begin_iteration(it, G * N)
         if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"), generation_phase(cfg):  # its sum waits for the slowest generator
-                out["eval_accuracy"] = run.evaluator()
+                out["eval_accuracy"] = run.evaluator(it)
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
@@ -120,7 +120,7 @@ def generate(run: Run, start: int) -> None:
     if run.evaluator is not None:  # the final policy (module docstring)
         receive(run)
         with generation_phase(cfg):
-            final = {"final_eval_accuracy": run.evaluator()}
+            final = {"final_eval_accuracy": run.evaluator(cfg.trainer.iterations)}
         if leader:
             run.dock.meta.put(_generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode())
     with _waiting(run):

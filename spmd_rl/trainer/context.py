@@ -42,7 +42,7 @@ class Run:
     prompts: PromptSet
     sampler: PromptSampler
     reward_fn: Any
-    evaluator: Callable[[], float] | None = None
+    evaluator: Callable[[int], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
     ledger: PromptLedger | None = None
     """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""

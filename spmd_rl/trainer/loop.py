@@ -89,7 +89,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
         if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"):
                 run.residency.enter("eval", ("rollout",))
-                m.final["eval_accuracy"] = run.evaluator()
+                m.final["eval_accuracy"] = run.evaluator(it)
         train_idx, record = _rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
@@ -162,7 +162,7 @@ def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
     on_stage("eval")
     with timeline.span("eval", "stage"), generation_phase(run.cfg):
         run.residency.enter("eval", ("rollout",))  # syncs the updated weights into the engine
-        return run.evaluator()
+        return run.evaluator(run.cfg.trainer.iterations)
 
 
 def save_checkpoint(run: Run, iteration: int) -> None:
