@@ -28,9 +28,16 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
 else
 # uv downloads in parallel and installs without compiling bytecode: about 15 s for the lock where
 # pip took about 2.5 minutes (README, "Set up").
+# uv reads the system's certificates (UV_NATIVE_TLS) as pip does; where uv cannot be had or
+# fails, pip installs the same pinned set, only slower.
 step "installing uv $UV_VERSION (the installer for the pinned set)"
-pip_q install -q "uv==$UV_VERSION"
-UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" -q)
+export UV_NATIVE_TLS=1
+if pip_q install -q "uv==$UV_VERSION" && "$VENV/bin/uv" --version >/dev/null; then
+    UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" -q)
+else
+    echo "[setup] uv unavailable: installing with pip instead" >&2
+    UV=("$VENV/bin/python" -m pip --disable-pip-version-check install -q)
+fi
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
 step "installing torch==2.13.0 (CPU build; the local wheel in /opt/wheels when present)"
