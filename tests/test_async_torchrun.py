@@ -32,12 +32,13 @@ def test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes(tiny
         assert r["policy_lag_max"] == r["policy_lag_mean"] == r["iteration"] - r["gen_version"] <= 1
         assert r["generated_samples"] == r["samples"] == G * 4
     assert 0.0 <= rows[0]["eval_accuracy"] <= 1.0 and "eval_accuracy" in rows[2] and "eval_accuracy" not in rows[1]
+    assert 0.0 <= rows[3]["final_eval_accuracy"] <= 1.0 and all("final_eval_accuracy" not in r for r in rows[:3])
     ledger = PromptLedger(MetadataStore([etcd.endpoint], job="t-async.ledger"))
     weights = ledger.weights()
-    assert sorted(weights) == [0, 1, 2]  # the start, then versions 1 .. iterations - 1 - k
+    assert sorted(weights) == [0, 1, 2, 4]  # the start, versions 1 .. iterations - 1 - k, the final policy (evaluated)
     for version, seen in weights.items():  # what the generator loaded is what the trainer sent, bit for bit
         assert set(seen) == {"sent", "received-0"} and seen["sent"] == seen["received-0"], (version, seen)
-    assert len({seen["sent"] for seen in weights.values()}) == 3  # and every update changed the weights
+    assert len({seen["sent"] for seen in weights.values()}) == 4  # and every update changed the weights
     records = ledger.read()
     assert [r.version for r in records] == [0, 0, 1, 2] and problems(records) == []
 
@@ -47,7 +48,7 @@ def test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes(tiny
     records = ledger.read()
     assert [r.version for r in records] == [0, 0, 2, 2] and problems(records) == []
     again = ledger.weights()
-    assert sorted(again) == [0, 1, 2] and again[2] == weights[2]  # the restored policy is the one first sent as version 2
+    assert sorted(again) == [0, 1, 2, 4] and again[2] == weights[2]  # the restored policy is the one first sent as version 2
 
 
 def _hf_logprobs(model, got: dict) -> list[torch.Tensor]:
