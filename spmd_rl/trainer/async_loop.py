@@ -14,8 +14,8 @@ most k (checked on every update, ``stages.actor_update``), and generation of ite
 i + 1 .. i + k runs while iteration i trains. Both sides derive the same published set
 {s + 1 .. iterations - 1 - k}, plus the final version ``iterations`` when
 ``trainer.eval_interval`` asks for held-out evaluation (the generators evaluate it and the
-trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides share no other
-collective until the final barrier; each iteration's generator metrics (held-out accuracy,
+trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides
+share no other collective until the final barrier; each iteration's generator metrics (held-out accuracy,
 generation time, version) reach the training leader through etcd next to the iteration's
 put-records.
 """
