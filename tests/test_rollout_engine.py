@@ -8,7 +8,11 @@ for every test here):
   "highest" process-wide, which would turn TF32 off for the trainer);
 - what the terminal filter (``engines.vllm_logs``) hides is true: vLLM logs the reload misses
   for exactly the tied LM head and the rotary embedding, the head is the embedding's storage
-  holding the new weights, and the rotary embedding has no parameters.
+  holding the new weights, and the rotary embedding has no parameters;
+- with ``rollout.enforce_eager`` (the default) generating compiles nothing: vLLM's sampler
+  helpers, which it wraps in ``torch.compile`` in every mode, run eagerly (their first-call
+  compile was 4.8 s of every engine's first generation on CPU);
+- the KV cache vLLM allocates is ``rollout.kv_cache_gib``, fractions of a GiB too.
 """
 
 from __future__ import annotations
@@ -39,3 +43,14 @@ def test_what_the_filtered_reload_warnings_say_is_true_of_a_real_engine(probe):
     assert probe["misses"] and set(probe["misses"]) == {"ParallelLMHead", "RotaryEmbedding"}, probe
     assert probe["head_is_embedding"] == [True] * 3 and probe["embedding_is_new"] == [True] * 3, probe
     assert probe["rotary_parameters"] == 0
+
+
+@pytest.mark.slow
+def test_an_eager_engine_compiles_nothing_while_it_generates(probe):
+    assert probe["compiled_frames"] == 0, probe
+
+
+@pytest.mark.slow
+def test_the_kv_cache_is_the_configured_fraction_of_a_gib(probe):
+    # vLLM rounds down to whole blocks: at most one block (16 tokens x 2 KB here) under the budget
+    assert probe["kv_cache_budget"] - 2**16 <= probe["kv_cache_bytes"] <= probe["kv_cache_budget"], probe

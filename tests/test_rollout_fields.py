@@ -34,7 +34,7 @@ def test_device_options_bound_memory_and_survive_sleep():
     assert gpu["load_format"] == "dummy" and gpu["enable_prefix_caching"] is True
     assert "load_format" not in engine_options("cuda", cfg, distributed=False, own_process=True)  # a generator reads its checkpoint
     cpu = engine_options("cpu", cfg, distributed=False)
-    assert "kv_cache_memory_bytes" not in cpu and "disable_custom_all_reduce" not in cpu
+    assert cpu["kv_cache_memory_bytes"] == int(2.5 * 2**30) and "disable_custom_all_reduce" not in cpu
 
 
 def test_a_separated_generator_child_sees_only_its_own_device():
@@ -58,17 +58,20 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
 
     class RecordingLLM:
         def __init__(self, **kw):
-            seen.update(env=os.environ.get("CUDA_VISIBLE_DEVICES"), kw=kw)
+            seen.update(env=os.environ.get("CUDA_VISIBLE_DEVICES"), kw=kw, compile_off=os.environ.get("TORCH_COMPILE_DISABLE"))
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     monkeypatch.setattr(vllm_shm, "name_per_job", lambda: None)
     monkeypatch.setattr(orphan_watch, "OrphanWatch", lambda: type("W", (), {"proc": type("P", (), {"pid": 0}), "watch": lambda *a: None})())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE"):
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE", "TORCH_COMPILE_DISABLE"):
         monkeypatch.setenv(name, "")  # recorded, so what configure_vllm_env sets is undone after the test
         monkeypatch.delenv(name)  # (a bare delenv of an absent name records nothing: "spawn" leaked into later tests)
     rollout.RolloutEngine("m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True)
     assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
+    # rollout.enforce_eager (the default): the child, which runs only vLLM, compiles nothing
+    # (vLLM's sampler helpers; engines.vllm_options), and this process's compile stays on
+    assert seen["compile_off"] == "1" and "TORCH_COMPILE_DISABLE" not in os.environ
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
 
 
@@ -102,5 +105,8 @@ def test_kv_cache_size_reaches_vllm(monkeypatch):
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
         monkeypatch.setenv(name, "")  # recorded, so the test's settings are undone after it
         monkeypatch.delenv(name)
-    configure_vllm_env(RolloutConfig(n=2, max_response_length=4, kv_cache_gib=3))
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM's legacy variable would override the option with whole GiB
+    cfg = RolloutConfig(n=2, max_response_length=4, kv_cache_gib=0.25)
+    configure_vllm_env(cfg)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    assert engine_options("cpu", cfg, distributed=True)["kv_cache_memory_bytes"] == 2**28

@@ -30,8 +30,6 @@ from spmd_rl.algos.registry import Registry
 
 SeqEstimator = Callable[[torch.Tensor, int, bool], torch.Tensor]
 SEQ_ESTIMATORS: Registry[SeqEstimator] = Registry("sequence advantage estimator")
-TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
-"""The estimators whose advantages are per token (the ``advantages`` column)."""
 
 
 @SEQ_ESTIMATORS.register("grpo", "dapo")

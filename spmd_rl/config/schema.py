@@ -50,7 +50,7 @@ class RolloutConfig(Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
-    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV-cache size per generation rank in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV-cache size per generation rank in GiB, fractions too (vLLM's kv_cache_memory_bytes, on CPU as on devices).")
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, lt=1.0, description="Fraction of device memory vLLM may take on CUDA/NPU (weights + KV cache)."
     )

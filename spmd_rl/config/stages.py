@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd_rl.algos.estimators import TOKEN_ESTIMATORS
+from spmd_rl.algos.estimator_kinds import TOKEN_ESTIMATORS
 from spmd_rl.config.schema import Config
 
 ColumnKind = Literal["prompt", "response", "scalar", "routes"]

@@ -29,7 +29,8 @@ from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
 from spmd_rl.engines.adapter_sync import AdapterSync
-from spmd_rl.engines.vllm_options import check_version, child_device_env, configure_vllm_env, engine_options, sampling_options
+from spmd_rl.engines.vllm_options import (check_version, child_device_env, configure_vllm_env, eager_child_env, eager_sampler,
+                                          engine_options, sampling_options)
 
 log = logging.getLogger("spmd_rl")
 
@@ -106,7 +107,7 @@ class RolloutEngine:
         before = orphan_watch.children()
         vllm_shm.name_per_job()
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
-        with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) if own_process else {}):
+        with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg) if own_process else {}):
             self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
                            **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel,
                                             None if lora is None else lora.rank))
@@ -179,7 +180,9 @@ class RolloutEngine:
     def step(self) -> list[tuple[object, list[Sample]]]:
         """One engine step: (key, samples by output index) of the requests it finished."""
         done = []
-        for out in self.llm.llm_engine.step():
+        with eager_sampler(self.cfg):
+            outs = self.llm.llm_engine.step()
+        for out in outs:
             if not out.finished or out.request_id not in self._open:
                 continue
             key, context, rid, n = self._open.pop(out.request_id)

@@ -6,7 +6,10 @@ Device-only choices and why (vLLM 0.32's CUDA worker; verl's vLLM rollout makes 
 - ``kv_cache_memory_bytes`` = ``rollout.kv_cache_gib``: the KV cache ``plan`` budgets is the one
   vLLM allocates (vLLM otherwise sizes it from ``gpu_memory_utilization`` x total minus what is
   in use at start-up). ``gpu_memory_utilization`` still bounds the start-up check, which the
-  rollout engine passes because it is built before every training role.
+  rollout engine passes because it is built before every training role. On CPU too: vLLM's
+  legacy ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only (0.25 became 1) and would override the
+  option, so ``configure_vllm_env`` removes it. The CPU worker zeroes the whole cache at start
+  (1.5 s for 1 GiB here), so a small model's config asks for what it needs.
 - ``enable_sleep_mode``: the KV cache (and the weights, ``RolloutEngine.sleep``) leave the device
   between rollouts.
 - ``disable_custom_all_reduce``: custom all-reduce registers IPC handles of buffers that sleep
@@ -21,6 +24,11 @@ no detokenization (the trainer decodes the ids it needs). Routes on a device com
 ``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
 on the CPU from ``engines.route_capture``'s hooks on the V1 runner.
 
+``rollout.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``): vLLM
+0.32 wraps two of them in ``torch.compile`` whatever the compilation mode, and their first call
+compiles them (inductor, a C++ build on CPU). On CPU that was 4.8 s of the first generation of
+every engine, against 0.05-0.08 s for a later one, which eager runs no slower.
+
 CPU only: no chunked prefill. vLLM discards the token it samples for a partly prefilled request
 and rewinds that request's seeded generator by an offset, which CPU generators do not have
 ("CPU Generator does not use offset"); multi-turn rollouts submit long contexts while other
@@ -29,6 +37,7 @@ requests run, which made vLLM chunk them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from spmd_rl.config.schema import RolloutConfig
@@ -47,7 +56,7 @@ def configure_vllm_env(rollout: RolloutConfig, own_process: bool = False) -> Non
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the size is engine_options' (module docstring)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -63,7 +72,8 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
     if expert_parallel and acc_kind == "cpu":
         raise ValueError("parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on CPU")
     kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": not record_routes, "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker", "use_tqdm_on_load": False}
+                "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker", "use_tqdm_on_load": False,
+                "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
     if own_process:
         kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
     elif distributed:
@@ -76,7 +86,7 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
         kw["enable_chunked_prefill"] = False  # module docstring
     else:
         kw |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": True,
-               "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30), "disable_custom_all_reduce": True}
+               "disable_custom_all_reduce": True}
         if record_routes:  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
             kw["enable_return_routed_experts"] = True
         if expert_parallel:
@@ -88,6 +98,21 @@ def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens:
     """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
     return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": cfg.top_p if temperature > 0 else 1.0,
             "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed, "detokenize": False}
+
+
+def eager_sampler(cfg: RolloutConfig):
+    """Context for an in-process engine's steps: with ``enforce_eager``, every ``torch.compile``
+    vLLM reaches runs eagerly (module docstring); the trainer's own compile, outside, is untouched."""
+    if not cfg.enforce_eager:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.compiler.set_stance("force_eager")
+
+
+def eager_child_env(cfg: RolloutConfig) -> dict[str, str]:
+    """The same for an engine-core child process, which runs only vLLM: torch.compile off."""
+    return {"TORCH_COMPILE_DISABLE": "1"} if cfg.enforce_eager else {}
 
 
 def child_device_env(acc_kind: str, local_rank: int, environ: dict[str, str]) -> dict[str, str]:

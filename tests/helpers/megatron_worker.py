@@ -204,6 +204,7 @@ def main():
     full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
     full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
     out["logprob_diff_before"] = float((full_f - full_m).abs().max())
+    before_f = full_f
     sf, _ = step(fsdp, fdp, 4)
     sm, _ = step(mega, mdp, 2)  # another micro-batch split: the objective is split-invariant
     out |= {"grad_norm_fsdp": sf["grad_norm"], "grad_norm_megatron": sm["grad_norm"]}
@@ -226,6 +227,7 @@ def main():
     full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
     full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
     out["logprob_diff_after"] = float((full_f - full_m).abs().max())
+    out["logprob_moved"] = float((full_f - before_f).abs().max())  # how far the one update moved them
     out["optimizer_bytes"] = sum(t.numel() * t.element_size() for t in mega.optimizer_tensors())
     out["param_numel"] = sum(t.numel() for t in mega.param_tensors())
     if routes:

@@ -3,7 +3,9 @@ from dummy weights. Records whether it refuses to generate before its first weig
 whether building it left the process's float32 matmul precision alone, then over three weight
 updates: which layers vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's
 LM head is the embedding's storage and holds the new weights, and whether greedy generation
-equals HF's on the same perturbed weights; and how many parameters the rotary embedding has.
+equals HF's on the same perturbed weights; how many parameters the rotary embedding has; and how
+many frames torch.compile compiled while it generated (``rollout.enforce_eager``: none); and the
+bytes of KV cache it allocated for a budget of a sixteenth of a GiB.
 Prints one JSON line. Args: FOLDER."""
 
 import json
@@ -17,6 +19,10 @@ from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.rollout import RolloutEngine
 from spmd_rl.engines.vllm_logs import RELOAD_LOGGER, RELOAD_MISS, quiet_vllm
+
+
+KV_GIB = 0.0625
+"""A fraction of a GiB: vLLM's legacy CPU variable would have made it 1 GiB."""
 
 
 class Misses(logging.Handler):
@@ -36,10 +42,10 @@ if __name__ == "__main__":
     misses = Misses()
     logging.getLogger(RELOAD_LOGGER).addHandler(misses)
     torch.set_float32_matmul_precision("medium")  # vLLM's worker sets "highest" process-wide
-    engine = RolloutEngine(folder, detect("cpu"), RolloutConfig(n=1, max_response_length=4), tp=1, dtype="float32",
-                           max_model_len=64, seed=0, distributed=False, dummy_weights=True)
+    engine = RolloutEngine(folder, detect("cpu"), RolloutConfig(n=1, max_response_length=4, kv_cache_gib=KV_GIB), tp=1,
+                           dtype="float32", max_model_len=64, seed=0, distributed=False, dummy_weights=True)
     out = {"precision_after_build": torch.get_float32_matmul_precision(), "head_is_embedding": [], "embedding_is_new": [],
-           "greedy_equals_hf": []}
+           "greedy_equals_hf": [], "kv_cache_bytes": engine.kv_cache_bytes(), "kv_cache_budget": int(KV_GIB * 2**30)}
     prompt = [3, 17, 42, 5, 9]
     try:
         engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)
@@ -61,6 +67,10 @@ if __name__ == "__main__":
         ref = moved.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
         got = engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0].token_ids
         out["greedy_equals_hf"].append(got == ref[: len(got)] and len(got) > 0)
+    engine.generate([prompt], n=4, max_tokens=4, temperature=1.0, seed=1)  # the random sampler too
+    from torch._dynamo.utils import counters
+
+    out["compiled_frames"] = sum(counters["frames"].values())  # rollout.enforce_eager: vLLM's sampler ran eagerly
     rotary = [m for m in vm.modules() if type(m).__name__ == "RotaryEmbedding"]
     out["rotary_parameters"] = sum(p.numel() for m in rotary for p in m.parameters()) if rotary else -1
     out["misses"] = sorted(set(misses.layers))

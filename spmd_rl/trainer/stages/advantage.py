@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
-from spmd_rl.algos.estimators import SEQ_ESTIMATORS, TOKEN_ESTIMATORS, discounted_returns, group_centred
+from spmd_rl.algos.estimator_kinds import TOKEN_ESTIMATORS
+from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded
