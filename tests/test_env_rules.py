@@ -49,3 +49,28 @@ def test_routing_replay_with_an_environment_is_refused(in_repo, tiny_moe, tiny_t
     assert res.exit_code == 0, res.output
     res = validate("configs/quickstart_moe.yaml", "rollout.environment=calculator", "actor.router_replay=record")
     assert res.exit_code == 2 and "actor.router_replay" in res.output, res.output
+
+
+def test_the_python_environment_without_a_jail_is_refused_unless_its_cost_is_accepted(in_repo, tiny_tools, monkeypatch):
+    """Where bubblewrap cannot make a jail (here: made to say so), validate refuses
+    ``rollout.environment: python`` naming the fix; ``rollout.unsafe_python_without_jail`` accepts
+    the cost, and the field is refused where nothing reads it."""
+    from spmd_rl.envs import jail
+
+    monkeypatch.setattr(jail, "jail_problem", lambda: "bubblewrap (bwrap) is not installed")
+    res = validate(TOOLS, "rollout.environment=python")
+    assert res.exit_code == 2 and "rollout.environment" in res.output and "bubblewrap" in res.output, res.output
+    assert "unsafe_python_without_jail" in res.output  # the fix names the opt-out
+    assert validate(TOOLS, "rollout.environment=python", "rollout.unsafe_python_without_jail=true").exit_code == 0
+    res = validate(TOOLS, "rollout.unsafe_python_without_jail=true")  # the calculator reads no such field
+    assert res.exit_code == 2 and "rollout.unsafe_python_without_jail" in res.output, res.output
+
+
+def test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise():
+    from spmd_rl.envs.base import Turn
+    from spmd_rl.envs.factory import environment_factory
+
+    turn = Turn("```python\nprint(6 * 7)\n```", ())
+    jailed = environment_factory("python")({}).step(turn)
+    assert jailed.observation == "42\n", jailed
+    assert environment_factory("python")({}).limits.jail and not environment_factory("python", True)({}).limits.jail

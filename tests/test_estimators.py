@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from spmd_rl.algos.core import token_rewards, whiten
 from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
 from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, get_policy_loss
-from spmd_rl.algos.rollout_correction import icepop_mask, mis_mask
+from spmd_rl.algos.rollout_correction import icepop_mask, icepop_weight, mis_mask
 
 D = torch.float64
 
@@ -73,6 +74,46 @@ def test_icepop_masks_tokens_and_mis_rejects_sequences_outside_the_band():
     roll = torch.zeros(2, 4, dtype=D)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     assert icepop_mask(old, roll, (0.5, 2.0)).tolist() == [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    # IcePop's published weight rho [a <= rho <= b] (a bare mask weighted every kept token 1): float64 formula
+    rho = [[1.0, 0.4, 2.5, 1.2], [0.9, 1.1, 1.0, 1.0]]
+    want = torch.tensor([[r if 0.5 <= r <= 2.0 else 0.0 for r in row] for row in rho], dtype=D)
+    assert torch.allclose(icepop_weight(old, roll, (0.5, 2.0)), want, rtol=1e-12, atol=0)
     # geometric means: (1 * 0.4 * 2.5 * 1.2)^(1/4) = 1.2^(1/4) ~ 1.047; (0.9 * 1.1 * 1.0)^(1/3) ~ 0.997
     assert mis_mask(old, roll, mask, (0.99, 1.01)).tolist() == [[0.0] * 4, [1.0] * 4]
     assert mis_mask(old, roll, mask, (0.5, 2.0)).tolist() == [[1.0] * 4, [1.0] * 4]
+
+
+@pytest.mark.parametrize("algo,values", [("reinforce_pp", False), ("reinforce_pp_baseline", False), ("ppo", True)])
+def test_a_rank_with_no_samples_still_enters_the_whitening_all_reduce(monkeypatch, algo, values):
+    """The advantage stage's whitening sums moments over the DP ranks: a rank whose share is empty
+    must take part in that collective too, or the ranks' collectives pair up wrongly."""
+    from types import SimpleNamespace
+
+    from spmd_rl.trainer.stages import advantage as stage
+
+    calls = []
+    monkeypatch.setattr(stage, "dp_sums", lambda values, group: calls.append(dict(values)) or {k: 0.0 for k in values})
+    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(name=algo)), lay=SimpleNamespace(train=SimpleNamespace(group=1)))
+    empty = type("Empty", (), {"columns": {}, "__len__": lambda self: 0})()
+    call = SimpleNamespace(run=run, batch=empty, stage=SimpleNamespace(inputs=("values",) if values else ()))
+    stage.advantage(call)
+    assert calls == [{"n": 0.0, "s": 0.0, "q": 0.0}]
+
+
+def test_the_score_of_a_trajectory_that_ends_on_inserted_tokens_reaches_its_returns():
+    """A multi-turn trajectory can end on inserted tokens (a prefix break): its score goes on its
+    last sampled token, so REINFORCE++'s returns and GAE (which skip inserted tokens) keep it. On
+    the earlier code the score sat on the last, inserted, token and every return was 0."""
+    from spmd_rl.algos.core import gae, token_rewards
+    from spmd_rl.algos.estimators import discounted_returns
+
+    lengths = torch.tensor([5, 3])
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)  # row 0 ends on an inserted token
+    scores = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    r = token_rewards(scores, lengths, 5, mask=mask)
+    assert r[0].tolist() == [0, 0, 0, 1.0, 0] and r[1].tolist() == [0, 0, 2.0, 0, 0]
+    ret = discounted_returns(r, mask, 0.5)
+    assert ret[0].tolist() == [0.25, 0.5, 0.0, 1.0, 0.0]  # gamma^k over the sampled positions, inserted ones skipped
+    adv, returns = gae(r, torch.zeros(2, 5, dtype=torch.float64), mask, 1.0, 1.0)
+    assert returns[0, 0] == 1.0 and returns[1, 0] == 2.0
+    assert token_rewards(scores, lengths, 5)[0, 4] == 1.0  # without a mask: the last response token, as before

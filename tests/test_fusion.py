@@ -26,6 +26,10 @@ FUSE = ["stream.fuse=true"]
     (["algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"], ["reward"]),  # KL in the reward: advantage needs ref/old log-probs
     (["algorithm.name=dapo", "algorithm.dynamic_sampling=true"], ["reward"]),  # groups are picked after the rounds
     (["algorithm.name=ppo"], ["reward"]),  # GAE needs the critic's values
+    # whitening over every token of the batch: a wave's moments are not the batch's
+    (["algorithm.name=reinforce_pp"], ["reward"]),
+    (["algorithm.name=reinforce_pp_baseline"], ["reward"]),
+    (["algorithm.name=rloo"], ["reward", "advantage"]),  # per group: a wave holds whole groups
     (["reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"], []),
 ])
 def test_fused_stages_per_algorithm(overrides, fused):

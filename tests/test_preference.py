@@ -131,3 +131,21 @@ def test_the_pairs_stage_reads_the_sampled_position_even_after_skipped_rows(tmp_
     got = preference_pairs(SimpleNamespace(run=SimpleNamespace(prompts=prompts), batch=batch)).columns["response_ids"]
     eos = tok.eos_token_id
     assert [g.tolist() for g in got] == [tok.encode("4") + [eos], tok.encode("5") + [eos], tok.encode("3") + [eos], tok.encode("4") + [eos]]
+
+
+def test_sequence_logprobs_are_the_full_float64_log_softmax_at_the_response_tokens(tiny_model):
+    """pair_eval takes float64 only at the response positions (x_y - logsumexp x): the same
+    numbers as a float64 log-softmax of the whole [batch, T, V] logits, which it no longer builds."""
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.trainer.pair_eval import sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompts, responses = [[5, 9, 13], [7, 8], [3, 4, 5, 6]], [[20, 21], [30, 31, 32], [40]]
+    got = sequence_logprobs(model, prompts, responses, batch=1)  # the same forward shapes as the reference below
+    want = []
+    with torch.no_grad():
+        for p, r in zip(prompts, responses):
+            full = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits.double(), -1)[0]
+            want.append(sum(full[len(p) - 1 + i, t] for i, t in enumerate(r)))
+    assert torch.allclose(got, torch.stack(want), rtol=0, atol=1e-9), (got, want)

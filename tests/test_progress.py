@@ -47,3 +47,26 @@ def test_the_line_shows_held_out_accuracy_when_the_iteration_evaluated():
     bar.close()
     lines = [line for line in out.getvalue().splitlines() if line.startswith("iter ")]
     assert lines[0].endswith("tok/s/dev | eval 0.242") and lines[1].endswith("tok/s/dev | final eval 0.310"), lines
+
+
+def test_a_log_line_during_the_bar_gets_a_line_of_its_own(monkeypatch):
+    """"saved checkpoint ..." was written straight to stderr and landed inside the bar's line; while
+    the bar is live the root logger's stderr handler prints through the bar's console instead
+    (which moves the bar below it), and is restored when the bar closes."""
+    import logging
+    import sys
+
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    root = logging.getLogger()
+    plain = logging.StreamHandler(sys.stderr)
+    plain.setFormatter(logging.Formatter("[rank0] %(message)s"))
+    monkeypatch.setattr(root, "handlers", [plain])
+    out = io.StringIO()
+    bar = LiveProgress(total=10, start=0, console=Console(file=out, force_terminal=True, width=200))
+    logging.getLogger("spmd_rl").warning("saved checkpoint /ckpt/iter_000001")
+    bar.close()
+    assert stderr.getvalue() == ""  # nothing went around the bar
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "\n", out.getvalue()).splitlines()
+    assert "[rank0] saved checkpoint /ckpt/iter_000001" in lines  # the whole line, nothing of the bar in it
+    assert root.handlers == [plain]

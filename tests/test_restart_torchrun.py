@@ -96,6 +96,9 @@ def killed_run_equals_clean(clean: Path, tmp_path: Path, *extra: str) -> None:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     iters = [r["iteration"] for r in rows]
     assert iters == list(range(1, ITERS))  # each iteration logged exactly once, none skipped
+    for rank in range(2):  # and traced once on every rank: the restart dropped the spans of the iterations it redid
+        traced = [json.loads(line)["iteration"] for line in (tmp_path / f"killed/logs/trace/rank{rank}.jsonl").read_text().splitlines()]
+        assert traced == list(range(1, ITERS)), (rank, traced)
     a, b = final_weights(clean, "clean"), final_weights(tmp_path, "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
     clean_rows = [json.loads(line) for line in (clean / "clean/logs/metrics.jsonl").read_text().splitlines()]

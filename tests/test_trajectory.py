@@ -76,3 +76,53 @@ def test_replay_of_an_environment_that_now_answers_differently_ends_with_the_doc
     assert copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8) is False
     assert copy.done and copy.stats["prefix_breaks"] == 1
     assert (copy.ids, copy.logprobs, copy.mask) == (orig.ids, orig.logprobs, orig.mask)  # nothing altered is trained
+
+
+class Raising(Counting):
+    def step(self, turn):
+        raise RuntimeError("the tool's server went away")
+
+
+class Hanging(Counting):
+    def step(self, turn):
+        import time
+
+        time.sleep(3)  # past the 0.5 s timeout; short, as the pool thread outlives the call
+
+
+@pytest.mark.parametrize("env", [Raising(), Hanging()], ids=["raises", "hangs"])
+def test_a_replay_whose_environment_raises_or_hangs_ends_as_a_prefix_break(tok, env):
+    """In ``advance`` a raising or slow environment is the policy's observation; in a replay it
+    crashed the rank (or hung it). Now it ends the trajectory as a prefix break, on the dock's
+    tokens and with the carried reward."""
+    import time
+
+    orig = _play(tok, Counting(turns=4), ["42", "forty-two"])
+    copy = _new(tok, env)
+    t0 = time.monotonic()
+    assert copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8, carried_reward=orig.reward, step_timeout_s=0.5) is False
+    assert time.monotonic() - t0 < 5
+    assert copy.done and copy.stats["prefix_breaks"] == 1 and copy.reward == orig.reward == 1.0
+    assert (copy.ids, copy.logprobs, copy.mask) == (orig.ids, orig.logprobs, orig.mask)
+
+
+def test_a_broken_replay_keeps_the_carried_reward(tok):
+    """The fresh environment's answer to the step whose observation is rejected must not count:
+    the trajectory keeps what its first environment gave."""
+    orig = _play(tok, Counting(turns=4), ["42", "forty-two"])
+    copy = _new(tok, Counting(turns=4, shift=1))
+    assert copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8, carried_reward=orig.reward) is False
+    assert copy.reward == orig.reward  # on the earlier code 0.5 (the rejected step's) and not the carried 1.0
+
+
+def test_turn_seeds_do_not_collide_across_ranks_samples_or_turns():
+    """Two ranks of one iteration: the call's seed carries each rank's first sample index (0 and
+    64 here, 64 trajectories each, 4 turns). The affine seeds collided (rank 0's sample 16 took
+    rank 1's sample 0's seeds); every (sample, turn) now has its own."""
+    from spmd_rl.envs.multi_turn import request_seed
+
+    seeds = [request_seed(base + first, first + k, t) for base in (1000,) for first in (0, 64) for k in range(64) for t in range(4)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**62 for s in seeds)
+    affine = [base + first + k * 4 + t for base in (1000,) for first in (0, 64) for k in range(64) for t in range(4)]
+    assert len(set(affine)) < len(affine)  # what the earlier form gave (with the rank's offset in its seed)
+    assert request_seed(7, 3, 1) == request_seed(7, 3, 1)  # a rerun samples the same

@@ -61,15 +61,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, width: int, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
-    """PPO's per-token rewards [B, width]: the sequence score at the last response token
-    (index L_b - 1), minus ``kl_coef`` x the per-token KL when KL is in the reward
-    (verl ``apply_kl_penalty``): r_t = -beta kl_t + [t = L - 1] score."""
+                  kl_coef: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """PPO's per-token rewards [B, width]: the sequence score at the last sampled response token
+    (index L_b - 1, or with ``mask`` [B, width] of the sampled tokens the last index where it is
+    1), minus ``kl_coef`` x the per-token KL when KL is in the reward (verl
+    ``apply_kl_penalty``): r_t = -beta kl_t + [t = last] score. A multi-turn trajectory can end on
+    inserted tokens (after a prefix break); GAE and the returns skip those, so a score there
+    would be lost."""
     out = torch.zeros(scores.shape[0], width, dtype=torch.float64)
     if kl is not None:
         out -= kl_coef * kl.to(torch.float64)
+    last = lengths.long() - 1
+    if mask is not None:
+        sampled = torch.where(mask.bool(), torch.arange(width).expand(mask.shape[0], width), -1).max(dim=1).values
+        last = torch.where(sampled >= 0, sampled, last)
     rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows].long() - 1] += scores[rows].to(torch.float64)
+    out[rows, last[rows]] += scores[rows].to(torch.float64)
     return out
 
 

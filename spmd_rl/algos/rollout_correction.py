@@ -5,8 +5,9 @@ partial rollout and the separated placement). Per token, log rho_t = old_logp_t 
 the token's loss, so the loss normaliser (and the split invariance, ``policy_loss``) is unchanged.
 
 - TIS (``actor.tis_cap`` c): w_t = min(rho_t, c) (``policy_loss.tis_weight``).
-- IcePop (``actor.icepop_band`` [a, b]; Ling team 2025): tokens with rho_t outside [a, b] are
-  masked out: w_t = [a <= rho_t <= b].
+- IcePop (``actor.icepop_band`` [a, b]; Ling team 2025): the importance weight, with tokens whose
+  rho_t lies outside [a, b] masked out: w_t = rho_t [a <= rho_t <= b]. It is itself an importance
+  weight, so it replaces TIS (the config refuses both).
 - MIS, sequence-level masked importance sampling / rejection (``actor.mis_band`` [a, b];
   verl's rollout_rs "geometric"): a sample whose geometric-mean ratio
   rho_b = exp(mean_t log rho_t) lies outside [a, b] is rejected: w_{b,t} = [a <= rho_b <= b].
@@ -22,9 +23,15 @@ import torch
 
 
 def icepop_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
-    """[a <= rho_t <= b] per token (float, no gradient)."""
+    """[a <= rho_t <= b] per token (float, no gradient): which tokens IcePop keeps."""
     rho = torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20))
     return ((rho >= band[0]) & (rho <= band[1])).to(old_logp.dtype)
+
+
+def icepop_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
+    """IcePop's per-token weight rho_t [a <= rho_t <= b] (module docstring; no gradient)."""
+    rho = torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20))
+    return rho * icepop_mask(old_logp, rollout_logp, band)
 
 
 def mis_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import Config
 
-_TURN_FIELDS = ("max_turns", "tool_timeout_s")
+_TURN_FIELDS = ("max_turns", "tool_timeout_s", "unsafe_python_without_jail")
 
 
 def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
@@ -18,6 +18,16 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
         return [Violation(f"rollout.{f}", getattr(r, f), "only read with rollout.environment", "remove it or set rollout.environment")
                 for f in _TURN_FIELDS if f in r.model_fields_set]
     out = _check_name(r.environment)
+    if r.environment == "python" and not r.unsafe_python_without_jail:
+        from spmd_rl.envs.jail import jail_problem
+
+        if (problem := jail_problem()) is not None:
+            out.append(Violation("rollout.environment", "python", f"model-written code runs in a jail, and none can be had here: {problem}",
+                                 "install bubblewrap (launch/setup.sh does) where user namespaces are allowed, or accept what "
+                                 "rollout.unsafe_python_without_jail: true costs"))
+    elif r.unsafe_python_without_jail and r.environment != "python":
+        out.append(Violation("rollout.unsafe_python_without_jail", True, "only read with rollout.environment: python",
+                             "remove it"))
     if not cfg.data.apply_chat_template:
         out.append(Violation("data.apply_chat_template", False, "tool turns are rendered by the chat template, which starts from the prompt's user message",
                              "set data.apply_chat_template: true"))

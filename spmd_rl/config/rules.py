@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from spmd_rl.algos.estimator_kinds import GROUP_ALGORITHMS
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
 from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment
@@ -40,13 +41,18 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
         out.append(Violation("data.global_batch_size", g, f"not divisible by the generation DP size {gdp}", f"use a multiple of {gdp}, e.g. {_multiple(g, gdp)}"))
     if (g * n) % tdp:
         out.append(Violation("data.global_batch_size", g, f"G x N = {g * n} samples not divisible by the training DP size {tdp}", f"make G x rollout.n a multiple of {tdp}"))
-    if cfg.algorithm.name in ("grpo", "dapo") and g % tdp:
-        out.append(Violation("data.global_batch_size", g, f"the advantage stage gives whole prompt groups to the {tdp} training DP groups; "
-                             f"{g} groups leave some with {g // tdp} and others with {g // tdp + 1} (or none)",
+    grouped = cfg.algorithm.name in GROUP_ALGORITHMS
+    if grouped and g % tdp:
+        out.append(Violation("data.global_batch_size", g, f"{cfg.algorithm.name} gives whole prompt groups to the {tdp} training DP groups; "
+                             f"{g} groups leave some with {g // tdp} and others with {g // tdp + 1} (or none), and their collectives stop matching",
                              f"use a multiple of the training DP size {tdp}, e.g. {_multiple(g, tdp)}, or a smaller parallel.train.dp_shard"))
     mb = cfg.actor.mini_batch_size
     if g % mb:
         out.append(Violation("actor.mini_batch_size", mb, f"does not divide data.global_batch_size={g}", "use a divisor of the global batch size"))
+    elif cfg.algorithm.name == "dpo" and mb % tdp:  # the one update that reads a group (its pair) whole
+        out.append(Violation("actor.mini_batch_size", mb, f"dpo splits each mini-batch's whole pairs over the {tdp} training DP groups: "
+                             f"{mb} groups do not split evenly (ranks would take different numbers of optimizer steps)",
+                             f"use a multiple of {tdp} that divides data.global_batch_size={g}"))
     elif (mb * n) % tdp:
         out.append(Violation("actor.mini_batch_size", mb, f"mini-batch x N = {mb * n} samples not divisible by the training DP size {tdp}", f"make mini_batch_size x rollout.n a multiple of {tdp}"))
     else:
@@ -191,6 +197,9 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
         out.append(Violation("algorithm.dynamic_sampling", True, f"dynamic sampling is DAPO's; algorithm.name is {a.name}", "set algorithm.name: dapo or dynamic_sampling: false"))
     if not a.norm_adv_by_std and a.name not in ("grpo", "dapo"):  # asks for Dr. GRPO's undivided advantages
         out.append(Violation("algorithm.norm_adv_by_std", False, f"only GRPO and DAPO divide by the group std; algorithm.name is {a.name}", "remove it"))
+    if cfg.actor.icepop_band is not None and cfg.actor.tis_cap is not None:
+        out.append(Violation("actor.tis_cap", cfg.actor.tis_cap, "IcePop's weight is already the importance ratio (inside its band); TIS would apply it twice",
+                             "remove actor.tis_cap with actor.icepop_band (or the band, to truncate instead of mask)"))
     for field in ("icepop_band", "mis_band"):
         band = getattr(cfg.actor, field)
         if band is not None and not band[0] < 1.0 < band[1]:

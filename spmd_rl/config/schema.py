@@ -59,6 +59,9 @@ class RolloutConfig(Section):
         None, description="Multi-turn, tool-using rollouts: a registered environment (`calculator`, `python`) or a user's `module:function` factory taking the dataset row (spmd_rl.envs). Each response is then the policy's sampled turns with the tool turns inserted between them (`response_mask` marks the sampled tokens; only they are trained). null = one prompt, one response."
     )
     max_turns: int = Field(4, gt=0, description="With `environment`: the most sampled turns per trajectory (a trajectory still calling tools after them is truncated).")
+    unsafe_python_without_jail: bool = Field(
+        False, description="With `environment: python`: run the model-written code without its jail (bubblewrap; spmd_rl.envs.jail) where none can be had. The code can then read the job's files and token (the dock's HMAC key) and signal its rank: only for a policy and data you trust."
+    )
     tool_timeout_s: float = Field(
         10.0, gt=0.0, description="With `environment`: seconds a tool call may take; past them the policy gets an error observation (counted in `tool_timeouts`) and the trajectory goes on."
     )
@@ -104,7 +107,7 @@ class ActorConfig(Section):
         None, gt=0.0, description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged)."
     )
     icepop_band: tuple[Ratio, Ratio] | None = Field(
-        None, description="IcePop rollout correction (algos.rollout_correction): tokens whose ratio pi_old / pi_rollout lies outside [low, high] get weight 0 in the loss (logged as icepop_masked_frac); e.g. [0.5, 2.0]; null disables."
+        None, description="IcePop rollout correction (algos.rollout_correction): each token's loss is weighted by its ratio rho = pi_old / pi_rollout, and tokens whose rho lies outside [low, high] get weight 0 (logged as icepop_masked_frac); e.g. [0.5, 2.0]; replaces tis_cap (both are refused); null disables."
     )
     mis_band: tuple[Ratio, Ratio] | None = Field(
         None, description="Sequence-level masked importance sampling (algos.rollout_correction): a sample whose geometric-mean ratio exp(mean_t log(pi_old / pi_rollout)) lies outside [low, high] is rejected, all its tokens weight 0 (logged as mis_rejected_frac); e.g. [0.5, 2.0]; null disables."

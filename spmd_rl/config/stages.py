@@ -92,6 +92,9 @@ class Stage:
     """Whose DP layout splits the stage's samples: the training engines' or the rollout engine's."""
     per_round: bool = False
     """Runs once per generation round (DAPO dynamic sampling repeats generation and reward)."""
+    whole_batch: bool = False
+    """Computes statistics of the iteration's whole batch (REINFORCE++'s and PPO's whitening over
+    every token): it cannot run per streamed wave, so it is never fused."""
 
 
 def needs_reference(cfg: Config) -> bool:
@@ -205,11 +208,11 @@ def stages_for(cfg: Config) -> list[Stage]:
     if cfg.algorithm.name == "ppo":
         out.append(Stage("critic_value", seq, ("values",), ("critic",)))
         adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
-        out.append(Stage("advantage", adv_in, ("advantages", "returns")))
+        out.append(Stage("advantage", adv_in, ("advantages", "returns"), whole_batch=True))
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
     elif cfg.algorithm.name in TOKEN_ESTIMATORS:  # REINFORCE++: per-token returns, whitened over the batch
         adv_in = ("reward", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
-        out.append(Stage("advantage", adv_in, ("advantages",), group_granular=cfg.algorithm.name == "reinforce_pp_baseline"))
+        out.append(Stage("advantage", adv_in, ("advantages",), group_granular=cfg.algorithm.name == "reinforce_pp_baseline", whole_batch=True))
     else:
         out.append(Stage("advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True))
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
@@ -231,13 +234,14 @@ def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
     """With ``stream.fuse``: the stages that run while generation runs (``trainer.fusion``), in
     graph order. Such a stage makes nothing resident (the rollout engine stays) and every input
     is written by the data loader, the rollout or an earlier fused stage. A stage that is not
-    per-round joins only without dynamic sampling, which picks the groups after every round."""
+    per-round joins only without dynamic sampling, which picks the groups after every round; a
+    whole-batch stage never joins (a wave's moments are not the batch's)."""
     if not cfg.stream.fuse:
         return []
     ready = set(data_columns(cfg)) | set(graph[0].outputs)
     out = []
     for s in graph[1:]:
-        if not s.roles and set(s.inputs) <= ready and (s.per_round or not dynamic_sampling(cfg)):
+        if not s.roles and not s.whole_batch and set(s.inputs) <= ready and (s.per_round or not dynamic_sampling(cfg)):
             out.append(s)
             ready |= set(s.outputs)
     return out

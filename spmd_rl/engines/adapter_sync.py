@@ -4,7 +4,7 @@ adapters over the base weights it loaded once.
 Each sync writes the adapters, gathered whole on every rank, as a PEFT folder
 (``adapter_model.safetensors`` + ``adapter_config.json``). It writes them to a private
 directory in host memory (``/dev/shm`` when present, mode 0700, one per rank, so TP ranks on
-one node never share a file). The engine then gets a new ``LoRARequest``, a fresh id per
+one node never share a file; named per job so an elastic restart removes a killed rank's). The engine then gets a new ``LoRARequest``, a fresh id per
 version, and the previous one is removed from vLLM. Every request the engine enqueues carries
 the current request (``RolloutEngine.submit``).
 
@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import tempfile
@@ -28,14 +29,29 @@ from pathlib import Path
 
 import torch
 
-from spmd_rl.engines import lora
+from spmd_rl.engines import lora, vllm_shm
+
+
+ROOT_PREFIX = "spmd-rl-lora-"
+
+
+def adapter_root() -> Path:
+    """This process's adapter folder: in ``/dev/shm`` where present, named by what stays the
+    same across the job's restarts on this host (``vllm_shm.JOB_ENV`` without the restart count)
+    and its global rank, so a restarted rank removes what a SIGKILLed one left (``spmd-rl
+    doctor`` counts what no restart cleaned)."""
+    stable = [k for k in vllm_shm.JOB_ENV if k != "TORCHELASTIC_RESTART_COUNT"]
+    tag = hashlib.sha256("\0".join(os.environ.get(k, "") for k in stable).encode()).hexdigest()[:12]
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    return base / f"{ROOT_PREFIX}{tag}-r{os.environ.get('RANK', '0')}"
 
 
 class AdapterSync:
     def __init__(self, base: str | Path, rank: int, alpha: float, targets: list[str]):
         self.base, self.rank, self.alpha, self.targets = str(base), rank, alpha, list(targets)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.root = Path(tempfile.mkdtemp(prefix="spmd-rl-lora-", dir=shm))  # mode 0700
+        self.root = adapter_root()
+        shutil.rmtree(self.root, ignore_errors=True)  # a killed predecessor's (an elastic restart of this job)
+        self.root.mkdir(mode=0o700, parents=True)
         self.version = 0
         self.request = None
         """The ``LoRARequest`` every request carries; None until the first publish."""

@@ -14,11 +14,12 @@ tokens per call and is then paused, mid-turn or before its next turn; the next i
 rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not returned
 after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
 goes on; an environment that raises becomes an error observation (``tool_errors``). Turn t of
-trajectory k is seeded seed + k * max_turns + t, so a rerun samples the same trajectories.
+trajectory k is seeded ``request_seed(seed, its sample index, t)``, so a rerun samples the same trajectories.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -49,15 +50,18 @@ class MultiTurnRollout:
         self.lockstep, self.tool_workers, self.tp_group = lockstep, tool_workers, tp_group
         self.leader = tp_group is None or dist.get_rank() == dist.get_global_rank(tp_group, 0)
 
-    def start(self, items: list[tuple[list[int], dict]]) -> list[Trajectory]:
+    def start(self, items: list[tuple[list[int], dict]], seed_keys: list[int] | None = None) -> list[Trajectory]:
         """One new trajectory per (prompt ids, dataset row); the row (with its ``prompt`` text)
-        makes the trajectory's environment."""
-        return [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row))
+        makes the trajectory's environment. ``seed_keys``: each one's sample index in the batch
+        (``Trajectory.seed_key``)."""
+        keys = seed_keys if seed_keys is not None else list(range(len(items)))
+        return [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row), seed_key=keys[k])
                 for k, (ids, row) in enumerate(items)]
 
-    def run(self, items: list[tuple[list[int], dict]], seed: int | None = None, temperature: float | None = None) -> list[Trajectory]:
+    def run(self, items: list[tuple[list[int], dict]], seed: int | None = None, temperature: float | None = None,
+            seed_keys: list[int] | None = None) -> list[Trajectory]:
         """New trajectories run to their end."""
-        return self.advance(self.start(items), seed, temperature)
+        return self.advance(self.start(items, seed_keys), seed, temperature)
 
     def advance(self, trajs: list[Trajectory], seed: int | None = None, temperature: float | None = None,
                 segment: int | None = None) -> list[Trajectory]:
@@ -95,7 +99,7 @@ class MultiTurnRollout:
     def _submit(self, trajs: list[Trajectory], seed: int | None, temperature: float | None) -> None:
         lim = self.limits
         params = [self.engine.sampling_params(self._left(t), temperature,
-                                              None if seed is None else seed + t.key * lim.max_turns + t.stats["turns"]) for t in trajs]
+                                              None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])) for t in trajs]
         self.engine.submit([(t.key, t.context) for t in trajs], params)
 
     def _sampled(self, t: Trajectory, sample, pool: ThreadPoolExecutor, tools: dict) -> None:
@@ -125,6 +129,15 @@ class MultiTurnRollout:
             goes = t.apply(step, self.tokenizer, self.limits.max_tokens, self.limits.max_turns)
             decided.append((t, t.ids[before:], END if not goes else GO if self._left(t) > 0 else PAUSE))
         return decided
+
+
+def request_seed(seed: int, sample: int, turn: int) -> int:
+    """The sampling seed of one turn request: a 62-bit hash of (the call's seed, the sample's
+    index in the batch, the turn). An affine form (seed + sample x max_turns + turn, as before)
+    gave rank 0's trajectory 16 the seeds of rank 1's trajectory 0 when the call's seed carried
+    the rank's first index."""
+    digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def _result(fut: Future) -> Step:

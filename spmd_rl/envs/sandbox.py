@@ -1,17 +1,27 @@
-"""Model-written code runs here: in a child Python process that limits itself before it runs
-the code, so whatever the code does ends as an ``Outcome`` (an observation for the policy),
-never as a crash or a hang of the rank that called it.
+"""Model-written code runs here: in a child Python process, inside a jail (``envs.jail``:
+bubblewrap with its own namespaces, a read-only system, a private tmpfs, no capabilities and a
+seccomp filter), under limits the child sets on itself before it reads the code, so whatever
+the code does ends as an ``Outcome`` (an observation for the policy), never as a crash or a
+hang of the rank that called it, and nothing of the job is within its reach.
 
 Limits (``Limits``), applied by the child's bootstrap before the code is read:
 
-- CPU seconds (``RLIMIT_CPU``) and wall seconds (the parent kills the child's process group);
-- address space (``RLIMIT_AS``), and no core files;
+- CPU seconds (``RLIMIT_CPU``) and wall seconds (the parent kills the jail);
+- address space (``RLIMIT_AS``), no core files, file size (``RLIMIT_FSIZE``) and open files
+  (``RLIMIT_NOFILE``), and ``processes`` more tasks than its user already runs
+  (``RLIMIT_NPROC``; a root caller's code runs as nobody, for whom the limit binds);
 - output: the parent reads at most ``output_bytes`` of stdout + stderr and kills the child
   once it writes more;
-- network: the child moves into a network namespace of its own (``unshare(CLONE_NEWNET)``, with
-  a user namespace when not root), where no interface but a down loopback exists; where the
-  kernel refuses both, an audit hook refuses every socket connect / bind / send / name lookup
-  (Python-level only: ``Outcome.isolation`` says which held).
+- network: none (the jail's own network namespace) unless ``network`` is set.
+
+Invariant: when ``run_python`` returns, no process the code started is alive. The parent kills
+the jail's process group every time, and bubblewrap's PID namespace ends with its first process
+(``--die-with-parent``): a forked, ``setsid`` child dies with it.
+
+Where no jail can be had (``jail.jail_problem``), ``Limits.jail=False`` (set from
+``rollout.unsafe_python_without_jail``) runs the code as before the jail existed: the limits above
+and a network namespace or an audit hook, but the code can read the job's files and token and
+signal its rank. ``Outcome.isolation`` says which ran.
 
 The parent never unpickles anything from the child: it reads text.
 """
@@ -26,26 +36,36 @@ import threading
 import time
 from dataclasses import dataclass
 
+from spmd_rl.envs.jail import NOBODY, bwrap_args, bwrap_path, jail_problem, python_for_jail
+from spmd_rl.envs.seccomp import program
+
 _BOOT = r"""
 import ctypes, os, resource, sys
-cpu, mem, net = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+cpu, mem, net, nproc, fsize, nofile, drop, jailed = (int(a) for a in sys.argv[1:9])
+if drop:  # a root caller's jail: become nobody, for whom RLIMIT_NPROC binds (this clears every capability)
+    os.setgroups([])
+    os.setresgid(drop, drop, drop)
+    os.setresuid(drop, drop, drop)
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-isolation = "network allowed"
-if not net:
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+isolation = ("jail" if jailed else "no jail") + (", network allowed" if net else "")
+if not jailed and not net:
     libc = ctypes.CDLL(None, use_errno=True)
     NEWNET, NEWUSER = 0x40000000, 0x10000000
     if libc.unshare(NEWNET) == 0:
-        isolation = "network namespace"
+        isolation = "no jail, network namespace"
     elif libc.unshare(NEWUSER | NEWNET) == 0:
-        isolation = "user + network namespace"
+        isolation = "no jail, user + network namespace"
     else:
         def refuse(event, args):
             if event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo"):
                 raise PermissionError("network access is disabled in this sandbox")
         sys.addaudithook(refuse)
-        isolation = "audit hook"
+        isolation = "no jail, audit hook"
 sys.stderr.write("\x00isolation=" + isolation + "\x00")
 sys.stderr.flush()
 code = sys.stdin.read()
@@ -62,6 +82,13 @@ class Limits:
     memory_bytes: int = 512 * 2**20
     output_bytes: int = 64 * 2**10
     network: bool = False
+    processes: int = 32
+    """Tasks the code may add to what its user already runs."""
+    file_bytes: int = 16 * 2**20
+    """Largest file the code may write (``RLIMIT_FSIZE``); also the size of its private tmpfs."""
+    open_files: int = 64
+    jail: bool = True
+    """False: run without the jail (``rollout.unsafe_python_without_jail``; module docstring)."""
 
 
 @dataclass
@@ -82,9 +109,30 @@ class Outcome:
 def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     """Run ``code`` under ``limits`` (module docstring) and return what happened."""
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_bytes), "1" if limits.network else "0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"})
+    root = os.geteuid() == 0
+    drop = NOBODY if limits.jail and root else 0
+    nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
+    boot = [str(v) for v in (limits.cpu_s, limits.memory_bytes, int(limits.network), nproc, limits.file_bytes, limits.open_files,
+                             drop, int(limits.jail))]
+    exe = sys.executable
+    prefix: list[str] = []
+    fds: tuple[int, ...] = ()
+    if limits.jail:
+        if (problem := jail_problem()) is not None:
+            raise RuntimeError(f"the python environment needs a jail for model-written code: {problem}; "
+                               "or set rollout.unsafe_python_without_jail: true where none can be had")
+        read, write = os.pipe()
+        os.write(write, program())  # a few hundred bytes: the pipe holds them
+        os.close(write)
+        exe, _ = python_for_jail()
+        prefix, fds = bwrap_args(bwrap_path(), read, limits.file_bytes, limits.network, as_nobody=root), (read,)
+    try:
+        proc = subprocess.Popen([*prefix, exe, "-I", "-S", "-c", _BOOT, *boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"})
+    finally:
+        for fd in fds:
+            os.close(fd)
     chunks: list[bytes] = []
     over = threading.Event()
 
@@ -110,17 +158,35 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
         proc.wait(timeout=limits.wall_s)
         timed_out = False
     except subprocess.TimeoutExpired:
-        _kill(proc)
-        proc.wait()
         timed_out = True
+    _kill(proc)  # every time: whatever the code left running goes with its jail (module docstring)
+    proc.wait()
     reader.join(timeout=5)
     raw = b"".join(chunks).decode("utf-8", errors="replace")
     isolation, text = _split_tag(raw)
     text = text[: limits.output_bytes]
     code_ = proc.returncode
+    if limits.jail and code_ is not None and code_ > 128 and not timed_out:  # bubblewrap reports a signal as 128 + its number
+        code_ = -(code_ - 128)
     status = ("output_limit" if over.is_set() else "timeout" if timed_out else "ok" if code_ == 0
               else "killed" if code_ is not None and code_ < 0 else "error")
     return Outcome(text, status, code_, time.monotonic() - t0, isolation)
+
+
+def _tasks_of(uid: int) -> int:
+    """Tasks (threads included, as RLIMIT_NPROC counts them) the user ``uid`` runs now."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields["Uid"].split()[0]) == uid:
+            n += int(fields["Threads"])
+    return n
 
 
 def _kill(proc: subprocess.Popen) -> None:

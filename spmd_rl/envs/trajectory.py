@@ -16,10 +16,14 @@ sampled or inserted, never an altered copy.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from spmd_rl.envs.base import Environment, Step, Turn
+
+log = logging.getLogger("spmd_rl")
 
 STATS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
 """Per-trajectory counts the rollout sums into metrics (``trajectories``: 1 each, the count
@@ -51,6 +55,10 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     reward: float = 0.0
     """Sum of the environment's reward contributions."""
+    seed_key: int = -1
+    """What its sampling seeds are derived from (``multi_turn.request_seed``): the sample's index
+    in the iteration's batch, the same on whichever rank and in whichever segment it runs (-1:
+    ``key``)."""
     stopped: bool = False
     """The last sampled turn ended on a stop token (not on the token budget)."""
     open_turn: bool = False
@@ -131,13 +139,16 @@ class Trajectory:
         self.messages = messages
         return full[len(ctx):]
 
-    def replay(self, ids: list[int], logprobs: list[float], mask: list[int], tokenizer, budget: int, max_turns: int) -> bool:
+    def replay(self, ids: list[int], logprobs: list[float], mask: list[int], tokenizer, budget: int, max_turns: int,
+               carried_reward: float = 0.0, step_timeout_s: float | None = None) -> bool:
         """Rebuild a carried trajectory (partial rollout) from its response so far: each sampled
         turn is fed to this trajectory's fresh environment in order, and each observation must
         render to exactly the inserted tokens that follow it. The tokens, log-probs and mask are
-        the carried ones whatever happens; False when the environment now answers differently
-        (the trajectory then ends there, a ``prefix_breaks``). A last sampled run not followed
-        by inserted tokens is the turn the previous segment left open."""
+        the carried ones whatever happens; False when the environment now answers differently,
+        raises, or takes longer than ``step_timeout_s`` (the trajectory then ends there, a
+        ``prefix_breaks``, with the ``carried_reward`` its first environment gave, not what the
+        fresh one said). A last sampled run not followed by inserted tokens is the turn the
+        previous segment left open."""
         runs = mask_runs(mask)
         for n, (a, b, sampled) in enumerate(runs):
             if not sampled:
@@ -146,9 +157,23 @@ class Trajectory:
             if n + 1 == len(runs):
                 return True  # the open turn
             before, kept = len(self.ids), Counter(self.stats)
-            step = self.env.step(Turn(text, tuple(ids[a:b])))
-            if not self.apply(step, tokenizer, budget, max_turns) or self.ids[before:] != ids[b:runs[n + 1][1]]:
+            step = _bounded_step(self.env, Turn(text, tuple(ids[a:b])), step_timeout_s)
+            if step is None or not self.apply(step, tokenizer, budget, max_turns) or self.ids[before:] != ids[b:runs[n + 1][1]]:
                 self.ids, self.logprobs, self.mask, self.done, self.stats = list(ids), list(logprobs), list(mask), True, kept
+                self.reward = carried_reward
                 self.stats["prefix_breaks"] += 1
                 return False
         return True
+
+
+def _bounded_step(env, turn: Turn, timeout_s: float | None) -> Step | None:
+    """The environment's step, or None when it raised or outlasted ``timeout_s`` (a replay ends
+    there as a prefix break; ``MultiTurnRollout.advance`` makes the same failures observations)."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(env.step, turn).result(timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the environment's failure, or its timeout
+        log.warning("environment step raised or timed out during a replay (%s: %s): a prefix break", type(exc).__name__, exc)
+        return None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -39,6 +39,8 @@ SHM_NEED = {"cpu": 64 * 2**20, "cuda": 1 * 2**30, "npu": 1 * 2**30}
 """/dev/shm bytes per node: NCCL's guidance for multi-GPU nodes is on the order of a GiB; vLLM's
 CPU TP segments are a few MiB each."""
 SHM_DIR = Path("/dev/shm")
+ADAPTER_PREFIX = "spmd-rl-lora-"
+"""``engines.adapter_sync.ROOT_PREFIX`` (not imported: doctor stays free of torch)."""
 
 
 @dataclass
@@ -144,12 +146,21 @@ def host_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> Check:
                  "" if have >= need else "free memory, lower rollout.kv_cache_gib (on CPU), or use more nodes / fewer ranks per node")
 
 
-def shm(cfg: Config) -> Check:
-    kind = "cpu" if cfg.trainer.device in ("cpu", "auto") else cfg.trainer.device
+def shm(cfg: Config, kind: str | None = None) -> Check:
+    """``kind``: the device the ranks will use (``trainer.device``, with ``auto`` resolved as the
+    ranks resolve it: a GPU node's 64 MiB Docker default is the case this check exists for)."""
+    if kind is None:
+        from spmd_rl.distributed.accelerator import detect
+
+        kind = detect(cfg.trainer.device).kind
     st = os.statvfs(SHM_DIR)
     have, need = st.f_bavail * st.f_frsize, SHM_NEED.get(kind, SHM_NEED["cuda"])
-    return Check("/dev/shm", have >= need, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed on {kind}",
-                 "" if have >= need else f"remount it larger (mount -o remount,size=2g /dev/shm; docker run --shm-size=2g)")
+    left = sorted(SHM_DIR.glob(f"{ADAPTER_PREFIX}*"))  # LoRA adapter folders of killed jobs that no restart removed
+    held = sum(f.stat().st_size for d in left for f in d.rglob("*") if f.is_file())
+    note = f" ({len(left)} LoRA adapter folders hold {held / 2**20:.0f} MiB: {SHM_DIR}/{ADAPTER_PREFIX}*)" if left else ""
+    fix = "" if have >= need else (f"remove the adapter folders of jobs no longer running ({SHM_DIR}/{ADAPTER_PREFIX}*), or " if left else "") + \
+        "remount it larger (mount -o remount,size=2g /dev/shm; docker run --shm-size=2g)"
+    return Check("/dev/shm", have >= need, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed on {kind}{note}", fix)
 
 
 def diagnose(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Check]:

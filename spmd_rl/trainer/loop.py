@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -33,7 +34,7 @@ from spmd_rl.trainer.partial import carried_rows, partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.observed import trained_groups
-from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput
+from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput, truncate_from
 from spmd_rl.trainer.progress import progress_for
 from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.stages.samples import put_prompts
@@ -128,6 +129,9 @@ def _metrics(run: Run, timer: StageTimer, m: IterationMetrics, train_idx: list[i
 
 
 def train(run: Run, start_iteration: int) -> None:
+    # a resumed run redoes the iterations from start_iteration: each rank drops their spans, as
+    # rank 0 drops their metrics lines (MetricsLog), so the trace shows each iteration once
+    truncate_from(Path(run.cfg.logging.dir) / "trace" / f"rank{run.peer.rank}.jsonl", start_iteration)
     side = sides.current().side
     if side != "both":  # separated placement: each side runs its half of the iteration (trainer.async_loop)
         if side == "gen":

@@ -33,10 +33,12 @@ def _sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int
         width = max(map(len, seqs))
         ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
         mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs])
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.double(), -1)
+        logits = model(input_ids=ids, attention_mask=mask).logits
         for k, (p, r) in enumerate(zip(prompts[s:s + batch], responses[s:s + batch])):
-            pos = torch.arange(len(p) - 1, len(p) + len(r) - 1)
-            out.append(logp[k, pos, torch.tensor(r)].sum())
+            # float64 only at this response's positions: log_softmax(x)_y = x_y - logsumexp(x). A
+            # float64 log-softmax of the whole [batch, T, V] was about 40 GB at a 152k vocabulary
+            rows = logits[k, len(p) - 1:len(p) + len(r) - 1].double()
+            out.append((rows.gather(-1, torch.tensor(r)[:, None]).squeeze(-1) - rows.logsumexp(-1)).sum())
     return torch.stack(out)
 
 

@@ -5,6 +5,9 @@ iteration printed above it. JSONL and TensorBoard metrics are written elsewhere
 
 from __future__ import annotations
 
+import logging
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -29,6 +32,7 @@ class LiveProgress(Quiet):
                             TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("ETA"),
                             TimeRemainingColumn(), console=console or Console(stderr=True))
         self.task = self.bar.add_task("starting", total=total, completed=start, reward="-")
+        self._routed = _route_logging(self.bar.console)  # before start(): the bar then proxies sys.stderr
         self.bar.start()
 
     def stage(self, name: str) -> None:
@@ -43,7 +47,41 @@ class LiveProgress(Quiet):
         self.bar.update(self.task, advance=1, reward=f"{m['reward_mean']:.3f}", description="iteration done")
 
     def close(self) -> None:
+        root = logging.getLogger()
+        for console_handler, handler in self._routed:
+            root.removeHandler(console_handler)
+            root.addHandler(handler)
+        self._routed = []
         self.bar.stop()
+
+
+class _ConsoleHandler(logging.Handler):
+    """A log record printed through the live bar's console: on a line of its own above the bar
+    (a record written straight to stderr landed inside the bar's line, "saved checkpoint" among them)."""
+
+    def __init__(self, console: Console, like: logging.Handler):
+        super().__init__(like.level)
+        self.console = console
+        self.setFormatter(like.formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+        except Exception:  # noqa: BLE001 - as logging.Handler does
+            self.handleError(record)
+
+
+def _route_logging(console: Console) -> list[tuple[logging.Handler, logging.Handler]]:
+    """Swap the root logger's handlers that write to the terminal's stderr for ones that print
+    through ``console`` while the bar is live; (new, old) pairs to swap back."""
+    root, swapped = logging.getLogger(), []
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__):
+            routed = _ConsoleHandler(console, handler)
+            root.removeHandler(handler)
+            root.addHandler(routed)
+            swapped.append((routed, handler))
+    return swapped
 
 
 def progress_for(enabled: bool, total: int, start: int) -> Quiet:

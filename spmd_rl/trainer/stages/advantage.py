@@ -44,7 +44,9 @@ def _kl(call: StageCall, width: int) -> tuple[torch.Tensor | None, torch.Tensor]
 @register("advantage")
 def advantage(call: StageCall) -> StageResult:
     run, batch = call.run, call.batch
-    if not len(batch):
+    if not len(batch):  # every rank enters every collective, even with an empty share: the whitening's sums
+        if "values" in call.stage.inputs or run.cfg.algorithm.name in TOKEN_ESTIMATORS:
+            dp_sums({"n": 0.0, "s": 0.0, "q": 0.0}, run.lay.train.group)
         return StageResult(sums={"adv_zero_groups": 0.0})
     rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
     if "values" in call.stage.inputs:
@@ -68,7 +70,7 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     width = max(1, int(lengths.max()))
     values = padded(cols["values"], width, torch.float64)
     kl, mask = _kl(call, width)
-    rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef)
+    rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef, mask)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
     g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
     white = whiten(adv, mask, g["n"], g["s"], g["q"])
@@ -90,7 +92,7 @@ def _reinforce(call: StageCall, scores: torch.Tensor) -> StageResult:
     if algo.name == "reinforce_pp_baseline":
         scores = group_centred(scores, run.cfg.rollout.n)
     kl, mask = _kl(call, width)
-    returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef), mask, algo.gamma)
+    returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma)
     g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
     white = whiten(returns, mask, g["n"], g["s"], g["q"])
     sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())} if kl is not None else {}

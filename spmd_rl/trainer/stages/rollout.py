@@ -71,7 +71,7 @@ def _trajectories(call: StageCall) -> list[Trajectory]:
     """One multi-turn trajectory per sample of the share, in index order."""
     run, cols = call.run, call.batch.columns
     items = [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
-    return run.turns.run(items, seed=_seed(call))
+    return run.turns.run(items, seed=_seed(call), seed_keys=call.batch.indices.tolist())
 
 
 def _as_sample(t: Trajectory) -> Sample:
@@ -131,11 +131,13 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
     A trajectory's counts are summed once, in the iteration it ends."""
     run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
-    trajs = run.turns.start([(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])])
+    trajs = run.turns.start([(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
+                            seed_keys=call.batch.indices.tolist())
     todo = []
     for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
         p.mask, p.env_reward = m.tolist(), float(reward)
-        if not p.done and (not p.token_ids or t.replay(p.token_ids, p.logprobs, p.mask, run.tokenizer, lim.max_tokens, lim.max_turns)):
+        if not p.done and (not p.token_ids or t.replay(p.token_ids, p.logprobs, p.mask, run.tokenizer, lim.max_tokens, lim.max_turns,
+                                                       p.env_reward, lim.tool_timeout_s)):
             todo.append(t)
     run.turns.advance(todo, seed=_seed(call), segment=run.cfg.stream.partial_tokens)
     samples, ended = [], []
