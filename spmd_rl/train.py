@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank{peer.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args[0], args[1:])
+        # a token given as an override must not reach what records the program's arguments
+        # (W&B's run metadata): the config holds it now
+        sys.argv = [a.split("=", 1)[0] + "=<redacted>" if a.startswith("dock.token=") else a for a in sys.argv]
         logging.getLogger().setLevel(cfg.logging.level if peer.rank == 0 else logging.WARNING)
         quiet_vllm(cfg.logging.dir, peer.rank)  # before vLLM is imported
         run, start = build(cfg, peer)

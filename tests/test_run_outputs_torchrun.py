@@ -22,7 +22,9 @@ from spmd_rl.report.plots import FIGURES
 from tests.helpers.wandb_records import config_text, history, run_name
 from tests.trainer_util import train
 
-TOKEN = "trainer-test-token-0123456789"  # tests.trainer_util's job token
+TOKEN = "outputs-test-token-given-as-an-override-0123"
+"""Given as ``dock.token=`` (so in the config and the program's arguments), where the checks
+below can see it leak; the environment's token of tests.trainer_util is overridden by it."""
 ITERS = 3
 
 
@@ -30,7 +32,7 @@ ITERS = 3
 def run(tiny_model, tmp_path_factory, etcd):
     tmp = tmp_path_factory.mktemp("outputs")
     rows = train(tmp, "q", etcd.endpoint, f"trainer.iterations={ITERS}", "logging.wandb.project=spmd-rl-test", "logging.wandb.mode=offline",
-                 "logging.wandb.name=tiny-run", "checkpoint.interval=0", extra_env={"WANDB_SILENT": "true"})
+                 "logging.wandb.name=tiny-run", "checkpoint.interval=0", f"dock.token={TOKEN}", extra_env={"WANDB_SILENT": "true"})
     res = CliRunner().invoke(app, ["report", str(tmp / "q/logs"), "--trace"])
     assert res.exit_code == 0, res.output
     return tmp / "q/logs", rows, json.loads(res.output.strip().splitlines()[-1])
@@ -50,6 +52,10 @@ def test_wandb_offline_logs_the_jsonl_metrics(run):
     config = config_text(path)
     assert "rollout=" in config and '"environment":null' in config  # the run's config, as validated
     assert TOKEN not in config
+    # nowhere in what the run wrote: W&B's run file and its metadata (the program's arguments),
+    # the metrics, the config, the trace, vLLM's logs
+    leaked = [p for p in logs.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert leaked == [], leaked
 
 
 @pytest.mark.slow
