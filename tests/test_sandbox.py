@@ -39,6 +39,17 @@ def test_memory_is_bounded():
     assert out.status == "error" and "MemoryError" in out.output
 
 
+def reached(server: socket.socket) -> bool:
+    """Whether a connection arrived at this listening ``server`` within its timeout; closes it."""
+    try:
+        server.accept()
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+    finally:
+        server.close()
+
+
 def test_the_network_is_out_of_reach():
     """A server this test opened on loopback never sees the sandboxed code's connection."""
     server = socket.socket()
@@ -47,14 +58,7 @@ def test_the_network_is_out_of_reach():
     server.settimeout(0.5)
     port = server.getsockname()[1]
     out = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
-    try:
-        server.accept()
-        reached = True
-    except (TimeoutError, socket.timeout):
-        reached = False
-    finally:
-        server.close()
-    assert not reached and "connected" not in out.output and out.status == "error", out
+    assert not reached(server) and "connected" not in out.output and out.status == "error", out
     assert out.isolation == "jail"
     allowed = run_python("print('ok')", Limits(network=True))
     assert allowed.isolation == "jail, network allowed" and allowed.ok

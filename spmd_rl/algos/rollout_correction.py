@@ -22,16 +22,16 @@ from __future__ import annotations
 import torch
 
 
-def icepop_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
-    """[a <= rho_t <= b] per token (float, no gradient): which tokens IcePop keeps."""
-    rho = torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20))
-    return ((rho >= band[0]) & (rho <= band[1])).to(old_logp.dtype)
+def _ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+    """rho_t = exp(old - rollout) per token, detached; always > 0 (log rho clamped to +-20)."""
+    return torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20))
 
 
 def icepop_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
-    """IcePop's per-token weight rho_t [a <= rho_t <= b] (module docstring; no gradient)."""
-    rho = torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20))
-    return rho * icepop_mask(old_logp, rollout_logp, band)
+    """IcePop's per-token weight rho_t [a <= rho_t <= b] (module docstring; no gradient). Zero
+    exactly where a token is masked, since rho_t > 0 (the masked count is where it is 0)."""
+    rho = _ratio(old_logp, rollout_logp)
+    return torch.where((rho >= band[0]) & (rho <= band[1]), rho, 0.0)
 
 
 def mis_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:

@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import shutil
 import tempfile
@@ -40,8 +39,7 @@ def adapter_root() -> Path:
     same across the job's restarts on this host (``vllm_shm.JOB_ENV`` without the restart count)
     and its global rank, so a restarted rank removes what a SIGKILLed one left (``spmd-rl
     doctor`` counts what no restart cleaned)."""
-    stable = [k for k in vllm_shm.JOB_ENV if k != "TORCHELASTIC_RESTART_COUNT"]
-    tag = hashlib.sha256("\0".join(os.environ.get(k, "") for k in stable).encode()).hexdigest()[:12]
+    tag = vllm_shm.job_tag(tuple(k for k in vllm_shm.JOB_ENV if k != "TORCHELASTIC_RESTART_COUNT"))
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     return base / f"{ROOT_PREFIX}{tag}-r{os.environ.get('RANK', '0')}"
 

@@ -34,9 +34,9 @@ SHM_DIR = Path("/dev/shm")
 JOB_ENV = ("SPMD_RL_JOB_TOKEN", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 
 
-def job_tag() -> str:
-    """12 hex digits of sha256 over ``JOB_ENV`` (the token is hashed, never shown)."""
-    return hashlib.sha256("\0".join(os.environ.get(k, "") for k in JOB_ENV).encode()).hexdigest()[:12]
+def job_tag(keys: tuple[str, ...] = JOB_ENV) -> str:
+    """12 hex digits of sha256 over the environment's ``keys`` (the token is hashed, never shown)."""
+    return hashlib.sha256("\0".join(os.environ.get(k, "") for k in keys).encode()).hexdigest()[:12]
 
 
 def name_per_job() -> None:

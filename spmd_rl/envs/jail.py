@@ -80,26 +80,35 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+def jailed_python(args: list[str], tmp_bytes: int, network: bool) -> tuple[list[str], int]:
+    """The command running ``python -I -S *args`` in the jail, and the read end of the pipe that
+    holds its seccomp program (``envs.seccomp``): pass it to the child (``pass_fds``) and close
+    it once the child started. A root caller's jail is entered as root, which the bootstrap then
+    drops to nobody (``envs.sandbox``)."""
+    from spmd_rl.envs.seccomp import program
+
+    read, write = os.pipe()
+    os.write(write, program())  # a few hundred bytes: the pipe holds them
+    os.close(write)
+    exe, _ = python_for_jail()
+    return [*bwrap_args(bwrap_path(), read, tmp_bytes, network, as_nobody=os.geteuid() == 0), exe, "-I", "-S", *args], read
+
+
 @functools.cache
 def jail_problem() -> str | None:
     """None when a jail can be made here (bubblewrap is installed and can create the namespaces:
     tried once per process), else what is missing."""
-    bwrap = bwrap_path()
-    if bwrap is None:
+    if bwrap_path() is None:
         return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap (launch/setup.sh does)"
-    from spmd_rl.envs.seccomp import program
-
-    read, write = os.pipe()
+    read = None
     try:
-        os.write(write, program())
-        os.close(write)
-        exe, _ = python_for_jail()
-        res = subprocess.run([*bwrap_args(bwrap, read, 2**20, network=False, as_nobody=os.geteuid() == 0), exe, "-I", "-S", "-c", "pass"],
-                             pass_fds=(read,), capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        cmd, read = jailed_python(["-c", "pass"], 2**20, network=False)
+        res = subprocess.run(cmd, pass_fds=(read,), capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         return f"bubblewrap could not start a jail: {exc}"
     finally:
-        os.close(read)
+        if read is not None:
+            os.close(read)
     if res.returncode != 0:
         return f"bubblewrap could not start a jail here (user namespaces refused?): {res.stderr.strip()[-300:]}"
     return None

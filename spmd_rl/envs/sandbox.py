@@ -36,8 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from spmd_rl.envs.jail import NOBODY, bwrap_args, bwrap_path, jail_problem, python_for_jail
-from spmd_rl.envs.seccomp import program
+from spmd_rl.envs.jail import NOBODY, jail_problem, jailed_python
 
 _BOOT = r"""
 import ctypes, os, resource, sys
@@ -109,25 +108,19 @@ class Outcome:
 def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     """Run ``code`` under ``limits`` (module docstring) and return what happened."""
     t0 = time.monotonic()
-    root = os.geteuid() == 0
-    drop = NOBODY if limits.jail and root else 0
+    drop = NOBODY if limits.jail and os.geteuid() == 0 else 0
     nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
     boot = [str(v) for v in (limits.cpu_s, limits.memory_bytes, int(limits.network), nproc, limits.file_bytes, limits.open_files,
                              drop, int(limits.jail))]
-    exe = sys.executable
-    prefix: list[str] = []
-    fds: tuple[int, ...] = ()
+    cmd, fds = [sys.executable, "-I", "-S", "-c", _BOOT, *boot], ()
     if limits.jail:
         if (problem := jail_problem()) is not None:
             raise RuntimeError(f"the python environment needs a jail for model-written code: {problem}; "
                                "or set rollout.unsafe_python_without_jail: true where none can be had")
-        read, write = os.pipe()
-        os.write(write, program())  # a few hundred bytes: the pipe holds them
-        os.close(write)
-        exe, _ = python_for_jail()
-        prefix, fds = bwrap_args(bwrap_path(), read, limits.file_bytes, limits.network, as_nobody=root), (read,)
+        cmd, read = jailed_python(["-c", _BOOT, *boot], limits.file_bytes, limits.network)
+        fds = (read,)
     try:
-        proc = subprocess.Popen([*prefix, exe, "-I", "-S", "-c", _BOOT, *boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
                                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"})
     finally:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
-from spmd_rl.algos.rollout_correction import icepop_mask, icepop_weight, mis_mask
+from spmd_rl.algos.rollout_correction import icepop_weight, mis_mask
 from spmd_rl.config.stages import advantage_column, separated
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
@@ -81,7 +81,7 @@ def actor_update(call: StageCall) -> StageResult:
         if a.icepop_band is not None:  # the config refuses it beside TIS: it is the importance weight itself
             weights.append(icepop_weight(old_lp, roll, a.icepop_band))
             if sums is not None:
-                sums["icepop_masked"] += ((1 - icepop_mask(old_lp, roll, a.icepop_band)) * mask).sum()
+                sums["icepop_masked"] += ((weights[-1] == 0) * mask).sum()  # rho > 0: zero weight is a masked token
         if a.mis_band is not None:
             weights.append(mis_mask(old_lp, roll, mask, a.mis_band))
             if sums is not None:
