@@ -6,7 +6,6 @@ buffer) are checked through the ledger and the temporary peak."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,7 @@ from spmd_rl.config.layout import Layout, Layouts
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from tests.conftest import REPO
-from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
+from tests.torchrun_util import QUIET_CHILD_ENV, OwnShm, run_nodes
 
 
 @pytest.mark.slow
@@ -27,8 +26,9 @@ def test_reshard_swap_rollout(request, tmp_path, model, train_dp, train_tp, gen_
     tiny_model = request.getfixturevalue("tiny_model" if model == "dense" else "tiny_moe")
     env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TRAIN_DP": str(train_dp),
                              "TRAIN_TP": str(train_tp), "GEN_TP": str(gen_tp)}
-    run_nodes(REPO / "tests/helpers/engine_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
-    assert not list(Path("/dev/shm").glob("*cpushm*"))  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm_shm)
+    with OwnShm(period_s=0.2) as shm:
+        run_nodes(REPO / "tests/helpers/engine_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
+    assert not shm.named_cpushm()  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm_shm)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # before and after three weight updates: vLLM greedy == HF greedy on the training weights

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import resource
 import threading
 
@@ -66,7 +67,9 @@ def test_live_buffers_are_never_shared_and_freed_ones_are_reused():
         before = faults()
         c = pool.empty(4 * MiB // 4, torch.float32).fill_(3.0)
         reused_faults = faults() - before
-        fresh = torch.empty(4 * MiB // 4, dtype=torch.float32)
+        # pages never touched: an anonymous mapping of its own (torch.empty may get memory that
+        # an earlier test in this process freed to malloc, already mapped)
+        fresh = torch.frombuffer(mmap.mmap(-1, 4 * MiB), dtype=torch.float32)
         before = faults()
         fresh.fill_(5.0)
         fresh_faults = faults() - before

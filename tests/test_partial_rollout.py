@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from spmd_rl.engines.rollout import Sample
 from spmd_rl.trainer.carry import CarriedGroup, Piece
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, run_helper
+from tests.torchrun_util import OwnShm
 from tests.trainer_util import G, N, train
 
 
@@ -121,8 +121,9 @@ def test_a_piece_finishes_on_a_stop_or_at_the_limit():
 def test_partial_rollout_with_tensor_parallel_generation(tiny_model, tmp_path, etcd):
     """Generation TP 2 (one generation DP group of both ranks): both TP ranks carry the same
     groups, only TP rank 0 puts them, and the balance holds."""
-    rows = train(tmp_path, "partial-tp", etcd.endpoint, "stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=3",
-                 "parallel.gen.dp=1", "parallel.gen.tp=2")
+    with OwnShm(period_s=0.2) as shm:
+        rows = train(tmp_path, "partial-tp", etcd.endpoint, "stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=3",
+                     "parallel.gen.dp=1", "parallel.gen.tp=2")
     new = sum(r["partial_new_groups"] for r in rows)
     assert new == sum(r["partial_trained_groups"] for r in rows) + rows[-1]["partial_carried_groups"]
     assert rows[0]["partial_carried_groups"] > 0 and sum(r["samples"] for r in rows) > 0
@@ -130,4 +131,4 @@ def test_partial_rollout_with_tensor_parallel_generation(tiny_model, tmp_path, e
     assert set(first.carried) <= set(first.sampled)  # iteration 0 carries only what it sampled
     assert problems(PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()) == []
     # vLLM's CPU TP segments lost their names once mapped, so the next run can create them again
-    assert not list(Path("/dev/shm").glob("*cpushm*"))
+    assert not shm.named_cpushm()
