@@ -110,7 +110,8 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         if peer.rank == 0:
             log.info("resumed from %s at iteration %d", folder, start)
     run = Run(cfg, lay, peer, acc, dock, graph, roles, rollout, residency, tok, prompts, sampler,
-              get_reward(cfg.reward.rule, cfg.reward.format_score))
+              get_reward(cfg.reward.rule, cfg.reward.format_score),
+              lineage=checkpoint.lineage_id(state if folder is not None else None, cfg.checkpoint.resume))
     if multi_turn(cfg) and lay.gen.tp > 1:  # the TP ranks of a generation group run each multi-turn rollout together
         run.gen_tp_group = replica_group(lay.gen, peer.rank)
     if folder is not None and "carry_rows" in state:

@@ -57,3 +57,52 @@ def test_metrics_of_redone_iterations_are_dropped(tmp_path):
     truncate_from(path, 3)
     assert [json.loads(x)["iteration"] for x in path.read_text().splitlines()] == [0, 1, 2]
     assert (tmp_path / "metrics.jsonl.torn").read_text().startswith('{"iteration": 5')
+
+
+def test_the_lineage_id_is_kept_by_restarts_and_new_for_fresh_or_forked_runs(tmp_path):
+    """``lineage_id``: a restart that resumes its own lineage's checkpoint keeps its id; a fresh
+    start, a start from another lineage's folder, and a checkpoint without an id get new ones."""
+    from spmd_rl.trainer.checkpoint import lineage_id
+
+    fresh = lineage_id(None, "auto")
+    assert fresh != lineage_id(None, "auto") and len(fresh) == 12  # two fresh runs under one job name
+    assert lineage_id({"origin": None, "lineage": fresh}, "auto") == fresh  # a torchrun restart
+    fork_from = str(tmp_path / "ckpt/iter_000010")
+    forked = lineage_id({"origin": None, "lineage": fresh}, fork_from)  # a new run from that folder
+    assert forked != fresh
+    assert lineage_id({"origin": origin_of(fork_from), "lineage": forked}, fork_from) == forked  # its restart
+    assert lineage_id({"origin": None}, "auto") != lineage_id({"origin": None}, "auto")  # written before ids
+
+
+def test_wandb_runs_follow_lineages_with_iteration_as_their_axis(tmp_path, monkeypatch):
+    """MetricsLog in W&B's offline mode, read back from its run files: a restart of lineage
+    ``aaa`` logs into the same W&B run id, redoing iterations 1-2 (both points kept: the
+    x-axis is ``iteration``, declared for every metric, not W&B's step, which drops a step
+    logged twice); a second run under the same job name, lineage ``bbb``, is another run."""
+    from spmd_rl.config.runtime_schema import WandbConfig
+    from spmd_rl.trainer.metrics import MetricsLog
+    from tests.helpers.wandb_records import history, records
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = WandbConfig(project="lineage-test", mode="offline")
+
+    def run(lineage: str, start: int, stop: int) -> None:
+        log = MetricsLog(tmp_path / "logs", jsonl=True, tensorboard=False, enabled=True, start_iteration=start, wandb=cfg,
+                         job="exp/7", lineage=lineage)
+        for it in range(start, stop):
+            log.write(it, {"loss": float(it)})
+        log.close()
+
+    run("aaa", 0, 3)
+    run("aaa", 1, 4)  # restarted from the iteration-1 checkpoint
+    run("bbb", 0, 2)
+    files: dict[str, list[Path]] = {}
+    for path in sorted((tmp_path / "logs/wandb").glob("offline-run-*/run-*.wandb")):
+        files.setdefault(path.stem.removeprefix("run-"), []).append(path)
+    assert sorted(files) == ["exp-7-aaa", "exp-7-bbb"]
+    logged = lambda run_id: [(row["iteration"], row["loss"]) for p in files[run_id] for row in history(p)]  # noqa: E731
+    assert logged("exp-7-aaa") == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert logged("exp-7-bbb") == [(0, 0.0), (1, 1.0)]
+    for paths in files.values():
+        metrics = [r.metric for p in paths for r in records(p) if r.WhichOneof("record_type") == "metric"]
+        assert any(m.glob_name == "*" and m.step_metric == "iteration" for m in metrics), metrics

@@ -63,3 +63,39 @@ def test_a_missing_metric_leaves_the_others_drawn(tmp_path):
 def test_a_folder_without_metrics_exits_2(tmp_path):
     res = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2 and "no metrics.jsonl" in res.output
+
+
+def test_long_series_are_smoothed_and_the_warm_up_is_drawn_apart():
+    """200 noisy iterations: the accuracy figure draws the raw series faint and, over it,
+    TensorBoard's debiased EMA (checked against its closed form in float64); the stage-time
+    figure puts the 27 s first iteration in a warm-up panel and scales the steady one to the
+    0.7 s iterations (before, iteration 0 set the scale and the rest was a flat band)."""
+    import random
+
+    import matplotlib.pyplot as plt
+
+    from spmd_rl.report.plots import SMOOTHING, figure, smoothed
+
+    rng = random.Random(0)
+    rows = [{"iteration": i, "accuracy": min(1.0, 0.25 + i / 400 + rng.gauss(0, 0.1)), "time_actor_rollout": 0.5 + rng.random() * 0.05,
+             "time_actor_update": 0.2} for i in range(200)]
+    rows[0]["time_actor_rollout"] = 27.0
+    by_name = {f.name: f for f in FIGURES}
+    acc = figure(by_name["accuracy"], rows)
+    (ax,) = acc.axes
+    raw, smooth = ax.get_lines()
+    ys = [r["accuracy"] for r in rows]
+    assert list(raw.get_ydata()) == ys and raw.get_alpha() < 1 and smooth.get_color() == raw.get_color()
+    w = SMOOTHING
+    closed = [(1 - w) * sum(w ** (t - k) * ys[k] for k in range(t + 1)) / (1 - w ** (t + 1)) for t in range(len(ys))]
+    assert max(abs(a - b) for a, b in zip(smooth.get_ydata(), closed)) < 1e-12
+    assert smoothed([3.0])[0] == 3.0  # debiased: the first point is the first value
+    stage = figure(by_name["stage_time"], rows)
+    warm, steady = stage.axes
+    assert [t.get_text() for t in warm.get_xticklabels()] == ["0"]
+    assert max(p.get_y() + p.get_height() for p in warm.patches) == 27.2
+    assert steady.get_ylim()[1] < 1.5  # the steady iterations' own scale
+    plt.close("all")
+    short = figure(by_name["stage_time"], rows[1:5])
+    assert len(short.axes) == 1  # no warm-up: one panel
+    plt.close("all")

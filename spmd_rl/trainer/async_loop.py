@@ -145,7 +145,8 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
     cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
     G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
     metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=leader, start_iteration=start,
-                         wandb=cfg.logging.wandb, job=cfg.metadata.job, config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
+                         wandb=cfg.logging.wandb, job=cfg.metadata.job, lineage=run.lineage,
+                         config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
     bar = progress_for(leader and cfg.logging.progress, cfg.trainer.iterations, start)
     publish(run, start)
     for it in range(start, cfg.trainer.iterations):

@@ -12,6 +12,11 @@ the latest complete checkpoint; ``<folder>`` takes the latest checkpoint of its 
 a failure continues from the newest checkpoint instead of rolling back to the folder, while a
 fresh start from an older folder ignores the other timeline's newer checkpoints.
 
+A lineage also has an id, ``lineage`` in every checkpoint's trainer state (:func:`lineage_id`):
+minted by a fresh start or a start from another lineage's folder, kept by every restart that
+resumes its own checkpoints. It names the run's W&B run, so a restart continues that run and a
+new run that reuses the job name gets its own.
+
 Pruning after a save keeps the ``keep`` newest checkpoints of the run's own lineage; it never
 deletes the checkpoint just written nor any checkpoint of another lineage.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import secrets
 import shutil
 from pathlib import Path
 
@@ -69,6 +75,15 @@ def set_rng_state(text: str) -> None:
 def origin_of(resume: str) -> str | None:
     """The lineage a run with this ``checkpoint.resume`` writes: the resolved folder, or None."""
     return None if resume in ("auto", "never") else str(Path(resume).resolve())
+
+
+def lineage_id(state: dict | None, resume: str) -> str:
+    """The id of the lineage a run writes (module docstring): ``state``'s (the resumed
+    checkpoint's) where that checkpoint belongs to it (its origin is the one this
+    ``checkpoint.resume`` writes), else 12 new random hex digits."""
+    if state is not None and state.get("lineage") and state.get("origin") == origin_of(resume):
+        return state["lineage"]
+    return secrets.token_hex(6)
 
 
 def _lineage(root: str | Path, origin: str | None) -> list[Path]:

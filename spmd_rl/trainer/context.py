@@ -42,6 +42,9 @@ class Run:
     prompts: PromptSet
     sampler: PromptSampler
     reward_fn: Any
+    lineage: str = ""
+    """The id of the checkpoint lineage this run writes (``trainer.checkpoint.lineage_id``);
+    the leader's names the W&B run."""
     evaluator: Callable[[int], float] | None = None
     """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
     ledger: PromptLedger | None = None

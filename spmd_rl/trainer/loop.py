@@ -140,7 +140,8 @@ def train(run: Run, start_iteration: int) -> None:
     cfg = run.cfg
     rank0 = run.peer.rank == 0
     metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration,
-                         wandb=cfg.logging.wandb, job=cfg.metadata.job, config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
+                         wandb=cfg.logging.wandb, job=cfg.metadata.job, lineage=run.lineage,
+                         config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
     bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
     for it in range(start_iteration, cfg.trainer.iterations):
         start = timeline.now_us()
@@ -171,7 +172,7 @@ def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     cfg = run.cfg
-    state = {"iteration": iteration, "origin": checkpoint.origin_of(cfg.checkpoint.resume),
+    state = {"iteration": iteration, "origin": checkpoint.origin_of(cfg.checkpoint.resume), "lineage": run.lineage,
              "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
              "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
     if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)

@@ -4,6 +4,7 @@ throughput, JSONL / TensorBoard logging and a one-line progress print on rank 0.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -83,15 +84,25 @@ def truncate_from(path: Path, start_iteration: int) -> None:
     tmp.replace(path)
 
 
+def wandb_run_id(job: str, lineage: str) -> str | None:
+    """``<job>-<lineage>`` in the characters W&B allows in an id (others become ``-``; at most 64)."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", "-".join(p for p in (job, lineage) if p))
+    return name[-64:] or None
+
+
 class MetricsLog:
     """Rank 0 writes ``metrics.jsonl`` (and TensorBoard scalars, and a W&B run, when enabled).
     Lines of iterations at or after ``start_iteration`` (left by a run that was restarted from
     an older checkpoint) are removed first; ``config`` (the validated config, without secrets)
-    is written to ``config.json``. A restarted run continues the same W&B run (its id
-    is the job name), logging from ``start_iteration`` again."""
+    is written to ``config.json``.
+
+    W&B: one run per checkpoint lineage, id ``<job>-<lineage>`` (``checkpoint.lineage_id``). A
+    restart continues its lineage's run and logs the iterations from ``start_iteration`` again;
+    W&B keeps both points of a redone iteration (its x-axis is the ``iteration`` metric, not
+    W&B's own step, which would drop them). A new run under a reused job name is a new W&B run."""
 
     def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0,
-                 wandb=None, job: str = "", config: dict | None = None):
+                 wandb=None, job: str = "", config: dict | None = None, lineage: str = ""):
         self.enabled = enabled
         self.folder = Path(folder)
         self._jsonl = None
@@ -104,8 +115,10 @@ class MetricsLog:
             import wandb as wandb_lib
 
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb_lib.init(project=wandb.project, mode=wandb.mode, name=wandb.name or job, id=job or None,
-                                         dir=str(self.folder), config=config, resume="allow")
+            self._wandb = wandb_lib.init(project=wandb.project, mode=wandb.mode, name=wandb.name or job,
+                                         id=wandb_run_id(job, lineage), dir=str(self.folder), config=config, resume="allow")
+            self._wandb.define_metric("iteration")
+            self._wandb.define_metric("*", step_metric="iteration")
         if enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             if jsonl:
@@ -127,7 +140,7 @@ class MetricsLog:
                 self._tb.add_scalar(k, v, iteration)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"iteration": iteration}, step=iteration)
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"iteration": iteration})
 
     def close(self) -> None:
         if self._jsonl:
