@@ -127,4 +127,18 @@ def load_into(engine, loaded: dict) -> None:
             tensors = {"param": master.reshape(-1)[own], "step": torch.tensor(float(step))}
             tensors |= {key: _join(name, moments[key], engine.shape, engine.tp).reshape(-1)[own] for key in MOMENTS}
             opt._set_main_param_and_optimizer_states(p, tensors)
+    for opt in optimizers:
+        restore_group_step(opt.optimizer, step)
     engine.step_count = int(loaded["steps"])
+
+
+def restore_group_step(inner: torch.optim.Optimizer, step: int) -> None:
+    """Set ``param_groups[i]["step"] = step`` where ``inner`` counts its steps per group, as
+    apex's and TransformerEngine's FusedAdam do (mcore picks one when installed): its state
+    holds moments without a ``step``. Adam's bias correction ``1 - beta^step`` reads that count,
+    so without it a resumed run would restart at step 1. torch's AdamW keeps ``step`` per
+    parameter, which ``load_into`` sets with the moments; it is left alone."""
+    states = [inner.state[p] for g in inner.param_groups for p in g["params"] if p in inner.state]
+    if states and all("step" not in st for st in states):
+        for g in inner.param_groups:
+            g["step"] = step
