@@ -26,6 +26,7 @@ from spmd_rl.config.stages import multi_turn, needs_reference, pinned_roles, rec
 from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
+from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import replica_group, train_mesh
 from spmd_rl.distributed.sides import init_sides
@@ -75,6 +76,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         raise ConfigError(violations)
     acc = detect(cfg.trainer.device, peer.local_rank)
     acc.set_device()
+    timeline.use_device_events(acc.device)  # spans end when the device's work does
     dist.init_process_group(acc.backend, timeout=datetime.timedelta(seconds=cfg.elastic.startup_timeout_s))
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:

@@ -170,3 +170,26 @@ def test_packed_scores_equal_the_padded_reward_model(tiny_model):
     got = packed_scores(model, batch)
     assert got.shape == (len(batch),) and want.abs().max() > 0.01
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_step_reads_its_loss_on_the_host_once_whatever_the_micro_batches(tiny_model, monkeypatch):
+    """On a device each ``float(tensor)`` or ``.item()`` waits for the queued kernels: the
+    step reads the loss once after its last backward, not once per micro-batch. Counted on
+    the Tensor methods for 1 and 4 micro-batches of the same 8 samples; the summed loss is
+    the same."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    batch = _long_tail_batch(AutoConfig.from_pretrained(tiny_model).vocab_size, n=8, seed=5)
+    reads, losses = {}, {}
+    for n in (1, 4):
+        e = TrainEngine(tiny_model, detect("cpu"), mesh, ActorConfig(mini_batch_size=1, micro_batch_size=8 // n, lr=1e-3),
+                        "float32", total_steps=10, policy=SamplingPolicy(1.0))
+        count = [0]
+        for name in ("__float__", "item"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda t, _real=real: (count.__setitem__(0, count[0] + 1), _real(t))[1])
+        step = e.train_step(split(batch, 8 // n), lambda lp, ent, k: -lp.sum() / 100)
+        monkeypatch.undo()
+        reads[n], losses[n] = count[0], step["loss"]
+    assert reads[4] == reads[1], reads
+    assert losses[4] == pytest.approx(losses[1], rel=1e-5)

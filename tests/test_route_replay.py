@@ -49,6 +49,25 @@ def test_choose_replays_recorded_rows_and_counts_each_layer_once(monkeypatch):
     assert torch.equal(route_replay.choose(0, own), own)  # nothing current: the router's own choice
 
 
+def test_the_statistics_never_read_the_device(monkeypatch):
+    """Counting reads no value on the host (one would wait for the device per layer and
+    micro-batch): on the meta device, which holds no values, any such read raises. Padding
+    tokens add no load: experts 0..3 get 2, 2, 0, 0 of the two real tokens' 4 choices (with the
+    padding token's 2, 2, 1, 1)."""
+    monkeypatch.setitem(route_replay._experts, 0, 4)
+    monkeypatch.setitem(route_replay._experts, 1, 4)
+    route_replay.take_sums()
+    own = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    routes = torch.tensor([[[1, 0], [1, 0]], [[2, 1], [2, 1]], [[-1, -1], [-1, -1]]])
+    with route_replay.feeding(routes, torch.tensor([True, False, True]), replay=False, device="meta"):
+        for layer in (0, 1):
+            assert route_replay.choose(layer, own.to("meta")).device.type == "meta"
+    route_replay._sums.clear()
+    with route_replay.feeding(routes[:, :1], torch.tensor([True, False, True]), replay=False):
+        route_replay.choose(0, own)
+    assert route_replay.take_sums()["load_ratio"] == pytest.approx(2 / 1)  # max 2 over mean 4/4
+
+
 def test_the_patched_hf_router_is_transformers_own_without_replay(tiny_moe):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
     router = model.model.layers[1].mlp.gate

@@ -100,13 +100,14 @@ def place(lengths: list[int], size: int, index: Callable[[int, torch.Tensor], to
     return out, valid
 
 
-def start(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool) -> None:
+def start(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool, device: torch.device | str = "cpu") -> None:
     """Make ``routes`` / ``valid`` (``place``) current until ``stop`` or the next ``start``:
     for a micro-batch's forward and its backward (which recomputes the forward under
-    activation checkpointing, and must replay the same experts)."""
+    activation checkpointing, and must replay the same experts). Both are copied to the
+    routers' ``device`` here, once per micro-batch, not once per layer."""
     global _current
     stop()
-    _current = Feed(routes, valid, replay)
+    _current = Feed(None if routes is None else routes.to(device, non_blocking=True), valid.to(device, non_blocking=True), replay)
 
 
 def stop() -> None:
@@ -117,9 +118,9 @@ def stop() -> None:
 
 
 @contextlib.contextmanager
-def feeding(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool):
+def feeding(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool, device: torch.device | str = "cpu"):
     """``start`` ... ``stop`` around the block."""
-    start(routes, valid, replay)
+    start(routes, valid, replay, device)
     try:
         yield
     finally:
@@ -171,12 +172,16 @@ def attach(layer: int, logits: torch.Tensor, probs: torch.Tensor, weights: torch
 
 
 def _count(f: Feed, layer: int, own: torch.Tensor, routes: torch.Tensor | None, recorded: torch.Tensor | None) -> None:
+    """This layer's statistics, kept on the device: nothing here reads a value on the host
+    (a boolean index, ``int()`` or ``if tensor`` would wait for the device, per layer and
+    micro-batch). A forward without real tokens adds load 0 over 0 layers."""
     valid = f.valid.to(own.device)
     used = own if not (f.replay and routes is not None) else torch.where(recorded[:, None], routes, own)
-    experts = int(_experts.get(layer, int(used.max()) + 1 if used.numel() else 1))
-    load = torch.zeros(experts, device=own.device).index_add_(0, used[valid].flatten(), torch.ones(int(valid.sum()) * used.shape[1], device=own.device))
-    _add("load_ratio", load.max() / load.mean().clamp(min=1e-12) if valid.any() else torch.zeros((), device=own.device))
-    _add("load_layers", torch.ones((), device=own.device) if valid.any() else torch.zeros((), device=own.device))
+    experts = _experts[layer] if layer in _experts else int(used.max()) + 1 if used.numel() else 1  # unpatched routers only
+    weight = valid[:, None].expand_as(used).flatten().to(torch.float32)
+    load = torch.zeros(experts, device=own.device).index_add_(0, used.flatten(), weight)
+    _add("load_ratio", load.max() / load.mean().clamp(min=1e-12))
+    _add("load_layers", valid.any().to(torch.float64))
     if routes is None:
         return
     same = (own.sort(dim=1).values == routes.sort(dim=1).values).all(dim=1) & recorded

@@ -120,7 +120,7 @@ class TrainEngine(Engine):
             size, width = micro.input_ids.numel(), micro.input_ids.shape[1]
             index = lambda b, t: b * width + t  # noqa: E731
         routes, valid = route_replay.place(lengths, size, index, micro.routes)
-        return route_replay.feeding(routes, valid, self.cfg.router_replay == "rollout")
+        return route_replay.feeding(routes, valid, self.cfg.router_replay == "rollout", self.acc.device)
 
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
@@ -174,7 +174,7 @@ class TrainEngine(Engine):
         global grad norm to ``grad_clip``, AdamW step, LR schedule step."""
         assert self.optimizer is not None and self.scheduler is not None, "reference engine has no optimizer"
         self.model.train()
-        total_loss = 0.0
+        losses: list[torch.Tensor] = []  # summed once after the last backward: no host read per micro-batch
         try:
             for k, micro in enumerate(micro_batches):
                 if self.cfg.accumulate_unsharded:  # FSDP2 no-sync: one all-gather per module, reduce-scatter and reshard after the last backward
@@ -186,7 +186,7 @@ class TrainEngine(Engine):
                     lp, ent = self._forward(micro, with_entropy)
                     loss = loss_fn(lp, ent, k)
                     loss.backward()
-                total_loss += float(loss.detach())
+                losses.append(loss.detach())
         finally:
             if self.cfg.accumulate_unsharded:  # forward-only passes reshard after each module again
                 self.model.set_reshard_after_forward(True)
@@ -201,7 +201,7 @@ class TrainEngine(Engine):
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        return {"loss": total_loss, "grad_norm": float(norm), "lr": lr}
+        return {"loss": float(torch.stack(losses).double().sum()) if losses else 0.0, "grad_norm": float(norm), "lr": lr}
 
     # -- state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

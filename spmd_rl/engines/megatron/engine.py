@@ -161,7 +161,7 @@ class MegatronEngine(Engine):
             return
         count, seq = micro.input_ids.shape
         routes, valid = route_replay.place(micro.attention_mask.sum(1).tolist(), count * seq, lambda b, t: t * count + b, micro.routes)
-        route_replay.start(routes, valid, self.cfg.router_replay == "rollout")
+        route_replay.start(routes, valid, self.cfg.router_replay == "rollout", self.acc.device)
 
     def _response(self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         lo, hi = logit_window(micro)

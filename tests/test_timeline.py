@@ -1,0 +1,59 @@
+"""Span times on an accelerator (``distributed.timeline``): the host only queues the work, so a
+span ends when the device's timing events say its work did, read once at the flush; on CPU
+the host's clock is the span. A fake device stands for the accelerator: its events read a
+device clock that the span's body advances by 50 ms while the host returns at once."""
+
+from __future__ import annotations
+
+import json
+
+from spmd_rl.distributed import timeline
+
+
+class DeviceClock:
+    def __init__(self):
+        self.ms, self.synced = 0.0, 0
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.at = clock.ms
+
+            def elapsed_time(self, other) -> float:
+                return other.at - self.at
+
+            def synchronize(self):
+                clock.synced += 1
+        return Event()
+
+
+def _spans(tmp_path, rank: int) -> list:
+    (line,) = (tmp_path / "trace" / f"rank{rank}.jsonl").read_text().splitlines()
+    return json.loads(line)["spans"]
+
+
+def test_a_device_span_ends_when_its_work_does(tmp_path):
+    clock = DeviceClock()
+    timeline.use_device_events("meta", clock.event)
+    try:
+        start = timeline.now_us()
+        with timeline.span("forward_backward"):
+            clock.ms += 50.0  # kernels queued: the device is busy for 50 ms after the host moved on
+        assert clock.synced == 0  # no wait inside the step
+        timeline.flush(tmp_path, 0, 0, start)
+    finally:
+        timeline.use_device_events("cpu")
+    ((name, cat, t0, t1),) = _spans(tmp_path, 0)
+    assert name == "forward_backward" and t1 - t0 == 50_000 and clock.synced == 1
+
+
+def test_a_cpu_span_is_the_host_clock(tmp_path):
+    timeline.use_device_events("cpu")
+    start = timeline.now_us()
+    with timeline.span("optimizer"):
+        pass
+    timeline.flush(tmp_path, 1, 0, start)
+    ((name, _, t0, t1),) = _spans(tmp_path, 1)
+    assert name == "optimizer" and 0 <= t1 - t0 < 50_000
