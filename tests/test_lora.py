@@ -91,6 +91,7 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
         assert r["initial_vs_base"] < 1e-5  # B = 0: the adapted model starts as the base model
         assert r["adapted_moved"] > 0.1  # three updates moved the policy
         assert r["reference_vs_base"] < 1e-5  # adapters off == the HF base model: the reference
+        assert r["reference_reads_actor_tensors"] > 1e-3  # ... computed from the actor's own tensors, not a copy
         assert r["base_frozen_bit_exact"]  # the base weights never moved
         assert r["synced_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4  # merged weights are the trained policy
         assert max(r["vllm_vs_trainer"]) < 1e-4  # after each of two syncs vLLM samples from the trainer's policy

@@ -58,9 +58,9 @@ def test_partial_rollout_trains_every_group_once_and_resumes(tiny_model, tmp_pat
     args = ("stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=4", "rollout.temperature=1.0")
     rows = train(tmp_path, "partial", etcd.endpoint, *args)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
-    new = sum(r["partial_new_groups"] for r in rows)
-    trained = sum(r["partial_trained_groups"] for r in rows)
-    assert new == trained + rows[-1]["partial_carried_groups"]  # nothing lost, nothing trained twice
+    ledger = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial.ledger")).read()
+    assert problems(ledger) == []  # nothing lost, nothing trained twice: from what was sampled, put and read
+    observed(rows, ledger)
     assert rows[0]["partial_new_groups"] == G and rows[0]["partial_carried_groups"] > 0  # the budget cut responses
     for r in rows:
         assert r["samples"] == r["partial_trained_groups"] * N and r["partial_trained_groups"] % 2 == 0  # whole groups, even over 2 DP ranks
@@ -73,8 +73,19 @@ def test_partial_rollout_trains_every_group_once_and_resumes(tiny_model, tmp_pat
     assert len(state["carry_rows"]) == rows[1]["partial_carried_groups"]
     resumed = train(tmp_path, "partial-resumed", etcd.endpoint, *args, f"checkpoint.resume={ckpt}")
     assert [r["iteration"] for r in resumed] == [2, 3]
-    assert sum(r["partial_new_groups"] for r in resumed) + len(state["carry_rows"]) == \
-        sum(r["partial_trained_groups"] for r in resumed) + resumed[-1]["partial_carried_groups"]
+    again = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-resumed.ledger")).read()
+    assert problems(again, start_carried=state["carry_rows"]) == []  # the restored carry is trained or carried on
+    observed(resumed, again)
+
+
+def observed(rows: list[dict], ledger: list) -> None:
+    """The partial-rollout metrics count what the ledger observed: the prompts the sampler
+    handed out, the rows the update read, the rows still carried (``trainer.ledger``)."""
+    ledger = sorted(ledger, key=lambda r: r.iteration)
+    assert [len(r.sampled) for r in ledger] == [r["partial_new_groups"] for r in rows]
+    assert [len(r.trained) for r in ledger] == [r["partial_trained_groups"] for r in rows]
+    assert [r.trained_samples for r in ledger] == [r["samples"] for r in rows]
+    assert [len(r.carried) for r in ledger] == [r["partial_carried_groups"] for r in rows]
 
 
 @pytest.mark.parametrize("overrides, problem", [
@@ -124,11 +135,10 @@ def test_partial_rollout_with_tensor_parallel_generation(tiny_model, tmp_path, e
     with OwnShm(period_s=0.2) as shm:
         rows = train(tmp_path, "partial-tp", etcd.endpoint, "stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=3",
                      "parallel.gen.dp=1", "parallel.gen.tp=2")
-    new = sum(r["partial_new_groups"] for r in rows)
-    assert new == sum(r["partial_trained_groups"] for r in rows) + rows[-1]["partial_carried_groups"]
     assert rows[0]["partial_carried_groups"] > 0 and sum(r["samples"] for r in rows) > 0
-    (first, *_) = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()
-    assert set(first.carried) <= set(first.sampled)  # iteration 0 carries only what it sampled
-    assert problems(PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()) == []
+    ledger = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()
+    assert set(ledger[0].carried) <= set(ledger[0].sampled)  # iteration 0 carries only what it sampled
+    assert problems(ledger) == []
+    observed(rows, ledger)
     # vLLM's CPU TP segments lost their names once mapped, so the next run can create them again
     assert not shm.named_cpushm()

@@ -78,6 +78,14 @@ def main():
     ref, _ = engine.reference().infer(split(fixed, 4))
     report["adapted_moved"] = float((lp - base).abs().max())
     report["reference_vs_base"] = float((ref - base).abs().max())
+    # no second copy: the reference reads the actor's own base tensors, so doubling one of them
+    # in place moves the reference's log-probs (then halved back, bit for bit)
+    norm = dict(engine.model.named_parameters())["model.norm.weight"]
+    with torch.no_grad():
+        local(norm).mul_(2.0)
+        moved, _ = engine.reference().infer(split(fixed, 4))
+        local(norm).div_(2.0)
+    report["reference_reads_actor_tensors"] = float((moved - ref).abs().max())
     _, stream = engine.full_weights(torch.float32, 1 << 20)
     synced = {n: t.clone() for n, t in stream}
     report["synced_names_are_checkpoint_names"] = sorted(synced) == sorted(SafetensorsFolder(MODEL).index)

@@ -99,7 +99,7 @@ if __name__ == "__main__":
     first = samples[0].routes.view(-1, layers, k)
     same_prompt = all(torch.equal(s.routes.view(-1, layers, k)[: len(prompts[0])], first[: len(prompts[0])]) for s in samples[:4])
     print(json.dumps({
-        "positions": [int(s.routes.numel() // (layers * k)) for s in samples],
+        "layers": layers,
         "expected": [len(prompts[i // 4]) + len(s.token_ids) - 1 for i, s in enumerate(samples)],
         "partial_positions": int(partial.routes.numel() // (layers * k)), "partial_expected": len(prompts[0]) + 3 + len(partial.token_ids) - 1,
         "same_prompt_routes": same_prompt,
