@@ -81,7 +81,8 @@ def test_dpo_graph_has_no_rollout_and_reads_what_it_writes(tiny_model):
 @pytest.mark.parametrize("override,field", [
     ("rollout.n=4", "rollout.n"), ("trainer.eval_interval=10", "trainer.eval_interval"), ("stream.fuse=true", "stream.fuse"),
     ("algorithm.kl_coef=0.1", "algorithm.kl_coef"), ("actor.backend=megatron", "actor.backend"),
-    ("rollout.environment=calculator", "rollout.environment")])
+    ("rollout.environment=calculator", "rollout.environment"), ("rollout.temperature=0.7", "rollout.temperature"),
+    ("rollout.top_k=20", "rollout.top_k"), ("rollout.top_p=0.9", "rollout.top_p")])
 def test_dpo_refuses_what_it_would_ignore(tiny_model, override, field):
     cfg = load_config(QUICKSTART, [f"model.path={tiny_model}", override])
     _, violations = check(cfg, 2, 2)

@@ -31,10 +31,15 @@ def check_dpo(cfg: Config) -> list[Violation]:
         "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay),
         "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef),
         "actor.backend": (cfg.actor.backend == "megatron", "megatron"),
+        "rollout.temperature": (cfg.rollout.temperature != 1.0, cfg.rollout.temperature),
+        "rollout.top_k": (cfg.rollout.top_k != -1, cfg.rollout.top_k),
+        "rollout.top_p": (cfg.rollout.top_p != 1.0, cfg.rollout.top_p),
     }
     for field, (bad, value) in refused.items():
         if bad:
             why = ("DPO's tie to the reference is algorithm.dpo_beta" if field == "algorithm.kl_coef" else
-                   "DPO runs on the FSDP backend in this version" if field == "actor.backend" else "DPO generates nothing")
+                   "DPO runs on the FSDP backend in this version" if field == "actor.backend" else
+                   "DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
+                   "truncation would change the objective" if field.startswith("rollout.t") else "DPO generates nothing")
             out.append(Violation(field, value, why, f"remove {field} with algorithm.name: dpo"))
     return out
