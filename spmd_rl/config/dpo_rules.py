@@ -23,23 +23,21 @@ def check_dpo(cfg: Config) -> list[Violation]:
     if cfg.trainer.eval_interval:
         out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "the in-run eval samples greedily through vLLM, and DPO builds no rollout engine",
                              "set trainer.eval_interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint to evaluate it)"))
-    refused = {
-        "parallel.placement": (cfg.parallel.placement == "separated", "separated"),
-        "stream.partial_tokens": (cfg.stream.partial_tokens > 0, cfg.stream.partial_tokens),
-        "stream.fuse": (cfg.stream.fuse, True),
-        "rollout.environment": (cfg.rollout.environment is not None, cfg.rollout.environment),
-        "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay),
-        "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef),
-        "actor.backend": (cfg.actor.backend == "megatron", "megatron"),
-        "rollout.temperature": (cfg.rollout.temperature != 1.0, cfg.rollout.temperature),
-        "rollout.top_k": (cfg.rollout.top_k != -1, cfg.rollout.top_k),
-        "rollout.top_p": (cfg.rollout.top_p != 1.0, cfg.rollout.top_p),
+    generates = "DPO generates nothing"
+    plain = ("DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
+             "truncation would change the objective")
+    refused = {  # field: (refused?, the value shown, why)
+        "parallel.placement": (cfg.parallel.placement == "separated", "separated", generates),
+        "stream.partial_tokens": (cfg.stream.partial_tokens > 0, cfg.stream.partial_tokens, generates),
+        "stream.fuse": (cfg.stream.fuse, True, generates),
+        "rollout.environment": (cfg.rollout.environment is not None, cfg.rollout.environment, generates),
+        "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay, generates),
+        "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef, "DPO's tie to the reference is algorithm.dpo_beta"),
+        "actor.backend": (cfg.actor.backend == "megatron", "megatron", "DPO runs on the FSDP backend in this version"),
+        "rollout.temperature": (cfg.rollout.temperature != 1.0, cfg.rollout.temperature, plain),
+        "rollout.top_k": (cfg.rollout.top_k != -1, cfg.rollout.top_k, plain),
+        "rollout.top_p": (cfg.rollout.top_p != 1.0, cfg.rollout.top_p, plain),
     }
-    for field, (bad, value) in refused.items():
-        if bad:
-            why = ("DPO's tie to the reference is algorithm.dpo_beta" if field == "algorithm.kl_coef" else
-                   "DPO runs on the FSDP backend in this version" if field == "actor.backend" else
-                   "DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
-                   "truncation would change the objective" if field.startswith("rollout.t") else "DPO generates nothing")
-            out.append(Violation(field, value, why, f"remove {field} with algorithm.name: dpo"))
+    out += [Violation(field, value, why, f"remove {field} with algorithm.name: dpo")
+            for field, (bad, value, why) in refused.items() if bad]
     return out

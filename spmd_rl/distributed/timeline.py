@@ -51,8 +51,10 @@ def use_device_events(device, new_event: Callable[[], Any] | None = None) -> Non
         _new_event = None
         return
 
+    make = new_event or (lambda: torch.Event(device=device, enable_timing=True))
+
     def recorded():
-        event = (new_event or (lambda: torch.Event(device=device, enable_timing=True)))()
+        event = make()
         event.record()
         return event
     _new_event = recorded
