@@ -1,7 +1,9 @@
-"""Shared fixtures: the tiny model folder (built by launch/setup.sh, or here on demand)."""
+"""Shared fixtures: the tiny model folder (built by launch/setup.sh, or here on demand); the
+order in which the pytest-xdist workers get the test files."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
 TINY_TOOLS = REPO / "assets" / "tiny-tools"
 TINY_MOE = REPO / "assets" / "tiny-qwen3-moe"
+FILE_SECONDS = REPO / "tests" / "file_seconds.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest file first (``tests/file_seconds.json``, written by ``tools/test_seconds.py``):
+    ``--dist loadfile`` hands whole files to the workers in collection order, so with the long
+    ones first the last to finish is a short one and the workers end together. Each file's
+    tests keep their order and stay together (module fixtures are set up once); files with no
+    record go last."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    items.sort(key=lambda item: -seconds.get(Path(str(item.path)).relative_to(REPO).as_posix(), 0.0))
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ torchrun with 2 ranks, etcd, vLLM), one iteration each:
 - the correction bands act: IcePop masks tokens, MIS rejects samples (a band so narrow that the
   float32 trainer/vLLM mismatch leaves it), and the gradient changes accordingly.
 
-Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo, reinforce_pp and
-cispo modes."""
+Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo-cispo and
+reinforce_pp-lora modes."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,20 @@ from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
 from tests.conftest import REPO, subprocess_env
 
 ITERS = 30
+
+
+def _flags(etcd: EmbeddedEtcd) -> list[str]:
+    return Path(f"/proc/{etcd.proc.pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_only_an_etcd_whose_folder_dies_with_it_skips_fsync(tmp_path):
+    """A data folder of its own (deleted at stop) is written without fsync: nothing in it can
+    outlive the object, and the tests' and the local launcher's etcd then cost no disk flushes.
+    A folder the caller gives may be reused by a restart (above), so it keeps etcd's fsync."""
+    with EmbeddedEtcd() as own:
+        assert "--unsafe-no-fsync" in _flags(own)
+    with EmbeddedEtcd(data_dir=str(tmp_path)) as kept:
+        assert "--unsafe-no-fsync" not in _flags(kept) and kept.data_dir in _flags(kept)
 
 
 @pytest.mark.slow

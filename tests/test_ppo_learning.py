@@ -4,7 +4,7 @@ are stationary: from a random value head its value loss falls and the share of t
 variance it explains turns positive.
 
 That PPO as a whole learns (policy and critic together) is ``test_learning_torchrun.py``'s
-``ppo`` mode, judged as every mode is on the prompts it trains on.
+``separated-ppo`` mode, judged as every mode is on the prompts it trains on.
 """
 
 from __future__ import annotations

@@ -60,3 +60,27 @@ def test_parquet_prompts(tmp_path, tiny_model):
     ps = load_prompts(path, tok, "q", "a", max_prompt_length=64)
     assert ps.answers == ["7"] and ps.skipped == {"empty prompt": [1]}
     assert tok.decode(ps.prompt_ids[0]).endswith("3+4=<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_batched_encoding_equals_the_tokenizers_one_prompt_calls(tmp_path, tiny_model, chat_template):
+    """``load_prompts`` tokenizes all rows in one call; each row's ids are what transformers gives
+    for that prompt alone (``apply_chat_template(tokenize=True)`` or ``encode``), in row order,
+    with skipped rows in between (a batch shifted by one row would fail here)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = [json.loads(line)["prompt"] for line in (tiny_model / "train.jsonl").read_text().splitlines()[:200]]
+    texts[7:7] = ["  leading space", "tab\tand\nnewline", "<|im_start|>user", "é ü 漢字", "9" * 70]
+    rows = [{"prompt": t, "answer": "1"} for t in texts]
+    rows.insert(3, {"prompt": "", "answer": "1"})
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_prompts(path, tok, "prompt", "answer", max_prompt_length=64, chat_template=chat_template)
+
+    def alone(t: str) -> list[int]:
+        if chat_template:
+            return list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tok.encode(t, add_special_tokens=False)
+    want = [(i, alone(r["prompt"])) for i, r in enumerate(rows) if r["prompt"]]
+    kept = [(i, ids) for i, ids in want if len(ids) <= 64]
+    assert len(kept) < len(want)  # the long prompt was measured in tokens and skipped
+    assert list(zip(ps.rows, ps.prompt_ids)) == kept

@@ -39,10 +39,17 @@ def load_rows(path: str | Path) -> list[dict]:
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    return encode_prompts(tokenizer, [text], chat_template)[0]
+
+
+def encode_prompts(tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
+    """Token ids of each prompt: the chat template rendered as a user turn with the generation
+    prompt (``apply_chat_template(..., tokenize=True)``, which tokenizes the rendered text
+    without special tokens), or the bare text. One batched tokenizer call for all of them."""
     if chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return tokenizer.encode(text, add_special_tokens=False)
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+                 for t in texts]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
 def load_tokenizer(cfg):
@@ -61,6 +68,7 @@ def prompts_for(cfg, tokenizer, path: str | Path) -> "PromptSet":
 def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column: str, max_prompt_length: int,
                  chat_template: bool = True) -> PromptSet:
     out = PromptSet([], [], [], [])
+    candidates: list[tuple[int, dict]] = []
     for row_no, row in enumerate(load_rows(path)):
         reason = None
         if prompt_column not in row or row[prompt_column] is None:
@@ -69,12 +77,14 @@ def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column:
             reason = f"missing column {answer_column!r}"
         elif not str(row[prompt_column]).strip():
             reason = "empty prompt"
-        if reason is None:
-            ids = encode_prompt(tokenizer, str(row[prompt_column]), chat_template)
-            if len(ids) > max_prompt_length:
-                reason = f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
         if reason is not None:
             out.skipped.setdefault(reason, []).append(row_no)
+        else:
+            candidates.append((row_no, row))
+    encoded = encode_prompts(tokenizer, [str(row[prompt_column]) for _, row in candidates], chat_template)
+    for (row_no, row), ids in zip(candidates, encoded):
+        if len(ids) > max_prompt_length:
+            out.skipped.setdefault(f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}", []).append(row_no)
             continue
         out.prompt_ids.append(ids)
         out.answers.append(str(row[answer_column]))

@@ -64,7 +64,11 @@ def wait_healthy(endpoint: str, timeout_s: float, proc: subprocess.Popen | None 
 
 
 class EmbeddedEtcd:
-    """``with EmbeddedEtcd() as etcd: etcd.endpoint`` -> "127.0.0.1:PORT"."""
+    """``with EmbeddedEtcd() as etcd: etcd.endpoint`` -> "127.0.0.1:PORT".
+
+    Without ``data_dir`` it keeps its data in a temporary folder that ``stop`` deletes, and
+    writes it without fsync (nothing there can outlive the object); a given ``data_dir`` may be
+    reused by a restart and keeps etcd's fsync."""
 
     def __init__(self, host: str = "127.0.0.1", client_port: int | None = None, data_dir: str | None = None):
         self.host = host
@@ -116,6 +120,8 @@ class EmbeddedEtcd:
             "--initial-cluster", f"spmd-rl={peer}", "--enable-v2=true", "--log-level", "warn",
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",  # bounded history on long runs
         ]
+        if self._own_dir:  # the folder is deleted at stop, so nothing in it outlives this object: fsync buys nothing
+            cmd.append("--unsafe-no-fsync")
         with open(self._log_path(), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
