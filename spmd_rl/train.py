@@ -8,7 +8,12 @@ per problem.
 
 from __future__ import annotations
 
-import datetime
+from spmd_rl.distributed.master_port import hold_master_port, release_master_port
+
+MASTER_PORT_HOLD = hold_master_port()
+"""Rank 0 reserves torchrun's MASTER_PORT before the seconds of imports below (master_port.py)."""
+
+import datetime  # noqa: E402  (after the port is held)
 import logging
 from functools import partial
 import os
@@ -77,6 +82,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     acc = detect(cfg.trainer.device, peer.local_rank)
     acc.set_device()
     timeline.use_device_events(acc.device)  # spans end when the device's work does
+    release_master_port(MASTER_PORT_HOLD)
     dist.init_process_group(acc.backend, timeout=datetime.timedelta(seconds=cfg.elastic.startup_timeout_s))
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
