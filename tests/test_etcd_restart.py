@@ -16,7 +16,7 @@ from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
 from tests.conftest import REPO, subprocess_env
 
-ITERS = 30
+ITERS = 15
 
 
 def _flags(etcd: EmbeddedEtcd) -> list[str]:
