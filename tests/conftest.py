@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     tests keep their order and stay together (module fixtures are set up once); files with no
     record go last."""
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-    items.sort(key=lambda item: -seconds.get(Path(str(item.path)).relative_to(REPO).as_posix(), 0.0))
+    items.sort(key=lambda item: -seconds.get(item.path.relative_to(REPO).as_posix(), 0.0))
 
 
 @pytest.fixture(scope="module")

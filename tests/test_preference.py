@@ -62,6 +62,31 @@ def test_preference_rows_are_tokenised_with_eos_and_bad_rows_skipped(tmp_path, t
         load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
 
 
+def test_batched_tokenization_equals_each_rows_own_calls(tmp_path, tiny_model):
+    """``load_preferences`` tokenizes each column in one call; every kept row's prompt and pair
+    are what transformers gives for that row alone (the chat template's user turn; the response
+    text plus eos), in row order, with skipped rows in between (a batch shifted by one row, or
+    the template applied to a response, fails here)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [json.loads(line) for line in (tiny_model / "preferences_train.jsonl").read_text().splitlines()[:100]]
+    rows.insert(5, {"prompt": "1+1=", "chosen": "2", "rejected": "2"})  # skipped before tokenizing
+    rows.insert(9, {"prompt": "9" * 60, "chosen": "1", "rejected": "2"})  # skipped by its token count
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 64)
+    eos = [tok.eos_token_id]
+
+    def prompt(text: str) -> list[int]:
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+    want = [(i, prompt(r["prompt"]), (tok.encode(r["chosen"]) + eos, tok.encode(r["rejected"]) + eos))
+            for i, r in enumerate(rows) if i not in (5, 9)]
+    assert list(zip(got.rows, got.prompt_ids, got.pairs)) == want
+    assert got.skipped == {"chosen equals rejected": [5], f"prompt of {len(prompt(rows[9]['prompt']))} tokens > data.max_prompt_length=32": [9]}
+
+
 def test_pairs_are_found_by_index_and_a_half_pair_is_an_error():
     chosen, rejected = pair_order([5, 4, 0, 1])
     assert chosen.tolist() == [2, 1] and rejected.tolist() == [3, 0]

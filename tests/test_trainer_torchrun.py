@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rl.data.prompts import encode_prompt
+from spmd_rl.data.prompts import encode_prompts
 from spmd_rl.rewards.registry import exact_match
 from spmd_rl.trainer.checkpoint import model_weights
 from tests.conftest import REPO, subprocess_env
@@ -81,7 +81,7 @@ def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
     rows = [json.loads(x) for x in data.read_text().splitlines()[:limit]]
     correct = 0
     for row in rows:
-        ids = encode_prompt(tok, row["prompt"], True)
+        ids = encode_prompts(tok, [row["prompt"]], True)[0]
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
         correct += exact_match(tok.decode(out[0, len(ids):], skip_special_tokens=True), row["answer"]) > 0.5
     assert got["correct"] == correct, (got, correct)

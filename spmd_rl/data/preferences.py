@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from spmd_rl.data.prompts import PromptSet, encode_prompt, load_rows
+from spmd_rl.data.prompts import PromptSet, encode_prompts, load_rows
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,19 @@ def load_preferences(path: str | Path, tokenizer, prompt_column: str, chosen_col
     if eos is None:
         raise ValueError(f"{tokenizer.name_or_path}: the tokenizer has no eos_token to end a DPO response with")
     out = PromptSet([], [], [], [])
+    candidates: list[tuple[int, dict]] = []
     for row_no, row in enumerate(load_rows(path)):
-        reason = _reason(row, columns)
-        if reason is None:
-            ids = encode_prompt(tokenizer, str(row[prompt_column]), chat_template)
-            chosen, rejected = ([*tokenizer.encode(str(row[c]), add_special_tokens=False), eos] for c in columns[1:])
-            longest = max(len(chosen), len(rejected))
-            if len(ids) > max_prompt_length:
-                reason = f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
-            elif longest > max_response_length:
-                reason = f"response of {longest} tokens > rollout.max_response_length={max_response_length}"
+        if (reason := _reason(row, columns)) is not None:
+            out.skipped.setdefault(reason, []).append(row_no)
+        else:
+            candidates.append((row_no, row))
+    prompts, chosen, rejected = (encode_prompts(tokenizer, [str(row[c]) for _, row in candidates], chat_template and c == prompt_column)
+                                 for c in columns)  # one batched tokenizer call per column
+    for (row_no, row), ids, good, bad in zip(candidates, prompts, chosen, rejected):
+        good, bad = [*good, eos], [*bad, eos]
+        longest = max(len(good), len(bad))
+        reason = (f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}" if len(ids) > max_prompt_length else
+                  f"response of {longest} tokens > rollout.max_response_length={max_response_length}" if longest > max_response_length else None)
         if reason is not None:
             out.skipped.setdefault(reason, []).append(row_no)
             continue
@@ -60,7 +63,7 @@ def load_preferences(path: str | Path, tokenizer, prompt_column: str, chosen_col
         out.answers.append("")
         out.rows.append(row_no)
         out.texts.append(str(row[prompt_column]))
-        out.pairs.append((chosen, rejected))
+        out.pairs.append((good, bad))
     for reason, rows in out.skipped.items():
         log.warning("%s: skipped %d row(s) with %s, e.g. row %s", path, len(rows), reason, rows[:5])
     if not out.pairs:

@@ -38,10 +38,6 @@ def load_rows(path: str | Path) -> list[dict]:
     return read_parquet(path) if str(path).endswith(".parquet") else read_jsonl(path)
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    return encode_prompts(tokenizer, [text], chat_template)[0]
-
-
 def encode_prompts(tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
     """Token ids of each prompt: the chat template rendered as a user turn with the generation
     prompt (``apply_chat_template(..., tokenize=True)``, which tokenizes the rendered text
