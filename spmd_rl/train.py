@@ -8,7 +8,12 @@ per problem.
 
 from __future__ import annotations
 
-from spmd_rl.distributed.master_port import hold_master_port, release_master_port
+from spmd_rl.engines.vllm_logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate("spmd_rl.train", sets=QUIET_ENV)  # with a preload server: this process stands in for a copy past the imports
+
+from spmd_rl.distributed.master_port import hold_master_port, release_master_port  # noqa: E402
 
 MASTER_PORT_HOLD = hold_master_port()
 """Rank 0 reserves torchrun's MASTER_PORT before the seconds of imports below (master_port.py)."""

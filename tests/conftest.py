@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from spmd_rl.launcher import preload
+from tests.preload_servers import PreloadServers
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
 TINY_TOOLS = REPO / "assets" / "tiny-tools"
@@ -94,9 +97,55 @@ finds the test's own processes by it, never another job's)."""
 
 
 def subprocess_env() -> dict[str, str]:
+    """The environment of every process a test starts: this one's, its owner mark, the
+    repository on the path, and the preload server's socket (``preload_server``)."""
     env = dict(os.environ) | {TEST_OWNER: str(os.getpid())}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if _PRELOAD.sockets:
+        env[preload.ENV] = _PRELOAD.env_value
     return env
+
+
+_PRELOAD = PreloadServers()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preload_server(request):
+    """The session's preload servers (tests/preload_servers.py), started before the first test."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR to its default now, not later in a test that compiles in-process
+    _PRELOAD.start(subprocess_env(), REPO)  # the environment before any test changes it: a rank's must equal it
+    yield _PRELOAD
+    summary = _PRELOAD.stop()
+    if summary:
+        _PRELOAD_SUMMARIES.append(summary)
+        if hasattr(request.config, "workeroutput"):  # a pytest-xdist worker: the controller prints it
+            request.config.workeroutput["preload"] = summary
+
+
+_PRELOAD_SUMMARIES: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_environment_drift():
+    """What in-process library code (vLLM, inductor) adds to this process's environment stays
+    with the module that ran it: later modules' subprocesses start from the session's
+    environment, so their ranks stay the preload servers' equals."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def pytest_testnodedown(node, error):
+    if "preload" in getattr(node, "workeroutput", {}):
+        _PRELOAD_SUMMARIES.append(node.workeroutput["preload"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    for summary in _PRELOAD_SUMMARIES:
+        terminalreporter.write_line(f"preload server: {summary}")
 
 
 def run_helper(script: str, *args: object, timeout: float = 300) -> dict:

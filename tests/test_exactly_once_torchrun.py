@@ -27,7 +27,7 @@ import pytest
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import OwnShm, kill_tree, wait_for, workers_of
+from tests.torchrun_util import preloaded_copies, OwnShm, kill_tree, wait_for, workers_of
 
 ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "1"))
@@ -45,8 +45,9 @@ TOKEN = "crash-test-token-0123456789"
 
 
 def left_behind(token: str) -> list[str]:
-    """Command lines of live processes whose environment holds the job ``token``."""
-    out = []
+    """Command lines of live processes whose environment holds the job ``token``, and of ranks
+    forked from the suite's preload servers (whose ``/proc`` environment is the server's)."""
+    out = preloaded_copies()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

@@ -25,7 +25,7 @@ import pytest
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import OwnShm, kill_tree, workers_of
+from tests.torchrun_util import preloaded_copies, OwnShm, kill_tree, workers_of
 from tests.trainer_util import train
 
 TOOLS = "configs/quickstart_tools.yaml"
@@ -120,8 +120,9 @@ def test_sigkill_inside_a_multi_turn_rollout_trains_every_prompt_once(tiny_model
             while time.monotonic() < deadline and proc.poll() is None and not any(mark.iterdir()):
                 time.sleep(0.01)  # the next iteration's trajectories are inside their tool turns
             inside = [int(f.name) for f in mark.iterdir()]
-            victims = [p for p in workers_of(proc.pid) if p in inside]
-            assert victims, f"no worker inside a tool turn ({inside} vs {workers_of(proc.pid)})"
+            ranks = set(workers_of(proc.pid)) | {int(line.split()[0]) for line in preloaded_copies()}  # or their copies
+            victims = [p for p in inside if p in ranks]
+            assert victims, f"no worker inside a tool turn ({inside} vs {ranks})"
             os.kill(victims[0], signal.SIGKILL)
             assert proc.wait(timeout=480) == 0, (tmp_path / "run.log").read_text()[-4000:]
         finally:

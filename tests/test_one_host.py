@@ -15,17 +15,21 @@ from pathlib import Path
 import pytest
 
 from spmd_rl.engines.orphan_watch import start_time
+from spmd_rl.launcher.preload import ENV as PRELOAD_ENV
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import descendants, kill_tree, metric_rows, wait_for, workers_of
 
 
-def launch(tmp: Path, name: str, *overrides: str) -> subprocess.Popen:
+def launch(tmp: Path, name: str, *overrides: str, preload: bool = True) -> subprocess.Popen:
     """The quickstart through the CLI as a user runs it (its own embedded etcd, default ports),
-    with small batches and run folders of its own."""
+    with small batches and run folders of its own; ``preload=False``: its ranks import for
+    themselves (tests/preload_servers.py), so that every process of the job is in the tree below
+    the launcher, as for a user."""
     args = [f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", "trainer.iterations=200",
             "data.global_batch_size=4", "rollout.n=4", "actor.mini_batch_size=4", "actor.micro_batch_size=8", "checkpoint.interval=0",
             f"metadata.job=tree-{name}-{os.getpid()}", "logging.progress=false", *overrides]  # dock.port: the default
-    env = {k: v for k, v in subprocess_env().items() if k != "SPMD_RL_ETCD"} | {"OMP_NUM_THREADS": "1"}
+    drop = {"SPMD_RL_ETCD"} | (set() if preload else {PRELOAD_ENV})
+    env = {k: v for k, v in subprocess_env().items() if k not in drop} | {"OMP_NUM_THREADS": "1"}
     (tmp / name).mkdir(parents=True, exist_ok=True)
     log = open(tmp / name / "launcher.log", "w")
     return subprocess.Popen([sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", *args], cwd=REPO, env=env,
@@ -34,7 +38,7 @@ def launch(tmp: Path, name: str, *overrides: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_sigkilled_launcher_leaves_no_process(tmp_path):
-    cli = launch(tmp_path, "a")
+    cli = launch(tmp_path, "a", preload=False)
     tree: list[tuple[int, str]] = []
     try:
         wait_for(lambda: metric_rows(tmp_path / "a/logs/metrics.jsonl") or cli.poll() is not None, 400, "the first iteration")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from spmd_rl.dock.etcd_server import free_port
 from tests.conftest import REPO, TEST_OWNER, subprocess_env
+from tests.preload_servers import COPY_MARK
 
 
 def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float = 180) -> list[str]:
@@ -131,6 +132,28 @@ def wait_for(cond, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - t0
+
+
+def preloaded_copies() -> list[str]:
+    """Live processes forked from this pytest process's preload servers (ranks and what they
+    forked), as ``pid command``: none may outlive the job that started them. They carry
+    ``COPY_MARK`` in ``/proc/<pid>/environ`` instead of their job's variables."""
+    from tests.conftest import _PRELOAD
+
+    mark = f"{COPY_MARK}={os.getpid()}".encode()
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in _PRELOAD.pids:
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if mark in env and stat[stat.rindex(")") + 2] != "Z":
+            out.append(f"{pid} {cmd[:80]}")
+    return out
 
 
 def mapped_shm_names() -> set[str]:

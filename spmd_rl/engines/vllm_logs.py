@@ -67,10 +67,14 @@ class TerminalFilter(logging.Filter):
         return not any(record.name == name and text.startswith(start) for name, start, _ in EXPECTED)
 
 
+QUIET_ENV = {"VLLM_CONFIGURE_LOGGING": "0"}
+"""What ``quiet_vllm`` sets before vLLM is imported (a preload server imports vLLM with it)."""
+
+
 def quiet_vllm(log_dir: str | Path | None, rank: int) -> None:
     """Before vLLM is imported: no handler of vLLM's own, every vLLM record at INFO and above to
     ``log_dir/vllm-rank<rank>.log`` (when given), the chatter kept off the root handlers."""
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    os.environ.update(QUIET_ENV)
     vllm = logging.getLogger("vllm")
     vllm.setLevel(logging.INFO)
     if log_dir is not None:
