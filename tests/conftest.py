@@ -111,7 +111,11 @@ _PRELOAD = PreloadServers()
 
 @pytest.fixture(scope="session", autouse=True)
 def preload_server(request):
-    """The session's preload servers (tests/preload_servers.py), started before the first test."""
+    """The session's preload servers (tests/preload_servers.py), started before the first test
+    where a test marked slow (they start ranks) is selected."""
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield _PRELOAD
+        return
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR to its default now, not later in a test that compiles in-process

@@ -264,6 +264,7 @@ def test_the_environment_recorder_tells_lookups_from_whole_environment_reads(mon
     assert {"WORLD_SIZE", "LOCAL_RANK"} <= preload._RecordedEnviron.looked_up and "RANK" not in preload._RecordedEnviron.looked_up
 
 
+@pytest.mark.slow
 def test_a_torchrun_group_forks_from_the_server_and_reports_its_ranks_exit(tmp_path):
     s = Server(tmp_path / "srv", ["json"], env=base_env() | QUIET_ENV)  # as train.py declares it sets
     try:

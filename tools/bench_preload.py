@@ -24,6 +24,13 @@ from spmd_rl.engines.vllm_logs import QUIET_ENV
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "tensordict", "vllm.entrypoints.llm"]
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def children_cpu_s(pid: int) -> float:
     """CPU seconds of the reaped children of ``pid`` (its forked ranks)."""
     raw = Path(f"/proc/{pid}/stat").read_text()
@@ -75,7 +82,7 @@ def main() -> None:
     forked, refused = log.count("\nforked "), log.count("\nrefused")
     base_wall = statistics.median(w for w, _ in rows["baseline"])
     base_cpu = statistics.median(c for _, c in rows["baseline"])
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; median of {args.runs} one-iteration "
+    print(f"# {cpu_model()}, {os.cpu_count()} CPUs; median of {args.runs} one-iteration "
           f"quickstart jobs (2 ranks); server start {server_start:.1f} s, once; {forked} ranks forked, {refused} refused")
     print(f"{'variant':10} {'wall s':>8} {'ratio':>6} {'CPU s':>8} {'ratio':>6}")
     for name, values in rows.items():
