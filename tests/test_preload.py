@@ -193,6 +193,31 @@ def test_a_request_a_preloaded_import_could_see_differently_runs_by_itself(tmp_p
         s.stop()
 
 
+def ask(path: str, request: object, raw: bytes | None = None) -> dict | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    with open(os.devnull) as null:
+        if raw is None:
+            preload._send_frame(sock, request, [null.fileno()] * 3)
+        else:
+            socket.send_fds(sock, [raw], [null.fileno()] * 3)
+    try:
+        return preload._recv_frame(sock)
+    finally:
+        sock.close()
+
+
+def test_a_malformed_request_is_refused_by_name_and_the_server_serves_on(server, tmp_path):
+    good = {"argv": ["x.py"], "module": None, "cwd": "/", "env": base_env()}
+    assert ask(server.socket, good | {"env": {"A": 1}}) == {"refused": "request field(s) env malformed"}
+    assert ask(server.socket, good | {"argv": [], "cwd": 3}) == {"refused": "request field(s) argv, cwd malformed"}
+    assert ask(server.socket, None, raw=b"\xff\xff\xff\xff") == {"refused": f"a request of {2**32 - 1} bytes (at most {preload.MAX_FRAME})"}
+    prog = script(tmp_path, REPORT)
+    p = stub(server, prog)
+    out, _ = p.communicate(timeout=30)
+    assert json.loads(out)["pid"] != p.pid  # still serving
+
+
 def test_without_a_server_the_program_runs_by_itself(tmp_path):
     prog = script(tmp_path, REPORT)
     p = stub(None, prog)

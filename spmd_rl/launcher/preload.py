@@ -69,8 +69,15 @@ APPLIED = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED"})
 """Variables a child may always differ in: the thread count it applies itself, and the
 server's unbuffered stdio (never wrong, only unbatched)."""
 
+MAX_FRAME = 16 << 20
+"""The largest request a server reads (an environment is kilobytes)."""
+READ_TIMEOUT_S = 10.0
+"""How long the server waits for the rest of a frame: one stuck client must not hold up the
+others (the server is one thread)."""
+
 _in_server_or_child = False
-"""True in the server (its imports run ``delegate`` too) and in every child it forks."""
+"""True in the server and in every copy it forks: the copy runs the program, whose
+``delegate`` call must then return at once."""
 
 
 def _send_frame(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
@@ -95,8 +102,26 @@ def _recv_frame(sock: socket.socket) -> dict | None:
     head = _recv_exact(sock, 4)
     if head is None:
         return None
-    body = _recv_exact(sock, struct.unpack("!I", head)[0])
+    size = struct.unpack("!I", head)[0]
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+    body = _recv_exact(sock, size)
     return None if body is None else json.loads(body)
+
+
+def _check_request(request: object) -> dict:
+    """The request, if it has the shape ``delegate`` sends; ValueError naming what is wrong."""
+    if not isinstance(request, dict):
+        raise ValueError("the frame is not a request")
+    strings = lambda xs: all(isinstance(x, str) for x in xs)  # noqa: E731
+    checks = {"argv": isinstance(request.get("argv"), list) and request["argv"] and strings(request["argv"]),
+              "module": request.get("module") is None or isinstance(request["module"], str),
+              "cwd": isinstance(request.get("cwd"), str),
+              "env": isinstance(request.get("env"), dict) and strings(request["env"]) and strings(request["env"].values())}
+    bad = [field for field, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"request field(s) {', '.join(bad)} malformed")
+    return request
 
 
 # ---------------------------------------------------------------- the rank's side: the stub
@@ -264,6 +289,7 @@ class Server:
 
     def _accept(self):
         conn, _ = self.listener.accept()
+        conn.settimeout(READ_TIMEOUT_S)
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
         fds: list[int] = []
         try:
@@ -272,9 +298,10 @@ class Server:
             head, fds, _, _ = socket.recv_fds(conn, 4, 3)
             if len(head) < 4 or len(fds) != 3:
                 raise ValueError("the first frame must carry stdin, stdout and stderr")
-            request = json.loads(_recv_exact(conn, struct.unpack("!I", head[:4])[0], head[4:]) or b"null")
-            if not isinstance(request, dict) or not isinstance(request.get("env"), dict):
-                raise ValueError("the frame is not a request")
+            size = struct.unpack("!I", head[:4])[0]
+            if size > MAX_FRAME:
+                raise ValueError(f"a request of {size} bytes (at most {MAX_FRAME})")
+            request = _check_request(json.loads(_recv_exact(conn, size, head[4:]) or b"null"))
             differs = mismatch(self.looked_up, self.env, request["env"], self.free)
             if differs:
                 raise ValueError(f"{differs} differs from the server's")
