@@ -22,9 +22,11 @@ PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "ten
 PER_TEST_VARIABLES = ["PYTEST_CURRENT_TEST", "MODEL", "CKPT", "DTYPE", "TP", "SP", "PP", "EP", "TRAIN_TP", "TRAIN_DP", "GEN_TP",
                       "DOCK_MODE", "MODE", "WRITERS", "ROUTES", "RLEN", "RELAY_MIN", "N", "G", "LORA_SYNC",
                       "ETCD", "ETCD_CA", "ETCD_CERT", "ETCD_KEY", "INTERFACE", "JOB", "NNODES", "NPROC", "RESTARTS", "TOKEN",
-                      "LAST_CALL_S", "RDZV_TIMEOUT_S", "CONFIG"]
+                      "LAST_CALL_S", "RDZV_TIMEOUT_S", "CONFIG", "WANDB_SILENT", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4"]
 """Variables a test sets per run (pytest's own, the tests/helpers workers' parameters,
-``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks): a rank
+``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's, and
+the two vLLM sets in the test process whenever it builds an engine config there, which ranks
+then inherit as they would fresh): a rank
 may differ in them from the servers unless an import looked one up (``preload --free``)."""
 COPY_MARK = "SPMD_RL_TEST_PRELOADED"
 """In the servers' environment as ``COPY_MARK=<pytest's pid>``: a forked rank's
