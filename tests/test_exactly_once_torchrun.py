@@ -20,14 +20,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
-from tests.torchrun_util import preloaded_copies, OwnShm, kill_tree, wait_for, workers_of
+from tests.torchrun_util import live_with_environ, preloaded_copies, OwnShm, kill_tree, wait_for, workers_of
 
 ITERS = 6
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "1"))
@@ -47,17 +46,7 @@ TOKEN = "crash-test-token-0123456789"
 def left_behind(token: str) -> list[str]:
     """Command lines of live processes whose environment holds the job ``token``, and of ranks
     forked from the suite's preload servers (whose ``/proc`` environment is the server's)."""
-    out = preloaded_copies()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if f"SPMD_RL_JOB_TOKEN={token}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
-            out.append(f"{pid} {cmd[:80]}")
-    return out
+    return preloaded_copies() + live_with_environ(f"SPMD_RL_JOB_TOKEN={token}")
 
 
 @pytest.mark.slow

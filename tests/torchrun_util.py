@@ -134,16 +134,12 @@ def wait_for(cond, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def preloaded_copies() -> list[str]:
-    """Live processes forked from this pytest process's preload servers (ranks and what they
-    forked), as ``pid command``: none may outlive the job that started them. They carry
-    ``COPY_MARK`` in ``/proc/<pid>/environ`` instead of their job's variables."""
-    from tests.conftest import _PRELOAD
-
-    mark = f"{COPY_MARK}={os.getpid()}".encode()
+def live_with_environ(entry: str, skip: set[int] = frozenset()) -> list[str]:
+    """``pid command`` of every live (not zombie) process but ``skip`` whose ``/proc/<pid>/environ``
+    holds ``entry`` (``NAME=value``): the environment it was executed with."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) in _PRELOAD.pids:
+        if int(pid) in skip:
             continue
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -151,9 +147,18 @@ def preloaded_copies() -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if mark in env and stat[stat.rindex(")") + 2] != "Z":
+        if entry.encode() in env and stat[stat.rindex(")") + 2] != "Z":
             out.append(f"{pid} {cmd[:80]}")
     return out
+
+
+def preloaded_copies() -> list[str]:
+    """Live processes forked from this pytest process's preload servers (ranks and what they
+    forked), as ``pid command``: none may outlive the job that started them. They carry
+    ``COPY_MARK`` in ``/proc/<pid>/environ`` instead of their job's variables."""
+    from tests.conftest import _PRELOAD
+
+    return live_with_environ(f"{COPY_MARK}={os.getpid()}", skip=_PRELOAD.pids)
 
 
 def mapped_shm_names() -> set[str]:

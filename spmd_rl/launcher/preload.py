@@ -262,13 +262,13 @@ class Server:
         os.chmod(self.path, 0o600)
         self.listener.listen(64)
 
-    def serve(self, until_eof_of: int | None = None):
+    def serve(self, until_eof_of: int):
         """Serve until the file descriptor ``until_eof_of`` (the parent's pipe) reads EOF;
         in a forked child, return the request it is to run."""
         server_pid = os.getpid()
         try:
             while True:
-                watched = [self.listener, *self.by_conn] + ([until_eof_of] if until_eof_of is not None else [])
+                watched = [self.listener, *self.by_conn, until_eof_of]
                 ready, _, _ = select.select(watched, [], [], 0.05)
                 self._reap()
                 for item in ready:
