@@ -19,6 +19,10 @@ TINY = REPO / "assets" / "tiny-qwen2"
 TINY_TOOLS = REPO / "assets" / "tiny-tools"
 TINY_MOE = REPO / "assets" / "tiny-qwen3-moe"
 FILE_SECONDS = REPO / "tests" / "file_seconds.json"
+FAULTS = REPO / "tests" / "helpers" / "faults"
+"""The fault-injection ``sitecustomize`` (inert unless ``SPMD_RL_TEST_FAULTS`` holds a plan):
+on every subprocess's path, so a run with a plan differs from the preload servers only in that
+per-run variable and forks from them like any other."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -96,11 +100,24 @@ TEST_OWNER = "SPMD_RL_TEST_OWNER"
 finds the test's own processes by it, never another job's)."""
 
 
+LIBRARY_SET = ("GOMP_CPU_AFFINITY", "LD_LIBRARY_PATH", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4")
+"""Variables vLLM sets in this process when a test runs it in-process (its import, an engine
+config, the CPU worker's OpenMP binding). A test's subprocesses get them as the session began,
+as they would were the test module run alone, and as the preload servers' ranks must."""
+_SESSION_ENV = dict(os.environ)  # conftest is imported before any test imports vLLM
+
+
 def subprocess_env() -> dict[str, str]:
-    """The environment of every process a test starts: this one's, its owner mark, the
-    repository on the path, and the preload server's socket (``preload_server``)."""
+    """The environment of every process a test starts: this one's (but ``LIBRARY_SET`` as the
+    session began), its owner mark, the repository and the fault plans (``FAULTS``) on the path,
+    and the preload servers' sockets (``preload_server``)."""
     env = dict(os.environ) | {TEST_OWNER: str(os.getpid())}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    for name in LIBRARY_SET:
+        if name in _SESSION_ENV:
+            env[name] = _SESSION_ENV[name]
+        else:
+            env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(FAULTS), env.get("PYTHONPATH", "")])
     if _PRELOAD.sockets:
         env[preload.ENV] = _PRELOAD.env_value
     return env

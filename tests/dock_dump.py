@@ -9,14 +9,10 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import REPO
-
-FAULTS = REPO / "tests/helpers/faults"
-
 
 def dump_env(folder: Path) -> dict[str, str]:
     """Extra environment for ``trainer_util.train`` that makes the workers dump into ``folder``."""
-    return {"PYTHONPATH": str(FAULTS), "SPMD_RL_TEST_FAULTS": json.dumps({"kind": "dump", "dir": str(folder)})}
+    return {"SPMD_RL_TEST_FAULTS": json.dumps({"kind": "dump", "dir": str(folder)})}
 
 
 def columns(folder: Path) -> dict[int, dict[str, dict[int, torch.Tensor]]]:

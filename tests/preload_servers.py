@@ -22,12 +22,12 @@ PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "ten
 PER_TEST_VARIABLES = ["PYTEST_CURRENT_TEST", "MODEL", "CKPT", "DTYPE", "TP", "SP", "PP", "EP", "TRAIN_TP", "TRAIN_DP", "GEN_TP",
                       "DOCK_MODE", "MODE", "WRITERS", "ROUTES", "RLEN", "RELAY_MIN", "N", "G", "LORA_SYNC",
                       "ETCD", "ETCD_CA", "ETCD_CERT", "ETCD_KEY", "INTERFACE", "JOB", "NNODES", "NPROC", "RESTARTS", "TOKEN",
-                      "LAST_CALL_S", "RDZV_TIMEOUT_S", "CONFIG", "WANDB_SILENT", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4"]
+                      "LAST_CALL_S", "RDZV_TIMEOUT_S", "CONFIG", "WANDB_SILENT"]
 """Variables a test sets per run (pytest's own, the tests/helpers workers' parameters,
-``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's, and
-the two vLLM sets in the test process whenever it builds an engine config there, which ranks
-then inherit as they would fresh): a rank
-may differ in them from the servers unless an import looked one up (``preload --free``)."""
+``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's): a
+rank may differ in them from the servers unless an import looked one up (``preload --free``).
+What in-process vLLM sets in the test process its subprocesses do not inherit
+(``conftest.LIBRARY_SET``)."""
 COPY_MARK = "SPMD_RL_TEST_PRELOADED"
 """In the servers' environment as ``COPY_MARK=<pytest's pid>``: a forked rank's
 ``/proc/<pid>/environ`` is the server's (the kernel shows the environment a process was
@@ -87,6 +87,8 @@ class PreloadServers:
             lines += Path(path + ".log").read_text().splitlines()
         shutil.rmtree(os.path.dirname(self.sockets[0]), ignore_errors=True)
         self.sockets, self.procs = [], []
-        refused = Counter(line for line in lines if line.startswith("refused"))
+        refused = Counter(line.split(" | ")[0] for line in lines if line.startswith("refused"))
+        where = {reason: sorted({line.split("; ", 1)[-1].split(" ")[0] for line in lines
+                                 if line.startswith(reason + " | ") and "; " in line})[:3] for reason in refused}
         return f"{sum(line.startswith('forked') for line in lines)} ranks forked" + "".join(
-            f"; {n} {r}" for r, n in sorted(refused.items()))
+            f"; {n} {r}" + (f" (in {', '.join(where[r])})" if where[r] else "") for r, n in sorted(refused.items()))

@@ -107,7 +107,6 @@ def test_a_rank_whose_sampler_drifts_fails_the_ledger(tiny_model, tmp_path, etcd
            f"logging.dir={tmp_path}/logs", "trainer.iterations=1", "data.global_batch_size=8", "rollout.n=4",
            "actor.mini_batch_size=8", "actor.micro_batch_size=8", f"metadata.job={job}", "dock.port=0", "logging.progress=false"]
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN,
-                              "PYTHONPATH": f"{REPO}:{REPO / 'tests/helpers/faults'}",
                               "SPMD_RL_TEST_FAULTS": json.dumps({"kind": "desync", "rank": 1})}
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -29,7 +29,6 @@ import pytest
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.train import PEER_LOST_EXIT
 from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
-from tests.conftest import REPO
 from tests.torchrun_util import kill_node, metric_rows, node_agent, wait_for
 
 ITERS = 14
@@ -41,7 +40,7 @@ def node(tmp: Path, etcd: str, name: str, faults: dict | None = None):
             "parallel.nproc_per_node=1", "elastic.max_nodes=2", "dock.port=0", "logging.progress=false",
             "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
             f"trainer.iterations={ITERS}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=2", f"logging.dir={tmp}/logs"]
-    env = {"JOB": "node-loss", "PYTHONPATH": f"{REPO}:{REPO / 'tests/helpers/faults'}"}
+    env = {"JOB": "node-loss"}
     if faults:
         env["SPMD_RL_TEST_FAULTS"] = json.dumps(faults)
     return node_agent(tmp, etcd, name, args, env)

@@ -142,6 +142,31 @@ def test_the_ranks_of_a_node_fork_from_servers_with_their_own_hash_seeds(tmp_pat
             s.stop()
 
 
+def test_a_child_spawned_by_multiprocessing_runs_as_itself(server, tmp_path):
+    """multiprocessing's spawn method imports the parent's main module in the child as
+    ``__mp_main__`` (vLLM's engine core in separated placement): its ``delegate`` call must
+    return there, or the child would become another copy of the program."""
+    prog = script(tmp_path, """
+        def child(q):
+            q.put(os.getpid())
+
+        if __name__ == "__main__":
+            import multiprocessing as mp
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            got = q.get(timeout=30)
+            p.join(30)
+            print(json.dumps({"pid": os.getpid(), "child": got, "exitcode": p.exitcode}), flush=True)
+        """)
+    p = stub(server, prog)
+    out, _ = p.communicate(timeout=90)
+    report = json.loads(out)
+    assert report["pid"] != p.pid and report["exitcode"] == 0 and report["child"] not in (p.pid, report["pid"])
+    assert server.log().count("forked") == 1  # the program's copy, not its spawned child
+
+
 def test_a_killed_stub_takes_its_copy_with_it(server, tmp_path):
     prog = script(tmp_path, "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     p = stub(server, prog)
@@ -193,6 +218,26 @@ def test_a_request_a_preloaded_import_could_see_differently_runs_by_itself(tmp_p
         s.stop()
 
 
+def test_the_copy_runs_sitecustomize_again_with_its_own_environment_and_argv(tmp_path):
+    """A fresh interpreter runs ``sitecustomize`` at start with the rank's environment and argv;
+    the server ran it with its own, so the copy runs it again with the request's."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\nsys.customized = getattr(sys, 'customized', []) + [(os.environ.get('SPMD_RL_PLAN'), sys.orig_argv[-1])]\n")
+    env = base_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    s = Server(tmp_path / "srv", ["json"], env=env)
+    try:
+        prog = script(tmp_path, "print(json.dumps({'pid': os.getpid(), 'customized': sys.customized}), flush=True)\n")
+        p = stub(s, prog, "last-arg", env=env | {"SPMD_RL_PLAN": "for-this-rank"})
+        out, _ = p.communicate(timeout=30)
+        report = json.loads(out)
+        assert report["pid"] != p.pid  # the copy printed
+        server_run = [None, "PYTEST_CURRENT_TEST"]  # at the server's start: no plan, its own argv's last word
+        assert report["customized"] == [server_run, ["for-this-rank", "last-arg"]]
+    finally:
+        s.stop()
+
+
 def ask(path: str, request: object, raw: bytes | None = None) -> dict | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
@@ -208,7 +253,7 @@ def ask(path: str, request: object, raw: bytes | None = None) -> dict | None:
 
 
 def test_a_malformed_request_is_refused_by_name_and_the_server_serves_on(server, tmp_path):
-    good = {"argv": ["x.py"], "module": None, "cwd": "/", "env": base_env()}
+    good = {"argv": ["x.py"], "orig_argv": ["python", "x.py"], "module": None, "cwd": "/", "env": base_env()}
     assert ask(server.socket, good | {"env": {"A": 1}}) == {"refused": "request field(s) env malformed"}
     assert ask(server.socket, good | {"argv": [], "cwd": 3}) == {"refused": "request field(s) argv, cwd malformed"}
     assert ask(server.socket, None, raw=b"\xff\xff\xff\xff") == {"refused": f"a request of {2**32 - 1} bytes (at most {preload.MAX_FRAME})"}

@@ -133,7 +133,7 @@ def test_stopped_warehouse_thread_restarts_the_job_with_the_same_result(clean, t
     faults = tmp_path / "faults"
     faults.mkdir()
     plan = {"kind": "stop_warehouse", "iteration": 2, "dir": str(faults)}
-    fault_env = env() | {"PYTHONPATH": f"{REPO}:{REPO / 'tests/helpers/faults'}", "SPMD_RL_TEST_FAULTS": json.dumps(plan)}
+    fault_env = env() | {"SPMD_RL_TEST_FAULTS": json.dumps(plan)}
     out = subprocess.run(command(tmp_path, "stopped"), cwd=REPO, env=fault_env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (faults / "stopped").exists(), "the fault never fired"

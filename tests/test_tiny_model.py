@@ -64,3 +64,31 @@ def test_vllm_generates_like_hf(tiny_model):
     assert got["vllm"], got
     # HF pads after EOS; compare up to and including vLLM's EOS
     assert got["hf"][: len(got["vllm"])] == got["vllm"], got
+
+
+def test_tool_model_step_loss_is_the_one_padded_batch_loss_with_less_padding():
+    """tools/make_tool_model.py pads tool and direct conversations apart; the step's loss and
+    gradients are those of the one batch padded to the longest (the mean over every labelled
+    token), computed on fewer padded positions."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import random
+
+    from make_tool_model import batch, conversation, make_task, pad, sft_loss
+    from make_tiny_model import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model(tok, 0)
+    rows = make_task(0, 32, 4)[0][:16]
+    parts = batch(tok, rows, random.Random(1), tool_fraction=0.5)
+    drawn = random.Random(1)
+    kinds = [drawn.random() < 0.5 for _ in rows]
+    whole = pad(tok, [conversation(tok, r, t) for r, t in zip(rows, kinds)])
+    assert len(parts) == 2 and sum(p[0].shape[0] for p in parts) == 16
+    assert sum(p[0].numel() for p in parts) < 0.75 * whole[0].numel()  # the padding saved
+    split = sft_loss(model, parts)
+    grads = torch.autograd.grad(split, list(model.parameters()))
+    ids, att, lab = whole
+    one = model(input_ids=ids, attention_mask=att, labels=lab).loss
+    want = torch.autograd.grad(one, list(model.parameters()))
+    assert abs(split.item() - one.item()) < 1e-5 * one.item()
+    assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-7) for g, w in zip(grads, want))

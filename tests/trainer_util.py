@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +15,9 @@ G, N = 8, 4
 def train(tmp: Path, name: str, etcd: str, *overrides: str, check: bool = True, extra_env: dict[str, str] | None = None,
           config: str = "configs/quickstart.yaml") -> list[dict]:
     """Two iterations by default (later overrides win); returns the metrics rows. The run's
-    stderr is kept in ``<tmp>/<name>/stderr.log``. ``extra_env``'s PYTHONPATH goes first."""
+    stderr is kept in ``<tmp>/<name>/stderr.log``."""
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": "trainer-test-token-0123456789"}
-    extra = dict(extra_env or {})
-    if "PYTHONPATH" in extra:
-        extra["PYTHONPATH"] += os.pathsep + env["PYTHONPATH"]
-    env |= extra
+    env |= extra_env or {}
     args = [f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", "trainer.iterations=2",
             f"data.global_batch_size={G}", f"rollout.n={N}", f"actor.mini_batch_size={G}", "actor.micro_batch_size=8",
             "trainer.deterministic=true", "checkpoint.interval=1", "checkpoint.keep=5", f"metadata.job=t-{name}",

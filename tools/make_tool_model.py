@@ -65,15 +65,33 @@ def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float):
-    convs = [conversation(tok, r, rng.random() < tool_fraction) for r in rows]
+def pad(tok, convs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, attention mask, labels) of conversations."""
     width = max(len(i) for i, _ in convs)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    lab = torch.full((len(rows), width), -100)
-    att = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = torch.full((len(convs), width), tok.pad_token_id)
+    lab = torch.full((len(convs), width), -100)
+    att = torch.zeros((len(convs), width), dtype=torch.long)
     for k, (i, l) in enumerate(convs):
         ids[k, : len(i)], lab[k, : len(l)], att[k, : len(i)] = torch.tensor(i), torch.tensor(l), 1
     return ids, att, lab
+
+
+def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float) -> list[tuple[torch.Tensor, ...]]:
+    """One step's conversations, a tool conversation with probability ``tool_fraction``, as
+    padded (ids, attention mask, labels) per kind: a tool conversation is about three times as
+    long as a direct one, and padding both to the longest spent half of a step on padding."""
+    kinds = [rng.random() < tool_fraction for _ in rows]
+    convs = [conversation(tok, r, tool) for r, tool in zip(rows, kinds)]
+    return [pad(tok, group) for group in ([c for c, t in zip(convs, kinds) if t], [c for c, t in zip(convs, kinds) if not t])
+            if group]
+
+
+def sft_loss(model, parts: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The mean cross-entropy over every labelled token of the step, whichever part holds it:
+    each part's sum over its tokens, divided by the step's count (``num_items_in_batch``)."""
+    labelled = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in parts)
+    return sum(model(input_ids=ids, attention_mask=att, labels=lab, num_items_in_batch=labelled).loss
+               for ids, att, lab in parts)
 
 
 @torch.no_grad()
@@ -117,8 +135,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     t0 = time.time()
     for step in range(1, args.steps + 1):
-        ids, att, lab = batch(tok, rng.sample(train, args.batch_size), rng, args.tool_fraction)
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        loss = sft_loss(model, batch(tok, rng.sample(train, args.batch_size), rng, args.tool_fraction))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -26,7 +26,10 @@ from its own in any variable but the ones torchrun and ``spmd-rl train`` set per
 (``RANK_VARIABLES``, ``SPMD_RL_*``, ``TORCHELASTIC_*``), and refuses those too where its
 imports looked one up (it records every lookup, misses included). ``OMP_NUM_THREADS`` is
 applied in the child (``torch.set_num_threads``). The server imports only libraries, never
-the program itself: the child runs the program's module-level code fresh. A refused or
+the program itself: the child runs the program's module-level code fresh. What a fresh interpreter runs at start with the
+rank's environment and argv, ``sitecustomize`` and ``usercustomize``, the child runs again with
+the request's (``sys.orig_argv`` included), after the server ran them with its own: they must
+bear running twice, as ``site`` does not guard them either. A refused or
 unreachable server costs nothing but the time: ``delegate`` returns and the rank imports and
 runs by itself.
 
@@ -115,6 +118,7 @@ def _check_request(request: object) -> dict:
         raise ValueError("the frame is not a request")
     strings = lambda xs: all(isinstance(x, str) for x in xs)  # noqa: E731
     checks = {"argv": isinstance(request.get("argv"), list) and request["argv"] and strings(request["argv"]),
+              "orig_argv": isinstance(request.get("orig_argv"), list) and strings(request["orig_argv"]),
               "module": request.get("module") is None or isinstance(request["module"], str),
               "cwd": isinstance(request.get("cwd"), str),
               "env": isinstance(request.get("env"), dict) and strings(request["env"]) and strings(request["env"].values())}
@@ -133,16 +137,21 @@ def delegate(module: str | None = None, sets: dict[str, str] | None = None) -> N
     copy). ``module``: the program as ``python -m`` runs it; None: the script ``sys.argv[0]``.
     ``sets``: variables the program sets itself before it imports anything that reads them
     (they are part of the environment compared, and the copy's). Never returns once a copy
-    runs: the stub exits as the copy did."""
+    runs: the stub exits as the copy did.
+
+    Only a program's start delegates: where the calling module is not ``__main__`` (imported,
+    or imported again as ``__mp_main__`` in a child that multiprocessing's spawn method
+    started, as vLLM's engine core is), this returns, and that process runs as itself."""
     paths = [p for p in os.environ.get(ENV, "").split(os.pathsep) if p]
-    if not paths or _in_server_or_child:
+    if not paths or _in_server_or_child or sys._getframe(1).f_globals.get("__name__") != "__main__":
         return
     local_rank = os.environ.get("LOCAL_RANK", "0")
     path = paths[int(local_rank) % len(paths)] if local_rank.isdigit() else paths[0]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        request = {"argv": sys.argv, "module": module, "cwd": os.getcwd(), "env": dict(os.environ) | (sets or {})}
+        request = {"argv": sys.argv, "orig_argv": sys.orig_argv, "module": module, "cwd": os.getcwd(),
+                   "env": dict(os.environ) | (sets or {})}
         _send_frame(sock, request, [0, 1, 2])
         answer = _recv_frame(sock)
     except OSError:
@@ -292,6 +301,7 @@ class Server:
         conn.settimeout(READ_TIMEOUT_S)
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
         fds: list[int] = []
+        request: dict = {}
         try:
             if uid != os.getuid():
                 raise ValueError(f"uid {uid} is not the server's")
@@ -306,7 +316,9 @@ class Server:
             if differs:
                 raise ValueError(f"{differs} differs from the server's")
         except (OSError, ValueError) as e:
-            print(f"refused: {e}", file=self.log, flush=True)
+            test = request.get("env", {}).get("PYTEST_CURRENT_TEST", "")  # where a test suite runs it
+            where = f" | {' '.join(request['argv'][:2])}{'; ' + test if test else ''}" if request else ""
+            print(f"refused: {e}{where}", file=self.log, flush=True)
             for fd in fds:
                 os.close(fd)
             try:
@@ -372,6 +384,24 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
+def _customize_again() -> None:
+    """Run the start-up customization modules the server's interpreter ran (``site`` imports
+    ``sitecustomize`` and ``usercustomize`` where they exist) again, now with the child's
+    environment and argv, as the rank's own interpreter would have run them; an error is
+    reported as ``site`` reports it and the program runs on."""
+    import importlib
+    import traceback
+
+    for name in ("sitecustomize", "usercustomize"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            try:
+                importlib.reload(module)
+            except Exception:
+                print(f"Error in {name}; the copy runs on without it:", file=sys.stderr)
+                traceback.print_exc()
+
+
 def run_child(request: dict) -> int:
     """In the forked child: become the stub's program and run it; its exit code."""
     import runpy
@@ -395,8 +425,9 @@ def run_child(request: dict) -> int:
     threads = request["env"].get("OMP_NUM_THREADS", "")
     if threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    sys.argv = list(request["argv"])
+    sys.argv, sys.orig_argv = list(request["argv"]), list(request["orig_argv"])
     sys.path[0] = os.getcwd() if request["module"] else os.path.dirname(os.path.abspath(sys.argv[0]))
+    _customize_again()
     try:
         if request["module"]:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

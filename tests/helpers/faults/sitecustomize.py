@@ -3,6 +3,12 @@ this folder is on PYTHONPATH (torchrun's workers inherit it); it does nothing un
 $SPMD_RL_TEST_FAULTS holds a JSON plan and the process is a worker (``-m spmd_rl.train``), so
 production code carries no test hooks.
 
+The plan is applied where the worker's first statement, ``preload.delegate``, returns: in the
+process that runs the program (a fresh worker, or the copy a preload server forked, which runs
+this module again with the worker's environment), never in a stub whose copy runs it (it
+would import the modules the copy is forked past). The suite puts this folder on every
+subprocess's PYTHONPATH (``conftest.subprocess_env``), the preload servers' included.
+
 Plans (``dir`` is a folder the test and the workers share):
 
 - ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k}``: in a world of 2, at the
@@ -33,6 +39,7 @@ Plans (``dir`` is a folder the test and the workers share):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -203,6 +210,17 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
     import faulthandler
     import signal
 
+    from spmd_rl.launcher import preload
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker's stacks, on demand
     _plan = json.loads(_PLAN)
-    {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync, "slow_generate": _slow_generate}[_plan["kind"]](_plan)
+    _apply = {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync,
+              "slow_generate": _slow_generate}[_plan["kind"]]
+    _delegate = getattr(preload.delegate, "__wrapped__", preload.delegate)  # once, however often this runs
+
+    @functools.wraps(_delegate)
+    def _delegate_then_apply(*args, **kwargs):
+        _delegate(*args, **kwargs)  # returns only where this process runs the program
+        _apply(_plan)
+
+    preload.delegate = _delegate_then_apply
