@@ -83,21 +83,78 @@ def test_icepop_masks_tokens_and_mis_rejects_sequences_outside_the_band():
     assert mis_mask(old, roll, mask, (0.5, 2.0)).tolist() == [[1.0] * 4, [1.0] * 4]
 
 
-@pytest.mark.parametrize("algo,values", [("reinforce_pp", False), ("reinforce_pp_baseline", False), ("ppo", True)])
-def test_a_rank_with_no_samples_still_enters_the_whitening_all_reduce(monkeypatch, algo, values):
-    """The advantage stage's whitening sums moments over the DP ranks: a rank whose share is empty
-    must take part in that collective too, or the ranks' collectives pair up wrongly."""
+def _advantage_call(rank: int, algo: str, values: bool):
+    """A StageCall for the advantage stage: rank 0 holds four samples of one group, rank 1 none."""
     from types import SimpleNamespace
 
-    from spmd_rl.trainer.stages import advantage as stage
+    rows = [(1.0, 3), (0.0, 2), (1.0, 4), (0.5, 1)] if rank == 0 else []
+    columns = {"reward": [torch.tensor(r) for r, _ in rows], "response_length": [torch.tensor(L) for _, L in rows]}
+    if values:
+        columns["values"] = [torch.linspace(0.1, 0.4, L) for _, L in rows]
+    batch = type("Batch", (), {"columns": columns, "__len__": lambda self: len(rows)})()
+    algorithm = SimpleNamespace(name=algo, gamma=0.9, lam=0.8, kl_coef=0.0, kl_estimator="k1")
+    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)),
+                          lay=SimpleNamespace(train=SimpleNamespace(group=1)))
+    return SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("values",) if values else ()))
 
-    calls = []
-    monkeypatch.setattr(stage, "dp_sums", lambda values, group: calls.append(dict(values)) or {k: 0.0 for k in values})
-    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(name=algo)), lay=SimpleNamespace(train=SimpleNamespace(group=1)))
-    empty = type("Empty", (), {"columns": {}, "__len__": lambda self: 0})()
-    call = SimpleNamespace(run=run, batch=empty, stage=SimpleNamespace(inputs=("values",) if values else ()))
-    stage.advantage(call)
-    assert calls == [{"n": 0.0, "s": 0.0, "q": 0.0}]
+
+def _advantage_rank(rank: int, algo: str, values: bool, store: str, out) -> None:
+    """One rank of a real 2-rank gloo world (forked): the advantage stage, then its advantages."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spmd_rl.trainer.stages.advantage import advantage
+
+    torch.set_num_threads(1)  # the parent's OpenMP thread team does not survive the fork
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=15))
+    try:
+        result = advantage(_advantage_call(rank, algo, values))
+        out.put((rank, [a.tolist() for a in (result.columns or {}).get("advantages", [])]))
+    except Exception as e:  # a collective that never pairs up times out here
+        out.put((rank, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("algo,values", [("reinforce_pp", False), ("reinforce_pp_baseline", False), ("ppo", True)])
+def test_a_rank_with_no_samples_still_enters_the_whitening_all_reduce(tmp_path, algo, values):
+    """The advantage stage's whitening sums moments over the DP ranks: a rank whose share is empty
+    must take part in that real all-reduce too (two forked gloo ranks here), or the other rank
+    waits in it until the collective times out. Rank 0's advantages are then whitened with the
+    moments of its own tokens only (rank 1 adds zeros), recomputed here in float64."""
+    import multiprocessing as mp
+
+    from spmd_rl.algos.core import gae, masked_moments
+
+    ctx = mp.get_context("fork")  # the parent's imports, no interpreter start
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_advantage_rank, args=(r, algo, values, str(tmp_path / "store"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got[1] == [], got[1]
+    call = _advantage_call(0, algo, values)
+    cols = call.batch.columns
+    lengths = torch.stack(cols["response_length"]).long()
+    mask = torch.arange(4)[None, :] < lengths[:, None]
+    scores = torch.stack(cols["reward"]).to(D)
+    if algo == "reinforce_pp_baseline":
+        scores = group_centred(scores, 4)
+    rewards = token_rewards(scores, lengths, 4, mask=mask)
+    if values:
+        v = torch.zeros(4, 4, dtype=D)
+        for k, x in enumerate(cols["values"]):
+            v[k, : len(x)] = x.to(D)
+        want, _ = gae(rewards, v * mask, mask, 0.9, 0.8)
+    else:
+        want = discounted_returns(rewards, mask, 0.9)
+    white = whiten(want, mask, *masked_moments(want, mask))
+    assert isinstance(got[0], list), got[0]
+    for k, L in enumerate(lengths.tolist()):
+        assert torch.allclose(torch.tensor(got[0][k], dtype=D), white[k, :L], atol=1e-6), (k, got[0][k], white[k, :L])
 
 
 def test_the_score_of_a_trajectory_that_ends_on_inserted_tokens_reaches_its_returns():
