@@ -13,11 +13,15 @@ from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.plan import render
 from spmd_rl.config.rules import check
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="SPMD RL post-training: validate, plan, train, eval.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="SPMD RL post-training: validate, plan, train, eval."
+)
 
 ConfigArg = typer.Argument(..., help="YAML config file.", show_default=False)
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. actor.lr=1e-5 rollout.n=8.", show_default=False)
-WorldOpt = typer.Option(None, "--world-size", help="World size to validate for (default: parallel.nnodes x nproc_per_node).")
+WorldOpt = typer.Option(
+    None, "--world-size", help="World size to validate for (default: parallel.nnodes x nproc_per_node)."
+)
 NprocOpt = typer.Option(None, "--nproc-per-node", help="Ranks per node (default: parallel.nproc_per_node).")
 
 
@@ -48,7 +52,8 @@ def validate(
     cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
     typer.echo(
         f"OK {config}: world {lay.world} ({lay.nnodes} node(s) x {lay.nproc_per_node}), "
-        f"train dp_shard={lay.train.dp} tp={lay.train.tp}{f' pp={lay.train.pp}' if lay.train.pp > 1 else ''}, gen dp={lay.gen.dp} tp={lay.gen.tp}, "
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}{f' pp={lay.train.pp}' if lay.train.pp > 1 else ''}, gen "
+        f"dp={lay.gen.dp} tp={lay.gen.tp}, "
         f"{cfg.algorithm.name} G={cfg.data.global_batch_size} N={cfg.rollout.n}"
     )
 
@@ -60,7 +65,9 @@ def plan(
     world_size: Optional[int] = WorldOpt,
     nproc_per_node: Optional[int] = NprocOpt,
     bandwidth_gbps: float = typer.Option(
-        0.29296875, "--bandwidth-gbps", help="Inter-node link bandwidth in GB/s (1 GB = 1024^3 B); default 300 MB/s as in the paper."
+        0.29296875,
+        "--bandwidth-gbps",
+        help="Inter-node link bandwidth in GB/s (1 GB = 1024^3 B); default 300 MB/s as in the paper.",
     ),
 ) -> None:
     """Print both layouts rank by rank, per-rank memory, redundant memory R (Eq. 3) and TCV (Eqs. 2, 4)."""
@@ -85,7 +92,10 @@ def doctor(
     for c in checks:
         typer.echo(c.line())
     failed = [c.name for c in checks if not c.ok]
-    typer.echo(f"{len(checks) - len(failed)} of {len(checks)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    typer.echo(
+        f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     if failed:
         raise typer.Exit(code=2)
 
@@ -93,8 +103,15 @@ def doctor(
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., help="A run's logging folder (logging.dir, holding metrics.jsonl)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Where the PNGs and report.html go; default RUN_DIR/report."),
-    trace: bool = typer.Option(False, "--trace", help="Also write trace.json: every rank's stage timeline as one Chrome/Perfetto trace (open it in ui.perfetto.dev)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Where the PNGs and report.html go; default RUN_DIR/report."
+    ),
+    trace: bool = typer.Option(
+        False,
+        "--trace",
+        help="Also write trace.json: every rank's stage timeline as one Chrome/Perfetto trace (open it in "
+        "ui.perfetto.dev).",
+    ),
 ) -> None:
     """PNG plots of a run's metrics (reward, accuracy, lengths, KL, entropy, clip fraction, mismatch,
     grad norm, time and memory per stage) and one self-contained HTML page with them and the config."""
@@ -107,7 +124,10 @@ def report(
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        typer.echo(f"INVALID {run_dir}: no metrics.jsonl there -> pass the run's logging.dir (e.g. runs/quickstart/logs)", err=True)
+        typer.echo(
+            f"INVALID {run_dir}: no metrics.jsonl there -> pass the run's logging.dir (e.g. runs/quickstart/logs)",
+            err=True,
+        )
         raise typer.Exit(code=2)
     out = out or run_dir / "report"
     with Progress(transient=True) as bar:
@@ -123,7 +143,10 @@ def report(
 
         timelines = read_timelines(run_dir / "trace")
         if not timelines:
-            typer.echo(f"INVALID {run_dir}/trace: no rank timelines there (every run writes them from this version on)", err=True)
+            typer.echo(
+                f"INVALID {run_dir}/trace: no rank timelines there (every run writes them from this version on)",
+                err=True,
+            )
             raise typer.Exit(code=2)
         (out / "trace.json").write_text(json.dumps(chrome_trace(timelines)))
         made["trace"] = str(out / "trace.json")
@@ -149,7 +172,11 @@ def train(
 def export(
     checkpoint_dir: Path = typer.Argument(..., help="A checkpoint folder (iter_NNNNNN)."),
     out: Path = typer.Option(..., "--out", help="Output HF folder."),
-    merged: bool = typer.Option(False, "--merged", help="LoRA checkpoint: write the base model with the adapters merged instead of the adapter folder."),
+    merged: bool = typer.Option(
+        False,
+        "--merged",
+        help="LoRA checkpoint: write the base model with the adapters merged instead of the adapter folder.",
+    ),
 ) -> None:
     """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer); a LoRA
     checkpoint as a PEFT adapter folder, or with --merged as the merged model."""
@@ -168,16 +195,27 @@ def export(
 
 
 @app.command(name="eval")
-def evaluate(
+def evaluate(  # noqa: PLR0913
     model: Path = typer.Argument(..., help="HF model folder or checkpoint folder."),
     data: Path = typer.Option(..., "--data", help="Prompt file (.jsonl/.parquet) with prompt and answer columns."),
     rule: str = typer.Option("exact_match", "--rule", help="Reward rule deciding correctness."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts."),
-    max_tokens: int = typer.Option(8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."),
-    environment: Optional[str] = typer.Option(None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."),
+    max_tokens: int = typer.Option(
+        8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."
+    ),
+    environment: Optional[str] = typer.Option(
+        None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."
+    ),
     max_turns: int = typer.Option(4, "--max-turns", help="With --environment: the most sampled turns per trajectory."),
-    pairs: bool = typer.Option(False, "--pairs", help="--data is a preference file (prompt, chosen, rejected): print DPO's held-out margin and accuracy against --reference instead."),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."),
+    pairs: bool = typer.Option(
+        False,
+        "--pairs",
+        help="--data is a preference file (prompt, chosen, rejected): print DPO's held-out margin and accuracy against "
+        "--reference instead.",
+    ),
+    reference: Optional[Path] = typer.Option(
+        None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."
+    ),
 ) -> None:
     """Greedy accuracy through in-process vLLM, or with --pairs the preference margin of the
     model against its reference (HF forwards); prints one JSON line."""
@@ -209,11 +247,17 @@ def evaluate(
 
             ref = reference or (Path(read_state(model)["model_path"]) if is_checkpoint(model) else None)
             if ref is None or not (ref / "config.json").is_file():
-                typer.echo(f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base model)", err=True)
+                typer.echo(
+                    f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base "
+                    f"model)",
+                    err=True,
+                )
                 raise typer.Exit(code=2)
             result = preference_eval(model_dir, ref, data, limit)
         else:
-            result = greedy_accuracy(model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns)
+            result = greedy_accuracy(
+                model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns
+            )
     typer.echo(json.dumps(result | {"model": str(model)}))
 
 

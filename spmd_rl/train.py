@@ -69,8 +69,13 @@ log = logging.getLogger("spmd_rl")
 def _peer() -> Peer:
     npn = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    return Peer(rank, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_RANK", rank // npn)),
-                int(os.environ.get("LOCAL_RANK", 0)), npn)
+    return Peer(
+        rank,
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("GROUP_RANK", rank // npn)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        npn,
+    )
 
 
 def _required(value: str | None, env: str, field: str, fix: str) -> str:
@@ -80,7 +85,7 @@ def _required(value: str | None, env: str, field: str, fix: str) -> str:
     return got
 
 
-def build(cfg, peer: Peer) -> tuple[Run, int]:
+def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
     lay, violations = check(cfg, peer.world, peer.nproc_per_node)
     if violations:
         raise ConfigError(violations)
@@ -92,23 +97,39 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    endpoint = _required(",".join(cfg.metadata.endpoints), "SPMD_RL_ETCD", "metadata.endpoints",
-                         "launch with `spmd-rl train` (starts an embedded etcd) or set metadata.endpoints")
-    token = _required(cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token")
+    endpoint = _required(
+        ",".join(cfg.metadata.endpoints),
+        "SPMD_RL_ETCD",
+        "metadata.endpoints",
+        "launch with `spmd-rl train` (starts an embedded etcd) or set metadata.endpoints",
+    )
+    token = _required(
+        cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token"
+    )
     meta = MetadataStore(endpoint.split(","), cfg.metadata.job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
     if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
     graph = stages_for(cfg)
     dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
-    side = init_sides(lay, peer.rank).side  # separated placement: "gen" hosts only vLLM, "train" only the training roles
+    side = init_sides(
+        lay, peer.rank
+    ).side  # separated placement: "gen" hosts only vLLM, "train" only the training roles
     mesh = train_mesh(acc, lay.train)
     tok = load_tokenizer(cfg)
-    prompts = preferences_for(cfg, tok, cfg.data.train_path) if cfg.algorithm.name == "dpo" else prompts_for(cfg, tok, cfg.data.train_path)
-    rollout = build_rollout(cfg, acc, lay, peer, side) if any("rollout" in s.roles for s in graph) else None  # DPO generates nothing
+    prompts = (
+        preferences_for(cfg, tok, cfg.data.train_path)
+        if cfg.algorithm.name == "dpo"
+        else prompts_for(cfg, tok, cfg.data.train_path)
+    )
+    rollout = (
+        build_rollout(cfg, acc, lay, peer, side) if any("rollout" in s.roles for s in graph) else None
+    )  # DPO generates nothing
     roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
     check_accumulation_fits(cfg, acc, lay, roles)
-    residency = Residency(Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg))
+    residency = Residency(
+        Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg)
+    )
     sampler = sampler_for(cfg, len(prompts))
     start = 0
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
@@ -122,14 +143,31 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         start = int(state["iteration"])
         if peer.rank == 0:
             log.info("resumed from %s at iteration %d", folder, start)
-    run = Run(cfg, lay, peer, acc, dock, graph, roles, rollout, residency, tok, prompts, sampler,
-              get_reward(cfg.reward.rule, cfg.reward.format_score),
-              lineage=checkpoint.lineage_id(state if folder is not None else None, cfg.checkpoint.resume))
+    run = Run(
+        cfg,
+        lay,
+        peer,
+        acc,
+        dock,
+        graph,
+        roles,
+        rollout,
+        residency,
+        tok,
+        prompts,
+        sampler,
+        get_reward(cfg.reward.rule, cfg.reward.format_score),
+        lineage=checkpoint.lineage_id(state if folder is not None else None, cfg.checkpoint.resume),
+    )
     if multi_turn(cfg) and lay.gen.tp > 1:  # the TP ranks of a generation group run each multi-turn rollout together
         run.gen_tp_group = replica_group(lay.gen, peer.rank)
     if folder is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
-    run.ledger = PromptLedger(MetadataStore(endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)))
+    run.ledger = PromptLedger(
+        MetadataStore(
+            endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)
+        )
+    )
     if peer.rank == 0:
         run.ledger.restart_at(start)  # the iterations from `start` on are (re)done from here
     if cfg.trainer.eval_interval and rollout is not None:
@@ -152,10 +190,21 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
         return None
     colocated = side == "both"
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    rollout = RolloutEngine(cfg.model.path, acc, cfg.rollout, lay.gen.tp, cfg.model.dtype, max_len, cfg.trainer.seed,
-                            distributed=peer.world > 1 and colocated, own_process=side == "gen", dummy_weights=colocated,
-                            record_routes=records_routes(cfg), expert_parallel=cfg.parallel.gen.expert_parallel,
-                            lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None)
+    rollout = RolloutEngine(
+        cfg.model.path,
+        acc,
+        cfg.rollout,
+        lay.gen.tp,
+        cfg.model.dtype,
+        max_len,
+        cfg.trainer.seed,
+        distributed=peer.world > 1 and colocated,
+        own_process=side == "gen",
+        dummy_weights=colocated,
+        record_routes=records_routes(cfg),
+        expert_parallel=cfg.parallel.gen.expert_parallel,
+        lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None,
+    )
     if colocated:
         rollout.sleep(discard_weights=True)
     return rollout
@@ -167,17 +216,28 @@ def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
     will have free: the free device memory now plus the roles that leave for host before it."""
     if not cfg.actor.accumulate_unsharded or "actor" not in roles or (free := acc.device_free_bytes()) is None:
         return
-    leaving = sum(resident_bytes(e.param_tensors()) for r, e in roles.items() if r != "actor" and r not in pinned_roles(cfg))
+    leaving = sum(
+        resident_bytes(e.param_tensors()) for r, e in roles.items() if r != "actor" and r not in pinned_roles(cfg)
+    )
     need = unsharded_accumulation_bytes(ModelArch.from_folder(cfg.model.path), lay, cfg.model.dtype)
     if need > free + leaving:
-        raise ConfigError([Violation("actor.accumulate_unsharded", True,
-                                     f"needs {need / 2**30:.2f} GiB per rank during the update; about {(free + leaving) / 2**30:.2f} GiB will be free",
-                                     "set actor.accumulate_unsharded=false, or shard over more ranks (parallel.train.dp_shard)")])
+        raise ConfigError(
+            [
+                Violation(
+                    "actor.accumulate_unsharded",
+                    True,
+                    f"needs {need / 2**30:.2f} GiB per rank during the update; about {(free + leaving) / 2**30:.2f} "
+                    f"GiB will be free",
+                    "set actor.accumulate_unsharded=false, or shard over more ranks (parallel.train.dp_shard)",
+                )
+            ]
+        )
 
 
 def build_roles(cfg, acc, mesh, graph) -> dict:
     """One engine per training-side role the graph uses (``Stage.roles``), FSDP2 over the
-    training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the actor's or
+    training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the
+    actor's or
     its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
     needed = {r for s in graph for r in s.roles}
     policy = SamplingPolicy.of(cfg.rollout)
@@ -185,27 +245,57 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     if cfg.actor.backend == "megatron":  # the actor and the reference only (config.backend_rules)
         from spmd_rl.engines.megatron.engine import MegatronEngine
 
-        lm = partial(MegatronEngine, cfg.model.path, acc, cfg.actor, dtype, cfg.parallel.train.tp, cfg.parallel.train.sequence_parallel, policy=policy,
-                     pp=cfg.parallel.train.pp, ep=cfg.parallel.train.ep)
+        lm = partial(
+            MegatronEngine,
+            cfg.model.path,
+            acc,
+            cfg.actor,
+            dtype,
+            cfg.parallel.train.tp,
+            cfg.parallel.train.sequence_parallel,
+            policy=policy,
+            pp=cfg.parallel.train.pp,
+            ep=cfg.parallel.train.ep,
+        )
     else:
         lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy, seed=cfg.trainer.seed)
     roles = {"actor": lm(total_steps=_total_steps(cfg))}
     if cfg.actor.lora is not None:
         adapted = len(list(lora_modules(roles["actor"].model)))
-        sync = ("the adapters alone to vLLM's LoRA (the base weights loaded once)" if cfg.actor.lora.sync == "adapter"
-                else "merged weights W + (alpha/r) B A through allgather-swap")
-        log.info("actor: LoRA rank %d alpha %g on %d layers (%s); weight sync: %s", cfg.actor.lora.rank, cfg.actor.lora.alpha, adapted,
-                 ", ".join(cfg.actor.lora.target_modules), sync)
-    if cfg.actor.lora is not None and needs_reference(cfg):  # the base model with adapters off (its stage makes the actor resident)
+        sync = (
+            "the adapters alone to vLLM's LoRA (the base weights loaded once)"
+            if cfg.actor.lora.sync == "adapter"
+            else "merged weights W + (alpha/r) B A through allgather-swap"
+        )
+        log.info(
+            "actor: LoRA rank %d alpha %g on %d layers (%s); weight sync: %s",
+            cfg.actor.lora.rank,
+            cfg.actor.lora.alpha,
+            adapted,
+            ", ".join(cfg.actor.lora.target_modules),
+            sync,
+        )
+    if cfg.actor.lora is not None and needs_reference(
+        cfg
+    ):  # the base model with adapters off (its stage makes the actor resident)
         roles["ref"] = roles["actor"].reference()
     elif "ref" in needed:
         roles["ref"] = lm(trainable=False)
     if "critic" in needed:
         critic_cfg = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr, "lora": None})
-        roles["critic"] = TrainEngine(cfg.critic.model_path or cfg.model.path, acc, mesh, critic_cfg, dtype,
-                                      total_steps=_total_steps(cfg), head="value")
+        roles["critic"] = TrainEngine(
+            cfg.critic.model_path or cfg.model.path,
+            acc,
+            mesh,
+            critic_cfg,
+            dtype,
+            total_steps=_total_steps(cfg),
+            head="value",
+        )
     if "reward_model" in needed:
-        roles["reward_model"] = TrainEngine(cfg.reward.model_path, acc, mesh, cfg.actor, dtype, trainable=False, head="score")
+        roles["reward_model"] = TrainEngine(
+            cfg.reward.model_path, acc, mesh, cfg.actor, dtype, trainable=False, head="score"
+        )
     return roles
 
 
@@ -215,7 +305,9 @@ PEER_LOST_EXIT = 75
 
 def _peer_lost(reason: str) -> None:
     """Leave at once, even from inside a collective: torchrun then re-forms the group."""
-    log.error("%s; exiting (status %d) so torchrun restarts the group from the latest checkpoint", reason, PEER_LOST_EXIT)
+    log.error(
+        "%s; exiting (status %d) so torchrun restarts the group from the latest checkpoint", reason, PEER_LOST_EXIT
+    )
     logging.shutdown()
     sys.stderr.flush()
     os._exit(PEER_LOST_EXIT)
@@ -231,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m spmd_rl.train CONFIG [key=value ...]", file=sys.stderr)
         return 2
     peer = _peer()
-    logging.basicConfig(level=logging.INFO if peer.rank == 0 else logging.WARNING,
-                        format=f"[rank{peer.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if peer.rank == 0 else logging.WARNING,
+        format=f"[rank{peer.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         cfg = load_config(args[0], args[1:])
         # a token given as an override must not reach what records the program's arguments

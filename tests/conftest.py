@@ -65,9 +65,12 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tools() -> Path:
-    """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml); built with the setup's command when missing."""
+    """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml); built with the setup's command
+    when missing."""
     if not (TINY_TOOLS / "warmstart.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_tool_model.py"), "--out", str(TINY_TOOLS)], check=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "tools" / "make_tool_model.py"), "--out", str(TINY_TOOLS)], check=True
+        )
     return TINY_TOOLS
 
 
@@ -75,7 +78,10 @@ def tiny_tools() -> Path:
 def tiny_moe() -> Path:
     """The tiny model's Qwen3-MoE sibling (same task and tokenizer); built with the setup's command when missing."""
     if not (TINY_MOE / "warmstart.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe", "--out", str(TINY_MOE)], check=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe", "--out", str(TINY_MOE)],
+            check=True,
+        )
     return TINY_MOE
 
 
@@ -84,7 +90,9 @@ def tiny_reward_model(tiny_model) -> Path:
     """The tiny reward model (a sequence classifier on the tiny policy's trunk); built when missing."""
     folder = tiny_model / "reward_model"
     if not (folder / "train_report.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_reward_model.py"), "--model", str(tiny_model)], check=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "tools" / "make_tiny_reward_model.py"), "--model", str(tiny_model)], check=True
+        )
     return folder
 
 
@@ -174,7 +182,13 @@ def run_helper(script: str, *args: object, timeout: float = 300) -> dict:
     the JSON object on its last stdout line that holds one (vLLM may log to stdout at exit)."""
     import json
 
-    out = subprocess.run([sys.executable, str(REPO / "tests/helpers" / script), *map(str, args)],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tests/helpers" / script), *map(str, args)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

@@ -19,10 +19,42 @@ from spmd_rl.launcher import preload
 
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "tensordict", "vllm.entrypoints.llm"]
 """What a rank imports before its own code runs."""
-PER_TEST_VARIABLES = ["PYTEST_CURRENT_TEST", "MODEL", "CKPT", "DTYPE", "TP", "SP", "PP", "EP", "TRAIN_TP", "TRAIN_DP", "GEN_TP",
-                      "DOCK_MODE", "MODE", "WRITERS", "ROUTES", "RLEN", "RELAY_MIN", "N", "G", "LORA_SYNC",
-                      "ETCD", "ETCD_CA", "ETCD_CERT", "ETCD_KEY", "INTERFACE", "JOB", "NNODES", "NPROC", "RESTARTS", "TOKEN",
-                      "LAST_CALL_S", "RDZV_TIMEOUT_S", "CONFIG", "WANDB_SILENT"]
+PER_TEST_VARIABLES = [
+    "PYTEST_CURRENT_TEST",
+    "MODEL",
+    "CKPT",
+    "DTYPE",
+    "TP",
+    "SP",
+    "PP",
+    "EP",
+    "TRAIN_TP",
+    "TRAIN_DP",
+    "GEN_TP",
+    "DOCK_MODE",
+    "MODE",
+    "WRITERS",
+    "ROUTES",
+    "RLEN",
+    "RELAY_MIN",
+    "N",
+    "G",
+    "LORA_SYNC",
+    "ETCD",
+    "ETCD_CA",
+    "ETCD_CERT",
+    "ETCD_KEY",
+    "INTERFACE",
+    "JOB",
+    "NNODES",
+    "NPROC",
+    "RESTARTS",
+    "TOKEN",
+    "LAST_CALL_S",
+    "RDZV_TIMEOUT_S",
+    "CONFIG",
+    "WANDB_SILENT",
+]
 """Variables a test sets per run (pytest's own, the tests/helpers workers' parameters,
 ``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's): a
 rank may differ in them from the servers unless an import looked one up (``preload --free``).
@@ -63,10 +95,24 @@ class PreloadServers:
         for k in range(SERVERS):
             path = os.path.join(folder, f"preload{k}.sock")
             with open(path + ".log", "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-u", "-m", "spmd_rl.launcher.preload", path, *PRELOADED,
-                     *(f"--free={name}" for name in PER_TEST_VARIABLES)],
-                    env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-u",
+                            "-m",
+                            "spmd_rl.launcher.preload",
+                            path,
+                            *PRELOADED,
+                            *(f"--free={name}" for name in PER_TEST_VARIABLES),
+                        ],
+                        env=env,
+                        cwd=cwd,
+                        stdin=subprocess.PIPE,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             self.sockets.append(path)
         deadline = time.monotonic() + 60
         for path, proc in zip(self.sockets, self.procs):  # bound before they import: ranks connecting now wait
@@ -88,7 +134,16 @@ class PreloadServers:
         shutil.rmtree(os.path.dirname(self.sockets[0]), ignore_errors=True)
         self.sockets, self.procs = [], []
         refused = Counter(line.split(" | ")[0] for line in lines if line.startswith("refused"))
-        where = {reason: sorted({line.split("; ", 1)[-1].split(" ")[0] for line in lines
-                                 if line.startswith(reason + " | ") and "; " in line})[:3] for reason in refused}
+        where = {
+            reason: sorted(
+                {
+                    line.split("; ", 1)[-1].split(" ")[0]
+                    for line in lines
+                    if line.startswith(reason + " | ") and "; " in line
+                }
+            )[:3]
+            for reason in refused
+        }
         return f"{sum(line.startswith('forked') for line in lines)} ranks forked" + "".join(
-            f"; {n} {r}" + (f" (in {', '.join(where[r])})" if where[r] else "") for r, n in sorted(refused.items()))
+            f"; {n} {r}" + (f" (in {', '.join(where[r])})" if where[r] else "") for r, n in sorted(refused.items())
+        )

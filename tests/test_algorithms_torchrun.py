@@ -18,11 +18,18 @@ import pytest
 from tests.trainer_util import train
 
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
-LAYOUTS = {"dp2-micro16": ("parallel.train.dp_shard=2", "parallel.train.tp=1", "actor.micro_batch_size=16"),
-           "tp2-micro4": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "actor.micro_batch_size=4")}
+LAYOUTS = {
+    "dp2-micro16": ("parallel.train.dp_shard=2", "parallel.train.tp=1", "actor.micro_batch_size=16"),
+    "tp2-micro4": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "actor.micro_batch_size=4"),
+}
 ALGOS = {
     "rloo": ("algorithm.name=rloo",),
-    "reinforce_pp": ("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.use_kl_loss=false", "algorithm.gamma=0.99"),
+    "reinforce_pp": (
+        "algorithm.name=reinforce_pp",
+        "algorithm.kl_coef=0.05",
+        "algorithm.use_kl_loss=false",
+        "algorithm.gamma=0.99",
+    ),
     "reinforce_pp_baseline": ("algorithm.name=reinforce_pp_baseline",),
     "cispo": ("actor.policy_loss=cispo", "actor.ppo_epochs=2"),  # the second epoch is off-policy: weights clip
 }
@@ -41,12 +48,16 @@ def grpo(tiny_model, tmp_path_factory, etcd):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_the_objective_does_not_depend_on_the_split(tiny_model, tmp_path, etcd, grpo, algo):
-    a, b = (train(tmp_path, f"{algo}-{name}", etcd.endpoint, *ONE, *ALGOS[algo], *lay)[0] for name, lay in LAYOUTS.items())
+    a, b = (
+        train(tmp_path, f"{algo}-{name}", etcd.endpoint, *ONE, *ALGOS[algo], *lay)[0] for name, lay in LAYOUTS.items()
+    )
     assert a["reward_mean"] == b["reward_mean"] == grpo["reward_mean"]  # the same samples
     assert abs(a["grad_norm"] - grpo["grad_norm"]) > 1e-4 * grpo["grad_norm"]  # and the algorithm acted
     assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
     assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
-    if algo == "reinforce_pp":  # the KL-in-reward path ran (its value is 0 here: at iteration 0 the actor is the reference;
+    if (
+        algo == "reinforce_pp"
+    ):  # the KL-in-reward path ran (its value is 0 here: at iteration 0 the actor is the reference;
         assert a["kl_reward"] == b["kl_reward"] == 0.0  # its formula is test_estimators.py's)
 
 
@@ -54,8 +65,15 @@ def test_the_objective_does_not_depend_on_the_split(tiny_model, tmp_path, etcd, 
 def test_icepop_and_mis_bands_mask_and_reject(tiny_model, tmp_path, etcd, grpo):
     """Against the GRPO run of the same samples and layout, without the bands."""
     base = grpo
-    cut = train(tmp_path, "cut", etcd.endpoint, *ONE, *LAYOUTS["dp2-micro16"], "actor.icepop_band=[0.9999999,1.0000001]",
-                "actor.mis_band=[0.99999999,1.00000001]")[0]
+    cut = train(
+        tmp_path,
+        "cut",
+        etcd.endpoint,
+        *ONE,
+        *LAYOUTS["dp2-micro16"],
+        "actor.icepop_band=[0.9999999,1.0000001]",
+        "actor.mis_band=[0.99999999,1.00000001]",
+    )[0]
     assert base["reward_mean"] == cut["reward_mean"]
     assert 0 < cut["icepop_masked_frac"] < 1 and 0 < cut["mis_rejected_frac"] <= 1, cut
     assert "icepop_masked_frac" not in base and "mis_rejected_frac" not in base

@@ -16,6 +16,7 @@ def policy_loss(logp, old, adv, mask, low, high, c, mode):
     out = vanilla_ppo(logp, old, adv, mask, ClipConfig(low, high, c, mode))
     return out.loss, torch.tensor(out.clipped_tokens / float(mask.sum()))
 
+
 D = torch.float64
 
 

@@ -16,8 +16,17 @@ from tests.helpers.rollout_logprobs import perturbed
 from tests.torchrun_util import OwnShm, wait_for
 from tests.trainer_util import G, train
 
-SEPARATED = ("parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
-             "actor.tis_cap=2.0", "trainer.iterations=4", "trainer.eval_interval=2", "checkpoint.interval=2", "rollout.temperature=1.0")
+SEPARATED = (
+    "parallel.placement=separated",
+    "parallel.gen_ranks=1",
+    "parallel.gen.dp=1",
+    "parallel.train.dp_shard=1",
+    "actor.tis_cap=2.0",
+    "trainer.iterations=4",
+    "trainer.eval_interval=2",
+    "checkpoint.interval=2",
+    "rollout.temperature=1.0",
+)
 
 
 @pytest.mark.slow
@@ -42,13 +51,17 @@ def test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes(tiny
     records = ledger.read()
     assert [r.version for r in records] == [0, 0, 1, 2] and problems(records) == []
 
-    resumed = train(tmp_path, "async", etcd.endpoint, *SEPARATED, f"checkpoint.resume={tmp_path}/async/ckpt/iter_000002")
+    resumed = train(
+        tmp_path, "async", etcd.endpoint, *SEPARATED, f"checkpoint.resume={tmp_path}/async/ckpt/iter_000002"
+    )
     assert [r["iteration"] for r in resumed] == [0, 1, 2, 3]  # the log keeps iterations 0-1 and redoes 2-3
     assert [r["gen_version"] for r in resumed[2:]] == [2, 2]  # the generator starts from the restored weights
     records = ledger.read()
     assert [r.version for r in records] == [0, 0, 2, 2] and problems(records) == []
     again = ledger.weights()
-    assert sorted(again) == [0, 1, 2, 4] and again[2] == weights[2]  # the restored policy is the one first sent as version 2
+    assert (
+        sorted(again) == [0, 1, 2, 4] and again[2] == weights[2]
+    )  # the restored policy is the one first sent as version 2
 
 
 def _hf_logprobs(model, got: dict) -> list[torch.Tensor]:

@@ -17,26 +17,55 @@ def validate(*overrides: str):
     return CliRunner().invoke(app, ["validate", QUICK, *overrides])
 
 
-@pytest.mark.parametrize("extra", [(), TP2, (*TP2, "parallel.train.sequence_parallel=true"), ("algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true"),
-                                   ("parallel.train.pp=2", "parallel.train.dp_shard=1")],
-                         ids=["dp2", "tp2", "tp2-sp", "with-reference", "pp2"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        TP2,
+        (*TP2, "parallel.train.sequence_parallel=true"),
+        ("algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true"),
+        ("parallel.train.pp=2", "parallel.train.dp_shard=1"),
+    ],
+    ids=["dp2", "tp2", "tp2-sp", "with-reference", "pp2"],
+)
 def test_what_megatron_runs_is_valid(in_repo, tiny_model, extra):
     res = validate(*MEGA, *extra)
     assert res.exit_code == 0, res.output
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (("parallel.train.sequence_parallel=true",), "parallel.train.sequence_parallel"),  # SP on the FSDP backend
-    ((*MEGA, "parallel.train.sequence_parallel=true"), "parallel.train.sequence_parallel"),  # SP at TP 1
-    ((*MEGA, "algorithm.name=ppo"), "actor.backend"),
-    ((*MEGA, "reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"), "actor.backend"),
-    ((*MEGA, "parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "actor.tis_cap=2.0"), "actor.backend"),
-    ((*MEGA, "actor.accumulate_unsharded=true"), "actor.accumulate_unsharded"),
-    ((*MEGA, "actor.compile=true"), "actor.compile"),
-    (("parallel.train.pp=2",), "parallel.train.pp"),  # PP on the FSDP backend
-    ((*MEGA, "parallel.train.pp=3"), "parallel.train.pp"),  # 3 does not divide the 2 ranks (nor the 4 layers)
-    ((*MEGA, "parallel.train.pp=2", "parallel.train.dp_shard=2"), "parallel.train.dp_shard"),  # 2 x 2 x 1 != 2 ranks
-], ids=["sp-fsdp", "sp-tp1", "ppo", "reward-model", "separated", "accumulate-unsharded", "compile", "pp-fsdp", "pp-not-dividing", "pp-dp-product"])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (("parallel.train.sequence_parallel=true",), "parallel.train.sequence_parallel"),  # SP on the FSDP backend
+        ((*MEGA, "parallel.train.sequence_parallel=true"), "parallel.train.sequence_parallel"),  # SP at TP 1
+        ((*MEGA, "algorithm.name=ppo"), "actor.backend"),
+        ((*MEGA, "reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"), "actor.backend"),
+        (
+            (*MEGA, "parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "actor.tis_cap=2.0"),
+            "actor.backend",
+        ),
+        ((*MEGA, "actor.accumulate_unsharded=true"), "actor.accumulate_unsharded"),
+        ((*MEGA, "actor.compile=true"), "actor.compile"),
+        (("parallel.train.pp=2",), "parallel.train.pp"),  # PP on the FSDP backend
+        ((*MEGA, "parallel.train.pp=3"), "parallel.train.pp"),  # 3 does not divide the 2 ranks (nor the 4 layers)
+        (
+            (*MEGA, "parallel.train.pp=2", "parallel.train.dp_shard=2"),
+            "parallel.train.dp_shard",
+        ),  # 2 x 2 x 1 != 2 ranks
+    ],
+    ids=[
+        "sp-fsdp",
+        "sp-tp1",
+        "ppo",
+        "reward-model",
+        "separated",
+        "accumulate-unsharded",
+        "compile",
+        "pp-fsdp",
+        "pp-not-dividing",
+        "pp-dp-product",
+    ],
+)
 def test_what_megatron_does_not_run_exits_2_naming_the_field(in_repo, tiny_model, overrides, field):
     res = validate(*overrides)
     assert res.exit_code == 2, res.output
@@ -46,13 +75,21 @@ def test_what_megatron_does_not_run_exits_2_naming_the_field(in_repo, tiny_model
 def test_pp_must_divide_the_layers(in_repo, tiny_model):
     """The 4-layer model in 4 stages of one layer passes; in 8 stages (a pp that divides the
     ranks but not the layers) it is refused, naming the layer count."""
-    ok = validate(*MEGA, "parallel.nproc_per_node=4", "parallel.train.pp=4", "parallel.train.dp_shard=1", "parallel.gen.dp=4")
+    ok = validate(
+        *MEGA, "parallel.nproc_per_node=4", "parallel.train.pp=4", "parallel.train.dp_shard=1", "parallel.gen.dp=4"
+    )
     assert ok.exit_code == 0, ok.output
-    bad = validate(*MEGA, "parallel.nproc_per_node=8", "parallel.train.pp=8", "parallel.train.dp_shard=1", "parallel.gen.dp=8")
+    bad = validate(
+        *MEGA, "parallel.nproc_per_node=8", "parallel.train.pp=8", "parallel.train.dp_shard=1", "parallel.gen.dp=8"
+    )
     assert bad.exit_code == 2 and "parallel.train.pp" in bad.output and "4 decoder layers" in bad.output, bad.output
 
 
-MOE = ("model.path=assets/tiny-qwen3-moe", "data.train_path=assets/tiny-qwen3-moe/train.jsonl", "data.test_path=assets/tiny-qwen3-moe/test.jsonl")
+MOE = (
+    "model.path=assets/tiny-qwen3-moe",
+    "data.train_path=assets/tiny-qwen3-moe/train.jsonl",
+    "data.test_path=assets/tiny-qwen3-moe/test.jsonl",
+)
 
 
 def test_moe_expert_parallelism_rules(in_repo, tiny_model, tiny_moe):
@@ -60,11 +97,24 @@ def test_moe_expert_parallelism_rules(in_repo, tiny_model, tiny_moe):
     experts or the DP ranks, or beside TP / PP, exits 2 naming the field."""
     assert validate(*MOE, *MEGA, "parallel.train.ep=2").exit_code == 0
     assert validate(*MOE).exit_code == 0  # FSDP over the fused experts
-    for overrides, field in [((*MOE, "parallel.train.ep=2"), "parallel.train.ep"), ((*MEGA, "parallel.train.ep=2"), "parallel.train.ep"),
-                             ((*MOE, *MEGA, "parallel.train.ep=3"), "parallel.train.ep"),
-                             ((*MOE, *MEGA, "parallel.nproc_per_node=4", "parallel.train.dp_shard=2", "parallel.train.tp=2", "parallel.gen.dp=4",
-                               "parallel.train.ep=2"), "parallel.train.tp"),
-                             ((*MOE, "parallel.train.tp=2", "parallel.train.dp_shard=1"), "parallel.train.tp")]:
+    for overrides, field in [
+        ((*MOE, "parallel.train.ep=2"), "parallel.train.ep"),
+        ((*MEGA, "parallel.train.ep=2"), "parallel.train.ep"),
+        ((*MOE, *MEGA, "parallel.train.ep=3"), "parallel.train.ep"),
+        (
+            (
+                *MOE,
+                *MEGA,
+                "parallel.nproc_per_node=4",
+                "parallel.train.dp_shard=2",
+                "parallel.train.tp=2",
+                "parallel.gen.dp=4",
+                "parallel.train.ep=2",
+            ),
+            "parallel.train.tp",
+        ),
+        ((*MOE, "parallel.train.tp=2", "parallel.train.dp_shard=1"), "parallel.train.tp"),
+    ]:
         res = validate(*overrides)
         assert res.exit_code == 2 and field in res.output and "->" in res.output, (overrides, res.output)
 

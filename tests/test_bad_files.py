@@ -25,12 +25,15 @@ def test_config_that_is_not_utf8(tmp_path, in_repo):
     assert "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("name,content,problem", [
-    ("garbage.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00", "the first line is not a UTF-8 JSON object"),
-    ("list.jsonl", b"[1, 2]\n", "the first line is not a JSON object"),
-    ("empty.jsonl", b"\n\n", "empty file"),
-    ("fake.parquet", b"a,b\n1,2\n", "not a parquet file"),
-])
+@pytest.mark.parametrize(
+    "name,content,problem",
+    [
+        ("garbage.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00", "the first line is not a UTF-8 JSON object"),
+        ("list.jsonl", b"[1, 2]\n", "the first line is not a JSON object"),
+        ("empty.jsonl", b"\n\n", "empty file"),
+        ("fake.parquet", b"a,b\n1,2\n", "not a parquet file"),
+    ],
+)
 def test_dataset_that_is_not_what_its_name_says(tmp_path, in_repo, tiny_model, name, content, problem):
     path = tmp_path / name
     path.write_bytes(content)

@@ -1,5 +1,6 @@
 """The dispatch benchmark runs end to end (loopback, tiny sizes) and its warehouse byte counts
-follow the paper's Eqs. (2) and (4) exactly for the data part, with and without the in-process path. Times are printed, not asserted."""
+follow the paper's Eqs. (2) and (4) exactly for the data part, with and without the in-process path. Times are printed,
+not asserted."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ from tests.conftest import REPO, subprocess_env
 def test_bench_dispatch_bytes_follow_eq2_eq4(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--nodes", "2", "--G", "8", "--N", "2", "--PL", "16", "--SL", "32", "--json", str(out)]
-    res = subprocess.run([sys.executable, str(REPO / "tools/bench_dispatch.py"), *args],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_dispatch.py"), *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ratio centralized / distributed" in res.stdout
     results = json.loads(out.read_text())["results"]
@@ -38,11 +44,39 @@ def test_bench_dispatch_tp_leader_fetch_sends_each_remote_byte_once(tmp_path):
     serves that share once and node 1's warehouse takes it in once and serves it once to the
     other TP rank, so node 0's bytes drop by exactly half of node 1's."""
     out = tmp_path / "bench.json"
-    args = ["--nodes", "2", "--nproc-per-node", "2", "--train-tp", "2", "--writer-nodes", "1", "--relay-min-bytes", "0",
-            "--G", "8", "--N", "2", "--PL", "16", "--SL", "64", "--iterations", "2",
-            "--modes", "distributed-norelay,distributed", "--json", str(out)]
-    res = subprocess.run([sys.executable, str(REPO / "tools/bench_dispatch.py"), *args],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    args = [
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--train-tp",
+        "2",
+        "--writer-nodes",
+        "1",
+        "--relay-min-bytes",
+        "0",
+        "--G",
+        "8",
+        "--N",
+        "2",
+        "--PL",
+        "16",
+        "--SL",
+        "64",
+        "--iterations",
+        "2",
+        "--modes",
+        "distributed-norelay,distributed",
+        "--json",
+        str(out),
+    ]
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_dispatch.py"), *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ratio distributed-norelay / distributed dispatch time (TP leader fetch)" in res.stdout
     results = json.loads(out.read_text())["results"]

@@ -62,10 +62,18 @@ def test_floor_training_step_runs_and_updates(tiny_model):
 def test_weight_stream_bench_writes_the_sent_tensors_in_both_modes():
     from tests.conftest import subprocess_env
 
-    out = subprocess.run([sys.executable, str(REPO / "tools/bench_weight_stream.py"), "--params-m", "0.064", "--bucket-mib", "0.01"],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_weight_stream.py"), "--params-m", "0.064", "--bucket-mib", "0.01"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "stream / whole peak" in out.stdout and "both files hold the sent tensors bit for bit" in out.stdout, out.stdout
+    assert "stream / whole peak" in out.stdout and "both files hold the sent tensors bit for bit" in out.stdout, (
+        out.stdout
+    )
 
 
 @pytest.mark.slow
@@ -74,9 +82,21 @@ def test_floor_flat_generation_has_the_same_tokens_and_no_tail(tiny_model):
     length, and the streaming bound is (generation + training) / (flat generation + training)."""
     from tests.conftest import subprocess_env
 
-    cmd = [sys.executable, str(REPO / "tools/engine_floor.py"), "configs/quickstart.yaml", f"model.path={tiny_model}",
-           "data.global_batch_size=4", "actor.mini_batch_size=4", "rollout.n=2", "rollout.max_response_length=16", "--flat",
-           "--repeats", "1", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools/engine_floor.py"),
+        "configs/quickstart.yaml",
+        f"model.path={tiny_model}",
+        "data.global_batch_size=4",
+        "actor.mini_batch_size=4",
+        "rollout.n=2",
+        "rollout.max_response_length=16",
+        "--flat",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+    ]
     out = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,8 +110,14 @@ def test_same_node_bench_moves_through_shared_memory():
     did not refuse its memory) and reports both paths and their ratio."""
     from tests.conftest import subprocess_env
 
-    out = subprocess.run([sys.executable, str(REPO / "tools/bench_same_node.py"), "--mib", "0.5", "--samples", "16", "--repeats", "2"],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_same_node.py"), "--mib", "0.5", "--samples", "16", "--repeats", "2"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     out = out.stdout
     assert "wire" in out and "shared memory" in out and "wire / shared memory: get" in out
@@ -100,12 +126,39 @@ def test_same_node_bench_moves_through_shared_memory():
 def test_bench_replay_summary_leaves_out_the_first_iteration_and_keeps_the_curve():
     import bench_replay
 
-    rows = [{"iteration": 0, "iteration_s": 9.0, "time_actor_update": 5.0, "time_actor_rollout": 3.0, "logprob_mismatch_mean": 1.0,
-             "eval_accuracy": 0.25},
-            {"iteration": 1, "iteration_s": 1.0, "time_actor_update": 0.5, "time_actor_rollout": 0.25, "logprob_mismatch_mean": 0.1,
-             "router_agreement": 0.9, "routes_differ_tokens": 0.2},
-            {"iteration": 2, "iteration_s": 3.0, "time_actor_update": 1.5, "time_actor_rollout": 0.75, "logprob_mismatch_mean": 0.3,
-             "router_agreement": 0.7, "routes_differ_tokens": 0.4, "eval_accuracy": 0.5}]
+    rows = [
+        {
+            "iteration": 0,
+            "iteration_s": 9.0,
+            "time_actor_update": 5.0,
+            "time_actor_rollout": 3.0,
+            "logprob_mismatch_mean": 1.0,
+            "eval_accuracy": 0.25,
+        },
+        {
+            "iteration": 1,
+            "iteration_s": 1.0,
+            "time_actor_update": 0.5,
+            "time_actor_rollout": 0.25,
+            "logprob_mismatch_mean": 0.1,
+            "router_agreement": 0.9,
+            "routes_differ_tokens": 0.2,
+        },
+        {
+            "iteration": 2,
+            "iteration_s": 3.0,
+            "time_actor_update": 1.5,
+            "time_actor_rollout": 0.75,
+            "logprob_mismatch_mean": 0.3,
+            "router_agreement": 0.7,
+            "routes_differ_tokens": 0.4,
+            "eval_accuracy": 0.5,
+        },
+    ]
     s = bench_replay.summary(rows)
     assert s["curve"] == [(0, 0.25), (2, 0.5)] and s["iteration_s"] == 2.0 and s["update_s"] == 1.0
-    assert s["mismatch"] == pytest.approx(0.2) and s["agreement"] == pytest.approx(0.8) and s["differ"] == pytest.approx(0.3)
+    assert (
+        s["mismatch"] == pytest.approx(0.2)
+        and s["agreement"] == pytest.approx(0.8)
+        and s["differ"] == pytest.approx(0.3)
+    )

@@ -87,8 +87,16 @@ def test_wandb_runs_follow_lineages_with_iteration_as_their_axis(tmp_path, monke
     cfg = WandbConfig(project="lineage-test", mode="offline")
 
     def run(lineage: str, start: int, stop: int) -> None:
-        log = MetricsLog(tmp_path / "logs", jsonl=True, tensorboard=False, enabled=True, start_iteration=start, wandb=cfg,
-                         job="exp/7", lineage=lineage)
+        log = MetricsLog(
+            tmp_path / "logs",
+            jsonl=True,
+            tensorboard=False,
+            enabled=True,
+            start_iteration=start,
+            wandb=cfg,
+            job="exp/7",
+            lineage=lineage,
+        )
         for it in range(start, stop):
             log.write(it, {"loss": float(it)})
         log.close()

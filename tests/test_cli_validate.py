@@ -57,7 +57,11 @@ BROKEN = [
     (["rollout.max_response_length=300"], None, "rollout.max_response_length"),
     (["data.train_path=assets/nope.jsonl"], None, "data.train_path"),
     (["model.path=assets/no-model"], None, "model.path"),
-    (["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"], 8, "parallel.train.tp"),
+    (
+        ["parallel.train.tp=8", "parallel.train.dp_shard=1", "parallel.gen.tp=8", "parallel.gen.dp=1"],
+        8,
+        "parallel.train.tp",
+    ),
     (["reward.rule=no_such_pkg_xyz:score"], None, "reward.rule"),
     (["reward.kind=model"], None, "reward.model_path"),
     (["reward.kind=model", "reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
@@ -66,7 +70,11 @@ BROKEN = [
     (["elastic.max_nodes=2"], None, "elastic.rdzv_endpoint"),
     (["dock.max_message_bytes=1024"], None, "dock.max_message_bytes"),
     (["dock.tp_relay_min_bytes=0"], None, "dock.tp_relay_min_bytes"),  # TP 1 on both layouts
-    (["dock.tp_relay_min_bytes=0", "dock.mode=centralized", "parallel.train.tp=2", "parallel.train.dp_shard=1"], None, "dock.tp_relay_min_bytes"),
+    (
+        ["dock.tp_relay_min_bytes=0", "dock.mode=centralized", "parallel.train.tp=2", "parallel.train.dp_shard=1"],
+        None,
+        "dock.tp_relay_min_bytes",
+    ),
     (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
     (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
     (["rollout.engine=hf"], None, "rollout.engine"),
@@ -78,8 +86,18 @@ BROKEN = [
     (["reward.format_score=0.7"], None, "reward.format_score"),
     (["algorithm.dynamic_sampling=true"], None, "algorithm.dynamic_sampling"),
     # G=2 groups over 4 training DP groups would leave two of them without work
-    (["data.global_batch_size=2", "actor.mini_batch_size=2", "actor.micro_batch_size=4", "parallel.train.dp_shard=4",
-      "parallel.gen.tp=2", "parallel.gen.dp=2"], 4, "data.global_batch_size"),
+    (
+        [
+            "data.global_batch_size=2",
+            "actor.mini_batch_size=2",
+            "actor.micro_batch_size=4",
+            "parallel.train.dp_shard=4",
+            "parallel.gen.tp=2",
+            "parallel.gen.dp=2",
+        ],
+        4,
+        "data.global_batch_size",
+    ),
     (["rollout.temperature=0"], None, "rollout.temperature"),
     (["elastic.min_nodes=3"], None, "elastic.min_nodes"),
     (["metadata.endpoints=[localhost]"], None, "metadata.endpoints.0"),
@@ -87,7 +105,11 @@ BROKEN = [
     (["data.train_path=assets/tiny-qwen2/train.csv"], None, "data.train_path"),
     (["dock.token=short"], None, "dock.token"),
     (["metadata.cert_file=assets/tiny-qwen2/config.json"], None, "metadata.key_file"),
-    (["metadata.cert_file=assets/tiny-qwen2/config.json", "metadata.key_file=assets/tiny-qwen2/config.json"], None, "metadata.ca_file"),
+    (
+        ["metadata.cert_file=assets/tiny-qwen2/config.json", "metadata.key_file=assets/tiny-qwen2/config.json"],
+        None,
+        "metadata.ca_file",
+    ),
     (["metadata.ca_file=/no/such/ca.crt"], None, "metadata.ca_file"),
     (["model"], None, "model"),
     (["actor.betas=[0.9,1.5]"], None, "actor.betas.1"),  # a tuple's elements are range-checked too
@@ -99,7 +121,9 @@ BROKEN = [
 
 @pytest.mark.parametrize("overrides,world,field", BROKEN, ids=[b[2] + "|" + " ".join(b[0]) for b in BROKEN])
 def test_broken_config_names_field(in_repo, tiny_model, overrides, world, field):
-    args = ["validate", QUICK, *overrides] + (["--world-size", str(world), "--nproc-per-node", str(world)] if world else [])
+    args = ["validate", QUICK, *overrides] + (
+        ["--world-size", str(world), "--nproc-per-node", str(world)] if world else []
+    )
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert f"{field}=" in res.output, res.output
@@ -107,7 +131,11 @@ def test_broken_config_names_field(in_repo, tiny_model, overrides, world, field)
 
 def test_not_implemented_field_says_why(in_repo, tiny_model):
     res = run("validate", QUICK, "reshard.prefetch=true")
-    assert res.exit_code == 2 and "prefetching the training state is not implemented" in res.output and "remove the field" in res.output
+    assert (
+        res.exit_code == 2
+        and "prefetching the training state is not implemented" in res.output
+        and "remove the field" in res.output
+    )
 
 
 def test_all_violations_reported_at_once(in_repo, tiny_model):
@@ -115,7 +143,9 @@ def test_all_violations_reported_at_once(in_repo, tiny_model):
     assert res.exit_code == 2
     # type errors stop before cross-field rules; both type errors appear together
     assert "rollout.n=0" in res.output and "actor.lr=-1" in res.output
-    res = run("validate", QUICK, "data.global_batch_size=15", "data.test_path=assets/missing.jsonl", "rollout.temperature=0")
+    res = run(
+        "validate", QUICK, "data.global_batch_size=15", "data.test_path=assets/missing.jsonl", "rollout.temperature=0"
+    )
     lines = [ln for ln in res.output.splitlines() if ln.strip().startswith("- ")]
     assert {"data.global_batch_size", "data.test_path", "rollout.temperature"} <= {ln.split("=")[0][4:] for ln in lines}
 
@@ -126,29 +156,72 @@ def test_missing_config_file_exit_2(in_repo):
 
 
 def test_world_size_changes_derived_layout(in_repo, tiny_model):
-    res = run("validate", QUICK, "parallel.train.dp_shard=null", "parallel.gen.dp=null", "--world-size", "4", "--nproc-per-node", "2")
+    res = run(
+        "validate",
+        QUICK,
+        "parallel.train.dp_shard=null",
+        "parallel.gen.dp=null",
+        "--world-size",
+        "4",
+        "--nproc-per-node",
+        "2",
+    )
     assert res.exit_code == 0, res.output
     assert "world 4 (2 node(s) x 2)" in res.output and "gen dp=4" in res.output
 
 
 GROUP_RULES = [
     # the review's DPO case: 4 ranks, 6 pairs over 4 DP groups took [2, 2, 1, 1] optimizer steps and hung
-    ("configs/quickstart_dpo.yaml", ["parallel.train.dp_shard=4", "parallel.gen.dp=2", "parallel.gen.tp=2", "data.global_batch_size=6",
-                                     "actor.mini_batch_size=6", "actor.micro_batch_size=3"], 4, "data.global_batch_size"),
+    (
+        "configs/quickstart_dpo.yaml",
+        [
+            "parallel.train.dp_shard=4",
+            "parallel.gen.dp=2",
+            "parallel.gen.tp=2",
+            "data.global_batch_size=6",
+            "actor.mini_batch_size=6",
+            "actor.micro_batch_size=3",
+        ],
+        4,
+        "data.global_batch_size",
+    ),
     # DP 2: 3 pairs per step split 2 + 1 (it ran 3 steps of 2 pairs instead of 2 of 3)
-    ("configs/quickstart_dpo.yaml", ["data.global_batch_size=6", "actor.mini_batch_size=3", "actor.micro_batch_size=2"], None,
-     "actor.mini_batch_size"),
+    (
+        "configs/quickstart_dpo.yaml",
+        ["data.global_batch_size=6", "actor.mini_batch_size=3", "actor.micro_batch_size=2"],
+        None,
+        "actor.mini_batch_size",
+    ),
     # REINFORCE++-baseline with fewer groups than DP ranks: a rank without a group left the advantage all-reduce
-    (QUICK, ["algorithm.name=reinforce_pp_baseline", "data.global_batch_size=1", "actor.mini_batch_size=1", "actor.micro_batch_size=8"],
-     None, "data.global_batch_size"),
-    (QUICK, ["algorithm.name=rloo", "data.global_batch_size=3", "actor.mini_batch_size=3", "actor.micro_batch_size=4"], None,
-     "data.global_batch_size"),
+    (
+        QUICK,
+        [
+            "algorithm.name=reinforce_pp_baseline",
+            "data.global_batch_size=1",
+            "actor.mini_batch_size=1",
+            "actor.micro_batch_size=8",
+        ],
+        None,
+        "data.global_batch_size",
+    ),
+    (
+        QUICK,
+        ["algorithm.name=rloo", "data.global_batch_size=3", "actor.mini_batch_size=3", "actor.micro_batch_size=4"],
+        None,
+        "data.global_batch_size",
+    ),
 ]
 
 
-@pytest.mark.parametrize("config,overrides,world,field", GROUP_RULES, ids=["dpo-dp4-G6", "dpo-dp2-mb3", "rpp-baseline-G1", "rloo-G3"])
-def test_every_algorithm_that_reads_a_group_gets_whole_groups_on_every_rank(in_repo, tiny_model, config, overrides, world, field):
-    args = ["validate", config, *overrides] + (["--world-size", str(world), "--nproc-per-node", str(world)] if world else [])
+@pytest.mark.parametrize(
+    "config,overrides,world,field", GROUP_RULES, ids=["dpo-dp4-G6", "dpo-dp2-mb3", "rpp-baseline-G1", "rloo-G3"]
+)
+def test_every_algorithm_that_reads_a_group_gets_whole_groups_on_every_rank(
+    in_repo, tiny_model, config, overrides, world, field
+):
+    args = ["validate", config, *overrides] + (
+        ["--world-size", str(world), "--nproc-per-node", str(world)] if world else []
+    )
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert f"{field}=" in res.output and "whole" in res.output, res.output

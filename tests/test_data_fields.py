@@ -26,9 +26,14 @@ def test_columns_and_chat_template(in_repo, tiny_model, tmp_path):
     tok = load_tokenizer(_cfg())
     chat = prompts_for(_cfg("data.prompt_column=q", "data.answer_column=a"), tok, data)
     assert chat.answers == ["42", "2"]
-    assert chat.prompt_ids[0] == list(tok.apply_chat_template([{"role": "user", "content": "12+30="}], add_generation_prompt=True,
-                                                               tokenize=True, return_dict=False))
-    plain = prompts_for(_cfg("data.prompt_column=q", "data.answer_column=a", "data.apply_chat_template=false"), tok, data)
+    assert chat.prompt_ids[0] == list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "12+30="}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    plain = prompts_for(
+        _cfg("data.prompt_column=q", "data.answer_column=a", "data.apply_chat_template=false"), tok, data
+    )
     assert plain.prompt_ids[0] == tok.encode("12+30=", add_special_tokens=False) != chat.prompt_ids[0]
     with pytest.raises(ValueError, match="missing column 'prompt'"):
         prompts_for(_cfg(), tok, data)  # the default column is not in this file

@@ -88,6 +88,8 @@ def test_equal_units_keep_the_most_local_split_the_quotas_allow(units, group_nod
     assert [len(keys) for keys in out] == quota
     node_of = {u.key: u.node for u in units}
     local = sum(node_of[k] == group_nodes[g] for g, keys in enumerate(out) for k in keys)
-    best = sum(min(sum(u.node == node for u in units), sum(q for q, gn in zip(quota, group_nodes) if gn == node))
-               for node in set(group_nodes))
+    best = sum(
+        min(sum(u.node == node for u in units), sum(q for q, gn in zip(quota, group_nodes) if gn == node))
+        for node in set(group_nodes)
+    )
     assert local == best

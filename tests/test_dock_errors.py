@@ -27,8 +27,14 @@ ONE = Layout(1, 1)
 @pytest.fixture(params=[True, False], ids=["in-process", "wire"])
 def dock(etcd, request):
     meta = MetadataStore([etcd.endpoint], job=f"errors-{request.node.name}".replace("[", "-").replace("]", ""))
-    d = TransferDock(DockConfig(port=0, get_timeout_s=1.0), meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN,
-                     in_process=request.param).start()
+    d = TransferDock(
+        DockConfig(port=0, get_timeout_s=1.0),
+        meta,
+        columns_for(STAGES),
+        Peer(0, 1, 0, 0, 1),
+        TOKEN,
+        in_process=request.param,
+    ).start()
     d.begin_iteration(0, 4)
     yield d
     d.close()
@@ -49,7 +55,10 @@ def test_put_get_round_trip(dock):
 
 
 def test_unknown_column(dock):
-    with pytest.raises(DockRequestError, match="unknown column 'logits'.*known columns: answer, prompt_ids, prompt_row, response_ids, reward"):
+    with pytest.raises(
+        DockRequestError,
+        match="unknown column 'logits'.*known columns: answer, prompt_ids, prompt_row, response_ids, reward",
+    ):
         dock.put("x", 0, {"logits": ids(1)}, [0])
     with pytest.raises(DockRequestError, match="unknown column"):
         dock.get("x", 0, ["logits"], ONE)
@@ -122,7 +131,9 @@ def test_lost_rank_fails_fast_instead_of_waiting(etcd):
     from spmd_rl.dock.errors import DockUnavailable
 
     meta = MetadataStore([etcd.endpoint], job="errors-lost-rank")
-    d = TransferDock(DockConfig(port=0, get_timeout_s=60), meta, columns_for(STAGES), Peer(0, 2, 0, 0, 2), TOKEN).start(heartbeat_ttl_s=2)
+    d = TransferDock(DockConfig(port=0, get_timeout_s=60), meta, columns_for(STAGES), Peer(0, 2, 0, 0, 2), TOKEN).start(
+        heartbeat_ttl_s=2
+    )
     try:
         d.begin_iteration(0, 4)
         import time

@@ -23,7 +23,9 @@ STAGES = [Stage("actor_rollout", ("prompt_ids",), ("response_ids",))]
 def test_interface_bucket_and_timeout(etcd):
     meta = MetadataStore([etcd.endpoint], job="dock-fields")
     cfg = DockConfig(port=0, interface="127.0.0.3", bucket_bytes=16, get_timeout_s=1.0)
-    d = TransferDock(cfg, meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN, in_process=False).start()  # over the wire: the chunks
+    d = TransferDock(
+        cfg, meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN, in_process=False
+    ).start()  # over the wire: the chunks
     try:
         assert d.server.address.startswith("tcp://127.0.0.3:")  # bound where the config says
         d.begin_iteration(0, 4)

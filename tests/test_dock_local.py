@@ -31,7 +31,9 @@ ONE = Layout(1, 1)
 def make_dock(etcd, job: str, in_process: bool, **cfg) -> TransferDock:
     specs = columns_for(STAGES) | {"odd": ColumnSpec("odd", torch.complex64, True, "data")}
     meta = MetadataStore([etcd.endpoint], job=job)
-    d = TransferDock(DockConfig(port=0, get_timeout_s=2.0, **cfg), meta, specs, Peer(0, 1, 0, 0, 1), TOKEN, in_process=in_process).start()
+    d = TransferDock(
+        DockConfig(port=0, get_timeout_s=2.0, **cfg), meta, specs, Peer(0, 1, 0, 0, 1), TOKEN, in_process=in_process
+    ).start()
     d.begin_iteration(0, 7)
     return d
 
@@ -57,16 +59,20 @@ def flow(d: TransferDock) -> dict:
     d.put("actor_rollout", 0, {"response_ids": [p * 3 for p in prompts[3:]]}, [3, 4, 5])
     d.put("reward", 0, {"reward": torch.arange(6, dtype=torch.float32) / 7}, range(6))
     refusals = []
-    for bad in (lambda: d.put("data", 0, {"prompt_ids": prompts[:1]}, [2]),  # duplicate
-                lambda: d.put("data", 0, {"odd": [torch.zeros(2, dtype=torch.complex64)]}, [0]),  # no wire dtype
-                lambda: d.put("data", 0, {"prompt_ids": [torch.zeros(5000, dtype=torch.int32)]}, [6])):  # 20,000 bytes > 16 KiB
+    for bad in (
+        lambda: d.put("data", 0, {"prompt_ids": prompts[:1]}, [2]),  # duplicate
+        lambda: d.put("data", 0, {"odd": [torch.zeros(2, dtype=torch.complex64)]}, [0]),  # no wire dtype
+        lambda: d.put("data", 0, {"prompt_ids": [torch.zeros(5000, dtype=torch.int32)]}, [6]),
+    ):  # 20,000 bytes > 16 KiB
         with pytest.raises((DockRequestError, WireError)) as err:
             bad()
         refusals.append(f"{type(err.value).__name__}: {str(err.value)[-60:]}")
     batch = d.get("advantage", 0, ["prompt_ids", "response_ids", "reward"], ONE, expected=list(range(6)))
-    return {"columns": {k: [v.tolist() for v in vals] for k, vals in batch.columns.items()},
-            "stats": {k: d.warehouse_stats()[k] for k in ("bytes_in", "bytes_out", "samples", "bytes_out_by_iter")},
-            "refusals": refusals}
+    return {
+        "columns": {k: [v.tolist() for v in vals] for k, vals in batch.columns.items()},
+        "stats": {k: d.warehouse_stats()[k] for k in ("bytes_in", "bytes_out", "samples", "bytes_out_by_iter")},
+        "refusals": refusals,
+    }
 
 
 @pytest.mark.timeout(120)

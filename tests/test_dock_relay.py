@@ -35,19 +35,28 @@ N = 16
 
 def responses() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 2**31 - 1, (int(n),), generator=g, dtype=torch.int32) for n in torch.randint(2000, 9000, (N,), generator=g)]
+    return [
+        torch.randint(0, 2**31 - 1, (int(n),), generator=g, dtype=torch.int32)
+        for n in torch.randint(2000, 9000, (N,), generator=g)
+    ]
 
 
 def four_ranks(etcd, job: str, relay_min: int | None, ttl: int | None = None) -> list[TransferDock]:
     docks = []
     for rank in range(4):
         cfg = DockConfig(port=0, get_timeout_s=60, tp_relay_min_bytes=relay_min)
-        d = TransferDock(cfg, MetadataStore([etcd.endpoint], job=job), columns_for(STAGES), Peer(rank, 4, rank // 2, rank % 2, 2), TOKEN)
+        d = TransferDock(
+            cfg,
+            MetadataStore([etcd.endpoint], job=job),
+            columns_for(STAGES),
+            Peer(rank, 4, rank // 2, rank % 2, 2),
+            TOKEN,
+        )
         docks.append(d.start(heartbeat_ttl_s=ttl))
     for d in docks:
         d.begin_iteration(0, N)
     docks[0].put("actor_rollout", 0, {"response_ids": responses()[: N // 2]}, range(N // 2))
-    docks[1].put("actor_rollout", 0, {"response_ids": responses()[N // 2:]}, range(N // 2, N))
+    docks[1].put("actor_rollout", 0, {"response_ids": responses()[N // 2 :]}, range(N // 2, N))
     docks[1].put("reward", 0, {"reward": torch.arange(N, dtype=torch.float32)}, range(N))
     return docks
 
@@ -87,7 +96,10 @@ def test_tp_ranks_receive_their_own_share_with_one_remote_copy(etcd):
             remote = sum(want[i].numel() * 4 + 4 for i in got[2].indices.tolist())
             assert remote > 0 and all(i < N for i in got[2].indices.tolist())
             sent[relay_min] = (docks[0].warehouse_stats()["bytes_out"], docks[2].warehouse_stats(), remote)
-            relayed = sum(k.startswith(docks[0].meta.key(0, "relay")) for k, _ in docks[0].meta.get_prefix(docks[0].meta.key(0) + "/"))
+            relayed = sum(
+                k.startswith(docks[0].meta.key(0, "relay"))
+                for k, _ in docks[0].meta.get_prefix(docks[0].meta.key(0) + "/")
+            )
             assert relayed == (1 if relay_min == 0 else 0)  # one key: group 1's (group 0's share is all local)
             docks[0].commit(0)
             docks[2].commit(0)
@@ -114,7 +126,11 @@ def test_relay_only_where_it_pays(etcd):
         assert plan_relay(docks[2], "s", 0, Layout(4, 1), share, ["response_ids"], loc) is None  # TP 1
         first = plan_relay(docks[2], "s", 0, TRAIN, share, ["response_ids"], loc)
         again = plan_relay(docks[2], "s", 0, TRAIN, share, ["response_ids"], loc)
-        assert first.leader and first.remote == tuple(range(N)) and (first.name, again.name) == ("relay/s/0/1", "relay/s/1/1")
+        assert (
+            first.leader
+            and first.remote == tuple(range(N))
+            and (first.name, again.name) == ("relay/s/0/1", "relay/s/1/1")
+        )
         assert plan_relay(docks[0], "s", 0, TRAIN, share, ["response_ids"], loc) is None  # group 0's data is all local
     finally:
         for d in reversed(docks):
@@ -146,7 +162,9 @@ def test_a_streamed_wave_never_waits_for_the_tp_leader(etcd):
         wave = docks[3].stream("actor_update", 0, ["response_ids", "reward"], TRAIN, range(N), units_per_group=N).poll()
         print(f"wave fetched in {time.monotonic() - t0:.1f} s; the leader (rank 2) never polls")
         want = responses()
-        assert len(wave) > 0 and all(torch.equal(v, want[i]) for v, i in zip(wave.columns["response_ids"], wave.indices.tolist()))
+        assert len(wave) > 0 and all(
+            torch.equal(v, want[i]) for v, i in zip(wave.columns["response_ids"], wave.indices.tolist())
+        )
         assert not [k for k, _ in docks[3].meta.get_prefix(docks[3].meta.key(0, "relay"))]
     finally:
         for d in reversed(docks):

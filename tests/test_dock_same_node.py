@@ -33,16 +33,20 @@ def columns(seed: int, n: int = 24) -> dict[str, list[torch.Tensor]]:
     """A ragged int32 column, a ragged bf16 column and a fixed [3] float64 column: about 200 KiB."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(100, 2000, (n,), generator=g).tolist()
-    return {"ids": [torch.randint(0, 2**31 - 1, (k,), generator=g, dtype=torch.int32) for k in lengths],
-            "logp": [torch.randn(k, generator=g).bfloat16() for k in lengths],
-            "adv": [torch.randn(3, generator=g, dtype=torch.float64) for _ in lengths]}
+    return {
+        "ids": [torch.randint(0, 2**31 - 1, (k,), generator=g, dtype=torch.int32) for k in lengths],
+        "logp": [torch.randn(k, generator=g).bfloat16() for k in lengths],
+        "adv": [torch.randn(3, generator=g, dtype=torch.float64) for _ in lengths],
+    }
 
 
 RAGGED = {"ids": True, "logp": True, "adv": False}
 
 
 def new_server() -> WarehouseServer:
-    return WarehouseServer("127.0.0.1", 0, TOKEN, bucket_bytes=64 << 10, max_message_bytes=MAX_MSG, pool_bytes=64 << 20).start()
+    return WarehouseServer(
+        "127.0.0.1", 0, TOKEN, bucket_bytes=64 << 10, max_message_bytes=MAX_MSG, pool_bytes=64 << 20
+    ).start()
 
 
 @pytest.fixture
@@ -63,9 +67,11 @@ def flow(client: WarehouseClient, it: int) -> dict:
         for k, i in enumerate(order):
             assert got[name][k].dtype == values[i].dtype and torch.equal(got[name][k], values[i]), (name, i)
     refusals = []
-    for bad in (lambda: client.put(it, [0], {"ids": [cols["ids"][0].repeat(40)]}, {"ids": True}),  # duplicate, 300 KiB
-                lambda: client.put(it + 1, [0], {"ids": [torch.zeros(SHM_MIN_BYTES, dtype=torch.complex64)]}, {"ids": True}),
-                lambda: client.put(it + 1, [0], {"ids": [torch.zeros(MAX_MSG // 4 + 1, dtype=torch.int32)]}, {"ids": True})):
+    for bad in (
+        lambda: client.put(it, [0], {"ids": [cols["ids"][0].repeat(40)]}, {"ids": True}),  # duplicate, 300 KiB
+        lambda: client.put(it + 1, [0], {"ids": [torch.zeros(SHM_MIN_BYTES, dtype=torch.complex64)]}, {"ids": True}),
+        lambda: client.put(it + 1, [0], {"ids": [torch.zeros(MAX_MSG // 4 + 1, dtype=torch.int32)]}, {"ids": True}),
+    ):
         with pytest.raises((DockRequestError, WireError)) as err:
             bad()
         refusals.append(f"{type(err.value).__name__}: {str(err.value).split(': ', 1)[-1][-50:]}")
@@ -138,12 +144,17 @@ def _hostile_refs(tmp_path) -> tuple[list, tuple]:
     fd = os.open(victim, os.O_RDWR)
     small, region = HostPool(0, memfd_name=memfd_name(job_key(TOKEN))).region(4096)
     me = os.getpid()
-    refs = [{"pid": me, "fd": fd, "ino": os.fstat(fd).st_ino, "capacity": 1 << 30},
-            {"pid": 1, "fd": 0, "ino": 0, "capacity": 1 << 30},
-            {"pid": me, "fd": 987654, "ino": 1, "capacity": 1 << 30},
-            {"pid": me, "fd": region.fd, "ino": region.ino + 1, "capacity": 1 << 30},
-            {"pid": me, "fd": region.fd, "ino": region.ino, "capacity": 1 << 30},  # claims more than its 4 KiB
-            {"pid": -1, "fd": True, "ino": "x", "capacity": -5}, {"pid": 2**63, "fd": 0, "ino": 0}, "a string", None]
+    refs = [
+        {"pid": me, "fd": fd, "ino": os.fstat(fd).st_ino, "capacity": 1 << 30},
+        {"pid": 1, "fd": 0, "ino": 0, "capacity": 1 << 30},
+        {"pid": me, "fd": 987654, "ino": 1, "capacity": 1 << 30},
+        {"pid": me, "fd": region.fd, "ino": region.ino + 1, "capacity": 1 << 30},
+        {"pid": me, "fd": region.fd, "ino": region.ino, "capacity": 1 << 30},  # claims more than its 4 KiB
+        {"pid": -1, "fd": True, "ino": "x", "capacity": -5},
+        {"pid": 2**63, "fd": 0, "ino": 0},
+        "a string",
+        None,
+    ]
     return refs, (victim, fd, small, region)
 
 
@@ -154,11 +165,27 @@ def test_no_buffer_a_request_names_stops_the_warehouse_or_writes_elsewhere(serve
     WarehouseClient(server.address, TOKEN, max_message_bytes=MAX_MSG).put(0, idx, keep, RAGGED)
     refs, (victim, fd, small, region) = _hostile_refs(tmp_path)
     raw = WarehouseClient(server.address, TOKEN, timeout_s=10)
-    put_cols = {"ids": {"ragged": True, "lengths": [SHM_MIN_BYTES // 4], "dtype": "int32", "shape": [SHM_MIN_BYTES // 4], "offset": 0}}
+    put_cols = {
+        "ids": {
+            "ragged": True,
+            "lengths": [SHM_MIN_BYTES // 4],
+            "dtype": "int32",
+            "shape": [SHM_MIN_BYTES // 4],
+            "offset": 0,
+        }
+    }
     for ref in refs:
-        for header in ({"op": "get", "iter": 0, "indices": idx, "columns": ["ids", "logp"], "shm": ref},
-                       {"op": "put", "iter": 0, "indices": [99], "columns": put_cols, "shm": ref},
-                       {"op": "put", "iter": 0, "indices": [98], "columns": {"ids": {"ragged": True, "dtype": "int32", "shape": [2**40], "offset": 2**47}}, "shm": ref}):
+        for header in (
+            {"op": "get", "iter": 0, "indices": idx, "columns": ["ids", "logp"], "shm": ref},
+            {"op": "put", "iter": 0, "indices": [99], "columns": put_cols, "shm": ref},
+            {
+                "op": "put",
+                "iter": 0,
+                "indices": [98],
+                "columns": {"ids": {"ragged": True, "dtype": "int32", "shape": [2**40], "offset": 2**47}},
+                "shm": ref,
+            },
+        ):
             with pytest.raises(DockRequestError) as err:
                 raw.request(header)
             assert err.value.kind in ("PeerMemoryError", "DockRequestError", "WireError")
@@ -167,10 +194,20 @@ def test_no_buffer_a_request_names_stops_the_warehouse_or_writes_elsewhere(serve
     sparse = os.memfd_create(memfd_name(key), os.MFD_CLOEXEC)
     os.ftruncate(sparse, 1 << 30)
     mib = {"ragged": True, "lengths": [MAX_MSG // 4], "dtype": "int32", "shape": [MAX_MSG // 4], "offset": 0}
-    for cols, fd_, ino, why in (({"a": mib, "b": mib}, region.fd, region.ino, "overlap"),
-                                ({"a": mib}, sparse, os.fstat(sparse).st_ino, "in memory")):
+    for cols, fd_, ino, why in (
+        ({"a": mib, "b": mib}, region.fd, region.ino, "overlap"),
+        ({"a": mib}, sparse, os.fstat(sparse).st_ino, "in memory"),
+    ):
         with pytest.raises(DockRequestError, match=why):
-            raw.request({"op": "put", "iter": 0, "indices": [97], "columns": cols, "shm": {"pid": os.getpid(), "fd": fd_, "ino": ino}})
+            raw.request(
+                {
+                    "op": "put",
+                    "iter": 0,
+                    "indices": [97],
+                    "columns": cols,
+                    "shm": {"pid": os.getpid(), "fd": fd_, "ino": ino},
+                }
+            )
     os.close(sparse)
     frames = seal(key, b"req", encode({"op": "get", "iter": 0, "indices": idx, "columns": ["ids"], "shm": refs[0]}, []))
     raw._sock.send_multipart(frames)  # the same, raw, for good measure

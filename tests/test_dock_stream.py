@@ -32,7 +32,9 @@ def docks(etcd, request):
     out = []
     for rank in (0, 1):
         meta = MetadataStore([etcd.endpoint], job=f"stream-{request.node.name}")
-        d = TransferDock(DockConfig(port=0, get_timeout_s=2.0), meta, columns_for(STAGES), Peer(rank, 2, 0, rank, 2), TOKEN).start()
+        d = TransferDock(
+            DockConfig(port=0, get_timeout_s=2.0), meta, columns_for(STAGES), Peer(rank, 2, 0, rank, 2), TOKEN
+        ).start()
         d.begin_iteration(0, 8)
         out.append(d)
     yield out
@@ -41,7 +43,9 @@ def docks(etcd, request):
 
 
 def put_responses(dock, indices):
-    dock.put("actor_rollout", 0, {"response_ids": [torch.full((i + 1,), i, dtype=torch.int32) for i in indices]}, indices)
+    dock.put(
+        "actor_rollout", 0, {"response_ids": [torch.full((i + 1,), i, dtype=torch.int32) for i in indices]}, indices
+    )
 
 
 def check(batch):
@@ -51,8 +55,13 @@ def check(batch):
 
 
 def test_ready_order_is_arrival_order_then_key():
-    recs = [(7, PutRecord("a", 0, 0, ["x"], [3, 1])), (5, PutRecord("a", 1, 0, ["x"], [2])),
-            (9, PutRecord("b", 0, 0, ["y"], [1, 2, 3])), (6, PutRecord("b", 0, 0, ["y"], [0])), (4, PutRecord("a", 0, 0, ["x"], [0]))]
+    recs = [
+        (7, PutRecord("a", 0, 0, ["x"], [3, 1])),
+        (5, PutRecord("a", 1, 0, ["x"], [2])),
+        (9, PutRecord("b", 0, 0, ["y"], [1, 2, 3])),
+        (6, PutRecord("b", 0, 0, ["y"], [0])),
+        (4, PutRecord("a", 0, 0, ["x"], [0])),
+    ]
     assert ready_order(recs, ["x"], range(4)) == [(4, 0), (5, 2), (7, 1), (7, 3)]
     assert ready_order(recs, ["x", "y"], range(4)) == [(6, 0), (9, 1), (9, 2), (9, 3)]
     assert ready_order(recs, ["x"], range(4), group_size=2) == [(7, 0), (7, 1)]  # a group is ready with its last sample
@@ -98,7 +107,9 @@ def test_a_stalled_stream_names_what_is_missing(docks):
     put_responses(docks[0], [0, 1, 2])
     s = docks[0].stream("reward", 0, ["response_ids"], TWO, range(8))
     assert sorted(check(s.next())) in ([0], [1], [0, 1])
-    with pytest.raises(DockTimeout, match=r"streamed 2 of 8 units.*'response_ids' \(written by stage actor_rollout\): missing 3-7"):
+    with pytest.raises(
+        DockTimeout, match=r"streamed 2 of 8 units.*'response_ids' \(written by stage actor_rollout\): missing 3-7"
+    ):
         s.next()
 
 

@@ -22,10 +22,20 @@ G, N, RLEN = 8, 4, 3000
 def test_gen_dp4_writes_train_dp2_reads(etcd, tmp_path, mode):
     relay = mode == "relay"
     mode = "distributed" if relay else mode
-    env = QUIET_CHILD_ENV | {
-        "SPMD_RL_ETCD": etcd.endpoint, "SPMD_RL_OUT": str(tmp_path), "DOCK_MODE": mode,
-        "G": str(G), "N": str(N), "GEN_TP": "1", "TRAIN_TP": "2", "RLEN": str(RLEN),
-    } | ({"WRITERS": "2", "RELAY_MIN": "0"} if relay else {})
+    env = (
+        QUIET_CHILD_ENV
+        | {
+            "SPMD_RL_ETCD": etcd.endpoint,
+            "SPMD_RL_OUT": str(tmp_path),
+            "DOCK_MODE": mode,
+            "G": str(G),
+            "N": str(N),
+            "GEN_TP": "1",
+            "TRAIN_TP": "2",
+            "RLEN": str(RLEN),
+        }
+        | ({"WRITERS": "2", "RELAY_MIN": "0"} if relay else {})
+    )
     run_nodes(REPO / "tests/helpers/dock_worker.py", nnodes=2, nproc_per_node=2, env=env, log_dir=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["node"] for r in ranks] == [0, 0, 1, 1]

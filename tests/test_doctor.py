@@ -51,9 +51,13 @@ def test_a_busy_dock_port_and_too_little_host_memory_fail(in_repo, tiny_model):
 
 
 def test_a_small_dev_shm_fails_with_the_fix():
-    assert os.geteuid() == 0 and shutil.which("unshare"), "this check mounts a small tmpfs over /dev/shm in a private mount namespace"
+    assert os.geteuid() == 0 and shutil.which("unshare"), (
+        "this check mounts a small tmpfs over /dev/shm in a private mount namespace"
+    )
     cmd = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -m spmd_rl.cli doctor {QUICK}"
-    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 2, res.stdout + res.stderr
     assert "FAIL  /dev/shm: 1 MiB free, 64 MiB needed on cpu -> remount it larger" in res.stdout, res.stdout
 
@@ -72,7 +76,11 @@ def test_auto_checks_dev_shm_for_the_device_the_ranks_will_use(monkeypatch, tmp_
 
     from spmd_rl.distributed import accelerator
 
-    monkeypatch.setattr(accelerator, "detect", lambda kind="auto", local_rank=None: types.SimpleNamespace(kind="cuda" if kind == "auto" else kind))
+    monkeypatch.setattr(
+        accelerator,
+        "detect",
+        lambda kind="auto", local_rank=None: types.SimpleNamespace(kind="cuda" if kind == "auto" else kind),
+    )
     monkeypatch.setattr(doctor, "SHM_DIR", tmp_path)  # what is free there does not matter: the need does
     cfg = types.SimpleNamespace(trainer=types.SimpleNamespace(device="auto"))
     assert "needed on cuda" in doctor.shm(cfg).detail and "1024 MiB needed" in doctor.shm(cfg).detail

@@ -21,10 +21,17 @@ import torch
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import train
 
-DPO = ("algorithm.name=dpo", "rollout.n=2", "trainer.eval_interval=0", "data.train_path=assets/tiny-qwen2/preferences_train.jsonl",
-       "checkpoint.interval=0")
-LAYOUTS = {"dp2-micro16": ("parallel.train.dp_shard=2", "parallel.train.tp=1", "actor.micro_batch_size=16"),
-           "tp2-micro4": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "actor.micro_batch_size=4")}
+DPO = (
+    "algorithm.name=dpo",
+    "rollout.n=2",
+    "trainer.eval_interval=0",
+    "data.train_path=assets/tiny-qwen2/preferences_train.jsonl",
+    "checkpoint.interval=0",
+)
+LAYOUTS = {
+    "dp2-micro16": ("parallel.train.dp_shard=2", "parallel.train.tp=1", "actor.micro_batch_size=16"),
+    "tp2-micro4": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "actor.micro_batch_size=4"),
+}
 ITERS = 100
 
 
@@ -35,7 +42,9 @@ def _rel(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def preferences(tiny_model):
     if not (tiny_model / "preferences_train.jsonl").is_file():
-        subprocess.run([sys.executable, str(REPO / "tools/make_preference_data.py"), "--model", str(tiny_model)], check=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "tools/make_preference_data.py"), "--model", str(tiny_model)], check=True
+        )
     return tiny_model
 
 
@@ -44,8 +53,17 @@ def learning_run(preferences, tmp_path_factory, etcd) -> tuple[list[dict], objec
     """The 100-iteration DPO run (2 FSDP ranks, 16-pair micro-batches, lr 1e-4 as the quickstart):
     its metrics rows and checkpoint folder. Its iteration 0 is the dp2-micro16 layout below."""
     tmp = tmp_path_factory.mktemp("dpo")
-    rows = train(tmp, "dpo", etcd.endpoint, *DPO, f"trainer.iterations={ITERS}", "data.global_batch_size=16",
-                 "actor.mini_batch_size=16", *LAYOUTS["dp2-micro16"], "actor.lr=1e-4")
+    rows = train(
+        tmp,
+        "dpo",
+        etcd.endpoint,
+        *DPO,
+        f"trainer.iterations={ITERS}",
+        "data.global_batch_size=16",
+        "actor.mini_batch_size=16",
+        *LAYOUTS["dp2-micro16"],
+        "actor.lr=1e-4",
+    )
     return rows, tmp / f"dpo/ckpt/iter_{ITERS:06d}"
 
 
@@ -56,8 +74,16 @@ def test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split(preferenc
     beta 0.1 without smoothing (0.5 x if beta were ignored, 3 x if eps were). The dp2-micro16
     layout is the learning run's iteration 0 (the same pairs, config and seed: its first update
     comes after the row's loss and gradient)."""
-    run = lambda name, *extra: train(tmp_path, name, etcd.endpoint, *DPO, "trainer.iterations=1",  # noqa: E731
-                                     "data.global_batch_size=16", "actor.mini_batch_size=16", *extra)[0]
+    run = lambda name, *extra: train(
+        tmp_path,
+        name,
+        etcd.endpoint,
+        *DPO,
+        "trainer.iterations=1",  # noqa: E731
+        "data.global_batch_size=16",
+        "actor.mini_batch_size=16",
+        *extra,
+    )[0]
     a, b = learning_run[0][0], run("tp2-micro4", *LAYOUTS["tp2-micro4"])
     for r in (a, b):  # the policy is the reference: h = 0 for every pair
         assert abs(r["loss"] - math.log(2)) < 1e-6 and r["dpo_margin"] == 0.0 and r["grad_norm"] > 0
@@ -95,9 +121,26 @@ def reference_grad_norm(model_dir, pairs: int, beta: float) -> float:
 @pytest.mark.slow
 def test_dpo_grows_the_held_out_margin(learning_run):
     rows, ckpt = learning_run
-    assert rows[0]["dpo_margin"] == 0.0 and sum(r["dpo_margin"] for r in rows[-10:]) / 10 > 0.02  # beta x margin on the training pairs
-    done = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(ckpt), "--data", "assets/tiny-qwen2/preferences_test.jsonl", "--pairs"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert (
+        rows[0]["dpo_margin"] == 0.0 and sum(r["dpo_margin"] for r in rows[-10:]) / 10 > 0.02
+    )  # beta x margin on the training pairs
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd_rl.cli",
+            "eval",
+            str(ckpt),
+            "--data",
+            "assets/tiny-qwen2/preferences_test.jsonl",
+            "--pairs",
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"dpo: held-out margin {got['margin']:.3f}, accuracy {got['accuracy']:.3f} over {got['pairs']} pairs")
@@ -106,6 +149,8 @@ def test_dpo_grows_the_held_out_margin(learning_run):
 
 @pytest.mark.slow
 def test_dpo_with_lora_uses_the_base_model_as_reference(preferences, tmp_path, etcd):
-    rows = train(tmp_path, "dpo-lora", etcd.endpoint, *DPO, "trainer.iterations=3", "actor.lora.rank=8", "actor.lr=1e-3")
+    rows = train(
+        tmp_path, "dpo-lora", etcd.endpoint, *DPO, "trainer.iterations=3", "actor.lora.rank=8", "actor.lr=1e-3"
+    )
     assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and rows[0]["dpo_margin"] == 0.0
     assert rows[2]["dpo_margin"] != 0.0  # the reference is the actor's own tensors, adapters off (test_lora's worker)

@@ -17,11 +17,28 @@ ITERS = 80
 
 
 def agent(tmp: Path, etcd: str, name: str) -> subprocess.Popen:
-    args = ["configs/quickstart.yaml", "parallel.train.dp_shard=null", "parallel.gen.dp=null", "parallel.nnodes=2",
-            "parallel.nproc_per_node=1", "elastic.min_nodes=1", "elastic.max_nodes=2", "elastic.heartbeat_ttl_s=3",
-            "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
-            f"trainer.iterations={ITERS}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=1", "checkpoint.keep=3",
-            f"logging.dir={tmp}/logs", "logging.progress=false", "dock.port=0", "elastic.collective_timeout_s=20"]
+    args = [
+        "configs/quickstart.yaml",
+        "parallel.train.dp_shard=null",
+        "parallel.gen.dp=null",
+        "parallel.nnodes=2",
+        "parallel.nproc_per_node=1",
+        "elastic.min_nodes=1",
+        "elastic.max_nodes=2",
+        "elastic.heartbeat_ttl_s=3",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        f"trainer.iterations={ITERS}",
+        f"checkpoint.dir={tmp}/ckpt",
+        "checkpoint.interval=1",
+        "checkpoint.keep=3",
+        f"logging.dir={tmp}/logs",
+        "logging.progress=false",
+        "dock.port=0",
+        "elastic.collective_timeout_s=20",
+    ]
     return node_agent(tmp, etcd, name, args, {"JOB": "elastic-test", "RESTARTS": "5", "LAST_CALL_S": "8"})
 
 
@@ -38,10 +55,15 @@ def test_node_loss_shrinks_and_rejoin_grows(tiny_model, tmp_path):
             wait_for(lambda: len(rows(tmp_path)) >= 3, 300, "first iterations with 2 nodes")
             assert rows(tmp_path)[-1]["world"] == 2
             kill_node(b)
-            shrink_s = wait_for(lambda: any(r["world"] == 1 for r in rows(tmp_path)), 300, "the survivor training alone")
+            shrink_s = wait_for(
+                lambda: any(r["world"] == 1 for r in rows(tmp_path)), 300, "the survivor training alone"
+            )
             b = agent(tmp_path, etcd.endpoint, "b2")
-            grow_s = wait_for(lambda: rows(tmp_path)[-1]["world"] == 2 and any(r["world"] == 1 for r in rows(tmp_path)), 300,
-                              "the world growing back to 2")
+            grow_s = wait_for(
+                lambda: rows(tmp_path)[-1]["world"] == 2 and any(r["world"] == 1 for r in rows(tmp_path)),
+                300,
+                "the world growing back to 2",
+            )
             assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-3000:]
             assert b.wait(timeout=120) == 0, (tmp_path / "b2.log").read_text()[-3000:]
         finally:

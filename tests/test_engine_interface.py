@@ -27,13 +27,26 @@ def imported_modules(path) -> set[str]:
 
 
 def test_consumers_depend_on_the_interface_not_the_fsdp_class():
-    offenders = {str(p.relative_to(REPO)) for d in CONSUMERS for p in (REPO / d).glob("*.py")
-                 if "spmd_rl.engines.train" in imported_modules(p)}
+    offenders = {
+        str(p.relative_to(REPO))
+        for d in CONSUMERS
+        for p in (REPO / d).glob("*.py")
+        if "spmd_rl.engines.train" in imported_modules(p)
+    }
     assert not offenders, f"import engines.base instead of the FSDP engine in {sorted(offenders)}"
 
 
 def test_fsdp_engine_implements_the_interface():
     assert issubclass(TrainEngine, Engine)
     assert not inspect.isabstract(TrainEngine)
-    assert Engine.__abstractmethods__ >= {"infer", "train_step", "weight_shapes", "full_weights", "param_tensors", "grad_tensors",
-                                          "optimizer_tensors", "save", "load"}
+    assert Engine.__abstractmethods__ >= {
+        "infer",
+        "train_step",
+        "weight_shapes",
+        "full_weights",
+        "param_tensors",
+        "grad_tensors",
+        "optimizer_tensors",
+        "save",
+        "load",
+    }

@@ -29,7 +29,7 @@ def test_response_logprobs_match_float64_reference():
             assert abs(lp[k, j].item() - ref.item()) < 1e-6
             probs = torch.softmax(row, 0)
             assert abs(ent[k, j].item() - (-(probs * probs.log()).sum()).item()) < 1e-5
-        assert (lp[k, len(r):] == 0).all() and b.mask[k].sum() == len(r)
+        assert (lp[k, len(r) :] == 0).all() and b.mask[k].sum() == len(r)
     assert b.input_ids[0].tolist()[:5] == [5, 6, 7, 1, 2] and b.attention_mask.sum(1).tolist() == [5, 4]
 
 
@@ -69,7 +69,9 @@ def test_balanced_groups_cover_every_storage_once_and_balance_bytes():
     groups = balanced_groups(sizes, 2)
     assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
     totals = [sum(sizes[i] for i in g) for g in groups]
-    assert max(totals) - min(totals) <= max(sizes) and balanced_groups(sizes, 1) == [sorted(range(7), key=lambda i: -sizes[i])]
+    assert max(totals) - min(totals) <= max(sizes) and balanced_groups(sizes, 1) == [
+        sorted(range(7), key=lambda i: -sizes[i])
+    ]
     assert balanced_groups([5], 4) == [[0]]  # no empty groups
 
 

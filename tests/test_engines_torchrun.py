@@ -18,16 +18,31 @@ from tests.torchrun_util import QUIET_CHILD_ENV, OwnShm, run_nodes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,train_dp,train_tp,gen_tp", [("dense", 2, 1, 2), ("dense", 1, 2, 1), ("moe", 2, 1, 2)],
-                         ids=["train-dp2-to-gen-tp2", "train-tp2-to-gen-dp2", "moe-train-dp2-to-gen-tp2"])
+@pytest.mark.parametrize(
+    "model,train_dp,train_tp,gen_tp",
+    [("dense", 2, 1, 2), ("dense", 1, 2, 1), ("moe", 2, 1, 2)],
+    ids=["train-dp2-to-gen-tp2", "train-tp2-to-gen-dp2", "moe-train-dp2-to-gen-tp2"],
+)
 def test_reshard_swap_rollout(request, tmp_path, model, train_dp, train_tp, gen_tp):
     """``moe``: the tiny Qwen3-MoE, whose experts the trainer holds fused per layer and the sync
     sends one by one under the checkpoint's names (``engines.fused_experts``)."""
     tiny_model = request.getfixturevalue("tiny_model" if model == "dense" else "tiny_moe")
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "TRAIN_DP": str(train_dp),
-                             "TRAIN_TP": str(train_tp), "GEN_TP": str(gen_tp)}
+    env = QUIET_CHILD_ENV | {
+        "MODEL": str(tiny_model),
+        "SPMD_RL_OUT": str(tmp_path),
+        "TRAIN_DP": str(train_dp),
+        "TRAIN_TP": str(train_tp),
+        "GEN_TP": str(gen_tp),
+    }
     with OwnShm(period_s=0.2) as shm:
-        run_nodes(REPO / "tests/helpers/engine_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
+        run_nodes(
+            REPO / "tests/helpers/engine_worker.py",
+            nnodes=1,
+            nproc_per_node=2,
+            env=env,
+            log_dir=tmp_path,
+            timeout_s=600,
+        )
     assert not shm.named_cpushm()  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm_shm)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -28,6 +28,7 @@ def echo(row: dict):
     class Echo:
         def step(self, t: Turn) -> Step:
             return Step(observation=t.text, done=True)
+
     return Echo()
 
 
@@ -36,9 +37,16 @@ def test_calculator_is_integer_arithmetic(expr):
     assert evaluate(expr) == eval(expr)  # noqa: S307  (the test's own literals)
 
 
-@pytest.mark.parametrize("expr,problem", [("__import__('os')", "not integer arithmetic"), ("2 ** 10", "not integer arithmetic"),
-                                          ("1.5 + 1", "not integer arithmetic"), ("9" * 60 + " * " + "9" * 60, "over 100 digits"),
-                                          ("1 +", "cannot parse")])
+@pytest.mark.parametrize(
+    "expr,problem",
+    [
+        ("__import__('os')", "not integer arithmetic"),
+        ("2 ** 10", "not integer arithmetic"),
+        ("1.5 + 1", "not integer arithmetic"),
+        ("9" * 60 + " * " + "9" * 60, "over 100 digits"),
+        ("1 +", "cannot parse"),
+    ],
+)
 def test_calculator_refuses_anything_else(expr, problem):
     env = environment_factory("calculator")({})
     step = env.step(turn(f"let me compute <calc>{expr}</calc>"))
@@ -57,5 +65,9 @@ def test_the_python_tool_reports_failures_and_goes_on():
     ok = env.step(turn("```python\nprint(6 * 7)\n```"))
     assert ok.observation == "42\n" and ok.metadata == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
     boom = env.step(turn("```python\nraise RuntimeError('no')\n```"))
-    assert "RuntimeError: no" in boom.observation and boom.observation.endswith("[error]") and boom.metadata["tool_errors"] == 1
+    assert (
+        "RuntimeError: no" in boom.observation
+        and boom.observation.endswith("[error]")
+        and boom.metadata["tool_errors"] == 1
+    )
     assert env.step(turn("the answer is 42")).done

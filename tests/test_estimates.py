@@ -33,11 +33,11 @@ def _printed(text: str) -> tuple[float, float]:
     scale = 1000 if text.endswith("K") else 1
     digits = text.rstrip("K")
     decimals = len(digits.partition(".")[2])
-    return float(digits) * scale, 10.0 ** -decimals * scale
+    return float(digits) * scale, 10.0**-decimals * scale
 
 
 @pytest.mark.parametrize("G,N,PL,n,SL,M,tcv,t100,t1k", TABLE1)
-def test_table1_rows(G, N, PL, n, SL, M, tcv, t100, t1k):
+def test_table1_rows(G, N, PL, n, SL, M, tcv, t100, t1k):  # noqa: PLR0913
     got = tcv_centralized(G, N, 4, PL, SL, n, M)
     for computed, printed in ((got, tcv), (dispatch_seconds(got, MB_S_100), t100), (dispatch_seconds(got, 1.0), t1k)):
         value, unit = _printed(printed)
@@ -110,8 +110,15 @@ def test_plan_prints_paper_figures(in_repo, tiny_model):
 def test_inventory_matches_hf_model(cls_name, cfg):
     import transformers
 
-    base = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     base.update(cfg)
     hf_cfg = getattr(transformers, f"{cls_name}Config")(**{k: v for k, v in base.items() if k != "model_type"})
     with torch.device("meta"):
@@ -144,7 +151,13 @@ def test_separated_plan_gives_each_side_only_its_own_state(in_repo, tiny_model):
     from spmd_rl.config.plan import stage_memory
     from spmd_rl.config.rules import check
 
-    sep = ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=null", "parallel.train.dp_shard=null", "actor.tis_cap=2.0"]
+    sep = [
+        "parallel.placement=separated",
+        "parallel.gen_ranks=1",
+        "parallel.gen.dp=null",
+        "parallel.train.dp_shard=null",
+        "actor.tis_cap=2.0",
+    ]
     cfg = load_config("configs/quickstart.yaml", sep)
     lay, violations = check(cfg)
     assert not violations and lay.separated
@@ -180,5 +193,7 @@ def test_frozen_roles_and_unsharded_accumulation_in_their_real_dtypes(in_repo, t
     assert size["ref"] == half * 2 and size["actor"] == 3 * half * 4
     numel = sum(t.numel for t in arch.tensors())
     assert unsharded_accumulation_bytes(arch, lay, "bfloat16") == int(numel * (2 + 4) / 2)
-    res = CliRunner().invoke(app, ["plan", "configs/quickstart.yaml", "model.dtype=bfloat16", "actor.accumulate_unsharded=true"])
+    res = CliRunner().invoke(
+        app, ["plan", "configs/quickstart.yaml", "model.dtype=bfloat16", "actor.accumulate_unsharded=true"]
+    )
     assert res.exit_code == 0 and "actor.accumulate_unsharded: +" in res.output, res.output

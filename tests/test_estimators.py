@@ -33,10 +33,14 @@ def test_discounted_returns_by_hand_and_over_sampled_tokens_only():
     r = torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=D)
     m = torch.tensor([[1, 1, 1, 0]])
     g = 0.9
-    assert torch.allclose(discounted_returns(r, m, g), torch.tensor([[1 + g * (2 + g * 3), 2 + g * 3, 3.0, 0.0]], dtype=D))
+    assert torch.allclose(
+        discounted_returns(r, m, g), torch.tensor([[1 + g * (2 + g * 3), 2 + g * 3, 3.0, 0.0]], dtype=D)
+    )
     holes = torch.tensor([[1, 0, 1, 1]])  # position 1 is an inserted tool token: skipped, not an end
     r2 = torch.tensor([[1.0, 9.0, 2.0, 3.0]], dtype=D)
-    assert torch.allclose(discounted_returns(r2, holes, g), torch.tensor([[1 + g * (2 + g * 3), 0.0, 2 + g * 3, 3.0]], dtype=D))
+    assert torch.allclose(
+        discounted_returns(r2, holes, g), torch.tensor([[1 + g * (2 + g * 3), 0.0, 2 + g * 3, 3.0]], dtype=D)
+    )
 
 
 def test_reinforce_pp_advantages_are_whitened_returns_with_the_kl_in_the_reward():
@@ -49,16 +53,20 @@ def test_reinforce_pp_advantages_are_whitened_returns_with_the_kl_in_the_reward(
     returns = discounted_returns(token_rewards(scores, lengths, w, kl, beta), mask, g)
     for k in range(b):  # G_t = s - beta sum_{k >= t} kl_k at gamma 1
         for t in range(int(lengths[k])):
-            assert math.isclose(float(returns[k, t]), float(scores[k]) - beta * float(kl[k, t:lengths[k]].sum()), abs_tol=1e-12)
+            assert math.isclose(
+                float(returns[k, t]), float(scores[k]) - beta * float(kl[k, t : lengths[k]].sum()), abs_tol=1e-12
+            )
     vals = returns[mask]
-    white = whiten(returns, mask, float(mask.sum()), float(vals.sum()), float((vals ** 2).sum()))
+    white = whiten(returns, mask, float(mask.sum()), float(vals.sum()), float((vals**2).sum()))
     assert torch.allclose(white[mask], (vals - vals.mean()) / vals.std(unbiased=True), atol=1e-6)
 
 
 def test_cispo_gradient_is_the_detached_clipped_weight_times_the_advantage():
     torch.manual_seed(1)
     logp = (torch.rand(3, 4, dtype=D) * -2).requires_grad_()
-    old = logp.detach() + torch.tensor([[0.0, 0.5, -0.5, 0.1]] * 3, dtype=D)  # ratios exp(-0.0), exp(-0.5), exp(0.5), exp(-0.1)
+    old = logp.detach() + torch.tensor(
+        [[0.0, 0.5, -0.5, 0.1]] * 3, dtype=D
+    )  # ratios exp(-0.0), exp(-0.5), exp(0.5), exp(-0.1)
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=D)
     mask = torch.ones(3, 4, dtype=torch.bool)
     out = get_policy_loss("cispo")(logp, old, adv, mask, ClipConfig(0.2, 0.28, None, "token-mean"), LossNorm(12.0, 3.0))
@@ -73,7 +81,10 @@ def test_icepop_masks_tokens_and_mis_rejects_sequences_outside_the_band():
     old = torch.log(torch.tensor([[1.0, 0.4, 2.5, 1.2], [0.9, 1.1, 1.0, 1.0]], dtype=D))
     roll = torch.zeros(2, 4, dtype=D)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
-    assert (icepop_weight(old, roll, (0.5, 2.0)) > 0).tolist() == [[True, False, False, True], [True, True, True, True]]  # the kept tokens
+    assert (icepop_weight(old, roll, (0.5, 2.0)) > 0).tolist() == [
+        [True, False, False, True],
+        [True, True, True, True],
+    ]  # the kept tokens
     # IcePop's published weight rho [a <= rho <= b] (a bare mask weighted every kept token 1): float64 formula
     rho = [[1.0, 0.4, 2.5, 1.2], [0.9, 1.1, 1.0, 1.0]]
     want = torch.tensor([[r if 0.5 <= r <= 2.0 else 0.0 for r in row] for row in rho], dtype=D)
@@ -93,8 +104,10 @@ def _advantage_call(rank: int, algo: str, values: bool):
         columns["values"] = [torch.linspace(0.1, 0.4, L) for _, L in rows]
     batch = type("Batch", (), {"columns": columns, "__len__": lambda self: len(rows)})()
     algorithm = SimpleNamespace(name=algo, gamma=0.9, lam=0.8, kl_coef=0.0, kl_estimator="k1")
-    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)),
-                          lay=SimpleNamespace(train=SimpleNamespace(group=1)))
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)),
+        lay=SimpleNamespace(train=SimpleNamespace(group=1)),
+    )
     return SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("values",) if values else ()))
 
 
@@ -107,7 +120,9 @@ def _advantage_rank(rank: int, algo: str, values: bool, store: str, out) -> None
     from spmd_rl.trainer.stages.advantage import advantage
 
     torch.set_num_threads(1)  # the parent's OpenMP thread team does not survive the fork
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=15))
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=15)
+    )
     try:
         result = advantage(_advantage_call(rank, algo, values))
         out.put((rank, [a.tolist() for a in (result.columns or {}).get("advantages", [])]))

@@ -40,10 +40,26 @@ def test_etcd_restart_mid_run(tiny_model, tmp_path):
     etcd = EmbeddedEtcd(data_dir=str(data_dir)).start()
     port = etcd.client_port
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", f"trainer.iterations={ITERS}",
-           "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
-           f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.interval=5", "checkpoint.keep=10", f"logging.dir={tmp_path}/logs",
-           "logging.progress=false", "dock.port=0", "metadata.retry_s=60", "elastic.heartbeat_ttl_s=20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        "configs/quickstart.yaml",
+        f"trainer.iterations={ITERS}",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        f"checkpoint.dir={tmp_path}/ckpt",
+        "checkpoint.interval=5",
+        "checkpoint.keep=10",
+        f"logging.dir={tmp_path}/logs",
+        "logging.progress=false",
+        "dock.port=0",
+        "metadata.retry_s=60",
+        "elastic.heartbeat_ttl_s=20",
+    ]
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     metrics = tmp_path / "logs/metrics.jsonl"

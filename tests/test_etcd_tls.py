@@ -19,8 +19,14 @@ from spmd_rl.dock.etcd_server import free_port
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from tests.conftest import REPO, subprocess_env
 
-SMALL = ["data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
-         "logging.progress=false", "dock.port=0"]
+SMALL = [
+    "data.global_batch_size=8",
+    "rollout.n=4",
+    "actor.mini_batch_size=8",
+    "actor.micro_batch_size=8",
+    "logging.progress=false",
+    "dock.port=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +37,13 @@ def tls_etcd(tmp_path_factory):
         port = free_port()
         if port + 1 < 65536:
             break
-    proc = subprocess.Popen([str(REPO / "launch/etcd.sh"), "127.0.0.1", str(port), str(tmp / "data")], cwd=REPO,
-                            env=subprocess_env() | {"TLS_DIR": str(tmp / "certs")}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(REPO / "launch/etcd.sh"), "127.0.0.1", str(port), str(tmp / "data")],
+        cwd=REPO,
+        env=subprocess_env() | {"TLS_DIR": str(tmp / "certs")},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     certs = tmp / "certs"
     tls = EtcdTLS(str(certs / "ca.crt"), str(certs / "client.crt"), str(certs / "client.key"))
     store = MetadataStore([f"127.0.0.1:{port}"], "tls-probe", retry_s=1, tls=tls)
@@ -71,20 +82,63 @@ def test_plain_text_and_certless_clients_are_refused(tls_etcd):
 @pytest.mark.slow
 def test_rank_with_certs_trains_and_rank_without_is_refused(tiny_model, tls_etcd):
     endpoint, tls, tmp = tls_etcd
-    env = subprocess_env() | {"ETCD": endpoint, "JOB": "tls-job", "NNODES": "1:1", "NPROC": "1", "TOKEN": "tls-token-0123456789abcdef",
-                              "ETCD_CA": tls.ca_file, "ETCD_CERT": tls.cert_file, "ETCD_KEY": tls.key_file}
-    run = subprocess.run([str(REPO / "launch/multi_node.sh"), "configs/quickstart.yaml", "parallel.train.dp_shard=null",
-                          "parallel.gen.dp=null", "parallel.nproc_per_node=1", "trainer.iterations=2",
-                          f"checkpoint.dir={tmp}/ckpt", f"logging.dir={tmp}/logs", *SMALL],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = subprocess_env() | {
+        "ETCD": endpoint,
+        "JOB": "tls-job",
+        "NNODES": "1:1",
+        "NPROC": "1",
+        "TOKEN": "tls-token-0123456789abcdef",
+        "ETCD_CA": tls.ca_file,
+        "ETCD_CERT": tls.cert_file,
+        "ETCD_KEY": tls.key_file,
+    }
+    run = subprocess.run(
+        [
+            str(REPO / "launch/multi_node.sh"),
+            "configs/quickstart.yaml",
+            "parallel.train.dp_shard=null",
+            "parallel.gen.dp=null",
+            "parallel.nproc_per_node=1",
+            "trainer.iterations=2",
+            f"checkpoint.dir={tmp}/ckpt",
+            f"logging.dir={tmp}/logs",
+            *SMALL,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp / "logs/metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     # the same job without the client certificate: the rank is refused and says what to set
-    refused = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", "parallel.nproc_per_node=1",
-                              "parallel.train.dp_shard=1", "parallel.gen.dp=1", "trainer.iterations=1", f"metadata.endpoints=[{endpoint}]",
-                              f"metadata.ca_file={tls.ca_file}", "elastic.max_restarts=0", f"checkpoint.dir={tmp}/ckpt2",
-                              f"logging.dir={tmp}/logs2", *SMALL],
-                             cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd_rl.cli",
+            "train",
+            "configs/quickstart.yaml",
+            "parallel.nproc_per_node=1",
+            "parallel.train.dp_shard=1",
+            "parallel.gen.dp=1",
+            "trainer.iterations=1",
+            f"metadata.endpoints=[{endpoint}]",
+            f"metadata.ca_file={tls.ca_file}",
+            "elastic.max_restarts=0",
+            f"checkpoint.dir={tmp}/ckpt2",
+            f"logging.dir={tmp}/logs2",
+            *SMALL,
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode != 0
-    assert "UNAVAILABLE etcd" in refused.stderr and "refused the TLS connection" in refused.stderr, refused.stderr[-3000:]
+    assert "UNAVAILABLE etcd" in refused.stderr and "refused the TLS connection" in refused.stderr, refused.stderr[
+        -3000:
+    ]

@@ -36,7 +36,12 @@ MODES = {
     "sync": [],
     "dapo": ["algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2"],
     "partial": ["stream.partial_tokens=3"],  # samples outlive an iteration
-    "separated": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
+    "separated": [
+        "parallel.placement=separated",
+        "parallel.gen_ranks=1",
+        "parallel.gen.dp=1",
+        "parallel.train.dp_shard=1",
+    ],
 }
 
 
@@ -55,11 +60,28 @@ def left_behind(token: str) -> list[str]:
 def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path, etcd, seed, mode):
     rng = random.Random(seed)
     job = f"crash-{mode}-{seed}"
-    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", f"checkpoint.dir={tmp_path}/ckpt",
-           f"logging.dir={tmp_path}/logs", f"trainer.iterations={ITERS}", "data.global_batch_size=8", "rollout.n=4",
-           "actor.mini_batch_size=8", "actor.micro_batch_size=8", *MODES[mode], "actor.tis_cap=2.0",
-           "checkpoint.interval=1", "checkpoint.keep=10", f"metadata.job={job}", "dock.port=0", "logging.progress=false",
-           "elastic.max_restarts=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        "configs/quickstart.yaml",
+        f"checkpoint.dir={tmp_path}/ckpt",
+        f"logging.dir={tmp_path}/logs",
+        f"trainer.iterations={ITERS}",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        *MODES[mode],
+        "actor.tis_cap=2.0",
+        "checkpoint.interval=1",
+        "checkpoint.keep=10",
+        f"metadata.job={job}",
+        "dock.port=0",
+        "logging.progress=false",
+        "elastic.max_restarts=3",
+    ]
     env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN}
     after, delay = rng.randint(1, ITERS - 3), rng.uniform(0.0, 1.5)
     saved = tmp_path / f"ckpt/iter_{after:06d}"  # complete once renamed from .tmp: the restart resumes from it
@@ -92,9 +114,13 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
     state = json.loads((tmp_path / f"ckpt/iter_{ITERS:06d}/trainer_state.json").read_text())
     assert sorted(state.get("carry_rows", [])) == sorted(records[-1].carried)
     if mode == "separated":  # versions never decrease (problems), and no sample was more than k = 1 update old
-        assert all(r.iteration - 1 <= r.version <= r.iteration for r in records), [(r.iteration, r.version) for r in records]
-    print(f"{mode} seed {seed}: killed after {after} iterations + {delay:.2f} s; {len(trained)} groups trained once, "
-          f"{len(records[-1].carried)} carried at the end")
+        assert all(r.iteration - 1 <= r.version <= r.iteration for r in records), [
+            (r.iteration, r.version) for r in records
+        ]
+    print(
+        f"{mode} seed {seed}: killed after {after} iterations + {delay:.2f} s; {len(trained)} groups trained once, "
+        f"{len(records[-1].carried)} carried at the end"
+    )
 
 
 @pytest.mark.slow
@@ -103,14 +129,34 @@ def test_a_rank_whose_sampler_drifts_fails_the_ledger(tiny_model, tmp_path, etcd
     puts rows rank 0's sampler never handed out. The run itself goes on, but the ledger, built
     from what the putters wrote and the update read, names both sides of the drift."""
     job = "crash-desync"
-    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", f"checkpoint.dir={tmp_path}/ckpt",
-           f"logging.dir={tmp_path}/logs", "trainer.iterations=1", "data.global_batch_size=8", "rollout.n=4",
-           "actor.mini_batch_size=8", "actor.micro_batch_size=8", f"metadata.job={job}", "dock.port=0", "logging.progress=false"]
-    env = subprocess_env() | {"SPMD_RL_ETCD": etcd.endpoint, "OMP_NUM_THREADS": "1", "SPMD_RL_JOB_TOKEN": TOKEN,
-                              "SPMD_RL_TEST_FAULTS": json.dumps({"kind": "desync", "rank": 1})}
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        "configs/quickstart.yaml",
+        f"checkpoint.dir={tmp_path}/ckpt",
+        f"logging.dir={tmp_path}/logs",
+        "trainer.iterations=1",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        f"metadata.job={job}",
+        "dock.port=0",
+        "logging.progress=false",
+    ]
+    env = subprocess_env() | {
+        "SPMD_RL_ETCD": etcd.endpoint,
+        "OMP_NUM_THREADS": "1",
+        "SPMD_RL_JOB_TOKEN": TOKEN,
+        "SPMD_RL_TEST_FAULTS": json.dumps({"kind": "desync", "rank": 1}),
+    }
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     records = PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()
     assert len(records) == 1 and records[0].trained_samples == 8 * 4
     found = problems(records)
-    assert any("sampled but never put" in p for p in found) and any("neither sampled nor carried" in p for p in found), found
+    assert any("sampled but never put" in p for p in found) and any(
+        "neither sampled nor carried" in p for p in found
+    ), found

@@ -15,8 +15,16 @@ TWO_STEPS = ("actor.mini_batch_size=4",)  # two optimizer steps: the second one 
 def test_objective_and_eval_fields_act(tiny_model, tmp_path, etcd):
     base = train(tmp_path, "base", etcd.endpoint, *ONE, *TWO_STEPS, "logging.level=WARNING")[0]
     tis = train(tmp_path, "tis", etcd.endpoint, *ONE, *TWO_STEPS, "actor.tis_cap=0.9", "logging.tensorboard=true")[0]
-    gspo = train(tmp_path, "gspo", etcd.endpoint, *ONE, *TWO_STEPS, "actor.policy_loss=gspo", "trainer.eval_interval=1",
-                 "trainer.eval_limit=24")[0]
+    gspo = train(
+        tmp_path,
+        "gspo",
+        etcd.endpoint,
+        *ONE,
+        *TWO_STEPS,
+        "actor.policy_loss=gspo",
+        "trainer.eval_interval=1",
+        "trainer.eval_limit=24",
+    )[0]
     assert base["reward_mean"] == tis["reward_mean"] == gspo["reward_mean"]  # the same samples
     # logging.level: rank 0's INFO lines ("saved checkpoint ...") only at the default level
     assert "saved checkpoint" not in (tmp_path / "base/stderr.log").read_text()

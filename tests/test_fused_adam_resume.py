@@ -31,7 +31,9 @@ class GroupStepAdam(torch.optim.Optimizer):
                 st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
                 st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 denom = (st["exp_avg_sq"] / (1 - b2 ** g["step"])).sqrt_().add_(g["eps"])
-                p.mul_(1 - g["lr"] * g["weight_decay"]).addcdiv_(st["exp_avg"], denom, value=-g["lr"] / (1 - b1 ** g["step"]))
+                p.mul_(1 - g["lr"] * g["weight_decay"]).addcdiv_(
+                    st["exp_avg"], denom, value=-g["lr"] / (1 - b1 ** g["step"])
+                )
 
 
 def _grad(p: torch.Tensor, k: int) -> None:

@@ -24,9 +24,20 @@ apart by seconds where two pytest-xdist workers share two slow cores (it was 3 s
 @pytest.mark.slow
 def test_generation_slower_than_the_collective_timeout_finishes_without_a_restart(tiny_model, tmp_path, etcd):
     env = {"SPMD_RL_TEST_FAULTS": json.dumps({"kind": "slow_generate", "rank": 1, "seconds": SLOW_S})}
-    rows = train(tmp_path, "skew", etcd.endpoint, f"elastic.collective_timeout_s={TIMEOUT_S}", "elastic.max_restarts=0",
-                 "trainer.iterations=1", "trainer.eval_interval=1", "trainer.eval_limit=4", "stream.partial_tokens=4", "actor.tis_cap=2.0", "checkpoint.interval=0",
-                 extra_env=env)
+    rows = train(
+        tmp_path,
+        "skew",
+        etcd.endpoint,
+        f"elastic.collective_timeout_s={TIMEOUT_S}",
+        "elastic.max_restarts=0",
+        "trainer.iterations=1",
+        "trainer.eval_interval=1",
+        "trainer.eval_limit=4",
+        "stream.partial_tokens=4",
+        "actor.tis_cap=2.0",
+        "checkpoint.interval=0",
+        extra_env=env,
+    )
     assert [r["iteration"] for r in rows] == [0]
     assert all(r["time_eval"] > SLOW_S for r in rows)  # the delay did land inside the eval
     assert all("eval_accuracy" in r for r in rows)

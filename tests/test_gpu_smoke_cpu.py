@@ -19,17 +19,57 @@ SMALL = ["data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "
 
 @pytest.mark.slow
 def test_gpu_smoke_script_passes_on_two_cpu_ranks(tiny_model, tmp_path):
-    out = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--device", "cpu", "--nproc-per-node", "2", "--out", str(tmp_path), *SMALL],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_smoke.py",
+            "--device",
+            "cpu",
+            "--nproc-per-node",
+            "2",
+            "--out",
+            str(tmp_path),
+            *SMALL,
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(out.stdout)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "all checks passed" in out.stdout
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("naive", "swap", "resume", "megatron")}
-    assert set(rows) == {"naive", "swap", "resume", "megatron"} and rows["resume"][1] == "3" and rows["megatron"][1] == "2"
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.stdout.splitlines()
+        if line.split() and line.split()[0] in ("naive", "swap", "resume", "megatron")
+    }
+    assert (
+        set(rows) == {"naive", "swap", "resume", "megatron"} and rows["resume"][1] == "3" and rows["megatron"][1] == "2"
+    )
 
 
 @pytest.mark.slow
 def test_gpu_smoke_fails_when_a_check_fails(tiny_model, tmp_path):
-    out = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--device", "cpu", "--nproc-per-node", "1", "--mismatch", "1e-9",
-                          "--out", str(tmp_path), *SMALL], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_smoke.py",
+            "--device",
+            "cpu",
+            "--nproc-per-node",
+            "1",
+            "--mismatch",
+            "1e-9",
+            "--out",
+            str(tmp_path),
+            *SMALL,
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 1 and "logprob_mismatch_mean" in out.stderr, out.stderr[-2000:]

@@ -119,7 +119,10 @@ def test_a_memfd_pool_shares_every_buffer_and_closes_its_fd_with_the_last_view()
     fd = spare.fd
     del other, spare
     gc.collect()
-    assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}") != "/memfd:spmd-rl-dock-test (deleted)"
+    assert (
+        not os.path.exists(f"/proc/self/fd/{fd}")
+        or os.readlink(f"/proc/self/fd/{fd}") != "/memfd:spmd-rl-dock-test (deleted)"
+    )
     assert big.sum().item() == 2.0 * big.numel()
 
 
@@ -135,9 +138,17 @@ def test_buffers_freed_in_other_threads_return_to_the_pool():
 
 
 def run_iterations(etcd, job: str, pool_bytes: int, iterations: int = 3) -> tuple[list[dict], TransferDock]:
-    specs = {"item": ColumnSpec("item", torch.float32, True, "rollout"), "score": ColumnSpec("score", torch.float32, False, "rollout")}
-    d = TransferDock(DockConfig(port=0, get_timeout_s=5.0, buffer_pool_bytes=pool_bytes), MetadataStore([etcd.endpoint], job=job),
-                     specs, Peer(0, 1, 0, 0, 1), "pool-test-token-0123456789abcdef").start()
+    specs = {
+        "item": ColumnSpec("item", torch.float32, True, "rollout"),
+        "score": ColumnSpec("score", torch.float32, False, "rollout"),
+    }
+    d = TransferDock(
+        DockConfig(port=0, get_timeout_s=5.0, buffer_pool_bytes=pool_bytes),
+        MetadataStore([etcd.endpoint], job=job),
+        specs,
+        Peer(0, 1, 0, 0, 1),
+        "pool-test-token-0123456789abcdef",
+    ).start()
     seen = []
     for it in range(iterations):
         g = torch.Generator().manual_seed(it)

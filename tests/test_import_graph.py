@@ -22,7 +22,13 @@ def _graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            targets = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             if isinstance(node, ast.ImportFrom) and node.module:  # `from pkg import module`
                 targets += [f"{node.module}.{a.name}" for a in node.names]
             deps |= {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
@@ -39,7 +45,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for d in sorted(graph[n]):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (found := visit(d)):
                 return found
         stack.pop()
@@ -54,7 +60,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle():
     graph = _graph()
-    assert "spmd_rl.dock.fetch" in graph["spmd_rl.dock.relay"] and "spmd_rl.dock.client" not in graph["spmd_rl.dock.relay"]
+    assert (
+        "spmd_rl.dock.fetch" in graph["spmd_rl.dock.relay"] and "spmd_rl.dock.client" not in graph["spmd_rl.dock.relay"]
+    )
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -70,7 +78,10 @@ def test_the_launcher_and_validate_import_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, spmd_rl.cli, spmd_rl.launcher.local; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys, spmd_rl.cli, spmd_rl.launcher.local; "
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]", res.stdout

@@ -23,15 +23,37 @@ def _cmd(*overrides: str) -> list[str]:
 
 def test_rendezvous_follows_the_elastic_fields():
     assert "--standalone" in _cmd()
-    etcd = _cmd("elastic.rdzv_backend=etcd-v2", "elastic.min_nodes=1", "elastic.max_nodes=3", "parallel.nnodes=2",
-                "metadata.endpoints=[10.1.2.3:2379]", "metadata.job=run7", "elastic.max_restarts=5",
-                "elastic.rdzv_last_call_s=7.5")
+    etcd = _cmd(
+        "elastic.rdzv_backend=etcd-v2",
+        "elastic.min_nodes=1",
+        "elastic.max_nodes=3",
+        "parallel.nnodes=2",
+        "metadata.endpoints=[10.1.2.3:2379]",
+        "metadata.job=run7",
+        "elastic.max_restarts=5",
+        "elastic.rdzv_last_call_s=7.5",
+    )
     assert "--standalone" not in etcd
-    assert {"--nnodes=1:3", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=10.1.2.3:2379", "--rdzv-id=run7", "--max-restarts=5",
-            "--rdzv-conf=last_call_timeout=7.5"} <= set(etcd)
-    tls = _cmd("elastic.rdzv_backend=etcd-v2", "elastic.max_nodes=2", "metadata.endpoints=[10.1.2.3:2379]", "metadata.ca_file=/c/ca.crt",
-               "metadata.cert_file=/c/client.crt", "metadata.key_file=/c/client.key")
-    assert "--rdzv-conf=last_call_timeout=3,protocol=https,ca_cert=/c/ca.crt,ssl_cert=/c/client.crt,ssl_cert_key=/c/client.key" in tls
+    assert {
+        "--nnodes=1:3",
+        "--rdzv-backend=etcd-v2",
+        "--rdzv-endpoint=10.1.2.3:2379",
+        "--rdzv-id=run7",
+        "--max-restarts=5",
+        "--rdzv-conf=last_call_timeout=7.5",
+    } <= set(etcd)
+    tls = _cmd(
+        "elastic.rdzv_backend=etcd-v2",
+        "elastic.max_nodes=2",
+        "metadata.endpoints=[10.1.2.3:2379]",
+        "metadata.ca_file=/c/ca.crt",
+        "metadata.cert_file=/c/client.crt",
+        "metadata.key_file=/c/client.key",
+    )
+    assert (
+        "--rdzv-conf=last_call_timeout=3,protocol=https,ca_cert=/c/ca.crt,ssl_cert=/c/client.crt,ssl_cert_key=/c/client.key"
+        in tls
+    )
     c10d = _cmd("elastic.max_nodes=2", "elastic.rdzv_endpoint=10.1.2.4:29400")
     assert {"--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.1.2.4:29400"} <= set(c10d)
 

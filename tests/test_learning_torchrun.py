@@ -18,7 +18,8 @@ on a paired test over prompts: for prompt i, d_i = (the fraction of the later ev
 got it right) - (1 if the start got it right); the mean of d, the gain of the mean accuracy over
 the run, must be at least Z standard errors (one-sided: a policy whose accuracy on such prompts
 did not change passes with probability about 0.6 % at Z = 2.5 on the 32 trained prompts, 0.13 %
-at Z = 3 on the 500 held-out ones) and at least a minimum gain. Pairing removes the prompts both evaluations get right or wrong from the noise,
+at Z = 3 on the 500 held-out ones) and at least a minimum gain. Pairing removes the prompts both evaluations get right
+or wrong from the noise,
 and the mean over several evaluations removes most of one policy's eval-to-eval swing (about
 +-0.04 on the held-out set: on an Intel AMX machine GRPO went 0.242 -> 0.336 after 10
 iterations and was at 0.264 after 60, so a final evaluation alone failed a run that had
@@ -55,17 +56,36 @@ MODES = {
     "partial": ["stream.partial_tokens=4", "actor.tis_cap=2.0"],
     # megatron with TP 2 and sequence parallelism, trained with DAPO's dynamic sampling and its
     # extra generation rounds
-    "megatron-dapo": ["actor.backend=megatron", "parallel.train.tp=2", "parallel.train.dp_shard=1", "parallel.train.sequence_parallel=true",
-                      "algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2"],
+    "megatron-dapo": [
+        "actor.backend=megatron",
+        "parallel.train.tp=2",
+        "parallel.train.dp_shard=1",
+        "parallel.train.sequence_parallel=true",
+        "algorithm.name=dapo",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_extra_rounds=2",
+    ],
     "megatron-pp2": ["actor.backend=megatron", "parallel.train.pp=2", "parallel.train.dp_shard=1"],
     # the Qwen3-MoE sibling (same task and test set): FSDP over the fused experts recording the
     # rollout's routes (router metrics), megatron with EP 2 replaying them (R3)
     "moe": ["model.path=assets/tiny-qwen3-moe", "actor.router_replay=record"],
-    "megatron-moe-ep2": ["model.path=assets/tiny-qwen3-moe", "actor.backend=megatron", "parallel.train.ep=2", "actor.router_replay=rollout"],
+    "megatron-moe-ep2": [
+        "model.path=assets/tiny-qwen3-moe",
+        "actor.backend=megatron",
+        "parallel.train.ep=2",
+        "actor.router_replay=rollout",
+    ],
     # PPO (GAE advantages from a critic, a value head on the policy's own model, learning beside
     # it) with generation on a rank of its own
-    "separated-ppo": ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1",
-                      "actor.tis_cap=2.0", "algorithm.name=ppo", "algorithm.critic_lr=1e-4"],
+    "separated-ppo": [
+        "parallel.placement=separated",
+        "parallel.gen_ranks=1",
+        "parallel.gen.dp=1",
+        "parallel.train.dp_shard=1",
+        "actor.tis_cap=2.0",
+        "algorithm.name=ppo",
+        "algorithm.critic_lr=1e-4",
+    ],
     # the critic-free estimators and CISPO (issue 36); LoRA RL: rank-16 adapters on every
     # projection, at the learning rate LoRA needs
     "rloo-cispo": ["algorithm.name=rloo", "actor.policy_loss=cispo"],
@@ -85,8 +105,14 @@ HELD_OUT_MIN_GAIN = 0.03
 
 
 def held_out_accuracy(model: str) -> float:
-    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", model, "--data", "assets/tiny-qwen2/test.jsonl"],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.cli", "eval", model, "--data", "assets/tiny-qwen2/test.jsonl"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["prompts"] == 500
@@ -110,8 +136,11 @@ def test_the_paired_gain_is_the_mean_accuracy_gain_and_its_error_is_the_paired_o
     """On made-up evaluations: 500 prompts, the start right on 0-99; two later evaluations right
     on 0-139 and on 20-159 (each 140 right: +8 points)."""
     rows = [range(100), range(140), range(20, 160)]
-    (tmp_path / "e.jsonl").write_text("".join(json.dumps({"iteration": 10 * k, "prompts": 500, "correct": list(r)}) + "\n"
-                                              for k, r in enumerate(rows)))
+    (tmp_path / "e.jsonl").write_text(
+        "".join(
+            json.dumps({"iteration": 10 * k, "prompts": 500, "correct": list(r)}) + "\n" for k, r in enumerate(rows)
+        )
+    )
     mean, se, accs = paired_gain(tmp_path / "e.jsonl", 500)
     assert accs == [0.2, 0.28, 0.28] and mean == pytest.approx(0.08)
     # d: 0-19 -> -0.5, 20-99 -> 0, 100-139 -> +1, 140-159 -> +0.5, the rest 0
@@ -132,23 +161,45 @@ def trained_prompts(tiny_model, tmp_path_factory) -> Path:
 def test_the_policy_learns_the_prompts_it_trains_on(request, trained_prompts, tmp_path, etcd, mode):
     if "moe" in mode:
         request.getfixturevalue("tiny_moe")  # built by the setup, or here when missing
-    rows = train(tmp_path, mode, etcd.endpoint, *QUICKSTART, *MODES[mode], f"trainer.iterations={ITERS}", "checkpoint.interval=0",
-                 f"trainer.eval_interval={EVERY}", f"data.train_path={trained_prompts}", f"data.test_path={trained_prompts}")
+    rows = train(
+        tmp_path,
+        mode,
+        etcd.endpoint,
+        *QUICKSTART,
+        *MODES[mode],
+        f"trainer.iterations={ITERS}",
+        "checkpoint.interval=0",
+        f"trainer.eval_interval={EVERY}",
+        f"data.train_path={trained_prompts}",
+        f"data.test_path={trained_prompts}",
+    )
     mean, se, accs = paired_gain(tmp_path / mode / "logs/eval_prompts.jsonl", TRAINED)
     start, final = rows[0]["eval_accuracy"], rows[-1]["final_eval_accuracy"]
-    assert accs[0] == start and accs[-1] == final and len(accs) == ITERS // EVERY + 1  # the record is what the rows logged
-    print(f"{mode}: greedy accuracy on the {TRAINED} trained prompts every {EVERY} iterations {' '.join(f'{a:.3f}' for a in accs)}; "
-          f"paired gain of the mean {mean:+.3f} (standard error {se:.3f}); entropy first {rows[0]['entropy']:.3f}, last {rows[-1]['entropy']:.3f}")
+    assert (
+        accs[0] == start and accs[-1] == final and len(accs) == ITERS // EVERY + 1
+    )  # the record is what the rows logged
+    print(
+        f"{mode}: greedy accuracy on the {TRAINED} trained prompts every {EVERY} iterations "
+        f"{' '.join(f'{a:.3f}' for a in accs)}; "
+        f"paired gain of the mean {mean:+.3f} (standard error {se:.3f}); entropy first {rows[0]['entropy']:.3f}, last "
+        f"{rows[-1]['entropy']:.3f}"
+    )
     assert mean >= max(Z * se, MIN_GAIN) and final - start >= MIN_GAIN, (mean, se, accs)
     if mode in MATCHING:
         assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3
     if "moe" in mode:  # float32: the trainer's routers choose what vLLM's chose, but where a near-tie flips
         assert min(r["router_agreement"] for r in rows) > 0.99 and all(r["expert_load_max_mean"] >= 1.0 for r in rows)
-    if mode.startswith("megatron"):  # the fields acted: mcore built the layout asked for, and wrote its own checkpoint keys
-        layout = {"megatron-dapo": "tp=2 sequence_parallel=True pp=1 dp=1", "megatron-pp2": "tp=1 sequence_parallel=False pp=2 dp=1",
-                  "megatron-moe-ep2": "tp=1 sequence_parallel=False pp=1 dp=2 ep=2 (4 experts)"}[mode]
+    if mode.startswith(
+        "megatron"
+    ):  # the fields acted: mcore built the layout asked for, and wrote its own checkpoint keys
+        layout = {
+            "megatron-dapo": "tp=2 sequence_parallel=True pp=1 dp=1",
+            "megatron-pp2": "tp=1 sequence_parallel=False pp=2 dp=1",
+            "megatron-moe-ep2": "tp=1 sequence_parallel=False pp=1 dp=2 ep=2 (4 experts)",
+        }[mode]
         assert f"actor: megatron-core GPTModel {layout}" in (tmp_path / mode / "stderr.log").read_text()
         from spmd_rl.engines.safe_dcp import verify
+
         assert "optim.step" in verify(tmp_path / mode / f"ckpt/iter_{ITERS:06d}").state_dict_metadata
 
 
@@ -156,14 +207,24 @@ def test_the_policy_learns_the_prompts_it_trains_on(request, trained_prompts, tm
 def test_grpo_raises_held_out_accuracy(tiny_model, tmp_path, etcd):
     """The quickstart's mode on all 500 held-out test prompts; the in-run final evaluation scored
     the weights the last checkpoint holds (``spmd-rl eval`` in a fresh process finds it)."""
-    rows = train(tmp_path, "grpo", etcd.endpoint, *QUICKSTART, f"trainer.iterations={HELD_OUT_ITERS}", "checkpoint.interval=0",
-                 f"trainer.eval_interval={EVERY}")
+    rows = train(
+        tmp_path,
+        "grpo",
+        etcd.endpoint,
+        *QUICKSTART,
+        f"trainer.iterations={HELD_OUT_ITERS}",
+        "checkpoint.interval=0",
+        f"trainer.eval_interval={EVERY}",
+    )
     mean, se, accs = paired_gain(tmp_path / "grpo/logs/eval_prompts.jsonl", 500)
     start, final = rows[0]["eval_accuracy"], rows[-1]["final_eval_accuracy"]
     assert accs[0] == start and accs[-1] == final and len(accs) == HELD_OUT_ITERS // EVERY + 1
     offline = held_out_accuracy(str(tmp_path / f"grpo/ckpt/iter_{HELD_OUT_ITERS:06d}"))
     assert abs(offline - final) <= 0.01, (offline, final)  # greedy near-ties may flip between engine layouts
-    print(f"grpo: held-out greedy accuracy every {EVERY} iterations {' '.join(f'{a:.3f}' for a in accs)}; paired gain of the mean "
-          f"{mean:+.3f} (standard error {se:.3f})")
+    print(
+        f"grpo: held-out greedy accuracy every {EVERY} iterations {' '.join(f'{a:.3f}' for a in accs)}; paired gain of "
+        f"the mean "
+        f"{mean:+.3f} (standard error {se:.3f})"
+    )
     assert final - start >= MARGIN or mean >= max(HELD_OUT_Z * se, HELD_OUT_MIN_GAIN), (mean, se, accs)
     assert max(r["logprob_mismatch_max"] for r in rows) < 1e-3

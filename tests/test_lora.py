@@ -52,7 +52,7 @@ def test_only_adapters_train_and_init_is_seeded():
     trainable = sorted(n for n, p in m.named_parameters() if p.requires_grad)
     assert trainable == ["down_proj.lora_A", "down_proj.lora_B", "q_proj.lora_A", "q_proj.lora_B"]
     assert m.q_proj.lora_A.shape == (2, 6) and m.q_proj.lora_B.shape == (5, 2) and not m.q_proj.lora_B.any()
-    bound = 1 / 6 ** 0.5
+    bound = 1 / 6**0.5
     assert m.q_proj.lora_A.abs().max() <= bound and m.q_proj.lora_A.abs().max() > bound / 2
     other, _ = adapted(seed=5)  # another model init, the same adapter seed: the same adapters
     assert torch.equal(other.q_proj.lora_A, m.q_proj.lora_A)
@@ -76,16 +76,26 @@ def test_a_target_naming_no_linear_layer_is_refused():
 
 
 def test_peft_names():
-    assert lora.peft_name("model.layers.0.self_attn.q_proj.lora_A") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert (
+        lora.peft_name("model.layers.0.self_attn.q_proj.lora_A")
+        == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    )
     cfg = lora.peft_config("/m", 8, 16.0, 0.0, ["v_proj", "q_proj"])
-    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["peft_type"] == "LORA"
+    assert (
+        cfg["r"] == 8
+        and cfg["lora_alpha"] == 16.0
+        and cfg["target_modules"] == ["q_proj", "v_proj"]
+        and cfg["peft_type"] == "LORA"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
     env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(tmp_path), "LORA_SYNC": sync}
-    run_nodes(REPO / "tests/helpers/lora_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600)
+    run_nodes(
+        REPO / "tests/helpers/lora_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=600
+    )
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["initial_vs_base"] < 1e-5  # B = 0: the adapted model starts as the base model
@@ -93,7 +103,9 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
         assert r["reference_vs_base"] < 1e-5  # adapters off == the HF base model: the reference
         assert r["reference_reads_actor_tensors"] > 1e-3  # ... computed from the actor's own tensors, not a copy
         assert r["base_frozen_bit_exact"]  # the base weights never moved
-        assert r["synced_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4  # merged weights are the trained policy
+        assert (
+            r["synced_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4
+        )  # merged weights are the trained policy
         assert max(r["vllm_vs_trainer"]) < 1e-4  # after each of two syncs vLLM samples from the trainer's policy
         if sync == "adapter":  # the base weights went to vLLM once; then only adapters, a new version per sync
             assert r["synced_is_base"] and r["full_weight_loads"] == 1 and r["adapter_versions"] == 2
@@ -115,7 +127,9 @@ def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
     from spmd_rl.config.model_arch import ModelArch
     from spmd_rl.config.plan import memory_lines
 
-    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=16", "model.dtype=bfloat16"])
+    cfg = load_config(
+        REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=16", "model.dtype=bfloat16"]
+    )
     arch, lay = ModelArch.from_folder(tiny_model), Layouts(2, 2, Layout(2, 1), Layout(2, 1))
     adapters = lora_numels(arch, 16, cfg.actor.lora.target_modules)
     h, f = arch.hidden_size, arch.intermediate_size
@@ -129,16 +143,28 @@ def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
     assert f"{sum(adapters) / 1e6:.3f} M adapter parameters" in text and "full fine-tuning would hold" in text
 
 
-@pytest.mark.parametrize("overrides,why", [
-    (["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"], "by broadcast"),
-    (["actor.lora.rank=1024"], "up to 512"),
-    (["model.path=assets/tiny-qwen3-moe", "actor.lora.target_modules=[q_proj]"], "dense models")])
+@pytest.mark.parametrize(
+    "overrides,why",
+    [
+        (
+            ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
+            "by broadcast",
+        ),
+        (["actor.lora.rank=1024"], "up to 512"),
+        (["model.path=assets/tiny-qwen3-moe", "actor.lora.target_modules=[q_proj]"], "dense models"),
+    ],
+)
 def test_adapter_sync_is_refused_where_it_does_not_run_and_merged_is_not(tiny_model, tiny_moe, overrides, why):
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.rules import check
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides])
     _, violations = check(cfg, 2, 2)
-    assert [(v.field, why in v.problem) for v in violations if v.field.startswith("actor.lora")] == [("actor.lora.sync", True)], violations
-    merged = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides, "actor.lora.sync=merged"])
+    assert [(v.field, why in v.problem) for v in violations if v.field.startswith("actor.lora")] == [
+        ("actor.lora.sync", True)
+    ], violations
+    merged = load_config(
+        REPO / "configs/quickstart.yaml",
+        [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides, "actor.lora.sync=merged"],
+    )
     assert not [v for v in check(merged, 2, 2)[1] if v.field.startswith("actor.lora")]

@@ -11,15 +11,18 @@ from spmd_rl.rewards import get_reward
 from tests.trainer_util import train
 
 
-@pytest.mark.parametrize("answer,response,score", [
-    (r"$\frac{1}{2}$", r"The answer is $0.5$", 1.0),
-    (r"$\frac{1}{2}$", r"$\boxed{\dfrac{2}{4}}$", 1.0),
-    (r"$\sqrt{4}$", "2", 1.0),
-    (r"$x^2+2x+1$", r"$(x+1)^2$", 1.0),
-    (r"$\frac{1}{2}$", r"$\frac{1}{3}$", 0.0),
-    ("$3$", "$4$", 0.0),
-    ("$3$", "no idea", 0.0),
-])
+@pytest.mark.parametrize(
+    "answer,response,score",
+    [
+        (r"$\frac{1}{2}$", r"The answer is $0.5$", 1.0),
+        (r"$\frac{1}{2}$", r"$\boxed{\dfrac{2}{4}}$", 1.0),
+        (r"$\sqrt{4}$", "2", 1.0),
+        (r"$x^2+2x+1$", r"$(x+1)^2$", 1.0),
+        (r"$\frac{1}{2}$", r"$\frac{1}{3}$", 0.0),
+        ("$3$", "$4$", 0.0),
+        ("$3$", "no idea", 0.0),
+    ],
+)
 def test_math_verify_equal_forms(answer, response, score):
     assert get_reward("math_verify")(response, answer) == score
 
@@ -37,10 +40,23 @@ def test_training_with_math_verify_on_latex_answers(tiny_model, tmp_path):
     are judged by math-verify, and training runs on those rewards."""
     rows = [json.loads(x) for x in (tiny_model / "train.jsonl").read_text().splitlines()[:400]]
     data = tmp_path / "latex.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": f"$\\frac{{{2 * int(r['answer'])}}}{{2}}$"}) + "\n" for r in rows))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": r["prompt"], "answer": f"$\\frac{{{2 * int(r['answer'])}}}{{2}}$"}) + "\n"
+            for r in rows
+        )
+    )
     with EmbeddedEtcd() as etcd:
-        out = train(tmp_path, "mv", etcd.endpoint, "reward.rule=math_verify", f"data.train_path={data}", "data.test_path=null",
-                    "checkpoint.interval=0", "trainer.iterations=2")
+        out = train(
+            tmp_path,
+            "mv",
+            etcd.endpoint,
+            "reward.rule=math_verify",
+            f"data.train_path={data}",
+            "data.test_path=null",
+            "checkpoint.interval=0",
+            "trainer.iterations=2",
+        )
     assert [r["iteration"] for r in out] == [0, 1]
     assert any(r["accuracy"] > 0 for r in out)  # the warm-started model is right ~25 % of the time
     assert all(r["reward_mean"] == pytest.approx(r["accuracy"]) for r in out)

@@ -33,9 +33,17 @@ def layouts(tiny_model, tmp_path_factory):
     for name, (tp, pp) in LAYOUTS.items():
         out = root / name
         out.mkdir()
-        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_model), "SPMD_RL_OUT": str(out), "TP": str(tp), "PP": str(pp), "DTYPE": "float32",
-                                 "CKPT": str(ckpt)}
-        run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300)
+        env = QUIET_CHILD_ENV | {
+            "MODEL": str(tiny_model),
+            "SPMD_RL_OUT": str(out),
+            "TP": str(tp),
+            "PP": str(pp),
+            "DTYPE": "float32",
+            "CKPT": str(ckpt),
+        }
+        run_nodes(
+            REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300
+        )
     return root
 
 
@@ -75,7 +83,8 @@ def test_megatron_equals_fsdp(layouts, layout):
 def test_megatron_checkpoint_resumes_in_another_layout(layouts):
     """Written with TP 2 + SP (DP 1), read with TP 1 (DP 2, the distributed optimizer split
     differently) and with two pipeline stages (each reads its own layers; the last stage's copy
-    of the tied embedding reads the embedding): the weights come back bit for bit, the next update equals the writer's own
+    of the tied embedding reads the embedding): the weights come back bit for bit, the next update equals the writer's
+    own
     next update (AdamW moments and step count restored: a lost moment or step changes it by
     about lr), and ``spmd-rl export``'s reader sees the same HF weights."""
     for reader in ("tp1-dp2", "pp2"):
@@ -97,8 +106,17 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
     steps, so the update is compared element by element: all but a handful (about 1e-5 of
     them) within 1e-4, none beyond lr (a wrong lr, weight decay, expert order or step count
     moves most elements by about lr). Then both replay the same random routes (R3)."""
-    env = QUIET_CHILD_ENV | {"MODEL": str(tiny_moe), "SPMD_RL_OUT": str(tmp_path), "TP": "1", "EP": "2", "DTYPE": "float32", "ROUTES": "1"}
-    run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=300)
+    env = QUIET_CHILD_ENV | {
+        "MODEL": str(tiny_moe),
+        "SPMD_RL_OUT": str(tmp_path),
+        "TP": "1",
+        "EP": "2",
+        "DTYPE": "float32",
+        "ROUTES": "1",
+    }
+    run_nodes(
+        REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp_path, timeout_s=300
+    )
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # routing replay of random routes (far from either router's own choice): the same
@@ -137,8 +155,17 @@ def test_megatron_moe_checkpoint_resumes_in_another_expert_layout(tiny_moe, tmp_
     for ep in (2, 1):
         out = tmp_path / f"ep{ep}"
         out.mkdir()
-        env = QUIET_CHILD_ENV | {"MODEL": str(tiny_moe), "SPMD_RL_OUT": str(out), "TP": "1", "EP": str(ep), "DTYPE": "float32", "CKPT": str(ckpt)}
-        run_nodes(REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300)
+        env = QUIET_CHILD_ENV | {
+            "MODEL": str(tiny_moe),
+            "SPMD_RL_OUT": str(out),
+            "TP": "1",
+            "EP": str(ep),
+            "DTYPE": "float32",
+            "CKPT": str(ckpt),
+        }
+        run_nodes(
+            REPO / "tests/helpers/megatron_worker.py", nnodes=1, nproc_per_node=2, env=env, log_dir=out, timeout_s=300
+        )
     for rank in range(2):
         r = json.loads((tmp_path / "ep1" / f"rank{rank}.json").read_text())
         assert r["resumed_diff"] == 0.0 and r["steps"] == 2, r

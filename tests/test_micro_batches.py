@@ -63,7 +63,11 @@ def test_a_sample_over_the_budget_runs_alone_and_split_to_reaches_any_count():
     for count in range(len(runs), len(lengths) + 1):
         got = split_to(runs, lengths, count, packed=True)
         assert len(got) == count and _covers(got, len(lengths))
-    assert split_to([slice(0, 2), slice(2, 8)], lengths, 3, packed=True) == [slice(0, 2), slice(2, 5), slice(5, 8)]  # the costliest halves
+    assert split_to([slice(0, 2), slice(2, 8)], lengths, 3, packed=True) == [
+        slice(0, 2),
+        slice(2, 5),
+        slice(5, 8),
+    ]  # the costliest halves
     with pytest.raises(ValueError, match="8 samples cannot make 9"):
         split_to(runs, lengths, 9, packed=True)
 
@@ -71,7 +75,13 @@ def test_a_sample_over_the_budget_runs_alone_and_split_to_reaches_any_count():
 @pytest.mark.slow
 def test_ranks_with_different_lengths_run_the_same_number_of_micro_batches(tmp_path):
     """Two gloo ranks plan three mini-batches whose greedy counts differ per rank (one collective)."""
-    run_nodes(REPO / "tests/helpers/micro_plan_worker.py", nnodes=1, nproc_per_node=2, env={"SPMD_RL_OUT": str(tmp_path)}, log_dir=tmp_path)
+    run_nodes(
+        REPO / "tests/helpers/micro_plan_worker.py",
+        nnodes=1,
+        nproc_per_node=2,
+        env={"SPMD_RL_OUT": str(tmp_path)},
+        log_dir=tmp_path,
+    )
     plans = [json.loads((tmp_path / f"plan{r}.json").read_text()) for r in range(2)]
     greedy = [p["greedy"] for p in plans]
     assert greedy[0] != greedy[1]  # the case the collective is for

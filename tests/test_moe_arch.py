@@ -33,4 +33,6 @@ def test_fused_experts_round_trip_through_the_checkpoint_names(tiny_moe):
         pieces = list(fused_experts.split(name, ours))
         assert all(torch.equal(t, folder.read(n)) for n, t in pieces), name
         assert [(n, list(t.shape)) for n, t in pieces] == fused_experts.split_shape(name, list(p.shape))
-    assert sum(len(list(fused_experts.split(n, p))) for n, p in hf.items()) == len(folder.index) - 0  # tied head: one tensor
+    assert (
+        sum(len(list(fused_experts.split(n, p))) for n, p in hf.items()) == len(folder.index) - 0
+    )  # tied head: one tensor

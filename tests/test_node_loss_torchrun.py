@@ -36,10 +36,24 @@ POINTS = ["generate", "reward_fetch", "update", "checkpoint"]
 
 
 def node(tmp: Path, etcd: str, name: str, faults: dict | None = None):
-    args = ["configs/quickstart.yaml", "parallel.train.dp_shard=null", "parallel.gen.dp=null", "parallel.nnodes=2",
-            "parallel.nproc_per_node=1", "elastic.max_nodes=2", "dock.port=0", "logging.progress=false",
-            "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
-            f"trainer.iterations={ITERS}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=2", f"logging.dir={tmp}/logs"]
+    args = [
+        "configs/quickstart.yaml",
+        "parallel.train.dp_shard=null",
+        "parallel.gen.dp=null",
+        "parallel.nnodes=2",
+        "parallel.nproc_per_node=1",
+        "elastic.max_nodes=2",
+        "dock.port=0",
+        "logging.progress=false",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        f"trainer.iterations={ITERS}",
+        f"checkpoint.dir={tmp}/ckpt",
+        "checkpoint.interval=2",
+        f"logging.dir={tmp}/logs",
+    ]
     env = {"JOB": "node-loss"}
     if faults:
         env["SPMD_RL_TEST_FAULTS"] = json.dumps(faults)
@@ -59,14 +73,21 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
         rewrites the file from its checkpoint, so position in the file proves nothing)."""
         got = rows()
         return bool(got) and got[-1]["world"] == world and metrics.stat().st_mtime > wall
+
     recovery: dict[str, tuple[float, float]] = {}
     exits: dict[str, str] = {}  # what the survivor printed between the kill and its restart
     with EmbeddedEtcd() as etcd:
-        a = node(tmp_path, etcd.endpoint, "a", {"kind": "pause", "dir": str(faults), "points": POINTS, "min_iteration": 1})
+        a = node(
+            tmp_path, etcd.endpoint, "a", {"kind": "pause", "dir": str(faults), "points": POINTS, "min_iteration": 1}
+        )
         b = node(tmp_path, etcd.endpoint, "b0")
         try:
             for k, point in enumerate(POINTS):
-                wait_for(lambda: (faults / f"{point}.reached").exists() or a.poll() is not None, 400, f"the survivor at {point}")
+                wait_for(
+                    lambda: (faults / f"{point}.reached").exists() or a.poll() is not None,
+                    400,
+                    f"the survivor at {point}",
+                )
                 assert a.poll() is None, (tmp_path / "a.log").read_text()[-4000:]
                 log_at = len((tmp_path / "a.log").read_text())
                 kill_node(b)
@@ -74,12 +95,20 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
                 if k == len(POINTS) - 1:
                     (faults / "hold").unlink()
                 (faults / f"{point}.go").write_text("")
-                wait_for(lambda: "training from iteration" in (tmp_path / "a.log").read_text()[log_at:] or a.poll() is not None, 120,
-                         f"the survivor restarting after the kill at {point}")
+                wait_for(
+                    lambda: (
+                        "training from iteration" in (tmp_path / "a.log").read_text()[log_at:] or a.poll() is not None
+                    ),
+                    120,
+                    f"the survivor restarting after the kill at {point}",
+                )
                 restarted = time.monotonic() - killed
                 exits[point] = (tmp_path / "a.log").read_text()[log_at:]
-                wait_for(lambda: logged_since(killed_wall, world=1) or a.poll() is not None, 120,
-                         f"the survivor training alone after the kill at {point}")
+                wait_for(
+                    lambda: logged_since(killed_wall, world=1) or a.poll() is not None,
+                    120,
+                    f"the survivor training alone after the kill at {point}",
+                )
                 recovery[point] = (restarted, time.monotonic() - killed)
                 assert a.poll() is None, (tmp_path / "a.log").read_text()[-4000:]
                 if k < len(POINTS) - 1:
@@ -92,14 +121,18 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
                 if p.poll() is None:
                     kill_node(p)
     report = ", ".join(f"{p}: restarted {r:.1f} s, trained {t:.1f} s" for p, (r, t) in recovery.items())
-    print(f"node loss recovery (kill -> survivor restarted, kill -> next iteration logged): {report}; "
-          f"worst {max(t for _, t in recovery.values()):.1f} s")
+    print(
+        f"node loss recovery (kill -> survivor restarted, kill -> next iteration logged): {report}; "
+        f"worst {max(t for _, t in recovery.values()):.1f} s"
+    )
     assert sorted({r["iteration"] for r in rows()}) == list(range(ITERS))  # nothing skipped
     assert complete_checkpoints(tmp_path / "ckpt")[-1].name == f"iter_{ITERS:06d}"
     assert model_weights(tmp_path / "ckpt" / f"iter_{ITERS:06d}")
     noticed = (f"exiting (status {PEER_LOST_EXIT})", "Connection reset by peer", "Connection closed by peer")
     for point, text in exits.items():
-        assert any(s in text for s in noticed), f"{point}: the survivor did not notice the lost peer itself:\n{text[-3000:]}"
+        assert any(s in text for s in noticed), (
+            f"{point}: the survivor did not notice the lost peer itself:\n{text[-3000:]}"
+        )
         # messages and log lines start at column 0; a traceback's indented frame lines name
         # files and source (spmd_rl/distributed/timeouts.py, ``with generation_phase():``) that
         # say "timeout" without anything having timed out

@@ -25,15 +25,30 @@ def launch(tmp: Path, name: str, *overrides: str, preload: bool = True) -> subpr
     with small batches and run folders of its own; ``preload=False``: its ranks import for
     themselves (tests/preload_servers.py), so that every process of the job is in the tree below
     the launcher, as for a user."""
-    args = [f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", "trainer.iterations=200",
-            "data.global_batch_size=4", "rollout.n=4", "actor.mini_batch_size=4", "actor.micro_batch_size=8", "checkpoint.interval=0",
-            f"metadata.job=tree-{name}-{os.getpid()}", "logging.progress=false", *overrides]  # dock.port: the default
+    args = [
+        f"checkpoint.dir={tmp / name}/ckpt",
+        f"logging.dir={tmp / name}/logs",
+        "trainer.iterations=200",
+        "data.global_batch_size=4",
+        "rollout.n=4",
+        "actor.mini_batch_size=4",
+        "actor.micro_batch_size=8",
+        "checkpoint.interval=0",
+        f"metadata.job=tree-{name}-{os.getpid()}",
+        "logging.progress=false",
+        *overrides,
+    ]  # dock.port: the default
     drop = {"SPMD_RL_ETCD"} | (set() if preload else {PRELOAD_ENV})
     env = {k: v for k, v in subprocess_env().items() if k not in drop} | {"OMP_NUM_THREADS": "1"}
     (tmp / name).mkdir(parents=True, exist_ok=True)
     log = open(tmp / name / "launcher.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", *args], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.mark.slow
@@ -41,7 +56,9 @@ def test_sigkilled_launcher_leaves_no_process(tmp_path):
     cli = launch(tmp_path, "a", preload=False)
     tree: list[tuple[int, str]] = []
     try:
-        wait_for(lambda: metric_rows(tmp_path / "a/logs/metrics.jsonl") or cli.poll() is not None, 400, "the first iteration")
+        wait_for(
+            lambda: metric_rows(tmp_path / "a/logs/metrics.jsonl") or cli.poll() is not None, 400, "the first iteration"
+        )
         assert cli.poll() is None, (tmp_path / "a/launcher.log").read_text()[-3000:]
         tree = descendants(cli.pid)
         kinds = " ".join(args for _, args in tree)
@@ -81,7 +98,9 @@ def test_two_jobs_on_one_host(tmp_path):
     try:
         for p in UNTAGGED:
             p.write_bytes(b"\0" * 4096)
-        jobs = [launch(tmp_path, name, "trainer.iterations=2", "parallel.gen.tp=2", "parallel.gen.dp=1") for name in "ab"]
+        jobs = [
+            launch(tmp_path, name, "trainer.iterations=2", "parallel.gen.tp=2", "parallel.gen.dp=1") for name in "ab"
+        ]
         codes = [job.wait(timeout=900) for job in jobs]
         logs = {name: (tmp_path / name / "launcher.log").read_text() for name in "ab"}
         assert codes == [0, 0], "\n".join(f"--- {n}:\n{t[-3000:]}" for n, t in logs.items())

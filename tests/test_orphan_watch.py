@@ -31,9 +31,10 @@ RANK = """
 import subprocess, sys, time
 from spmd_rl.engines.orphan_watch import OrphanWatch, children
 before = children()
-engine = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
-                          "stdout=subprocess.PIPE, text=True); print(w.stdout.readline().strip(), flush=True); time.sleep(600)", *sys.argv[1:]],
-                          stdout=subprocess.PIPE, text=True)
+ENGINE = ("import subprocess, sys, time; "
+          "w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True); "
+          "print(w.stdout.readline().strip(), flush=True); time.sleep(600)")
+engine = subprocess.Popen([sys.executable, "-c", ENGINE, *sys.argv[1:]], stdout=subprocess.PIPE, text=True)
 worker = int(engine.stdout.readline())
 watch = OrphanWatch()
 watch.watch(children() - before - {watch.proc.pid})
@@ -52,14 +53,24 @@ def alive(pid: int) -> bool:
 
 def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
     segment = Path(f"/dev/shm/spmd-rl-test-{uuid.uuid4().hex}")
-    rank = subprocess.Popen([sys.executable, "-c", RANK, WORKER, str(segment)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env())
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, WORKER, str(segment)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+    )
     try:
         engine, worker, watcher = map(int, rank.stdout.readline().split())
         assert alive(engine) and alive(worker) and alive(watcher)
         assert segment.exists() and Path(f"{segment}.sem").exists()
         rank.kill()
         rank.wait()
-        wait_for(lambda: not (alive(engine) or alive(worker) or alive(watcher)), 15, "the dead rank's engine, its worker and the watcher to exit")
+        wait_for(
+            lambda: not (alive(engine) or alive(worker) or alive(watcher)),
+            15,
+            "the dead rank's engine, its worker and the watcher to exit",
+        )
         # the worker's segment and semaphore: their creator was killed before it could unlink them
         assert not segment.exists() and not Path(f"{segment}.sem").exists()
     finally:

@@ -10,7 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
@@ -37,15 +42,21 @@ def test_every_sample_gets_its_own_span_in_a_row_as_wide_as_the_longest(lengths)
     # first fit decreasing: a row is opened only when no open row has room, so any two rows
     # together hold more than one row can
     loads = [sum(e - s for s, e in row) for row in spans.values()]
-    assert all(a + b > width for i, a in enumerate(loads) for b in loads[i + 1:])
+    assert all(a + b > width for i, a in enumerate(loads) for b in loads[i + 1 :])
 
 
 def test_packing_fills_rows_and_restarts_positions():
-    b = build_batch([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
-                    [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])], 0)
+    b = build_batch(
+        [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
+        [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])],
+        0,
+    )
     p = pack(b)  # lengths 6, 2, 3 -> one row of 6 and one of 2 + 3
     assert p.input_ids.tolist() == [[5, 6, 11, 12, 13, 14], [8, 9, 16, 7, 15, 5]]
-    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]  # the free tail (any id) continues the last sample
+    assert p.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 0, 1, 2],
+    ]  # the free tail (any id) continues the last sample
     assert p.targets.tolist() == [11, 12, 13, 14, 15, 16]
     assert p.flat_predictor.tolist() == [1, 2, 3, 4, 9, 7]
     assert p.last.tolist() == [5, 10, 8]
@@ -54,7 +65,9 @@ def test_packing_fills_rows_and_restarts_positions():
 def _long_tail_batch(vocab: int, n: int = 9, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g) for _ in range(n)]
-    responses = [torch.randint(3, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g) for _ in range(n)]
+    responses = [
+        torch.randint(3, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g) for _ in range(n)
+    ]
     return build_batch(prompts, responses, 0)
 
 
@@ -63,8 +76,11 @@ def test_a_flash_attention_model_gets_every_sample_in_one_row(tiny_model):
     is one row whose positions restart at every sample (its varlen boundaries)."""
     from spmd_rl.engines import packing
 
-    b = build_batch([torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
-                    [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])], 0)
+    b = build_batch(
+        [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
+        [torch.tensor([11, 12, 13, 14]), torch.tensor([15]), torch.tensor([16])],
+        0,
+    )
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model), attn_implementation="eager")
     assert not packing.flash_attention(model) and packing.packed_for(model, b).input_ids.shape[0] == 2
     model.config._attn_implementation = "flash_attention_2"
@@ -116,7 +132,9 @@ def test_pack_sequences_changes_what_the_model_sees_and_not_the_step(tiny_model)
         rows = []
         hook = e.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[0]))
         lp, _ = e.infer(split(batch, 4))
-        step = e.train_step([batch[:4], batch[4:]], lambda lp, ent, k: -(lp.sum() + 0.1 * ent.sum()) / 100, with_entropy=True)
+        step = e.train_step(
+            [batch[:4], batch[4:]], lambda lp, ent, k: -(lp.sum() + 0.1 * ent.sum()) / 100, with_entropy=True
+        )
         hook.remove()
         moments = torch.cat([local(s["exp_avg"]).flatten() for s in e.optimizer.state.values()])
         out[packed] = lp, rows, step["grad_norm"], moments
@@ -143,7 +161,7 @@ def test_packed_values_and_their_grads_equal_the_padded_value_head(tiny_model):
         else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             v = out[..., 0].float().gather(1, batch.predictor) * batch.mask
-        (v ** 2).sum().backward()
+        (v**2).sum().backward()
         return v.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     (v, g), (v_pad, g_pad) = run(True), run(False)
@@ -182,12 +200,21 @@ def test_the_step_reads_its_loss_on_the_host_once_whatever_the_micro_batches(tin
     batch = _long_tail_batch(AutoConfig.from_pretrained(tiny_model).vocab_size, n=8, seed=5)
     reads, losses = {}, {}
     for n in (1, 4):
-        e = TrainEngine(tiny_model, detect("cpu"), mesh, ActorConfig(mini_batch_size=1, micro_batch_size=8 // n, lr=1e-3),
-                        "float32", total_steps=10, policy=SamplingPolicy(1.0))
+        e = TrainEngine(
+            tiny_model,
+            detect("cpu"),
+            mesh,
+            ActorConfig(mini_batch_size=1, micro_batch_size=8 // n, lr=1e-3),
+            "float32",
+            total_steps=10,
+            policy=SamplingPolicy(1.0),
+        )
         count = [0]
         for name in ("__float__", "item"):
             real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda t, _real=real: (count.__setitem__(0, count[0] + 1), _real(t))[1])
+            monkeypatch.setattr(
+                torch.Tensor, name, lambda t, _real=real: (count.__setitem__(0, count[0] + 1), _real(t))[1]
+            )
         step = e.train_step(split(batch, 8 // n), lambda lp, ent, k: -lp.sum() / 100)
         monkeypatch.undo()
         reads[n], losses[n] = count[0], step["loss"]

@@ -63,7 +63,9 @@ def test_partial_rollout_trains_every_group_once_and_resumes(tiny_model, tmp_pat
     observed(rows, ledger)
     assert rows[0]["partial_new_groups"] == G and rows[0]["partial_carried_groups"] > 0  # the budget cut responses
     for r in rows:
-        assert r["samples"] == r["partial_trained_groups"] * N and r["partial_trained_groups"] % 2 == 0  # whole groups, even over 2 DP ranks
+        assert (
+            r["samples"] == r["partial_trained_groups"] * N and r["partial_trained_groups"] % 2 == 0
+        )  # whole groups, even over 2 DP ranks
         assert r["partial_new_groups"] + r["partial_carried_groups"] <= G + rows[0]["partial_carried_groups"]
         if r["samples"]:
             assert 0 <= r["policy_lag_mean"] <= r["policy_lag_max"] <= r["iteration"]
@@ -88,14 +90,17 @@ def observed(rows: list[dict], ledger: list) -> None:
     assert [len(r.carried) for r in ledger] == [r["partial_carried_groups"] for r in rows]
 
 
-@pytest.mark.parametrize("overrides, problem", [
-    (["stream.partial_tokens=8"], "not below rollout.max_response_length=8"),
-    (["actor.tis_cap=null"], "must correct"),
-    (["actor.mini_batch_size=8"], "mini-batches of a fixed size"),
-    (["algorithm.name=ppo"], "not supported with ppo"),
-    (["algorithm.name=dapo", "algorithm.dynamic_sampling=true"], "not supported with dapo dynamic sampling"),
-    (["stream.fuse=true"], "stage fusion needs"),
-])
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        (["stream.partial_tokens=8"], "not below rollout.max_response_length=8"),
+        (["actor.tis_cap=null"], "must correct"),
+        (["actor.mini_batch_size=8"], "mini-batches of a fixed size"),
+        (["algorithm.name=ppo"], "not supported with ppo"),
+        (["algorithm.name=dapo", "algorithm.dynamic_sampling=true"], "not supported with dapo dynamic sampling"),
+        (["stream.fuse=true"], "stage fusion needs"),
+    ],
+)
 def test_partial_rollout_config_is_checked(in_repo, overrides, problem):
     cfg = load_config(REPO / "configs/quickstart.yaml", ["stream.partial_tokens=4", "actor.tis_cap=2.0", *overrides])
     _, errors = check(cfg, world=2)
@@ -109,7 +114,11 @@ def test_partial_rollout_graph_reads_the_prefix_and_versions():
     assert "response_version" in graph[-1].inputs  # the update logs each token's policy lag
     specs = columns_for(graph)
     assert {c: specs[c].writer for c in PARTIAL_COLUMNS} == dict.fromkeys(PARTIAL_COLUMNS, "data")
-    assert specs["prefix_ids"].ragged and not specs["prefix_done"].ragged and specs["response_version"].dtype == torch.int32
+    assert (
+        specs["prefix_ids"].ragged
+        and not specs["prefix_done"].ragged
+        and specs["response_version"].dtype == torch.int32
+    )
     plain = stages_for(load_config(REPO / "configs/quickstart.yaml"))
     assert not set(PARTIAL_COLUMNS) & set(columns_for(plain))
 
@@ -133,8 +142,16 @@ def test_partial_rollout_with_tensor_parallel_generation(tiny_model, tmp_path, e
     """Generation TP 2 (one generation DP group of both ranks): both TP ranks carry the same
     groups, only TP rank 0 puts them, and the balance holds."""
     with OwnShm(period_s=0.2) as shm:
-        rows = train(tmp_path, "partial-tp", etcd.endpoint, "stream.partial_tokens=2", "actor.tis_cap=2.0", "trainer.iterations=3",
-                     "parallel.gen.dp=1", "parallel.gen.tp=2")
+        rows = train(
+            tmp_path,
+            "partial-tp",
+            etcd.endpoint,
+            "stream.partial_tokens=2",
+            "actor.tis_cap=2.0",
+            "trainer.iterations=3",
+            "parallel.gen.dp=1",
+            "parallel.gen.tp=2",
+        )
     assert rows[0]["partial_carried_groups"] > 0 and sum(r["samples"] for r in rows) > 0
     ledger = PromptLedger(MetadataStore([etcd.endpoint], job="t-partial-tp.ledger")).read()
     assert set(ledger[0].carried) <= set(ledger[0].sampled)  # iteration 0 carries only what it sampled

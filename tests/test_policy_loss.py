@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection, signal_groups
-from spmd_rl.algos.policy_loss import (AGG_MODES, POLICY_LOSSES, ClipConfig, LossNorm, aggregate, get_policy_loss,
-                                       local_norm, tis_weight)
+from spmd_rl.algos.policy_loss import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    ClipConfig,
+    LossNorm,
+    aggregate,
+    get_policy_loss,
+    local_norm,
+    tis_weight,
+)
 
 D = torch.float64
 
@@ -20,7 +28,7 @@ def _batch(b: int = 12, r: int = 9, seed: int = 0):
     lengths = torch.randint(1, r + 1, (b,), generator=g)
     mask = torch.arange(r)[None, :] < lengths[:, None]
     logp = (-torch.rand(b, r, generator=g, dtype=D) * 3).requires_grad_(True)
-    old = (logp.detach() + 0.3 * torch.randn(b, r, generator=g, dtype=D))
+    old = logp.detach() + 0.3 * torch.randn(b, r, generator=g, dtype=D)
     adv = torch.randn(b, generator=g, dtype=D)
     return logp, old, adv, mask
 

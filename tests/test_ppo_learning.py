@@ -15,8 +15,13 @@ from transformers import AutoModelForTokenClassification
 
 from tests.trainer_util import train
 
-QUICKSTART = ("data.global_batch_size=16", "rollout.n=8", "actor.mini_batch_size=16", "actor.micro_batch_size=32",
-              "checkpoint.interval=0")
+QUICKSTART = (
+    "data.global_batch_size=16",
+    "rollout.n=8",
+    "actor.mini_batch_size=16",
+    "actor.micro_batch_size=32",
+    "checkpoint.interval=0",
+)
 PPO = ("algorithm.name=ppo", "algorithm.critic_lr=1e-4")
 
 
@@ -32,8 +37,18 @@ def test_critic_value_loss_falls_under_a_fixed_policy(tiny_model, tmp_path, etcd
     few.write_text("".join((tiny_model / "train.jsonl").read_text().splitlines(keepends=True)[:16]))
     torch.manual_seed(0)
     AutoModelForTokenClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(tmp_path / "critic")
-    rows = train(tmp_path, "critic", etcd.endpoint, *QUICKSTART, *PPO, "actor.lr=1e-12", "algorithm.critic_lr=1e-3",
-                 "trainer.iterations=30", f"data.train_path={few}", f"critic.model_path={tmp_path / 'critic'}")
+    rows = train(
+        tmp_path,
+        "critic",
+        etcd.endpoint,
+        *QUICKSTART,
+        *PPO,
+        "actor.lr=1e-12",
+        "algorithm.critic_lr=1e-3",
+        "trainer.iterations=30",
+        f"data.train_path={few}",
+        f"critic.model_path={tmp_path / 'critic'}",
+    )
     loss = [r["value_loss"] for r in rows]
     print("value_loss per iteration:", [round(x, 4) for x in loss])
     print("value_explained_var per iteration:", [round(r["value_explained_var"], 3) for r in rows])

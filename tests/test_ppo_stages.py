@@ -38,9 +38,14 @@ def _critic_case(*overrides: str):
     new = (old + torch.randn(B, R, generator=g, dtype=D) * 0.8) * mask  # some beyond the clip range
     ret = torch.randn(B, R, generator=g, dtype=D) * mask
     rag = lambda t: [t[k, :n].float() for k, n in enumerate(LENGTHS)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": PROMPTS,
-                     "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in LENGTHS],
-                     "values": rag(old), "returns": rag(ret)})
+    dock = FakeDock(
+        {
+            "prompt_ids": PROMPTS,
+            "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in LENGTHS],
+            "values": rag(old),
+            "returns": rag(ret),
+        }
+    )
     cfg = _cfg("algorithm.name=ppo", *overrides)
     critic = FakeCritic(new.float())
     result = run_named(_run(cfg, dock, None, critic=critic), "critic_update")
@@ -76,9 +81,20 @@ def test_grpo_kl_in_reward_shapes_the_sequence_score(estimator):
     ref = (old + (torch.rand(B, R, generator=g, dtype=D) - 0.5)) * mask
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0], dtype=D)
     rag = lambda t: [t[k, :n].float() for k, n in enumerate(LENGTHS)]  # noqa: E731
-    dock = FakeDock({"reward": [r.float() for r in rewards], "old_log_prob": rag(old), "ref_log_prob": rag(ref),
-                     "response_length": [torch.tensor(n, dtype=torch.int32) for n in LENGTHS]})
-    cfg = _cfg("algorithm.kl_coef=0.3", "algorithm.use_kl_loss=false", f"algorithm.kl_estimator={estimator}", "actor.ppo_epochs=1")
+    dock = FakeDock(
+        {
+            "reward": [r.float() for r in rewards],
+            "old_log_prob": rag(old),
+            "ref_log_prob": rag(ref),
+            "response_length": [torch.tensor(n, dtype=torch.int32) for n in LENGTHS],
+        }
+    )
+    cfg = _cfg(
+        "algorithm.kl_coef=0.3",
+        "algorithm.use_kl_loss=false",
+        f"algorithm.kl_estimator={estimator}",
+        "actor.ppo_epochs=1",
+    )
     run_named(_run(cfg, dock, None), "advantage")
     old, ref = old.float().double(), ref.float().double()
     log_r = ref - old

@@ -36,10 +36,20 @@ from tests.torchrun_util import kill_tree, wait_for, workers_of
 from tests.trainer_util import N, train
 
 GAMMA, LAM, BETA = 0.95, 0.9, 0.05
-PPO = ("algorithm.name=ppo", f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}", f"algorithm.kl_coef={BETA}",
-       "algorithm.use_kl_loss=false", "algorithm.kl_estimator=k1", "algorithm.critic_lr=1e-3", "actor.ppo_epochs=2")
-LAYOUTS = {"fsdp": ("parallel.train.dp_shard=2", "parallel.train.tp=1"),
-           "tp": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "critic.offload_to_host=false")}
+PPO = (
+    "algorithm.name=ppo",
+    f"algorithm.gamma={GAMMA}",
+    f"algorithm.lam={LAM}",
+    f"algorithm.kl_coef={BETA}",
+    "algorithm.use_kl_loss=false",
+    "algorithm.kl_estimator=k1",
+    "algorithm.critic_lr=1e-3",
+    "actor.ppo_epochs=2",
+)
+LAYOUTS = {
+    "fsdp": ("parallel.train.dp_shard=2", "parallel.train.tp=1"),
+    "tp": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "critic.offload_to_host=false"),
+}
 
 
 def reference_gae(col: dict[str, dict[int, torch.Tensor]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -81,9 +91,15 @@ def test_ppo_gae_and_residency(tiny_model, tmp_path, etcd, layout):
         # 16 samples of about 30 tokens per rank: 2 of micro_batch_size 8, more under 100 tokens (fsdp);
         # tp: all 32 samples on each rank, 4 micro-batches of 8
         assert r["micro_batches"] > 2 if layout == "fsdp" else r["micro_batches"] == 4
-        assert r["value_loss"] > 0 and "critic_grad_norm" in r and r["critic_lr"] == 1e-3  # algorithm.critic_lr, not the actor's
-    assert (rows[0]["values_mean"] == 0) == (layout == "fsdp")  # the actor's folder has no value head: it starts at zero
-    assert rows[0]["kl_reward"] == 0 and rows[1]["kl_reward"] != 0  # the actor equals the reference until its first step
+        assert (
+            r["value_loss"] > 0 and "critic_grad_norm" in r and r["critic_lr"] == 1e-3
+        )  # algorithm.critic_lr, not the actor's
+    assert (rows[0]["values_mean"] == 0) == (
+        layout == "fsdp"
+    )  # the actor's folder has no value head: it starts at zero
+    assert (
+        rows[0]["kl_reward"] == 0 and rows[1]["kl_reward"] != 0
+    )  # the actor equals the reference until its first step
     by_it = columns(dump)
     for it, col in by_it.items():
         assert len(col["advantages"]) == len(col["returns"]) == len(col["values"]) == len(col["reward"])
@@ -93,8 +109,16 @@ def test_ppo_gae_and_residency(tiny_model, tmp_path, etcd, layout):
             torch.testing.assert_close(col["advantages"][i].double(), want_adv[i], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(col["returns"][i].double(), want_ret[i], atol=1e-5, rtol=1e-5)
 
-    cfg = load_config(REPO / "configs/quickstart.yaml", [f"data.global_batch_size=8", f"rollout.n={N}", "actor.mini_batch_size=8",
-                                                         "actor.micro_batch_size=8", *overrides])
+    cfg = load_config(
+        REPO / "configs/quickstart.yaml",
+        [
+            "data.global_batch_size=8",
+            f"rollout.n={N}",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=8",
+            *overrides,
+        ],
+    )
     lay, _ = resolve_layouts(cfg, 2, 2)
     arch = ModelArch.from_folder(tiny_model)
     predicted = role_bytes(cfg, arch, lay, critic_arch=arch)
@@ -117,14 +141,25 @@ def test_ppo_killed_mid_iteration_resumes_bit_exact(tiny_model, tmp_path):
     the iteration-2 checkpoint (actor, critic, both optimizers, sampler, RNG) and the final
     weights of both models equal an uninterrupted run's bit for bit."""
     ppo = ("algorithm.name=ppo", "algorithm.critic_lr=1e-3", f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}")
-    clean = subprocess.run(command(tmp_path, "clean", *ppo), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    clean = subprocess.run(
+        command(tmp_path, "clean", *ppo), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert clean.returncode == 0, clean.stderr[-3000:]
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(command(tmp_path, "killed", *ppo), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        command(tmp_path, "killed", *ppo), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT
+    )
     metrics = tmp_path / "killed/logs/metrics.jsonl"
     try:
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and (tmp_path / "killed/ckpt/iter_000002").is_dir(),
-                 300, "iteration 2 to start")
+        wait_for(
+            lambda: (
+                metrics.exists()
+                and len(metrics.read_text().splitlines()) >= 2
+                and (tmp_path / "killed/ckpt/iter_000002").is_dir()
+            ),
+            300,
+            "iteration 2 to start",
+        )
         victims = workers_of(proc.pid)
         assert victims, "no worker found to kill"
         os.kill(victims[-1], signal.SIGKILL)
@@ -138,5 +173,7 @@ def test_ppo_killed_mid_iteration_resumes_bit_exact(tiny_model, tmp_path):
     for role in ("actor", "critic"):
         a = read_full_state(role_folder(tmp_path / f"clean/ckpt/iter_{ITERS:06d}", role))
         b = read_full_state(role_folder(tmp_path / f"killed/ckpt/iter_{ITERS:06d}", role))
-        assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), role
+        assert a["model"].keys() == b["model"].keys() and all(
+            torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+        ), role
         assert any(k.startswith("score.") for k in a["model"]) == (role == "critic")

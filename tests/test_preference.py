@@ -31,7 +31,9 @@ def test_dpo_loss_is_the_formula_in_float64(eps):
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(7, generator=g, dtype=torch.float64) * 5 for _ in range(4))
     out = dpo(pc, pr, rc, rr, 0.3, eps)
-    want = torch.tensor([_reference(*(float(t[k]) for t in (pc, pr, rc, rr)), 0.3, eps) for k in range(7)], dtype=torch.float64)
+    want = torch.tensor(
+        [_reference(*(float(t[k]) for t in (pc, pr, rc, rr)), 0.3, eps) for k in range(7)], dtype=torch.float64
+    )
     assert torch.allclose(out.loss, want, atol=1e-12, rtol=0)
     assert torch.allclose(out.chosen_reward, 0.3 * (pc - rc)) and torch.allclose(out.rejected_reward, 0.3 * (pr - rr))
     assert get_preference_loss("dpo") is dpo
@@ -48,15 +50,26 @@ def test_preference_rows_are_tokenised_with_eos_and_bad_rows_skipped(tmp_path, t
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "1+1=", "chosen": "2"},
-            {"prompt": "2+2=", "chosen": "4", "rejected": "4"}, {"prompt": "5+5=", "chosen": "10" * 20, "rejected": "9"},
-            {"prompt": "3+3=", "chosen": "", "rejected": "5"}]
+    rows = [
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+        {"prompt": "1+1=", "chosen": "2"},
+        {"prompt": "2+2=", "chosen": "4", "rejected": "4"},
+        {"prompt": "5+5=", "chosen": "10" * 20, "rejected": "9"},
+        {"prompt": "3+3=", "chosen": "", "rejected": "5"},
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
-    assert got.rows == [0] and got.pairs[0] == (tok.encode("3") + [tok.eos_token_id], tok.encode("4") + [tok.eos_token_id])
-    assert got.skipped == {"missing column 'rejected'": [1], "chosen equals rejected": [2],
-                           "response of 41 tokens > rollout.max_response_length=8": [3], "empty 'chosen'": [4]}
+    assert got.rows == [0] and got.pairs[0] == (
+        tok.encode("3") + [tok.eos_token_id],
+        tok.encode("4") + [tok.eos_token_id],
+    )
+    assert got.skipped == {
+        "missing column 'rejected'": [1],
+        "chosen equals rejected": [2],
+        "response of 41 tokens > rollout.max_response_length=8": [3],
+        "empty 'chosen'": [4],
+    }
     path.write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(ValueError, match="no usable preference rows.*missing column 'rejected': 1"):
         load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
@@ -79,12 +92,22 @@ def test_batched_tokenization_equals_each_rows_own_calls(tmp_path, tiny_model):
     eos = [tok.eos_token_id]
 
     def prompt(text: str) -> list[int]:
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                            return_dict=False))
-    want = [(i, prompt(r["prompt"]), (tok.encode(r["chosen"]) + eos, tok.encode(r["rejected"]) + eos))
-            for i, r in enumerate(rows) if i not in (5, 9)]
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+
+    want = [
+        (i, prompt(r["prompt"]), (tok.encode(r["chosen"]) + eos, tok.encode(r["rejected"]) + eos))
+        for i, r in enumerate(rows)
+        if i not in (5, 9)
+    ]
     assert list(zip(got.rows, got.prompt_ids, got.pairs)) == want
-    assert got.skipped == {"chosen equals rejected": [5], f"prompt of {len(prompt(rows[9]['prompt']))} tokens > data.max_prompt_length=32": [9]}
+    assert got.skipped == {
+        "chosen equals rejected": [5],
+        f"prompt of {len(prompt(rows[9]['prompt']))} tokens > data.max_prompt_length=32": [9],
+    }
 
 
 def test_pairs_are_found_by_index_and_a_half_pair_is_an_error():
@@ -103,11 +126,20 @@ def test_dpo_graph_has_no_rollout_and_reads_what_it_writes(tiny_model):
     assert lora[1].roles == ("actor",)  # the reference is the actor with adapters off
 
 
-@pytest.mark.parametrize("override,field", [
-    ("rollout.n=4", "rollout.n"), ("trainer.eval_interval=10", "trainer.eval_interval"), ("stream.fuse=true", "stream.fuse"),
-    ("algorithm.kl_coef=0.1", "algorithm.kl_coef"), ("actor.backend=megatron", "actor.backend"),
-    ("rollout.environment=calculator", "rollout.environment"), ("rollout.temperature=0.7", "rollout.temperature"),
-    ("rollout.top_k=20", "rollout.top_k"), ("rollout.top_p=0.9", "rollout.top_p")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("rollout.n=4", "rollout.n"),
+        ("trainer.eval_interval=10", "trainer.eval_interval"),
+        ("stream.fuse=true", "stream.fuse"),
+        ("algorithm.kl_coef=0.1", "algorithm.kl_coef"),
+        ("actor.backend=megatron", "actor.backend"),
+        ("rollout.environment=calculator", "rollout.environment"),
+        ("rollout.temperature=0.7", "rollout.temperature"),
+        ("rollout.top_k=20", "rollout.top_k"),
+        ("rollout.top_p=0.9", "rollout.top_p"),
+    ],
+)
 def test_dpo_refuses_what_it_would_ignore(tiny_model, override, field):
     cfg = load_config(QUICKSTART, [f"model.path={tiny_model}", override])
     _, violations = check(cfg, 2, 2)
@@ -115,7 +147,10 @@ def test_dpo_refuses_what_it_would_ignore(tiny_model, override, field):
 
 
 def test_dpo_fields_are_refused_outside_dpo(tiny_model):
-    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "algorithm.dpo_beta=0.2", "data.rejected_column=bad"])
+    cfg = load_config(
+        REPO / "configs/quickstart.yaml",
+        [f"model.path={tiny_model}", "algorithm.dpo_beta=0.2", "data.rejected_column=bad"],
+    )
     _, violations = check(cfg, 2, 2)
     assert [v.field for v in violations] == ["algorithm.dpo_beta", "data.rejected_column"]
 
@@ -148,7 +183,11 @@ def test_the_pairs_stage_reads_the_sampled_position_even_after_skipped_rows(tmp_
     from spmd_rl.trainer.stages.preference import preference_pairs
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [{"prompt": "0+0=", "chosen": "0"}, {"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    rows = [
+        {"prompt": "0+0=", "chosen": "0"},
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
@@ -156,7 +195,12 @@ def test_the_pairs_stage_reads_the_sampled_position_even_after_skipped_rows(tmp_
     batch = SimpleNamespace(indices=[2, 3, 0, 1], columns={"prompt_row": torch.tensor([1, 1, 0, 0], dtype=torch.int32)})
     got = preference_pairs(SimpleNamespace(run=SimpleNamespace(prompts=prompts), batch=batch)).columns["response_ids"]
     eos = tok.eos_token_id
-    assert [g.tolist() for g in got] == [tok.encode("4") + [eos], tok.encode("5") + [eos], tok.encode("3") + [eos], tok.encode("4") + [eos]]
+    assert [g.tolist() for g in got] == [
+        tok.encode("4") + [eos],
+        tok.encode("5") + [eos],
+        tok.encode("3") + [eos],
+        tok.encode("4") + [eos],
+    ]
 
 
 def test_sequence_logprobs_are_the_full_float64_log_softmax_at_the_response_tokens(tiny_model):

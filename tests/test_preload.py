@@ -44,9 +44,21 @@ class Server:
     def __init__(self, folder: Path, modules: list[str], env: dict[str, str] | None = None):
         folder.mkdir(mode=0o700, exist_ok=True)
         self.socket = str(folder / "s")
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "spmd_rl.launcher.preload", self.socket, *modules,
-                                      "--free", "PYTEST_CURRENT_TEST"],
-                                     env=env or base_env(), cwd=REPO, stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-u",
+                "-m",
+                "spmd_rl.launcher.preload",
+                self.socket,
+                *modules,
+                "--free",
+                "PYTEST_CURRENT_TEST",
+            ],
+            env=env or base_env(),
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 30
         while "imported" not in self.log():
             assert self.proc.poll() is None and time.monotonic() < deadline, "the server did not start"
@@ -76,8 +88,15 @@ def script(tmp_path: Path, body: str) -> Path:
 
 def stub(server: Server | None, prog: Path, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     env = (env or base_env()) | ({preload.ENV: server.socket} if server else {preload.ENV: "/nonexistent/s"})
-    return subprocess.Popen([sys.executable, str(prog), *args], env=env, cwd=prog.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, str(prog), *args],
+        env=env,
+        cwd=prog.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 REPORT = """\
@@ -103,11 +122,14 @@ def test_the_copy_runs_the_program_with_the_stubs_argv_environment_cwd_and_stdio
 
 
 def test_signals_reach_the_copy_and_the_stub_ends_as_it_did(server, tmp_path):
-    handled = script(tmp_path, """\
+    handled = script(
+        tmp_path,
+        """\
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
         print(os.getpid(), flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     p = stub(server, handled)
     int(p.stdout.readline())
     p.send_signal(signal.SIGTERM)  # torchrun's killpg reaches the stub's group
@@ -132,8 +154,13 @@ def test_the_ranks_of_a_node_fork_from_servers_with_their_own_hash_seeds(tmp_pat
         seen = []
         for local_rank in ("0", "1", "2"):
             env = base_env() | {"LOCAL_RANK": local_rank}
-            p = subprocess.run([sys.executable, str(prog)], env=env | {preload.ENV: os.pathsep.join(s.socket for s in servers)},
-                               capture_output=True, text=True, timeout=30)
+            p = subprocess.run(
+                [sys.executable, str(prog)],
+                env=env | {preload.ENV: os.pathsep.join(s.socket for s in servers)},
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             seen.append(json.loads(p.stdout))
         assert [r["ppid"] for r in seen] == [servers[0].proc.pid, servers[1].proc.pid, servers[0].proc.pid]
         assert seen[0]["hash"] != seen[1]["hash"] and seen[0]["hash"] == seen[2]["hash"]
@@ -146,7 +173,9 @@ def test_a_child_spawned_by_multiprocessing_runs_as_itself(server, tmp_path):
     """multiprocessing's spawn method imports the parent's main module in the child as
     ``__mp_main__`` (vLLM's engine core in separated placement): its ``delegate`` call must
     return there, or the child would become another copy of the program."""
-    prog = script(tmp_path, """
+    prog = script(
+        tmp_path,
+        """
         def child(q):
             q.put(os.getpid())
 
@@ -159,7 +188,8 @@ def test_a_child_spawned_by_multiprocessing_runs_as_itself(server, tmp_path):
             got = q.get(timeout=30)
             p.join(30)
             print(json.dumps({"pid": os.getpid(), "child": got, "exitcode": p.exitcode}), flush=True)
-        """)
+        """,
+    )
     p = stub(server, prog)
     out, _ = p.communicate(timeout=90)
     report = json.loads(out)
@@ -197,7 +227,9 @@ def test_a_copy_is_found_by_the_servers_mark_until_its_stub_dies(tmp_path):
 
 
 def test_a_request_a_preloaded_import_could_see_differently_runs_by_itself(tmp_path):
-    (tmp_path / "reads_rank.py").write_text("import os\nRANK_AT_IMPORT = os.environ.get('RANK')\nos.environ['SET_AT_IMPORT'] = '1'\n")
+    (tmp_path / "reads_rank.py").write_text(
+        "import os\nRANK_AT_IMPORT = os.environ.get('RANK')\nos.environ['SET_AT_IMPORT'] = '1'\n"
+    )
     env = base_env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     s = Server(tmp_path / "srv", ["json", "reads_rank"], env=env)
@@ -222,7 +254,9 @@ def test_the_copy_runs_sitecustomize_again_with_its_own_environment_and_argv(tmp
     """A fresh interpreter runs ``sitecustomize`` at start with the rank's environment and argv;
     the server ran it with its own, so the copy runs it again with the request's."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import os, sys\nsys.customized = getattr(sys, 'customized', []) + [(os.environ.get('SPMD_RL_PLAN'), sys.orig_argv[-1])]\n")
+        "import os, sys\nsys.customized = getattr(sys, 'customized', []) + [(os.environ.get('SPMD_RL_PLAN'), "
+        "sys.orig_argv[-1])]\n"
+    )
     env = base_env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     s = Server(tmp_path / "srv", ["json"], env=env)
@@ -256,7 +290,9 @@ def test_a_malformed_request_is_refused_by_name_and_the_server_serves_on(server,
     good = {"argv": ["x.py"], "orig_argv": ["python", "x.py"], "module": None, "cwd": "/", "env": base_env()}
     assert ask(server.socket, good | {"env": {"A": 1}}) == {"refused": "request field(s) env malformed"}
     assert ask(server.socket, good | {"argv": [], "cwd": 3}) == {"refused": "request field(s) argv, cwd malformed"}
-    assert ask(server.socket, None, raw=b"\xff\xff\xff\xff") == {"refused": f"a request of {2**32 - 1} bytes (at most {preload.MAX_FRAME})"}
+    assert ask(server.socket, None, raw=b"\xff\xff\xff\xff") == {
+        "refused": f"a request of {2**32 - 1} bytes (at most {preload.MAX_FRAME})"
+    }
     prog = script(tmp_path, REPORT)
     p = stub(server, prog)
     out, _ = p.communicate(timeout=30)
@@ -302,7 +338,9 @@ def test_only_the_servers_user_is_served():
         Path(server.socket).parent.chmod(0o755)  # opened up: the server itself refuses the other uid
         Path(server.socket).chmod(0o666)
         answer = ask_as_nobody(server.socket)  # refused before its request is read: the answer, or a closed pipe
-        assert answer.startswith(("BrokenPipeError", "ConnectionResetError")) or json.loads(answer).get("refused"), answer
+        assert answer.startswith(("BrokenPipeError", "ConnectionResetError")) or json.loads(answer).get("refused"), (
+            answer
+        )
         assert "refused: uid 65534 is not the server's" in server.log() and "forked" not in server.log()
     finally:
         server.stop()
@@ -311,11 +349,19 @@ def test_only_the_servers_user_is_served():
 
 def test_mismatch_names_the_first_variable_a_copy_would_differ_in():
     server_env = {"PATH": "/bin", "HF_HOME": "/h"}
-    assert preload.mismatch(set(), server_env, server_env | {"RANK": "3", "SPMD_RL_ETCD": "x", "OMP_NUM_THREADS": "1"}) is None
+    assert (
+        preload.mismatch(set(), server_env, server_env | {"RANK": "3", "SPMD_RL_ETCD": "x", "OMP_NUM_THREADS": "1"})
+        is None
+    )
     assert preload.mismatch({"RANK"}, server_env, server_env | {"RANK": "3"}) == "RANK"
     assert preload.mismatch(set(), server_env, {"PATH": "/bin"}) == "HF_HOME"  # missing counts
     assert preload.mismatch(set(), server_env, server_env | {"PYTEST_CURRENT_TEST": "t"}) == "PYTEST_CURRENT_TEST"
-    assert preload.mismatch(set(), server_env, server_env | {"PYTEST_CURRENT_TEST": "t"}, frozenset({"PYTEST_CURRENT_TEST"})) is None
+    assert (
+        preload.mismatch(
+            set(), server_env, server_env | {"PYTEST_CURRENT_TEST": "t"}, frozenset({"PYTEST_CURRENT_TEST"})
+        )
+        is None
+    )
 
 
 def test_the_environment_recorder_tells_lookups_from_whole_environment_reads(monkeypatch):
@@ -331,7 +377,10 @@ def test_the_environment_recorder_tells_lookups_from_whole_environment_reads(mon
         _ = "LOCAL_RANK" in os.environ
     finally:
         os.environ.__class__ = cls
-    assert {"WORLD_SIZE", "LOCAL_RANK"} <= preload._RecordedEnviron.looked_up and "RANK" not in preload._RecordedEnviron.looked_up
+    assert {
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    } <= preload._RecordedEnviron.looked_up and "RANK" not in preload._RecordedEnviron.looked_up
 
 
 @pytest.mark.slow
@@ -339,8 +388,22 @@ def test_a_torchrun_group_forks_from_the_server_and_reports_its_ranks_exit(tmp_p
     s = Server(tmp_path / "srv", ["json"], env=base_env() | QUIET_ENV)  # as train.py declares it sets
     try:
         env = base_env() | {preload.ENV: s.socket, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "spmd_rl.train",
-                              str(tmp_path / "missing.yaml")], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "-m",
+                "spmd_rl.train",
+                str(tmp_path / "missing.yaml"),
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and "INVALID" in out.stderr, out.stderr[-3000:]  # train.py ran in the copies
         assert "exitcode: 2" in out.stderr  # the user error's status reached torchrun through the stubs
         assert s.log().count("forked ") >= 1 and "refused" not in s.log()  # the first to fail has the other stopped

@@ -11,8 +11,18 @@ from rich.console import Console
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.progress import LiveProgress, Quiet, progress_for
 
-METRICS = {"reward_mean": 0.625, "accuracy": 0.5, "response_length_mean": 6.0, "loss": 0.1, "grad_norm": 1.0, "clip_frac": 0.0,
-           "entropy": 1.2, "logprob_mismatch_mean": 1e-6, "iteration_s": 2.0, "throughput_eq5": 100.0}
+METRICS = {
+    "reward_mean": 0.625,
+    "accuracy": 0.5,
+    "response_length_mean": 6.0,
+    "loss": 0.1,
+    "grad_norm": 1.0,
+    "clip_frac": 0.0,
+    "entropy": 1.2,
+    "logprob_mismatch_mean": 1e-6,
+    "iteration_s": 2.0,
+    "throughput_eq5": 100.0,
+}
 
 
 def test_bar_follows_stages_and_iterations():
@@ -50,7 +60,7 @@ def test_the_line_shows_held_out_accuracy_when_the_iteration_evaluated():
 
 
 def test_a_log_line_during_the_bar_gets_a_line_of_its_own(monkeypatch):
-    """"saved checkpoint ..." was written straight to stderr and landed inside the bar's line; while
+    """ "saved checkpoint ..." was written straight to stderr and landed inside the bar's line; while
     the bar is live the root logger's stderr handler prints through the bar's console instead
     (which moves the bar below it), and is restored when the bar closes."""
     import logging

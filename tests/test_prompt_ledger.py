@@ -11,8 +11,11 @@ import pytest
 from spmd_rl.trainer.ledger import PromptLedger, StepRecord, problems
 from spmd_rl.trainer.observed import trained_groups
 
-GOOD = [StepRecord(0, [1, 2, 3, 4], [1, 2], [3, 4]), StepRecord(1, [5, 6], [3, 5], [4, 6]),
-        StepRecord(2, [7, 8], [4, 6, 7], [], {"8": "dynamic sampling: constant reward in its group"})]
+GOOD = [
+    StepRecord(0, [1, 2, 3, 4], [1, 2], [3, 4]),
+    StepRecord(1, [5, 6], [3, 5], [4, 6]),
+    StepRecord(2, [7, 8], [4, 6, 7], [], {"8": "dynamic sampling: constant reward in its group"}),
+]
 
 
 def test_a_consistent_history_has_no_problem():
@@ -40,7 +43,9 @@ def test_observed_puts_and_reads_are_checked():
     assert problems([OBSERVED]) == []
     desync = StepRecord(0, [1, 2], [1, 9], put=[1, 9], trained_samples=4, group_size=2)  # a putter drew row 9
     found = problems([desync])
-    assert any("sampled but never put [2]" in p for p in found) and any("put [9], neither sampled nor carried" in p for p in found)
+    assert any("sampled but never put [2]" in p for p in found) and any(
+        "put [9], neither sampled nor carried" in p for p in found
+    )
     not_put = StepRecord(0, [1, 2], [1, 2], put=[1, 2, 2], trained_samples=4, group_size=2)
     assert any("put twice" in p for p in problems([not_put]))
     stale = StepRecord(0, [1, 2], [1, 2], put=[1], trained_samples=4, group_size=2)

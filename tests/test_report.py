@@ -19,10 +19,23 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _rows(n: int, drop: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     for i in range(n):
-        r = {"iteration": i, "reward_mean": i / n, "accuracy": i / n, "response_length_mean": 5.0 + i, "response_length_max": 8.0 + i,
-             "kl": 0.01 * i, "entropy": 1 - i / n, "clip_frac": 0.1, "logprob_mismatch_mean": 1e-6, "logprob_mismatch_max": 1e-5,
-             "grad_norm": math.exp(-i), "time_actor_rollout": 1.0, "time_actor_update": 0.5, "mem_actor_rollout_bytes": 2.0**30,
-             "mem_actor_update_bytes": 2.0**29}
+        r = {
+            "iteration": i,
+            "reward_mean": i / n,
+            "accuracy": i / n,
+            "response_length_mean": 5.0 + i,
+            "response_length_max": 8.0 + i,
+            "kl": 0.01 * i,
+            "entropy": 1 - i / n,
+            "clip_frac": 0.1,
+            "logprob_mismatch_mean": 1e-6,
+            "logprob_mismatch_max": 1e-5,
+            "grad_norm": math.exp(-i),
+            "time_actor_rollout": 1.0,
+            "time_actor_update": 0.5,
+            "mem_actor_rollout_bytes": 2.0**30,
+            "mem_actor_update_bytes": 2.0**29,
+        }
         if i % 2 == 0:
             r["eval_accuracy"] = 0.3
         rows.append({k: v for k, v in r.items() if k not in drop})
@@ -77,8 +90,15 @@ def test_long_series_are_smoothed_and_the_warm_up_is_drawn_apart():
     from spmd_rl.report.plots import SMOOTHING, figure, smoothed
 
     rng = random.Random(0)
-    rows = [{"iteration": i, "accuracy": min(1.0, 0.25 + i / 400 + rng.gauss(0, 0.1)), "time_actor_rollout": 0.5 + rng.random() * 0.05,
-             "time_actor_update": 0.2} for i in range(200)]
+    rows = [
+        {
+            "iteration": i,
+            "accuracy": min(1.0, 0.25 + i / 400 + rng.gauss(0, 0.1)),
+            "time_actor_rollout": 0.5 + rng.random() * 0.05,
+            "time_actor_update": 0.2,
+        }
+        for i in range(200)
+    ]
     rows[0]["time_actor_rollout"] = 27.0
     by_name = {f.name: f for f in FIGURES}
     acc = figure(by_name["accuracy"], rows)

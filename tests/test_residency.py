@@ -50,7 +50,9 @@ def _setup(pinned=frozenset()):
     actor = TinyEngine(acc, torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
     ref = TinyEngine(acc, torch.nn.Linear(4, 3))
     rollout = SleepingRollout(calls, list(actor.model.parameters()))
-    res = Residency(Resharder(actor, rollout, ReshardConfig(bucket_bytes=64), "float32"), {"actor": actor, "ref": ref}, set(pinned))
+    res = Residency(
+        Resharder(actor, rollout, ReshardConfig(bucket_bytes=64), "float32"), {"actor": actor, "ref": ref}, set(pinned)
+    )
     return res, calls, actor, ref
 
 
@@ -61,8 +63,13 @@ def _snapshot(engine):
 def test_only_the_declared_roles_are_resident_and_swaps_are_bit_exact():
     res, calls, actor, ref = _setup()
     before = {"actor": _snapshot(actor), "ref": _snapshot(ref)}
-    plan = [("actor_rollout", ("rollout",)), ("reward", ()), ("ref_logprob", ("ref",)), ("actor_update", ("actor",)),
-            ("actor_rollout", ("rollout",))]
+    plan = [
+        ("actor_rollout", ("rollout",)),
+        ("reward", ()),
+        ("ref_logprob", ("ref",)),
+        ("actor_update", ("actor",)),
+        ("actor_rollout", ("rollout",)),
+    ]
     resident: set = set()
     for phase, roles in plan:
         res.enter(phase, roles)
@@ -77,7 +84,13 @@ def test_only_the_declared_roles_are_resident_and_swaps_are_bit_exact():
 def test_stale_weights_are_gathered_before_the_actor_leaves_and_the_kv_cache_wakes_last():
     res, calls, *_ = _setup()
     res.enter("actor_rollout", ("rollout",))
-    assert calls == ["empty_cache", "wake_weights", "update_weights:4", "empty_cache", "wake_kv_cache(train_resident=0)"]
+    assert calls == [
+        "empty_cache",
+        "wake_weights",
+        "update_weights:4",
+        "empty_cache",
+        "wake_kv_cache(train_resident=0)",
+    ]
     calls.clear()
     res.enter("reward", ())
     res.enter("actor_rollout", ("rollout",))  # the actor did not step and nothing slept: no move at all

@@ -33,11 +33,28 @@ ITERS = 4
 
 
 def command(tmp: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml",
-            f"checkpoint.dir={tmp / name}/ckpt", f"logging.dir={tmp / name}/logs", f"trainer.iterations={ITERS}",
-            "data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8",
-            "trainer.deterministic=true", "checkpoint.interval=1", "checkpoint.keep=10", f"metadata.job=r-{name}",
-            "dock.port=0", "logging.progress=false", "elastic.max_restarts=2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        "configs/quickstart.yaml",
+        f"checkpoint.dir={tmp / name}/ckpt",
+        f"logging.dir={tmp / name}/logs",
+        f"trainer.iterations={ITERS}",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        "trainer.deterministic=true",
+        "checkpoint.interval=1",
+        "checkpoint.keep=10",
+        f"metadata.job=r-{name}",
+        "dock.port=0",
+        "logging.progress=false",
+        "elastic.max_restarts=2",
+        *extra,
+    ]
 
 
 def env() -> dict[str, str]:
@@ -56,7 +73,9 @@ def final_weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
 
 def clean_run(tmp: Path, *extra: str) -> Path:
     """An uninterrupted run every fault is compared with."""
-    ref = subprocess.run(command(tmp, "clean", *extra), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(
+        command(tmp, "clean", *extra), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     return tmp
 
@@ -67,12 +86,22 @@ def killed_run_equals_clean(clean: Path, tmp_path: Path, *extra: str) -> None:
     once, and ends with the clean run's weights and samples."""
     log = open(tmp_path / "killed.log", "w")
     start = clean / "clean/ckpt/iter_000001"
-    proc = subprocess.Popen(command(tmp_path, "killed", f"checkpoint.resume={start}", *extra), cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        command(tmp_path, "killed", f"checkpoint.resume={start}", *extra),
+        cwd=REPO,
+        env=env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     metrics = tmp_path / "killed/logs/metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and (tmp_path / "killed/ckpt/iter_000002").is_dir():
+            if (
+                metrics.exists()
+                and len(metrics.read_text().splitlines()) >= 2
+                and (tmp_path / "killed/ckpt/iter_000002").is_dir()
+            ):
                 break
             time.sleep(0.05)
         victims = workers_of(proc.pid)
@@ -92,12 +121,17 @@ def killed_run_equals_clean(clean: Path, tmp_path: Path, *extra: str) -> None:
     text = (tmp_path / "killed.log").read_text()
     resumed = [line.split("resumed from ")[1].split()[0] for line in text.splitlines() if "resumed from " in line]
     assert resumed[0] == str(start), resumed
-    assert len(resumed) >= 2 and Path(resumed[-1]).parent == tmp_path / "killed/ckpt", resumed  # not rolled back to the folder
+    assert len(resumed) >= 2 and Path(resumed[-1]).parent == tmp_path / "killed/ckpt", (
+        resumed
+    )  # not rolled back to the folder
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     iters = [r["iteration"] for r in rows]
     assert iters == list(range(1, ITERS))  # each iteration logged exactly once, none skipped
     for rank in range(2):  # and traced once on every rank: the restart dropped the spans of the iterations it redid
-        traced = [json.loads(line)["iteration"] for line in (tmp_path / f"killed/logs/trace/rank{rank}.jsonl").read_text().splitlines()]
+        traced = [
+            json.loads(line)["iteration"]
+            for line in (tmp_path / f"killed/logs/trace/rank{rank}.jsonl").read_text().splitlines()
+        ]
         assert traced == list(range(1, ITERS)), (rank, traced)
     a, b = final_weights(clean, "clean"), final_weights(tmp_path, "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -113,7 +147,12 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(clean, tmp_path):
     killed_run_equals_clean(clean, tmp_path)
 
 
-MEGATRON = ("actor.backend=megatron", "parallel.train.tp=2", "parallel.train.dp_shard=1", "parallel.train.sequence_parallel=true")
+MEGATRON = (
+    "actor.backend=megatron",
+    "parallel.train.tp=2",
+    "parallel.train.dp_shard=1",
+    "parallel.train.sequence_parallel=true",
+)
 
 
 @pytest.mark.slow
@@ -134,12 +173,17 @@ def test_stopped_warehouse_thread_restarts_the_job_with_the_same_result(clean, t
     faults.mkdir()
     plan = {"kind": "stop_warehouse", "iteration": 2, "dir": str(faults)}
     fault_env = env() | {"SPMD_RL_TEST_FAULTS": json.dumps(plan)}
-    out = subprocess.run(command(tmp_path, "stopped"), cwd=REPO, env=fault_env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        command(tmp_path, "stopped"), cwd=REPO, env=fault_env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert (faults / "stopped").exists(), "the fault never fired"
     stopped = float((faults / "stopped").read_text())
-    detected = [datetime.datetime.strptime(m.group(2), "%Y-%m-%d %H:%M:%S,%f").timestamp() - stopped
-                for line in out.stderr.splitlines() if (m := STAMP.match(line))]
+    detected = [
+        datetime.datetime.strptime(m.group(2), "%Y-%m-%d %H:%M:%S,%f").timestamp() - stopped
+        for line in out.stderr.splitlines()
+        if (m := STAMP.match(line))
+    ]
     assert detected, "no rank logged the lost warehouse:\n" + out.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "stopped/logs/metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(ITERS))

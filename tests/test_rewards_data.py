@@ -28,15 +28,23 @@ def test_user_reward_by_module_function():
 
 def test_bad_rows_are_skipped_and_named(tmp_path, tiny_model, caplog):
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [{"prompt": "1+1=", "answer": "2"}, {"question": "x", "answer": "1"}, {"prompt": "  ", "answer": "1"},
-            {"prompt": "9" * 200, "answer": "1"}, {"prompt": "2+2=", "answer": "4"}]
+    rows = [
+        {"prompt": "1+1=", "answer": "2"},
+        {"question": "x", "answer": "1"},
+        {"prompt": "  ", "answer": "1"},
+        {"prompt": "9" * 200, "answer": "1"},
+        {"prompt": "2+2=", "answer": "4"},
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level(logging.WARNING):
         ps = load_prompts(path, tok, "prompt", "answer", max_prompt_length=64)
     assert ps.rows == [0, 4] and ps.answers == ["2", "4"]
-    assert ps.skipped == {"missing column 'prompt'": [1], "empty prompt": [2],
-                          "prompt of 219 tokens > data.max_prompt_length=64": [3]}
+    assert ps.skipped == {
+        "missing column 'prompt'": [1],
+        "empty prompt": [2],
+        "prompt of 219 tokens > data.max_prompt_length=64": [3],
+    }
     assert "row [1]" in caplog.text or "e.g. row [1]" in caplog.text
 
 
@@ -78,8 +86,13 @@ def test_batched_encoding_equals_the_tokenizers_one_prompt_calls(tmp_path, tiny_
 
     def alone(t: str) -> list[int]:
         if chat_template:
-            return list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            return list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         return tok.encode(t, add_special_tokens=False)
+
     want = [(i, alone(r["prompt"])) for i, r in enumerate(rows) if r["prompt"]]
     kept = [(i, ids) for i, ids in want if len(ids) <= 64]
     assert len(kept) < len(want)  # the long prompt was measured in tokens and skipped

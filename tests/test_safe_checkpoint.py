@@ -30,10 +30,18 @@ def _save(folder, state):
 
 
 def test_real_checkpoint_round_trip(tmp_path):
-    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "scheduler": {"last_epoch": 3, "base_lrs": [1e-4]}, "steps": 7}
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3)},
+        "scheduler": {"last_epoch": 3, "base_lrs": [1e-4]},
+        "steps": 7,
+    }
     _save(tmp_path / "ok", state)
     got = read_full_state(tmp_path / "ok")
-    assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["scheduler"] == state["scheduler"] and got["steps"] == 7
+    assert (
+        torch.equal(got["model"]["w"], state["model"]["w"])
+        and got["scheduler"] == state["scheduler"]
+        and got["steps"] == 7
+    )
     assert torch.equal(model_weights(tmp_path / "ok")["w"], state["model"]["w"])
 
 

@@ -24,7 +24,6 @@ from spmd_rl.envs.seccomp import DENIED, NUMBERS, program
 from tests.test_sandbox import reached
 
 
-
 def test_a_jail_can_be_had_here():
     """launch/setup.sh installs bubblewrap; every test below needs it."""
     assert jail_problem() is None
@@ -46,7 +45,9 @@ def _alive_with(marker: str) -> list[int]:
 def rank():
     """A stand-in for the rank that calls the tool: a process holding the job token."""
     token = f"job-token-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env={**os.environ, "SPMD_RL_JOB_TOKEN": token})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], env={**os.environ, "SPMD_RL_JOB_TOKEN": token}
+    )
     yield proc, token
     proc.kill()
     proc.wait()
@@ -106,7 +107,9 @@ print('scratch ok')
         assert out.ok and "scratch ok" in out.output, out
         assert ckpt.read_bytes() == b"weights"
         assert not (Path("/tmp") / marker).exists() and not (Path.home() / marker).exists()
-        assert f"wrote /tmp/{marker}" in out.output  # into its own private /tmp, which the host's check above did not see
+        assert (
+            f"wrote /tmp/{marker}" in out.output
+        )  # into its own private /tmp, which the host's check above did not see
         assert "shm refused FileNotFoundError []" in out.output, out.output
     finally:
         shm.unlink()
@@ -172,7 +175,8 @@ def test_the_seccomp_filter_refuses_namespaces_mounts_tracing_and_bpf():
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 os.mkdir('scratch')  # every call below is harmless where it succeeds (a broken jail must not hurt the host):
-calls = {'unshare': lambda: libc.unshare(0x40000000), 'mount': lambda: libc.mount(b'none', b'scratch', b'tmpfs', 0, None),
+calls = {'unshare': lambda: libc.unshare(0x40000000),
+         'mount': lambda: libc.mount(b'none', b'scratch', b'tmpfs', 0, None),
          'ptrace': lambda: libc.ptrace(0, 0, None, None), 'bpf': lambda: libc.syscall(%d, 0, None, 0),
          # CLONE_NEWNS | CLONE_FS: the kernel refuses the pair (EINVAL), the filter first (EPERM)
          'clone_newns': lambda: libc.syscall(%d, 0x00020000 | 0x00000200 | 17, None, None, None, None)}
@@ -193,7 +197,9 @@ def test_the_filter_numbers_are_the_kernel_headers():
     defined = dict(re.findall(r"#define __NR_(\w+) (\d+)", header.read_text()))
     for name, nr in NUMBERS["x86_64"].items():
         assert int(defined[name]) == nr, name
-    assert set(DENIED) <= set(NUMBERS["aarch64"]) and len(program("x86_64")) % 8 == 0 and len(program("aarch64")) % 8 == 0
+    assert (
+        set(DENIED) <= set(NUMBERS["aarch64"]) and len(program("x86_64")) % 8 == 0 and len(program("aarch64")) % 8 == 0
+    )
 
 
 def test_without_the_jail_the_code_runs_as_before_and_says_so():

@@ -21,7 +21,13 @@ from spmd_rl.trainer.async_loop import generation_version, published
 from spmd_rl.trainer.ledger import StepRecord, problems
 from tests.conftest import REPO
 
-SEP = ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=null", "parallel.train.dp_shard=null", "actor.tis_cap=2.0"]
+SEP = [
+    "parallel.placement=separated",
+    "parallel.gen_ranks=1",
+    "parallel.gen.dp=null",
+    "parallel.train.dp_shard=null",
+    "actor.tis_cap=2.0",
+]
 
 
 def _check(*overrides: str, world: int = 2):
@@ -29,7 +35,13 @@ def _check(*overrides: str, world: int = 2):
 
 
 def test_the_sides_split_the_world(in_repo):
-    lay, errors = _check("parallel.gen_ranks=1", "data.global_batch_size=6", "actor.mini_batch_size=6", "actor.micro_batch_size=2", world=4)
+    lay, errors = _check(
+        "parallel.gen_ranks=1",
+        "data.global_batch_size=6",
+        "actor.mini_batch_size=6",
+        "actor.micro_batch_size=2",
+        world=4,
+    )
     assert not errors, errors
     assert (lay.gen.ranks, lay.train.ranks) == (range(0, 1), range(1, 4))
     assert [lay.side_of(r) for r in range(4)] == ["gen", "train", "train", "train"]
@@ -41,16 +53,23 @@ def test_the_sides_split_the_world(in_repo):
     assert not errors and not colocated.separated and colocated.side_of(1) == "both"
 
 
-@pytest.mark.parametrize("overrides, field, problem", [
-    (["parallel.gen_ranks=null"], "parallel.gen_ranks", "needs the size of the generation side"),
-    (["parallel.gen_ranks=2"], "parallel.gen_ranks", "leaves no rank to train"),
-    (["parallel.placement=colocated"], "parallel.gen_ranks", "only used by parallel.placement: separated"),
-    (["parallel.train.dp_shard=2"], "parallel.train.dp_shard", "!= training side's rank count 1"),
-    (["actor.tis_cap=null"], "parallel.placement", "must be corrected"),
-    (["stream.fuse=true"], "parallel.placement", "stream.fuse"),
-    (["stream.partial_tokens=2"], "parallel.placement", "stream.partial_tokens"),
-    (["algorithm.name=dapo", "algorithm.dynamic_sampling=true"], "parallel.placement", "algorithm.dynamic_sampling"),
-])
+@pytest.mark.parametrize(
+    "overrides, field, problem",
+    [
+        (["parallel.gen_ranks=null"], "parallel.gen_ranks", "needs the size of the generation side"),
+        (["parallel.gen_ranks=2"], "parallel.gen_ranks", "leaves no rank to train"),
+        (["parallel.placement=colocated"], "parallel.gen_ranks", "only used by parallel.placement: separated"),
+        (["parallel.train.dp_shard=2"], "parallel.train.dp_shard", "!= training side's rank count 1"),
+        (["actor.tis_cap=null"], "parallel.placement", "must be corrected"),
+        (["stream.fuse=true"], "parallel.placement", "stream.fuse"),
+        (["stream.partial_tokens=2"], "parallel.placement", "stream.partial_tokens"),
+        (
+            ["algorithm.name=dapo", "algorithm.dynamic_sampling=true"],
+            "parallel.placement",
+            "algorithm.dynamic_sampling",
+        ),
+    ],
+)
 def test_separated_config_is_checked(in_repo, overrides, field, problem):
     _, errors = _check(*overrides)
     assert any(e.field == field and problem in e.problem for e in errors), errors
@@ -90,8 +109,13 @@ def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start,
 
 
 _g = torch.Generator().manual_seed(0)  # the same values in every spawned process
-WEIGHTS = {"a.weight": torch.randn(7, 5, generator=_g), "b.bias": torch.randn(3, generator=_g).to(torch.bfloat16), "scale": torch.tensor(2.5),
-           "big": torch.randn(40, 10, generator=_g), "c.weight": torch.randn(2, 2, dtype=torch.float64, generator=_g)}
+WEIGHTS = {
+    "a.weight": torch.randn(7, 5, generator=_g),
+    "b.bias": torch.randn(3, generator=_g).to(torch.bfloat16),
+    "scale": torch.tensor(2.5),
+    "big": torch.randn(40, 10, generator=_g),
+    "c.weight": torch.randn(2, 2, dtype=torch.float64, generator=_g),
+}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,13 @@ MARGIN = 64 << 20
 
 
 def run(tmp, model, mode: str, dp: int, tp: int) -> list[dict]:
-    env = QUIET_CHILD_ENV | {"MODEL": str(model), "SPMD_RL_OUT": str(tmp), "MODE": mode, "TRAIN_DP": str(dp), "TRAIN_TP": str(tp)}
+    env = QUIET_CHILD_ENV | {
+        "MODEL": str(model),
+        "SPMD_RL_OUT": str(tmp),
+        "MODE": mode,
+        "TRAIN_DP": str(dp),
+        "TRAIN_TP": str(tp),
+    }
     run_nodes(REPO / "tools/bench_sharded_load.py", nnodes=1, nproc_per_node=2, env=env, log_dir=tmp, timeout_s=600)
     return [json.loads((tmp / f"load-{mode}-rank{r}.json").read_text()) for r in range(2)]
 
@@ -38,8 +44,11 @@ def test_sharded_build_peak_rss_and_exact_weights(tmp_path):
     tp = run(tmp_path, model, "sharded", 1, 2)
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     for name, reports in (("sharded", sharded), ("whole", whole)):
-        print(f"{name}: model {mib(full)}, peak RSS growth per rank " + ", ".join(mib(r["peak"] - r["before"]) for r in reports)
-              + f" (bound full/2 + layer + margin = {mib(bound)})")
+        print(
+            f"{name}: model {mib(full)}, peak RSS growth per rank "
+            + ", ".join(mib(r["peak"] - r["before"]) for r in reports)
+            + f" (bound full/2 + layer + margin = {mib(bound)})"
+        )
     assert all(r["exact"] for r in sharded + whole + tp)  # every parameter == the file's tensor
     assert all(r["peak"] - r["before"] <= bound for r in sharded)
     assert all(r["local_param_bytes"] <= full // 2 + 4096 for r in sharded)

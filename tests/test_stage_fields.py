@@ -77,8 +77,17 @@ class FakeEngine:
 
 
 def _cfg(*overrides: str):
-    return load_config(REPO / "configs/quickstart.yaml", ["data.global_batch_size=2", "rollout.n=3", "actor.mini_batch_size=2",
-                                                          "actor.micro_batch_size=2", "actor.ppo_epochs=2", *overrides])
+    return load_config(
+        REPO / "configs/quickstart.yaml",
+        [
+            "data.global_batch_size=2",
+            "rollout.n=3",
+            "actor.mini_batch_size=2",
+            "actor.micro_batch_size=2",
+            "actor.ppo_epochs=2",
+            *overrides,
+        ],
+    )
 
 
 def _data(seed: int = 1):
@@ -98,8 +107,15 @@ def _run(cfg, dock, engine, **roles):
     tok = SimpleNamespace(pad_token_id=0)
     lay = SimpleNamespace(train=Layout(1, 1), gen=Layout(1, 1))
     residency = SimpleNamespace(enter=lambda phase, roles: None, weights_changed=lambda: None)
-    return SimpleNamespace(cfg=cfg, lay=lay, peer=SimpleNamespace(rank=0, world=1), dock=dock, roles={"actor": engine, **roles},
-                           tokenizer=tok, residency=residency)
+    return SimpleNamespace(
+        cfg=cfg,
+        lay=lay,
+        peer=SimpleNamespace(rank=0, world=1),
+        dock=dock,
+        roles={"actor": engine, **roles},
+        tokenizer=tok,
+        residency=residency,
+    )
 
 
 def run_named(run, name: str):
@@ -111,10 +127,17 @@ def run_named(run, name: str):
 def _stage_grads(cfg):
     lengths, lp, old, roll, ref, ent, adv, mask = _data()
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": PROMPTS, "prompt_row": ROWS,
-                     "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
-                     "seq_advantage": [torch.tensor(float(a)) for a in adv],
-                     "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
+    dock = FakeDock(
+        {
+            "prompt_ids": PROMPTS,
+            "prompt_row": ROWS,
+            "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
+            "seq_advantage": [torch.tensor(float(a)) for a in adv],
+            "rollout_log_prob": ragged(roll),
+            "old_log_prob": ragged(old),
+            "ref_log_prob": ragged(ref),
+        }
+    )
     engine = FakeEngine(lp.float(), ent.float())
     run_named(_run(cfg, dock, engine), "actor_update")
     g_lp, g_ent = engine.first
@@ -146,9 +169,14 @@ def _reference_grads(cfg):
 
 BASE = ("algorithm.kl_coef=0.1", "actor.clip_ratio_c=null")
 FIELDS = [
-    ("actor.clip_ratio_low=0.05",), ("actor.clip_ratio_high=0.05",), ("actor.clip_ratio_c=1.5",),
-    ("actor.entropy_coef=0.3",), ("algorithm.kl_estimator=k1",), ("algorithm.kl_estimator=k2",),
-    ("actor.tis_cap=1.05",), ("algorithm.kl_coef=0.7",),
+    ("actor.clip_ratio_low=0.05",),
+    ("actor.clip_ratio_high=0.05",),
+    ("actor.clip_ratio_c=1.5",),
+    ("actor.entropy_coef=0.3",),
+    ("algorithm.kl_estimator=k1",),
+    ("algorithm.kl_estimator=k2",),
+    ("actor.tis_cap=1.05",),
+    ("algorithm.kl_coef=0.7",),
 ]
 
 
@@ -161,7 +189,9 @@ def test_update_reads_its_fields(override):
     assert torch.allclose(g_lp, want_lp, atol=1e-6), (g_lp - want_lp).abs().max()
     assert torch.allclose(g_ent, want_ent, atol=1e-6)
     base_lp, base_ent = _reference_grads(base)
-    assert not (torch.allclose(want_lp, base_lp, atol=1e-6) and torch.allclose(want_ent, base_ent, atol=1e-6)), "field has no effect here"
+    assert not (torch.allclose(want_lp, base_lp, atol=1e-6) and torch.allclose(want_ent, base_ent, atol=1e-6)), (
+        "field has no effect here"
+    )
 
 
 class CountingEngine(FakeEngine):
@@ -173,18 +203,35 @@ class CountingEngine(FakeEngine):
         super()._step(micro_batches, loss_fn)
 
 
-@pytest.mark.parametrize("packed,want", [("true", [(1, 7), (2, 13), (3, 12)]), ("false", [(1, 7), (1, 7), (2, 11), (2, 7)])])
+@pytest.mark.parametrize(
+    "packed,want", [("true", [(1, 7), (2, 13), (3, 12)]), ("false", [(1, 7), (1, 7), (2, 11), (2, 7)])]
+)
 def test_token_budget_splits_by_tokens_and_keeps_the_objective(packed, want):
     """Samples of 7, 7, 6, 5, 4, 3 tokens (longest first) under a 13-token budget: packed, a
     micro-batch holds up to 13 real tokens; padded, count x longest <= 13. Either way the
     gradient is the one objective over the whole mini-batch."""
-    cfg = _cfg(*BASE, "actor.entropy_coef=0.3", "actor.micro_batch_size=6", "actor.micro_batch_tokens=13", f"actor.pack_sequences={packed}",
-               "data.max_prompt_length=2", "rollout.max_response_length=5")
+    cfg = _cfg(
+        *BASE,
+        "actor.entropy_coef=0.3",
+        "actor.micro_batch_size=6",
+        "actor.micro_batch_tokens=13",
+        f"actor.pack_sequences={packed}",
+        "data.max_prompt_length=2",
+        "rollout.max_response_length=5",
+    )
     lengths, lp, old, roll, ref, ent, adv, mask = _data()
     ragged = lambda t: [t[k, :n].float() for k, n in enumerate(lengths)]  # noqa: E731
-    dock = FakeDock({"prompt_ids": PROMPTS, "prompt_row": ROWS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
-                     "seq_advantage": [torch.tensor(float(a)) for a in adv],
-                     "rollout_log_prob": ragged(roll), "old_log_prob": ragged(old), "ref_log_prob": ragged(ref)})
+    dock = FakeDock(
+        {
+            "prompt_ids": PROMPTS,
+            "prompt_row": ROWS,
+            "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths],
+            "seq_advantage": [torch.tensor(float(a)) for a in adv],
+            "rollout_log_prob": ragged(roll),
+            "old_log_prob": ragged(old),
+            "ref_log_prob": ragged(ref),
+        }
+    )
     engine = CountingEngine(lp.float(), ent.float())
     final = run_named(_run(cfg, dock, engine), "actor_update").final
     assert engine.seen == want
@@ -207,9 +254,17 @@ class InferEngine:
 
 
 def test_forward_stage_splits_by_tokens_and_returns_each_sample_its_own_row():
-    cfg = _cfg(*BASE, "actor.micro_batch_size=6", "actor.micro_batch_tokens=13", "data.max_prompt_length=2", "rollout.max_response_length=5")
+    cfg = _cfg(
+        *BASE,
+        "actor.micro_batch_size=6",
+        "actor.micro_batch_tokens=13",
+        "data.max_prompt_length=2",
+        "rollout.max_response_length=5",
+    )
     lengths = _data()[0]
-    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths]})
+    dock = FakeDock(
+        {"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in lengths]}
+    )
     ref = InferEngine()
     run_named(_run(cfg, dock, None, ref=ref), "ref_logprob")
     assert ref.seen == [(1, 7), (2, 13), (3, 12)]  # the update's micro-batches (test above)
@@ -233,7 +288,9 @@ def test_kl_in_reward_leaves_the_loss_without_kl():
 @pytest.mark.parametrize("by_std", [True, False])
 def test_advantage_reads_norm_adv_by_std(by_std):
     rewards = [1.0, 0.0, 0.0, 2.0, 2.0, 5.0]
-    dock = FakeDock({"reward": [torch.tensor(x) for x in rewards], "response_length": [torch.tensor(2, dtype=torch.int32)] * B})
+    dock = FakeDock(
+        {"reward": [torch.tensor(x) for x in rewards], "response_length": [torch.tensor(2, dtype=torch.int32)] * B}
+    )
     run_named(_run(_cfg(f"algorithm.norm_adv_by_std={str(by_std).lower()}"), dock, None), "advantage")
     got = dock.puts["seq_advantage"].tolist()  # one scalar per sample
     for g in (rewards[:3], rewards[3:]):
@@ -247,9 +304,13 @@ def test_advantage_reads_norm_adv_by_std(by_std):
 def test_reward_reads_overlong_buffer_and_penalty():
     lengths = [2, 6, 7, 8, 8, 3]
     cfg = _cfg("algorithm.name=dapo", "algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5")
-    dock = FakeDock({"response_ids": [torch.arange(n, dtype=torch.int32) for n in lengths],
-                     "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths],
-                     "answer": [encode_text("42" if k < 3 else "7") for k in range(B)]})
+    dock = FakeDock(
+        {
+            "response_ids": [torch.arange(n, dtype=torch.int32) for n in lengths],
+            "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths],
+            "answer": [encode_text("42" if k < 3 else "7") for k in range(B)],
+        }
+    )
     run = _run(cfg, dock, None)
     run.tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["42"] * len(ids))
     run.reward_fn = lambda text, answer: float(text == answer)
@@ -276,9 +337,15 @@ def test_ref_forward_splits_by_ref_micro_batch_size(ref_micro, actor_micro, want
     """The reference forward (the real ``ref_logprob`` stage, through the runner) runs its 6
     samples in micro-batches of ``ref.micro_batch_size``, and of the actor's when unset; the
     actor's own forward keeps the actor's size."""
-    cfg = _cfg("algorithm.kl_coef=0.01", f"actor.micro_batch_size={actor_micro}", "actor.mini_batch_size=2",
-               *([f"ref.micro_batch_size={ref_micro}"] if ref_micro else []))
-    dock = FakeDock({"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in [5, 3, 4, 1, 5, 2]]})
+    cfg = _cfg(
+        "algorithm.kl_coef=0.01",
+        f"actor.micro_batch_size={actor_micro}",
+        "actor.mini_batch_size=2",
+        *([f"ref.micro_batch_size={ref_micro}"] if ref_micro else []),
+    )
+    dock = FakeDock(
+        {"prompt_ids": PROMPTS, "response_ids": [torch.arange(1, n + 1, dtype=torch.int32) for n in [5, 3, 4, 1, 5, 2]]}
+    )
     ref, actor = InferSizes(), InferSizes()
     run_named(_run(cfg, dock, actor, ref=ref), "ref_logprob")
     assert ref.sizes == want and actor.sizes == []

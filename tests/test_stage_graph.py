@@ -1,5 +1,6 @@
 """The declared stage graph is the one that runs: every column a stage (or the data loader,
-prompts with their answers) writes is read by a later stage (nothing is written for nobody), every input of a stage is written before it,
+prompts with their answers) writes is read by a later stage (nothing is written for nobody), every input of a stage is
+written before it,
 every stage has a registered function and declares known roles, and GRPO's advantage is one
 scalar per sample while PPO's is per token."""
 
@@ -33,7 +34,7 @@ def test_every_column_written_is_read_and_every_input_written_first(name):
     assert set(DATA_COLUMNS) <= data_read, f"the data loader writes {set(DATA_COLUMNS) - data_read} that nobody reads"
     for k, stage in enumerate(graph):
         assert set(stage.inputs) <= written, f"{stage.name} reads {set(stage.inputs) - written} before anyone writes it"
-        later = {c for s in graph[k + 1:] for c in s.inputs}
+        later = {c for s in graph[k + 1 :] for c in s.inputs}
         unread = set(stage.outputs) - later
         assert not unread, f"{stage.name} writes {unread} that no later stage reads"
         written |= set(stage.outputs)

@@ -17,14 +17,23 @@ from tests.conftest import REPO
 def _raise(exc: BaseException):
     def work():
         raise exc
+
     return work
 
 
-@pytest.mark.parametrize("work, status, printed", [
-    (lambda: None, 0, ""), (lambda: 0, 0, ""), (lambda: 2, 2, ""),
-    (_raise(SystemExit(2)), 2, ""), (_raise(SystemExit(None)), 0, ""), (_raise(SystemExit("bad config")), 1, "bad config"),
-    (_raise(KeyboardInterrupt()), 130, ""), (_raise(ValueError("boom")), 1, "ValueError: boom"),
-])
+@pytest.mark.parametrize(
+    "work, status, printed",
+    [
+        (lambda: None, 0, ""),
+        (lambda: 0, 0, ""),
+        (lambda: 2, 2, ""),
+        (_raise(SystemExit(2)), 2, ""),
+        (_raise(SystemExit(None)), 0, ""),
+        (_raise(SystemExit("bad config")), 1, "bad config"),
+        (_raise(KeyboardInterrupt()), 130, ""),
+        (_raise(ValueError("boom")), 1, "ValueError: boom"),
+    ],
+)
 def test_status_is_what_sys_exit_would_give(work, status, printed, capsys):
     from spmd_rl.distributed.teardown import status_of
 
@@ -71,8 +80,14 @@ _SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("arg, status", [("3", 3), ("raise", 1)])
 def test_exit_after_ends_the_process_cleanly(tmp_path, arg, status):
     out = tmp_path / "r"
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(out), arg], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(out), arg],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == status, done.stderr
     assert done.stdout == "unflushed output"
     assert (out.parent / "r.destroy").read_text() == "True"
@@ -89,7 +104,11 @@ multiprocessing's own exit, which flushes their result queues."""
 def test_every_script_that_joins_a_process_group_ends_through_exit_after():
     """Each torchrun entry point (the trainer, the tools' and test helpers' workers) that
     initialises a process group ends its ``__main__`` block through ``exit_after``."""
-    scripts = [REPO / "spmd_rl/train.py", *sorted((REPO / "tools").glob("*.py")), *sorted((REPO / "tests/helpers").glob("*.py"))]
+    scripts = [
+        REPO / "spmd_rl/train.py",
+        *sorted((REPO / "tools").glob("*.py")),
+        *sorted((REPO / "tests/helpers").glob("*.py")),
+    ]
     joiners = [p for p in scripts if "init_process_group(" in p.read_text()]
     assert len(joiners) >= 8  # the scan still finds the workers
     missing = []

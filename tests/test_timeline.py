@@ -26,6 +26,7 @@ class DeviceClock:
 
             def synchronize(self):
                 clock.synced += 1
+
         return Event()
 
 

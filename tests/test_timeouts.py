@@ -29,7 +29,9 @@ def _worker(rank: int, init: str, out: dict) -> None:
         dist.barrier(group=sub)
         out[f"steady_{rank}"] = "ok"
     except RuntimeError as exc:
-        out[f"steady_{rank}"] = "timeout" if "timed out" in str(exc).lower() or "timeout" in str(exc).lower() else str(exc)[:200]
+        out[f"steady_{rank}"] = (
+            "timeout" if "timed out" in str(exc).lower() or "timeout" in str(exc).lower() else str(exc)[:200]
+        )
     os._exit(0)  # skip destroy: the other rank may be gone
 
 

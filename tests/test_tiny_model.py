@@ -16,8 +16,21 @@ from tests.conftest import REPO, subprocess_env
 def test_builder_writes_loadable_folder(tmp_path):
     out = tmp_path / "tiny"
     subprocess.run(
-        [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out), "--max-steps", "10", "--eval-every", "5", "--n-test", "50", "--no-reward-model"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            str(REPO / "tools/make_tiny_model.py"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "10",
+            "--eval-every",
+            "5",
+            "--n-test",
+            "50",
+            "--no-reward-model",
+        ],
+        check=True,
+        capture_output=True,
     )
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -44,8 +57,14 @@ def test_warm_start_answers_some_but_not_most(tiny_model):
     greedy through ``spmd-rl eval`` and the exact_match rule, not the builder's HF loop), the
     model answers some held-out prompts but not most, and the report is what it measures."""
     report = json.loads((tiny_model / "warmstart.json").read_text())
-    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl")],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl")],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["prompts"] == report["n_test"] == 500
@@ -57,7 +76,10 @@ def test_warm_start_answers_some_but_not_most(tiny_model):
 def test_vllm_generates_like_hf(tiny_model):
     res = subprocess.run(
         [sys.executable, str(REPO / "tests/helpers/vllm_one_prompt.py"), str(tiny_model), "36+31="],
-        capture_output=True, text=True, env=subprocess_env(), timeout=600,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])

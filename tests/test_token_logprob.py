@@ -111,7 +111,10 @@ def test_trim_drops_only_unused_padding_and_changes_no_log_prob(tiny_model):
     micro = wide[1:]
     small = micro.trim()
     assert small.input_ids.shape == (2, 5) and small.mask.shape == (2, 2)
-    assert small.mask.sum() == micro.mask.sum() and (small.input_ids * small.attention_mask).sum() == (micro.input_ids * micro.attention_mask).sum()
+    assert (
+        small.mask.sum() == micro.mask.sum()
+        and (small.input_ids * small.attention_mask).sum() == (micro.input_ids * micro.attention_mask).sum()
+    )
     with torch.no_grad():
         lp_small, _ = lm_response_logprobs(model, small)
         lp_wide, _ = lm_response_logprobs(model, micro)
@@ -148,7 +151,9 @@ def _hf_warped(logits: torch.Tensor, policy: SamplingPolicy) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
-def _hf_truncated(logits: torch.Tensor, targets: torch.Tensor, policy: SamplingPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_truncated(
+    logits: torch.Tensor, targets: torch.Tensor, policy: SamplingPolicy
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(lp, entropy) of each row under ``_hf_warped``."""
     logp = _hf_warped(logits, policy)
     ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
@@ -205,5 +210,10 @@ def test_a_target_outside_the_kept_set_stays_finite():
 def test_policy_of_the_rollout_config():
     from spmd_rl.config.schema import RolloutConfig
 
-    assert SamplingPolicy.of(RolloutConfig(n=2, max_response_length=4, temperature=0.7, top_p=0.9, top_k=20)) == SamplingPolicy(0.7, 20, 0.9)
-    assert SamplingPolicy.of(RolloutConfig(n=2, max_response_length=4, temperature=0.0, top_p=0.9, top_k=20)) == SamplingPolicy()  # greedy: vLLM drops both
+    assert SamplingPolicy.of(
+        RolloutConfig(n=2, max_response_length=4, temperature=0.7, top_p=0.9, top_k=20)
+    ) == SamplingPolicy(0.7, 20, 0.9)
+    assert (
+        SamplingPolicy.of(RolloutConfig(n=2, max_response_length=4, temperature=0.0, top_p=0.9, top_k=20))
+        == SamplingPolicy()
+    )  # greedy: vLLM drops both

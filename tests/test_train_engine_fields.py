@@ -24,7 +24,9 @@ def _engine(tiny_model, compute: str = "float32", **fields) -> TrainEngine:
 
 
 def _batch():
-    return build_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [torch.tensor([11, 12]), torch.tensor([13, 14, 15])], 0)
+    return build_batch(
+        [torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [torch.tensor([11, 12]), torch.tensor([13, 14, 15])], 0
+    )
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
@@ -58,7 +60,9 @@ def test_param_dtype_and_activation_checkpointing(tiny_model):
     assert {local(p).dtype for p in e.model.parameters()} == {torch.bfloat16}
     assert e.model.is_gradient_checkpointing
     plain = _engine(tiny_model)
-    assert {local(p).dtype for p in plain.model.parameters()} == {torch.float32} and not plain.model.is_gradient_checkpointing
+    assert {local(p).dtype for p in plain.model.parameters()} == {
+        torch.float32
+    } and not plain.model.is_gradient_checkpointing
     out = e.train_step([_batch()], lambda lp, ent, k: -lp.sum())  # recomputation runs
     assert out["grad_norm"] > 0
 
@@ -75,14 +79,23 @@ def test_bf16_compute_runs_the_lm_head_in_bf16_and_stays_near_float64(tiny_model
 
     e = _engine(tiny_model, compute="bfloat16")
     seen = {}
+
     def record(name):
         def hook(_m, _i, out):
             seen.setdefault(name, (out[0] if isinstance(out, tuple) else out).dtype)  # returns None: output unchanged
+
         return hook
 
-    hooks = [decoder_layers(e.model)[0].register_forward_hook(record("layer")), e.model.lm_head.register_forward_hook(record("head"))]
+    hooks = [
+        decoder_layers(e.model)[0].register_forward_hook(record("layer")),
+        e.model.lm_head.register_forward_hook(record("head")),
+    ]
     g = torch.Generator().manual_seed(0)
-    batch = build_batch([torch.randint(3, 200, (12,), generator=g) for _ in range(4)], [torch.randint(3, 200, (6,), generator=g) for _ in range(4)], 0)
+    batch = build_batch(
+        [torch.randint(3, 200, (12,), generator=g) for _ in range(4)],
+        [torch.randint(3, 200, (6,), generator=g) for _ in range(4)],
+        0,
+    )
     lp, _ = e.infer(split(batch, 4))
     for h in hooks:
         h.remove()
@@ -104,7 +117,9 @@ def test_accumulate_unsharded_gives_the_same_step(tiny_model):
     for _ in range(2):
         a = plain.train_step(micro, lambda lp, ent, k: -lp.sum())
         b = accum.train_step(micro, lambda lp, ent, k: -lp.sum())
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-5
+        )
     assert torch.allclose(plain.infer(split(_batch(), 2))[0], accum.infer(split(_batch(), 2))[0], atol=1e-6)
     from torch.distributed.tensor import DTensor
 
@@ -126,7 +141,9 @@ def test_compile_compiles_every_layer_and_changes_no_result(tiny_model):
     for batch in (_batch(), wide):
         a = eager.train_step([batch], lambda lp, ent, k: -lp.sum())
         b = compiled.train_step([batch], lambda lp, ent, k: -lp.sum())
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-3
+        )
     assert torch.allclose(eager.infer(split(wide, 2))[0], compiled.infer(split(wide, 2))[0], atol=1e-3)
 
 
@@ -144,7 +161,10 @@ def test_bucketed_gather_in_the_generation_dtype_equals_gather_then_cast(tiny_mo
     got = dict(rs.full_weights())
     want = {n: p.full_tensor().to(torch.bfloat16) for n, p in engine.model.named_parameters()}
     assert got.keys() == want.keys()
-    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+    assert all(
+        got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), want[n].view(torch.int16))
+        for n in want
+    )
     largest = max(t.numel() * 2 for t in want.values())
     assert rs.temp_peak <= max(32 << 10, 2 * largest)  # two buckets in flight; one rank: a lone tensor is its output
 

@@ -24,25 +24,39 @@ from tests.trainer_util import G, N, train
 @pytest.mark.slow
 def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
     sched = ("actor.lr_schedule=cosine", "actor.warmup_steps=2", "trainer.iterations=4")
-    runs = {mode: train(tmp_path, mode, etcd.endpoint, f"dock.mode={mode}", *sched) for mode in ("distributed", "centralized")}
+    runs = {
+        mode: train(tmp_path, mode, etcd.endpoint, f"dock.mode={mode}", *sched)
+        for mode in ("distributed", "centralized")
+    }
     for mode, rows in runs.items():
         assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
         for r in rows:
             assert r["samples"] == G * N  # every sample got a reward, an advantage and an update
             assert all(map(lambda k: torch.isfinite(torch.tensor(r[k])).item(), ("loss", "grad_norm", "entropy")))
             assert r["grad_norm"] >= 0 and 0 <= r["accuracy"] <= 1
-            assert 0 < r["generation_s_min"] <= r["generation_s_max"] <= r["iteration_s"]  # the two generation ranks' times
+            assert (
+                0 < r["generation_s_min"] <= r["generation_s_max"] <= r["iteration_s"]
+            )  # the two generation ranks' times
     # the same seed and weights give the same samples in both modes
     assert runs["distributed"][0]["reward_mean"] == runs["centralized"][0]["reward_mean"]
     a = model_weights(tmp_path / "distributed/ckpt/iter_000004")
     d = model_weights(tmp_path / "centralized/ckpt/iter_000004")
     assert all(torch.equal(a[k], d[k]) for k in a)  # the dock mode changes nothing (deterministic)
-    fused = train(tmp_path, "fused", etcd.endpoint, "dock.mode=distributed", *sched, "stream.fuse=true", "stream.micro_batch_size=2")
+    fused = train(
+        tmp_path,
+        "fused",
+        etcd.endpoint,
+        "dock.mode=distributed",
+        *sched,
+        "stream.fuse=true",
+        "stream.micro_batch_size=2",
+    )
     f = model_weights(tmp_path / "fused/ckpt/iter_000004")
     assert all(torch.equal(a[k], f[k]) for k in a)  # stage fusion moves work in time, not its result
     for r, u in zip(fused, runs["distributed"]):
-        assert {k: r[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")} == \
-               {k: u[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")}
+        assert {k: r[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")} == {
+            k: u[k] for k in ("reward_mean", "accuracy", "adv_zero_groups", "loss", "grad_norm")
+        }
         assert r["fused_waves_early"] + r["fused_waves_late"] > 0 and "fused_waves_early" not in u
     assert sum(r["fused_waves_early"] for r in fused) > 0  # some waves ran while generation was still going
     # warm-up then cosine: 0 -> peak -> decayed, and a resumed run logs the same lr
@@ -64,8 +78,14 @@ def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
     """The exported HF folder holds the checkpoint's weights bit for bit with the tie kept, and
     `spmd-rl eval` on it equals HF greedy accuracy on the same prompts."""
     folder = tmp / "exported"
-    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "export", str(ckpt), "--out", str(folder)],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.cli", "export", str(ckpt), "--out", str(folder)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     saved = load_file(folder / "model.safetensors")
     assert all(torch.equal(saved[k], weights[k]) for k in saved) and set(saved) <= set(weights)
@@ -73,8 +93,14 @@ def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     assert torch.equal(model.lm_head.weight, weights["model.embed_tokens.weight"])
     data, limit = REPO / "assets/tiny-qwen2/test.jsonl", 40
-    res = subprocess.run([sys.executable, "-m", "spmd_rl.cli", "eval", str(folder), "--data", str(data), "--limit", str(limit)],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.cli", "eval", str(folder), "--data", str(data), "--limit", str(limit)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     tok = AutoTokenizer.from_pretrained(folder)
@@ -83,7 +109,7 @@ def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
     for row in rows:
         ids = encode_prompts(tok, [row["prompt"]], True)[0]
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-        correct += exact_match(tok.decode(out[0, len(ids):], skip_special_tokens=True), row["answer"]) > 0.5
+        correct += exact_match(tok.decode(out[0, len(ids) :], skip_special_tokens=True), row["answer"]) > 0.5
     assert got["correct"] == correct, (got, correct)
 
 
@@ -91,9 +117,19 @@ def _export_and_eval_round_trip(tmp: Path, ckpt: Path, weights: dict) -> None:
 def test_reference_old_logprob_and_dapo_stages(tiny_model, tmp_path, etcd):
     """KL against the reference (host-offloaded between uses), off-policy update with the old
     log-prob pass (2 PPO epochs, 2 mini-batches), DAPO dynamic sampling."""
-    rows = train(tmp_path, "dapo", etcd.endpoint, "algorithm.name=dapo", "algorithm.kl_coef=0.05", "actor.ppo_epochs=2",
-                 f"actor.mini_batch_size={G // 2}", "actor.micro_batch_size=4", "algorithm.dynamic_sampling=true",
-                 "ref.offload_to_host=false", "ref.micro_batch_size=2")
+    rows = train(
+        tmp_path,
+        "dapo",
+        etcd.endpoint,
+        "algorithm.name=dapo",
+        "algorithm.kl_coef=0.05",
+        "actor.ppo_epochs=2",
+        f"actor.mini_batch_size={G // 2}",
+        "actor.micro_batch_size=4",
+        "algorithm.dynamic_sampling=true",
+        "ref.offload_to_host=false",
+        "ref.micro_batch_size=2",
+    )
     for r in rows:
         assert r["samples"] == G * N and "time_ref_logprob" in r and "time_actor_logprob" in r
         assert torch.isfinite(torch.tensor([r["loss"], r["kl"], r["entropy"]])).all()

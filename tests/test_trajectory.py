@@ -30,7 +30,9 @@ def tok(tiny_model):
 
 
 def _new(tok, env) -> Trajectory:
-    prompt = tok.apply_chat_template([{"role": "user", "content": "12+30="}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "12+30="}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return Trajectory(0, prompt, [{"role": "user", "content": "12+30="}], env)
 
 
@@ -51,7 +53,10 @@ def _play(tok, env, turns: list[str], pause_after: int | None = None) -> Traject
 def test_inserted_tokens_are_the_template_rendering_past_the_trajectory(tok):
     t = _play(tok, Counting(), ["42", "forty-two"])
     text = tok.decode(t.prompt + t.ids)
-    assert "42<|im_end|>\n<|im_start|>tool\nseen 1: 42<|im_end|>\n<|im_start|>assistant\nforty-two<|im_end|>\n<|im_start|>tool\nseen 2" in text
+    assert (
+        "42<|im_end|>\n<|im_start|>tool\nseen 1: "
+        "42<|im_end|>\n<|im_start|>assistant\nforty-two<|im_end|>\n<|im_start|>tool\nseen 2" in text
+    )
     assert [m["role"] for m in t.messages] == ["user", "assistant", "tool", "assistant", "tool"]
     assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 2 and t.reward == 1.0
     assert sum(t.mask) == t.stats["sampled_tokens"] and len(t.mask) - sum(t.mask) == t.stats["inserted_tokens"]
@@ -65,7 +70,18 @@ def test_replay_rebuilds_the_carried_trajectory(tok, pause_after):
     orig = _play(tok, Counting(turns=4), ["42", "forty-two", "4 2"], pause_after=pause_after)
     copy = _new(tok, Counting(turns=4))
     assert copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8) is True
-    for field in ("ids", "logprobs", "mask", "messages", "reward", "stats", "open_turn", "turn_start", "last_text", "done"):
+    for field in (
+        "ids",
+        "logprobs",
+        "mask",
+        "messages",
+        "reward",
+        "stats",
+        "open_turn",
+        "turn_start",
+        "last_text",
+        "done",
+    ):
         assert getattr(copy, field) == getattr(orig, field), field
     assert copy.env.n == orig.env.n
 
@@ -100,7 +116,10 @@ def test_a_replay_whose_environment_raises_or_hangs_ends_as_a_prefix_break(tok, 
     orig = _play(tok, Counting(turns=4), ["42", "forty-two"])
     copy = _new(tok, env)
     t0 = time.monotonic()
-    assert copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8, carried_reward=orig.reward, step_timeout_s=0.5) is False
+    assert (
+        copy.replay(orig.ids, orig.logprobs, orig.mask, tok, 200, 8, carried_reward=orig.reward, step_timeout_s=0.5)
+        is False
+    )
     assert time.monotonic() - t0 < 5
     assert copy.done and copy.stats["prefix_breaks"] == 1 and copy.reward == orig.reward == 1.0
     assert (copy.ids, copy.logprobs, copy.mask) == (orig.ids, orig.logprobs, orig.mask)
@@ -121,7 +140,13 @@ def test_turn_seeds_do_not_collide_across_ranks_samples_or_turns():
     rank 1's sample 0's seeds); every (sample, turn) now has its own."""
     from spmd_rl.envs.multi_turn import request_seed
 
-    seeds = [request_seed(base + first, first + k, t) for base in (1000,) for first in (0, 64) for k in range(64) for t in range(4)]
+    seeds = [
+        request_seed(base + first, first + k, t)
+        for base in (1000,)
+        for first in (0, 64)
+        for k in range(64)
+        for t in range(4)
+    ]
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**62 for s in seeds)
     affine = [base + first + k * 4 + t for base in (1000,) for first in (0, 64) for k in range(64) for t in range(4)]
     assert len(set(affine)) < len(affine)  # what the earlier form gave (with the rank's offset in its seed)

@@ -15,7 +15,12 @@ import pytest
 
 from spmd_rl.engines import vllm_shm
 
-JOB_A = {"SPMD_RL_JOB_TOKEN": "a" * 32, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0"}
+JOB_A = {
+    "SPMD_RL_JOB_TOKEN": "a" * 32,
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+}
 JOB_B = JOB_A | {"SPMD_RL_JOB_TOKEN": "b" * 32, "MASTER_PORT": "29611"}
 TP_GROUP = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
 

@@ -61,26 +61,59 @@ def _still_serving(server, client) -> None:
 
 
 ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)
-anything = st.recursive(st.none() | st.booleans() | ints | st.floats() | st.text(max_size=6) | st.binary(max_size=6),
-                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8)
+anything = st.recursive(
+    st.none() | st.booleans() | ints | st.floats() | st.text(max_size=6) | st.binary(max_size=6),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+    max_leaves=8,
+)
 dims = st.one_of(ints, st.booleans(), st.just(2**32), st.floats(), st.text(max_size=2))
-meta = st.one_of(anything, st.fixed_dictionaries({
-    "dtype": st.one_of(st.sampled_from(list(DTYPES)), st.lists(st.text(max_size=3), max_size=2), ints, st.none(), st.text(max_size=8)),
-    "shape": st.one_of(st.lists(dims, max_size=4), st.just([2**32, 2**32]), st.just([True]), anything)}))
-header = st.fixed_dictionaries({
-    "op": st.one_of(st.sampled_from(["put", "get", "delete", "drop", "stats", "bogus"]), anything),
-}, optional={"iter": st.one_of(st.just(1), anything.filter(lambda x: not (isinstance(x, (int, float)) and x == 0))), "indices": st.one_of(st.lists(st.integers(0, 5), max_size=4), anything),
-             "columns": st.one_of(st.just({"response_ids": {"ragged": True, "lengths": [2]}}), st.just(["response_ids"]), anything),
-             "tensors": st.lists(meta, max_size=3),
-             # a same-node reference (dock.shm): another process's memfd, forged or pointing anywhere
-             "shm": st.one_of(anything, st.fixed_dictionaries({
-                 "pid": st.one_of(st.just(1), st.just(0), ints), "fd": st.one_of(st.integers(0, 1024), ints, anything),
-                 "ino": st.one_of(ints, anything), "capacity": st.one_of(st.just(2**62), ints, anything)}))})
+meta = st.one_of(
+    anything,
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(
+                st.sampled_from(list(DTYPES)),
+                st.lists(st.text(max_size=3), max_size=2),
+                ints,
+                st.none(),
+                st.text(max_size=8),
+            ),
+            "shape": st.one_of(st.lists(dims, max_size=4), st.just([2**32, 2**32]), st.just([True]), anything),
+        }
+    ),
+)
+header = st.fixed_dictionaries(
+    {
+        "op": st.one_of(st.sampled_from(["put", "get", "delete", "drop", "stats", "bogus"]), anything),
+    },
+    optional={
+        "iter": st.one_of(st.just(1), anything.filter(lambda x: not (isinstance(x, (int, float)) and x == 0))),
+        "indices": st.one_of(st.lists(st.integers(0, 5), max_size=4), anything),
+        "columns": st.one_of(
+            st.just({"response_ids": {"ragged": True, "lengths": [2]}}), st.just(["response_ids"]), anything
+        ),
+        "tensors": st.lists(meta, max_size=3),
+        # a same-node reference (dock.shm): another process's memfd, forged or pointing anywhere
+        "shm": st.one_of(
+            anything,
+            st.fixed_dictionaries(
+                {
+                    "pid": st.one_of(st.just(1), st.just(0), ints),
+                    "fd": st.one_of(st.integers(0, 1024), ints, anything),
+                    "ino": st.one_of(ints, anything),
+                    "capacity": st.one_of(st.just(2**62), ints, anything),
+                }
+            ),
+        ),
+    },
+)
 
 
 def _valid_put() -> list[bytes]:
-    frames = encode({"op": "put", "iter": 0, "indices": [4], "columns": {"reward": {"ragged": False, "lengths": None}}},
-                    [torch.tensor([1.5])])
+    frames = encode(
+        {"op": "put", "iter": 0, "indices": [4], "columns": {"reward": {"ragged": False, "lengths": None}}},
+        [torch.tensor([1.5])],
+    )
     return [bytes(f) for f in seal(KEY, b"req", frames)]
 
 
@@ -112,7 +145,9 @@ def hostile(draw):
     return [bytes(f) for f in frames]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(frames=hostile())
 def test_hostile_frames_do_not_stop_the_warehouse(live, frames):
     server, client, raw = live
@@ -141,11 +176,14 @@ def test_client_refuses_a_put_bigger_than_the_limit(live):
     _still_serving(server, client)
 
 
-@pytest.mark.parametrize("meta", [
-    {"dtype": ["float32"], "shape": [1]},  # unhashable dtype: killed the old server thread
-    {"dtype": "float32", "shape": [2**32, 2**32]},  # np.prod overflowed to 0 and passed the byte check
-    {"dtype": "float32", "shape": [True]},
-])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"dtype": ["float32"], "shape": [1]},  # unhashable dtype: killed the old server thread
+        {"dtype": "float32", "shape": [2**32, 2**32]},  # np.prod overflowed to 0 and passed the byte check
+        {"dtype": "float32", "shape": [True]},
+    ],
+)
 def test_frames_that_killed_the_old_server(live, meta):
     server, client, raw = live
     head = {"op": "put", "iter": 1, "indices": [0], "columns": {"x": {"ragged": False}}, "tensors": [meta]}
@@ -176,7 +214,9 @@ def test_memory_of_a_fresh_server_stays_bounded():
     than 64 MiB, and it still serves."""
     from tests.conftest import subprocess_env
 
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     try:
         address = proc.stdout.readline().strip()
         client = WarehouseClient(address, TOKEN, timeout_s=10, max_message_bytes=MAX_MSG)

@@ -16,7 +16,9 @@ from tests.conftest import REPO, TEST_OWNER, subprocess_env
 from tests.preload_servers import COPY_MARK
 
 
-def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float = 180) -> list[str]:
+def run_nodes(
+    script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float = 180
+) -> list[str]:
     """Start ``nnodes`` torchrun agents (static rendezvous, distinct --node-rank), wait for all,
     and return their logs; raise with the logs if any agent failed. The master port is picked
     before node 0 binds it: when another process took it in between, launch again on a new one."""
@@ -29,15 +31,22 @@ def run_nodes(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str
     raise AssertionError(f"agents exited {codes}:\n" + "\n".join(t[-4000:] for t in texts))
 
 
-def _launch(script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float,
-            port: int) -> tuple[list[int], list[str]]:
+def _launch(
+    script: Path, nnodes: int, nproc_per_node: int, env: dict[str, str], log_dir: Path, timeout_s: float, port: int
+) -> tuple[list[int], list[str]]:
     full_env = subprocess_env() | env
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     procs, logs = [], []
     for node in range(nnodes):
         log = open(log_dir / f"agent{node}.log", "w")
-        cmd = torchrun + [f"--nnodes={nnodes}", f"--node-rank={node}", f"--nproc-per-node={nproc_per_node}",
-                          "--master-addr=127.0.0.1", f"--master-port={port}", str(script)]
+        cmd = torchrun + [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={nproc_per_node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(script),
+        ]
         procs.append(subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
         logs.append(log)
     codes = []
@@ -98,14 +107,25 @@ def kill_tree(proc: subprocess.Popen, also: list[tuple[int, str]] = ()) -> None:
         proc.kill()
 
 
-def node_agent(tmp: Path, etcd: str, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def node_agent(
+    tmp: Path, etcd: str, name: str, args: list[str], extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """One simulated node: ``launch/multi_node.sh`` (torchrun, etcd-v2 rendezvous, 1 worker)
     in its own session, logging to ``tmp/<name>.log``."""
-    env = subprocess_env() | {"ETCD": etcd, "NNODES": "1:2", "NPROC": "1", "TOKEN": "elastic-token-0123456789abcdef",
-                              "RESTARTS": "8"} | (extra_env or {})
+    env = (
+        subprocess_env()
+        | {"ETCD": etcd, "NNODES": "1:2", "NPROC": "1", "TOKEN": "elastic-token-0123456789abcdef", "RESTARTS": "8"}
+        | (extra_env or {})
+    )
     log = open(tmp / f"{name}.log", "w")
-    return subprocess.Popen([str(REPO / "launch/multi_node.sh"), *args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [str(REPO / "launch/multi_node.sh"), *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def kill_node(agent_proc: subprocess.Popen) -> None:
@@ -169,7 +189,9 @@ def mapped_shm_names() -> set[str]:
             lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
         except OSError:
             continue
-        out |= {line.rsplit("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line and not line.endswith(" (deleted)")}
+        out |= {
+            line.rsplit("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line and not line.endswith(" (deleted)")
+        }
     return out
 
 
@@ -204,7 +226,11 @@ class OwnShm:
                     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
                 except OSError:
                     continue
-                self.seen |= {line.rsplit("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line and not line.endswith(" (deleted)")}
+                self.seen |= {
+                    line.rsplit("/dev/shm/", 1)[1]
+                    for line in lines
+                    if "/dev/shm/" in line and not line.endswith(" (deleted)")
+                }
 
     def leaked(self) -> set[str]:
         return {n for n in self.seen if os.path.exists(f"/dev/shm/{n}")} - mapped_shm_names()

@@ -71,10 +71,18 @@ def worker(spec: dict) -> None:
     specs |= {c: ColumnSpec(c, torch.float32, True, "rollout") for c in items}
     specs |= {c: ColumnSpec(c, torch.float32, False, "rollout") for c in scalars}
     mode = spec["mode"].removesuffix("-norelay")
-    cfg = DockConfig(mode=mode.removesuffix("-wire"), interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"), port=0,
-                     get_timeout_s=600, bucket_bytes=8 << 20, tp_relay_min_bytes=None if spec["mode"].endswith("-norelay") else spec["relay_min_bytes"])
+    cfg = DockConfig(
+        mode=mode.removesuffix("-wire"),
+        interface=os.environ.get("BENCH_INTERFACE", "127.0.0.1"),
+        port=0,
+        get_timeout_s=600,
+        bucket_bytes=8 << 20,
+        tp_relay_min_bytes=None if spec["mode"].endswith("-norelay") else spec["relay_min_bytes"],
+    )
     meta = MetadataStore([spec["etcd"]], job=f"bench-{spec['mode']}-{spec['tag']}")
-    peer = Peer(rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    peer = Peer(
+        rank, world, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    )
     dock = TransferDock(cfg, meta, specs, peer, spec["token"], in_process=not mode.endswith("-wire")).start()
     lay = Layout(world // spec["tp"], spec["tp"])
     total = G * N
@@ -83,7 +91,11 @@ def worker(spec: dict) -> None:
     mine = list(range(rank * per, (rank + 1) * per)) if rank < writers else []
     g = torch.Generator().manual_seed(rank)
     data = {"prompt_ids": [torch.randint(0, 1000, (PL,), generator=g, dtype=torch.int32) for _ in mine]}
-    lengths = torch.randint(max(1, SL // 16), SL + 1, (len(mine),), generator=g).tolist() if spec["long_tail"] else [SL] * len(mine)
+    lengths = (
+        torch.randint(max(1, SL // 16), SL + 1, (len(mine),), generator=g).tolist()
+        if spec["long_tail"]
+        else [SL] * len(mine)
+    )
     data |= {c: [torch.randn(k, generator=g) for k in lengths] for c in items}
     data |= {c: torch.randn(len(mine), generator=g) for c in scalars}
     times = []
@@ -121,13 +133,18 @@ def netns_up(nodes: int, rate_mbs: float) -> list[str]:
     netns_down(nodes)
     sh(f"ip link add {BRIDGE} type bridge && ip addr add {SUBNET}.1/24 dev {BRIDGE} && ip link set {BRIDGE} up")
     rate = f"{int(rate_mbs * 8)}mbit"
-    burst = max(256 << 10, int(rate_mbs * 1e6 / 50))  # tbf passes at most one burst per timer tick: keep it above rate / HZ
+    burst = max(
+        256 << 10, int(rate_mbs * 1e6 / 50)
+    )  # tbf passes at most one burst per timer tick: keep it above rate / HZ
     addrs = []
     for k in range(nodes):
         ns, host, peer, ip = f"spmdrl{k}", f"vh{k}spmd", f"vn{k}spmd", f"{SUBNET}.{10 + k}"
         sh(f"ip netns add {ns} && ip link add {host} type veth peer name {peer} && ip link set {peer} netns {ns}")
         sh(f"ip link set {host} master {BRIDGE} && ip link set {host} up")
-        sh(f"ip netns exec {ns} ip addr add {ip}/24 dev {peer} && ip netns exec {ns} ip link set {peer} up && ip netns exec {ns} ip link set lo up")
+        sh(
+            f"ip netns exec {ns} ip addr add {ip}/24 dev {peer} && ip netns exec {ns} ip link set {peer} up && ip "
+            f"netns exec {ns} ip link set lo up"
+        )
         sh(f"ip netns exec {ns} ip route add default via {SUBNET}.1")
         for dev, prefix in ((peer, f"ip netns exec {ns} "), (host, "")):
             sh(f"{prefix}tc qdisc add dev {dev} root tbf rate {rate} burst {burst} latency 100ms")
@@ -147,56 +164,110 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
     from spmd_rl.dock.etcd_server import free_port
 
     out = tmp / f"{mode}.json"
-    spec = {"mode": mode, "etcd": etcd_endpoint, "out": str(out), "token": "bench-token-0123456789abcdef", "tag": tag,
-            "iterations": args.iterations, "G": args.G, "N": args.N, "PL": args.PL, "SL": args.SL, "n": args.n, "M": args.M,
-            "tp": args.train_tp, "long_tail": args.long_tail, "relay_min_bytes": args.relay_min_bytes,
-            "writer_nodes": args.writer_nodes or args.nodes}
+    spec = {
+        "mode": mode,
+        "etcd": etcd_endpoint,
+        "out": str(out),
+        "token": "bench-token-0123456789abcdef",
+        "tag": tag,
+        "iterations": args.iterations,
+        "G": args.G,
+        "N": args.N,
+        "PL": args.PL,
+        "SL": args.SL,
+        "n": args.n,
+        "M": args.M,
+        "tp": args.train_tp,
+        "long_tail": args.long_tail,
+        "relay_min_bytes": args.relay_min_bytes,
+        "writer_nodes": args.writer_nodes or args.nodes,
+    }
     master = addrs[0] if addrs else "127.0.0.1"
     port = free_port("127.0.0.1")
     procs = []
     for k in range(args.nodes):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", f"--node-rank={k}",
-               f"--nproc-per-node={args.nproc_per_node}", f"--master-addr={master}", f"--master-port={port}",
-               str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1"
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={args.nodes}",
+            f"--node-rank={k}",
+            f"--nproc-per-node={args.nproc_per_node}",
+            f"--master-addr={master}",
+            f"--master-port={port}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(spec),
+        ]
         if addrs:
             cmd = ["ip", "netns", "exec", f"spmdrl{k}"] + cmd
             env["GLOO_SOCKET_IFNAME"] = f"vn{k}spmd"  # else gloo resolves the hostname to loopback
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{mode}{k}.log", "w")))
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{mode}{k}.log", "w"))
+        )
     codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes):
         raise SystemExit(f"{mode}: agents exited {codes}; logs in {tmp}")
     rows = json.loads(out.read_text())
     per_iter = [max(r[i] for r in rows) for i in range(args.iterations)]  # the slowest rank of each iteration
     steady = sorted(per_iter[1:]) or per_iter
-    return {"cold": per_iter[0], "time": steady[len(steady) // 2], "iterations": per_iter,
-            "warehouse_bytes": {k: (r[-2] + r[-1]) / args.iterations for k, r in enumerate(rows) if r[-2] >= 0}}
+    return {
+        "cold": per_iter[0],
+        "time": steady[len(steady) // 2],
+        "iterations": per_iter,
+        "warehouse_bytes": {k: (r[-2] + r[-1]) / args.iterations for k, r in enumerate(rows) if r[-2] >= 0},
+    }
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915
     from spmd_rl.config.schema import DockConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4, help="S simulated nodes.")
-    ap.add_argument("--nproc-per-node", type=int, default=1, help="Ranks per node (each writes 1/world of the samples).")
-    ap.add_argument("--train-tp", type=int, default=1, help="TP size of the reading layout; must divide --nproc-per-node.")
-    ap.add_argument("--relay-min-bytes", type=int, default=DockConfig.model_fields["tp_relay_min_bytes"].default,
-                    help="dock.tp_relay_min_bytes of the modes without -norelay (default: the field's default).")
-    ap.add_argument("--writer-nodes", type=int, default=None,
-                    help="Only the first K nodes' ranks write (separated placement's generation nodes); default: every node.")
-    ap.add_argument("--long-tail", action="store_true", help="Response lengths drawn from [SL/16, SL] instead of all SL.")
+    ap.add_argument(
+        "--nproc-per-node", type=int, default=1, help="Ranks per node (each writes 1/world of the samples)."
+    )
+    ap.add_argument(
+        "--train-tp", type=int, default=1, help="TP size of the reading layout; must divide --nproc-per-node."
+    )
+    ap.add_argument(
+        "--relay-min-bytes",
+        type=int,
+        default=DockConfig.model_fields["tp_relay_min_bytes"].default,
+        help="dock.tp_relay_min_bytes of the modes without -norelay (default: the field's default).",
+    )
+    ap.add_argument(
+        "--writer-nodes",
+        type=int,
+        default=None,
+        help="Only the first K nodes' ranks write (separated placement's generation nodes); default: every node.",
+    )
+    ap.add_argument(
+        "--long-tail", action="store_true", help="Response lengths drawn from [SL/16, SL] instead of all SL."
+    )
     ap.add_argument("--G", type=int, default=32)
     ap.add_argument("--N", type=int, default=8)
     ap.add_argument("--PL", type=int, default=256)
     ap.add_argument("--SL", type=int, default=1024)
     ap.add_argument("--n", type=int, default=5, help="Response-length items per sample.")
     ap.add_argument("--M", type=int, default=3, help="Scalars per sample.")
-    ap.add_argument("--modes", default="centralized,distributed-wire,distributed",
-                    help="centralized | distributed; a -wire suffix sends the serving rank's own requests over the wire too "
-                         "(no in-process path, dock.local: the baseline of that lever); -norelay: no TP leader fetch")
+    ap.add_argument(
+        "--modes",
+        default="centralized,distributed-wire,distributed",
+        help="centralized | distributed; a -wire suffix sends the serving rank's own requests over the wire too "
+        "(no in-process path, dock.local: the baseline of that lever); -norelay: no TP leader fetch",
+    )
     ap.add_argument("--netns", action="store_true", help="One network namespace per node with tc tbf limits (root).")
     ap.add_argument("--rate-mbs", type=float, default=50.0, help="Per-node link limit in MB/s with --netns.")
-    ap.add_argument("--iterations", type=int, default=4, help="Iterations per mode; the time is the median of all but the first (cold) one.")
+    ap.add_argument(
+        "--iterations",
+        type=int,
+        default=4,
+        help="Iterations per mode; the time is the median of all but the first (cold) one.",
+    )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
@@ -214,7 +285,10 @@ def main() -> None:
     host = f"{SUBNET}.1" if addrs else "127.0.0.1"
     try:
         with EmbeddedEtcd(host=host) as etcd, tempfile.TemporaryDirectory() as tmp:
-            results = {m: run_mode(m, args, etcd.endpoint, addrs, Path(tmp), tag) for tag, m in enumerate(args.modes.split(","))}
+            results = {
+                m: run_mode(m, args, etcd.endpoint, addrs, Path(tmp), tag)
+                for tag, m in enumerate(args.modes.split(","))
+            }
     finally:
         if args.netns:
             netns_down(args.nodes)
@@ -226,19 +300,28 @@ def main() -> None:
     eq4_meta = tcv_per_warehouse(args.G, args.N, B, args.PL, args.SL, args.n, args.M, C=c, S=args.nodes) * GB
     link = f"netns, {args.rate_mbs:g} MB/s per node link" if args.netns else "loopback, no limit"
     print(f"G={args.G} N={args.N} PL={args.PL} SL={args.SL} n={args.n} M={args.M} S={args.nodes} ({link})")
-    print(f"Eq. (2) total {eq2 / 2**20:.2f} MiB; Eq. (4) per warehouse {eq4_meta / 2**20:.3f} MiB "
-          f"(data part {eq4 / 2**20:.3f} MiB; the 8(C+1)M metadata part goes to etcd here)")
+    print(
+        f"Eq. (2) total {eq2 / 2**20:.2f} MiB; Eq. (4) per warehouse {eq4_meta / 2**20:.3f} MiB "
+        f"(data part {eq4 / 2**20:.3f} MiB; the 8(C+1)M metadata part goes to etcd here)"
+    )
     for mode, r in results.items():
         expect = eq4 if mode.startswith("distributed") else eq2
         full = eq4_meta if mode.startswith("distributed") else eq2
-        per = ", ".join(f"node{k} {b / 2**20:.3f} MiB ({(b - expect) / expect * 100:+.2f}% data, {(b - full) / full * 100:+.2f}% full eq.)"
-                        for k, b in r["warehouse_bytes"].items())
+        per = ", ".join(
+            f"node{k} {b / 2**20:.3f} MiB ({(b - expect) / expect * 100:+.2f}% data, {(b - full) / full * 100:+.2f}% "
+            f"full eq.)"
+            for k, b in r["warehouse_bytes"].items()
+        )
         print(f"  {mode:16s} dispatch {r['time']:7.3f} s (steady median; cold {r['cold']:.3f} s)   warehouses: {per}")
     for mode in (m for m in results if m.startswith("distributed") and "centralized" in results):
-        print(f"  ratio centralized / {mode} dispatch time: {results['centralized']['time'] / results[mode]['time']:.2f}x")
+        print(
+            f"  ratio centralized / {mode} dispatch time: {results['centralized']['time'] / results[mode]['time']:.2f}x"
+        )
     for mode in (m for m in results if m.endswith("-norelay") and m.removesuffix("-norelay") in results):
-        print(f"  ratio {mode} / {mode.removesuffix('-norelay')} dispatch time (TP leader fetch): "
-              f"{results[mode]['time'] / results[mode.removesuffix('-norelay')]['time']:.2f}x")
+        print(
+            f"  ratio {mode} / {mode.removesuffix('-norelay')} dispatch time (TP leader fetch): "
+            f"{results[mode]['time'] / results[mode.removesuffix('-norelay')]['time']:.2f}x"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

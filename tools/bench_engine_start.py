@@ -40,8 +40,16 @@ def child(model: str, kv_gib: float, eager: bool, freeze: bool) -> dict:
     if not freeze:
         rollout._freeze_import_heap = lambda: None
     t0, c0 = time.perf_counter(), time.process_time()
-    engine = rollout.RolloutEngine(model, detect("cpu"), RolloutConfig(n=8, max_response_length=8, kv_cache_gib=kv_gib), tp=1,
-                                   dtype="float32", max_model_len=64, seed=0, distributed=False)
+    engine = rollout.RolloutEngine(
+        model,
+        detect("cpu"),
+        RolloutConfig(n=8, max_response_length=8, kv_cache_gib=kv_gib),
+        tp=1,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        distributed=False,
+    )
     t1, c1 = time.perf_counter(), time.process_time()
     prompts = [[3, 17, 42, 5, 9 + k] for k in range(16)]
     engine.generate(prompts, n=8, max_tokens=8, temperature=1.0, seed=1)
@@ -62,24 +70,52 @@ def main() -> None:
         print(json.dumps(child(args.model, float(args.child[0]), args.child[1] == "1", args.child[2] == "1")))
         return
     small = f"eager-{args.kv_gib:g}GiB"
-    variants = {"compiled-1GiB": (1.0, False, True), "eager-1GiB": (1.0, True, True), small: (args.kv_gib, True, True),
-                f"{small}-unfrozen": (args.kv_gib, True, False)}
+    variants = {
+        "compiled-1GiB": (1.0, False, True),
+        "eager-1GiB": (1.0, True, True),
+        small: (args.kv_gib, True, True),
+        f"{small}-unfrozen": (args.kv_gib, True, False),
+    }
     got: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved, so drift on the machine touches every variant alike
         for name, (kv, eager, freeze) in variants.items():
-            res = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", str(kv), "1" if eager else "0", "1" if freeze else "0"],
-                                 capture_output=True, text=True, timeout=600)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--model",
+                    args.model,
+                    "--child",
+                    str(kv),
+                    "1" if eager else "0",
+                    "1" if freeze else "0",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if res.returncode != 0:
                 sys.exit(f"{name}: the child failed:\n{res.stderr[-3000:]}")
             got[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
-    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("build_s", "build_cpu_s", "first_s", "second_s")} for name, runs in got.items()}
+    med = {
+        name: {k: statistics.median(r[k] for r in runs) for k in ("build_s", "build_cpu_s", "first_s", "second_s")}
+        for name, runs in got.items()
+    }
     base = med["compiled-1GiB"]
     base_total = base["build_s"] + base["first_s"]
-    print(f"median of {args.repeats} fresh processes per variant; model {args.model}; 16 prompts x 8 samples x 8 tokens")
-    print(f"{'variant':<24} {'build s':>8} {'build CPU s':>12} {'first gen s':>12} {'second gen s':>13} {'build+first s':>14} {'vs baseline':>12}")
+    print(
+        f"median of {args.repeats} fresh processes per variant; model {args.model}; 16 prompts x 8 samples x 8 tokens"
+    )
+    print(
+        f"{'variant':<24} {'build s':>8} {'build CPU s':>12} {'first gen s':>12} {'second gen s':>13} "
+        f"{'build+first s':>14} {'vs baseline':>12}"
+    )
     for name, m in med.items():
         total = m["build_s"] + m["first_s"]
-        print(f"{name:<24} {m['build_s']:>8.2f} {m['build_cpu_s']:>12.2f} {m['first_s']:>12.2f} {m['second_s']:>13.3f} {total:>14.2f} {base_total / total:>11.2f}x")
+        print(
+            f"{name:<24} {m['build_s']:>8.2f} {m['build_cpu_s']:>12.2f} {m['first_s']:>12.2f} {m['second_s']:>13.3f} "
+            f"{total:>14.2f} {base_total / total:>11.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -74,13 +74,20 @@ def worker() -> None:
     named = list(model.named_parameters())
     want = {n: digest(p.full_tensor().to(dtype)) for n, p in named}
     plan = bucket_gather.plan(named, dtype.itemsize, limit)
-    report = {"rank": rank, "params": len(named), "buckets": len(plan), "bound": max(bucket_gather.in_flight(plan, dtype.itemsize))}
+    report = {
+        "rank": rank,
+        "params": len(named),
+        "buckets": len(plan),
+        "bound": max(bucket_gather.in_flight(plan, dtype.itemsize)),
+    }
     for path, gather in (("per_parameter", per_parameter), ("per_bucket", per_bucket)):
         exact, it = True, gather(named, dtype, limit)
         dist.barrier()
         rss = reset_peak_rss()
         with LiveBytes() as live:
-            while (item := next(it, None)) is not None:  # a `for` loop would hold the last tensor while the next is gathered
+            while (
+                item := next(it, None)
+            ) is not None:  # a `for` loop would hold the last tensor while the next is gathered
                 exact &= digest(item[1]) == want[item[0]]
                 del item
         rss_growth = (status_kib("VmHWM") - rss) << 10
@@ -91,16 +98,28 @@ def worker() -> None:
             for _name, t in gather(named, dtype, limit):
                 del t
             times.append(time.perf_counter() - t0)
-        report[path] = {"exact": exact, "collectives": live.collectives, "peak_live": live.peak, "peak_rss_growth": rss_growth,
-                        "seconds": min(times)}
+        report[path] = {
+            "exact": exact,
+            "collectives": live.collectives,
+            "peak_live": live.peak,
+            "peak_rss_growth": rss_growth,
+            "seconds": min(times),
+        }
     Path(os.environ["SPMD_RL_OUT"], f"gather-rank{rank}.json").write_text(json.dumps(report))
 
 
 def launch(model: Path, out: Path, dp: int, tp: int, dtype: str, bucket_bytes: int, rounds: int) -> list[dict]:
     """Run the worker under torchrun (one node, dp * tp ranks); the ranks' reports."""
-    env = {"MODEL": str(model), "SPMD_RL_OUT": str(out), "TRAIN_DP": str(dp), "TRAIN_TP": str(tp), "DTYPE": dtype,
-           "BUCKET_BYTES": str(bucket_bytes), "ROUNDS": str(rounds),
-           "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks go back to the kernel when freed: RSS follows live bytes
+    env = {
+        "MODEL": str(model),
+        "SPMD_RL_OUT": str(out),
+        "TRAIN_DP": str(dp),
+        "TRAIN_TP": str(tp),
+        "DTYPE": dtype,
+        "BUCKET_BYTES": str(bucket_bytes),
+        "ROUNDS": str(rounds),
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }  # large blocks go back to the kernel when freed: RSS follows live bytes
     run_workers(__file__, dp * tp, env, "gather benchmark")
     return [json.loads((out / f"gather-rank{r}.json").read_text()) for r in range(dp * tp)]
 
@@ -118,17 +137,27 @@ def main() -> None:
     reports = launch(args.out / "m100", args.out, args.nproc, 1, args.dtype, int(args.bucket_mib * 2**20), args.rounds)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     r = max(reports, key=lambda r: r["per_bucket"]["seconds"])
-    print(f"model {mib(full)} fp32, {r['params']} parameters, {args.nproc} ranks (FSDP), gather in {args.dtype}, "
-          f"bucket {args.bucket_mib:g} MiB -> {r['buckets']} buckets, temporary bound {mib(r['bound'])}")
+    print(
+        f"model {mib(full)} fp32, {r['params']} parameters, {args.nproc} ranks (FSDP), gather in {args.dtype}, "
+        f"bucket {args.bucket_mib:g} MiB -> {r['buckets']} buckets, temporary bound {mib(r['bound'])}"
+    )
     for path in ("per_parameter", "per_bucket"):
         x = r[path]
-        print(f"  {path:14s} {x['seconds']:.3f} s  {x['collectives']:4d} all-gathers  peak RSS growth {mib(x['peak_rss_growth'])}  "
-              f"exact {all(q[path]['exact'] for q in reports)}")
+        print(
+            f"  {path:14s} {x['seconds']:.3f} s  {x['collectives']:4d} all-gathers  peak RSS growth "
+            f"{mib(x['peak_rss_growth'])}  "
+            f"exact {all(q[path]['exact'] for q in reports)}"
+        )
     old, new = r["per_parameter"], r["per_bucket"]
-    print(f"  per_bucket live tensor bytes (tools/memory_probe) peak {mib(new['peak_live'])} within the bound {mib(r['bound'])}: "
-          f"{new['peak_live'] <= r['bound']}")
-    print(f"  ratios per_bucket / per_parameter: time {new['seconds'] / old['seconds']:.2f}, "
-          f"peak RSS growth {new['peak_rss_growth'] / max(1, old['peak_rss_growth']):.2f}")
+    print(
+        f"  per_bucket live tensor bytes (tools/memory_probe) peak {mib(new['peak_live'])} within the bound "
+        f"{mib(r['bound'])}: "
+        f"{new['peak_live'] <= r['bound']}"
+    )
+    print(
+        f"  ratios per_bucket / per_parameter: time {new['seconds'] / old['seconds']:.2f}, "
+        f"peak RSS growth {new['peak_rss_growth'] / max(1, old['peak_rss_growth']):.2f}"
+    )
 
 
 if __name__ == "__main__":

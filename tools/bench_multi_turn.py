@@ -32,6 +32,7 @@ from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 
 def slow_calculator(mean_s: float):
     """The calculator with a delay per call drawn from Exp(mean), seeded by the prompt."""
+
     class Slow(Calculator):
         def __init__(self, row):
             super().__init__(row)
@@ -57,14 +58,31 @@ def main() -> None:
     quiet_vllm(None, 0)
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = [json.loads(line) for line in open(f"{args.model}/train.jsonl")][: args.prompts]
-    items = [(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=False), r) for r in rows]
-    engine = RolloutEngine(args.model, detect("cpu"), RolloutConfig(n=1, max_response_length=args.max_tokens), tp=1,
-                           dtype="float32", max_model_len=256, seed=0, distributed=False)
+    items = [
+        (
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
+            r,
+        )
+        for r in rows
+    ]
+    engine = RolloutEngine(
+        args.model,
+        detect("cpu"),
+        RolloutConfig(n=1, max_response_length=args.max_tokens),
+        tp=1,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        distributed=False,
+    )
     limits = TurnLimits(args.max_turns, args.max_tokens, 30.0)
     env = slow_calculator(args.tool_latency_ms / 1000)
-    modes = {"continuous": MultiTurnRollout(engine, tok, env, limits, tool_workers=64),
-             "lock-step": MultiTurnRollout(engine, tok, env, limits, lockstep=True, tool_workers=64)}
+    modes = {
+        "continuous": MultiTurnRollout(engine, tok, env, limits, tool_workers=64),
+        "lock-step": MultiTurnRollout(engine, tok, env, limits, lockstep=True, tool_workers=64),
+    }
     modes["continuous"].run(items[:8], seed=0)  # warm-up
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
@@ -75,8 +93,11 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             tokens[name] = sum(t.stats["sampled_tokens"] for t in trajs)
             calls = sum(t.stats["tool_calls"] for t in trajs)
-    print(f"{args.prompts} trajectories, at most {args.max_turns} turns, tool latency Exp(mean {args.tool_latency_ms:g} ms), "
-          f"{calls} tool calls in the last repeat; median of {args.repeats} repeats, modes alternating")
+    print(
+        f"{args.prompts} trajectories, at most {args.max_turns} turns, tool latency Exp(mean {args.tool_latency_ms:g} "
+        f"ms), "
+        f"{calls} tool calls in the last repeat; median of {args.repeats} repeats, modes alternating"
+    )
     print(f"{'mode':12s} {'s/rollout':>10s} {'sampled tok/s':>14s} {'vs lock-step':>13s}")
     base = statistics.median(times["lock-step"])
     for name in modes:

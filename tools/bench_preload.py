@@ -34,17 +34,30 @@ def cpu_model() -> str:
 def children_cpu_s(pid: int) -> float:
     """CPU seconds of the reaped children of ``pid`` (its forked ranks)."""
     raw = Path(f"/proc/{pid}/stat").read_text()
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
 
 
 def job(tmp: Path, name: str, env: dict[str, str]) -> tuple[float, float]:
     """(wall s, CPU s of the process tree) of one one-iteration run."""
     out = tmp / name
-    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", "configs/quickstart.yaml", "trainer.iterations=1",
-           f"checkpoint.dir={out}/ckpt", f"logging.dir={out}/logs", "data.global_batch_size=8", "rollout.n=4",
-           "actor.mini_batch_size=8", "actor.micro_batch_size=8", f"metadata.job=bench-{name}", "dock.port=0",
-           "logging.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        "configs/quickstart.yaml",
+        "trainer.iterations=1",
+        f"checkpoint.dir={out}/ckpt",
+        f"logging.dir={out}/logs",
+        "data.global_batch_size=8",
+        "rollout.n=4",
+        "actor.mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        f"metadata.job=bench-{name}",
+        "dock.port=0",
+        "logging.progress=false",
+    ]
     t0 = time.perf_counter()
     with open(tmp / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -65,8 +78,11 @@ def main() -> None:
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1"}
     env.pop("SPMD_RL_PRELOAD", None)
     t0 = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-u", "-m", "spmd_rl.launcher.preload", socket_path, *PRELOAD],
-                              env=env | QUIET_ENV, stdin=subprocess.PIPE)  # as a rank imports vLLM
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "spmd_rl.launcher.preload", socket_path, *PRELOAD],
+        env=env | QUIET_ENV,
+        stdin=subprocess.PIPE,
+    )  # as a rank imports vLLM
     while "imported" not in (Path(socket_path + ".log").read_text() if Path(socket_path + ".log").exists() else ""):
         time.sleep(0.1)
     server_start = time.perf_counter() - t0
@@ -82,8 +98,10 @@ def main() -> None:
     forked, refused = log.count("\nforked "), log.count("\nrefused")
     base_wall = statistics.median(w for w, _ in rows["baseline"])
     base_cpu = statistics.median(c for _, c in rows["baseline"])
-    print(f"# {cpu_model()}, {os.cpu_count()} CPUs; median of {args.runs} one-iteration "
-          f"quickstart jobs (2 ranks); server start {server_start:.1f} s, once; {forked} ranks forked, {refused} refused")
+    print(
+        f"# {cpu_model()}, {os.cpu_count()} CPUs; median of {args.runs} one-iteration "
+        f"quickstart jobs (2 ranks); server start {server_start:.1f} s, once; {forked} ranks forked, {refused} refused"
+    )
     print(f"{'variant':10} {'wall s':>8} {'ratio':>6} {'CPU s':>8} {'ratio':>6}")
     for name, values in rows.items():
         wall = statistics.median(w for w, _ in values)

@@ -35,10 +35,18 @@ def build_model(folder: Path, args) -> int:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    cfg = Qwen2Config(vocab_size=max(len(tok), args.vocab), hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
-                      max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        vocab_size=max(len(tok), args.vocab),
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(folder, safe_serialization=True)
@@ -67,9 +75,16 @@ def swap_vs_memcpy(swap, rounds: int) -> dict:
         t3 = time.perf_counter()
         rows.append((t1 - t0, t2 - t1, t3 - t2))
     gib = swap.nbytes / 1024**3
-    med = {k: statistics.median(f(r) for r in rows) for k, f in (
-        ("memcpy", lambda r: gib / r[0]), ("d2h", lambda r: gib / r[1]), ("h2d", lambda r: gib / r[2]),
-        ("d2h_ratio", lambda r: r[0] / r[1]), ("h2d_ratio", lambda r: r[0] / r[2]))}
+    med = {
+        k: statistics.median(f(r) for r in rows)
+        for k, f in (
+            ("memcpy", lambda r: gib / r[0]),
+            ("d2h", lambda r: gib / r[1]),
+            ("h2d", lambda r: gib / r[2]),
+            ("d2h_ratio", lambda r: r[0] / r[1]),
+            ("h2d_ratio", lambda r: r[0] / r[2]),
+        )
+    }
     return med | {"rounds": rounds}
 
 
@@ -88,11 +103,16 @@ def reshard_rounds(rs, rollout, acc, rounds: int) -> dict:
         rs.to_training()
         fwd.append(t1 - t0)
         back.append(time.perf_counter() - t2)
-    return {"to_generation_s": min(fwd), "to_training_s": min(back), "generation_bytes": rs.ledger.total("generate"),
-            "temp_peak": rs.temp_peak, "device_peak": device_peak}
+    return {
+        "to_generation_s": min(fwd),
+        "to_training_s": min(back),
+        "generation_bytes": rs.ledger.total("generate"),
+        "temp_peak": rs.temp_peak,
+        "device_peak": device_peak,
+    }
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -100,7 +120,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bucket-mib", type=float, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="Reshard round trips per path (best time is printed).")
-    ap.add_argument("--swap-rounds", type=int, default=7, help="Swap round trips, each after its own memcpy (medians are printed).")
+    ap.add_argument(
+        "--swap-rounds", type=int, default=7, help="Swap round trips, each after its own memcpy (medians are printed)."
+    )
     ap.add_argument("--tokenizer", default=str(REPO / "assets/tiny-qwen2"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--backends", default="fsdp", help="training backends to reshard from, in order (fsdp,megatron)")
@@ -134,13 +156,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         n_params = build_model(folder, args)
-        rollout = RolloutEngine(folder, acc, RolloutConfig(n=1, max_response_length=4), tp=1, dtype="float32", max_model_len=64, distributed=False)
+        rollout = RolloutEngine(
+            folder,
+            acc,
+            RolloutConfig(n=1, max_response_length=4),
+            tp=1,
+            dtype="float32",
+            max_model_len=64,
+            distributed=False,
+        )
         for backend in args.backends.split(","):
             engine = engines[backend](folder)
             batch = build_batch([torch.tensor([1, 2, 3])] * 2, [torch.tensor([4, 5])] * 2, 0)
             engine.train_step([batch], lambda lp, ent, k: -lp.sum())  # creates AdamW state
             for mode in ("naive", "allgather_swap"):
-                rs = Resharder(engine, rollout, ReshardConfig(mode=mode, bucket_bytes=int(args.bucket_mib * 2**20)), "float32")
+                rs = Resharder(
+                    engine, rollout, ReshardConfig(mode=mode, bucket_bytes=int(args.bucket_mib * 2**20)), "float32"
+                )
                 results[f"{backend} {mode}"] = reshard_rounds(rs, rollout, acc, args.rounds)
                 if mode == "allgather_swap" and not swaps:
                     print(rs.ledger.table())
@@ -148,31 +180,52 @@ def main() -> None:
                     swapped = rs.swap.nbytes
                     from spmd_rl.reshard.swap import HostSwap
 
-                    for k in (1, torch.get_num_threads()):  # the swap alone: sequential vs parallel copies, same tensors
+                    for k in (
+                        1,
+                        torch.get_num_threads(),
+                    ):  # the swap alone: sequential vs parallel copies, same tensors
                         swap = HostSwap(acc, threads=k)
                         swap.track(engine.param_tensors() + engine.grad_tensors() + engine.optimizer_tensors())
                         swaps[f"{k} copy thread(s)"] = swap_vs_memcpy(swap, args.swap_rounds)
     mib = 2**20
-    print(f"\nmodel {n_params / 1e6:.1f} M params (fp32 master + AdamW), device {acc.kind}, bucket {args.bucket_mib:g} MiB")
+    print(
+        f"\nmodel {n_params / 1e6:.1f} M params (fp32 master + AdamW), device {acc.kind}, bucket {args.bucket_mib:g} "
+        f"MiB"
+    )
     for name, r in results.items():
         dev = f", device peak {r['device_peak'] / mib:.1f} MiB" if r["device_peak"] is not None else ""
-        print(f"  {name:24s} train->gen {r['to_generation_s']:.3f} s  gen->train {r['to_training_s']:.3f} s  "
-              f"generation-stage bytes {r['generation_bytes'] / mib:9.1f} MiB  gather buffer peak {r['temp_peak'] / mib:7.1f} MiB{dev}")
+        print(
+            f"  {name:24s} train->gen {r['to_generation_s']:.3f} s  gen->train {r['to_training_s']:.3f} s  "
+            f"generation-stage bytes {r['generation_bytes'] / mib:9.1f} MiB  gather buffer peak "
+            f"{r['temp_peak'] / mib:7.1f} MiB{dev}"
+        )
     for backend in args.backends.split(","):
         n, s = results[f"{backend} naive"], results[f"{backend} allgather_swap"]
-        print(f"  {backend}: saved in generation {(n['generation_bytes'] - s['generation_bytes']) / mib:.1f} MiB "
-              f"({n['generation_bytes'] / max(1, s['generation_bytes']):.2f}x less)")
+        print(
+            f"  {backend}: saved in generation {(n['generation_bytes'] - s['generation_bytes']) / mib:.1f} MiB "
+            f"({n['generation_bytes'] / max(1, s['generation_bytes']):.2f}x less)"
+        )
     if "megatron" in args.backends and "fsdp" in args.backends:
         for mode in ("naive", "allgather_swap"):
             m, f = results[f"megatron {mode}"], results[f"fsdp {mode}"]
-            print(f"  megatron / fsdp, {mode}: train->gen {m['to_generation_s'] / f['to_generation_s']:.2f}x, "
-                  f"gen->train {m['to_training_s'] / f['to_training_s']:.2f}x, generation-stage bytes {m['generation_bytes'] / f['generation_bytes']:.2f}x")
-    print(f"  swap of {swapped / mib:.1f} MiB ({args.backends.split(',')[0]}), medians of {args.swap_rounds} rounds, each against the memcpy just before it:")
+            print(
+                f"  megatron / fsdp, {mode}: train->gen {m['to_generation_s'] / f['to_generation_s']:.2f}x, "
+                f"gen->train {m['to_training_s'] / f['to_training_s']:.2f}x, generation-stage bytes "
+                f"{m['generation_bytes'] / f['generation_bytes']:.2f}x"
+            )
+    print(
+        f"  swap of {swapped / mib:.1f} MiB ({args.backends.split(',')[0]}), medians of {args.swap_rounds} rounds, "
+        f"each against the memcpy just before it:"
+    )
     for name, m in swaps.items():
-        print(f"    {name:18s} D2H {m['d2h']:6.2f} GiB/s, H2D {m['h2d']:6.2f} GiB/s; memcpy {m['memcpy']:6.2f} GiB/s; "
-              f"ratios to memcpy D2H {m['d2h_ratio']:.2f}, H2D {m['h2d_ratio']:.2f}")
+        print(
+            f"    {name:18s} D2H {m['d2h']:6.2f} GiB/s, H2D {m['h2d']:6.2f} GiB/s; memcpy {m['memcpy']:6.2f} GiB/s; "
+            f"ratios to memcpy D2H {m['d2h_ratio']:.2f}, H2D {m['h2d_ratio']:.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "results": results, "swaps": swaps}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "params": n_params, "results": results, "swaps": swaps}, indent=1)
+        )
     # the process group stays up: vLLM tears down its own groups at exit
 
 

@@ -59,7 +59,11 @@ def local_rank_1(address: str, samples: int, per: int, repeats: int, out: mp.Que
             got = client.get(0, idx, ["x"])["x"]
             assert got[-1].numel() == per
 
-        put = timed(lambda r: client.put(base + r, idx, {"x": values}, {"x": True}), repeats, after=lambda r: client.drop(base + r))
+        put = timed(
+            lambda r: client.put(base + r, idx, {"x": values}, {"x": True}),
+            repeats,
+            after=lambda r: client.drop(base + r),
+        )
         result[name] = (timed(get, repeats), put)
         assert getattr(client, "shared", True), "the warehouse refused this process's shared memory"
         client.close()

@@ -38,7 +38,7 @@ from memory_probe import status_kib  # noqa: E402
 
 def worker() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     acc = detect("cpu")
     dp, tp = int(os.environ["TRAIN_DP"]), int(os.environ["TRAIN_TP"])
     mesh = train_mesh(acc, Layout(dp, tp))
@@ -53,8 +53,14 @@ def worker() -> None:
     after = status_kib("VmRSS")
     weights = SafetensorsFolder(path)
     exact = all(torch.equal(p.full_tensor(), weights.read(n)) for n, p in model.named_parameters())
-    report = {"rank": rank, "before": before << 10, "peak": peak << 10, "after": after << 10, "exact": exact,
-              "local_param_bytes": sum(p.to_local().numel() * 4 for p in model.parameters())}
+    report = {
+        "rank": rank,
+        "before": before << 10,
+        "peak": peak << 10,
+        "after": after << 10,
+        "exact": exact,
+        "local_param_bytes": sum(p.to_local().numel() * 4 for p in model.parameters()),
+    }
     Path(os.environ["SPMD_RL_OUT"], f"load-{os.environ['MODE']}-rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -63,14 +69,24 @@ def hundred_m_model(folder: Path) -> tuple[int, int]:
     (model bytes, one decoder layer's bytes)."""
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(hidden_size=768, intermediate_size=2048, num_hidden_layers=13, num_attention_heads=12,
-                      num_key_value_heads=12, vocab_size=8000, max_position_embeddings=256, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=13,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=8000,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(cfg)
     if not (folder / "model.safetensors").is_file():
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    return sum(p.numel() * 4 for p in shapes.parameters()), sum(p.numel() * 4 for p in shapes.model.layers[0].parameters())
+    return sum(p.numel() * 4 for p in shapes.parameters()), sum(
+        p.numel() * 4 for p in shapes.model.layers[0].parameters()
+    )
 
 
 def run_workers(script: str, nproc: int, env: dict[str, str], what: str) -> None:
@@ -84,8 +100,12 @@ def run_workers(script: str, nproc: int, env: dict[str, str], what: str) -> None
 
 def launch(model: Path, out: Path, mode: str, dp: int, tp: int) -> list[dict]:
     """Run the worker under torchrun (one node, dp * tp ranks); the ranks' reports."""
-    run_workers(__file__, dp * tp, {"MODEL": str(model), "SPMD_RL_OUT": str(out), "MODE": mode, "TRAIN_DP": str(dp), "TRAIN_TP": str(tp)},
-                f"{mode} build")
+    run_workers(
+        __file__,
+        dp * tp,
+        {"MODEL": str(model), "SPMD_RL_OUT": str(out), "MODE": mode, "TRAIN_DP": str(dp), "TRAIN_TP": str(tp)},
+        f"{mode} build",
+    )
     return [json.loads((out / f"load-{mode}-rank{r}.json").read_text()) for r in range(dp * tp)]
 
 
@@ -96,13 +116,18 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     full, layer = hundred_m_model(args.out / "m100")
-    growth = {m: [r["peak"] - r["before"] for r in launch(args.out / "m100", args.out, m, args.nproc, 1)] for m in ("whole", "sharded")}
+    growth = {
+        m: [r["peak"] - r["before"] for r in launch(args.out / "m100", args.out, m, args.nproc, 1)]
+        for m in ("whole", "sharded")
+    }
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     print(f"model {mib(full)}, one layer {mib(layer)}, {args.nproc} ranks (FSDP)")
     for m, g in growth.items():
         print(f"  {m:8s} peak RSS growth per rank: {', '.join(mib(x) for x in g)}")
-    print(f"  ratio sharded / whole: {max(growth['sharded']) / max(growth['whole']):.2f} "
-          f"(ideal about 1/{args.nproc} + one layer / full = {1 / args.nproc + layer / full:.2f})")
+    print(
+        f"  ratio sharded / whole: {max(growth['sharded']) / max(growth['whole']):.2f} "
+        f"(ideal about 1/{args.nproc} + one layer / full = {1 / args.nproc + layer / full:.2f})"
+    )
 
 
 if __name__ == "__main__":

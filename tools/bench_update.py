@@ -45,12 +45,30 @@ def build_model(folder: Path, args) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                 num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt + args.response, tie_word_embeddings=False)
-    if args.experts:  # Qwen3-MoE: each expert 1/topk of the dense MLP's width, so a token computes what a dense one does
-        cfg, cls = Qwen3MoeConfig(**shape, intermediate_size=args.hidden * 3, moe_intermediate_size=args.hidden * 3 // args.topk,
-                                  num_experts=args.experts, num_experts_per_tok=args.topk, norm_topk_prob=True,
-                                  head_dim=args.hidden // args.heads), Qwen3MoeForCausalLM
+    shape = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt + args.response,
+        tie_word_embeddings=False,
+    )
+    if (
+        args.experts
+    ):  # Qwen3-MoE: each expert 1/topk of the dense MLP's width, so a token computes what a dense one does
+        cfg, cls = (
+            Qwen3MoeConfig(
+                **shape,
+                intermediate_size=args.hidden * 3,
+                moe_intermediate_size=args.hidden * 3 // args.topk,
+                num_experts=args.experts,
+                num_experts_per_tok=args.topk,
+                norm_topk_prob=True,
+                head_dim=args.hidden // args.heads,
+            ),
+            Qwen3MoeForCausalLM,
+        )
     else:
         cfg, cls = Qwen2Config(**shape, intermediate_size=args.hidden * 3), Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -67,7 +85,9 @@ def batch(args):
     from spmd_rl.engines.logprobs import build_batch, split
 
     g = torch.Generator().manual_seed(1)
-    lens = torch.randint(args.response // 2, args.response + 1, (args.samples,), generator=g).sort(descending=True).values
+    lens = (
+        torch.randint(args.response // 2, args.response + 1, (args.samples,), generator=g).sort(descending=True).values
+    )
     prompts = [torch.randint(1, args.vocab, (args.prompt,), generator=g) for _ in range(args.samples)]
     responses = [torch.randint(1, args.vocab, (int(n),), generator=g) for n in lens]
     b = build_batch(prompts, responses, 0)
@@ -75,7 +95,7 @@ def batch(args):
     return split(b, args.micro), tokens
 
 
-def one(backend: str, folder: Path, args) -> dict:
+def one(backend: str, folder: Path, args) -> dict:  # noqa: PLR0915
     """Runs in its own process: build, update, gather, swap; returns the measurements."""
     import socket
 
@@ -94,8 +114,12 @@ def one(backend: str, folder: Path, args) -> dict:
     acc = detect("auto", 0)
     acc.set_device()
     dist.init_process_group(acc.backend, rank=0, world_size=1)
-    lora = {"lora": {"rank": args.lora_rank, "sync": "merged"}} if backend == "fsdp-lora" else {}  # the gather merges; adapters timed apart
-    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing, **lora)
+    lora = (
+        {"lora": {"rank": args.lora_rank, "sync": "merged"}} if backend == "fsdp-lora" else {}
+    )  # the gather merges; adapters timed apart
+    cfg = ActorConfig(
+        mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing, **lora
+    )
     t0 = time.perf_counter()
     if backend == "megatron":
         from spmd_rl.engines.megatron.engine import MegatronEngine
@@ -117,7 +141,9 @@ def one(backend: str, folder: Path, args) -> dict:
         acc.synchronize()
         return time.perf_counter() - t
 
-    first = engine.train_step(micro, loss_fn)  # warm-up; creates the AdamW state; its loss and grad norm agree across backends
+    first = engine.train_step(
+        micro, loss_fn
+    )  # warm-up; creates the AdamW state; its loss and grad norm agree across backends
     if acc.kind != "cpu":
         torch.cuda.reset_peak_memory_stats()
     steps = [timed(lambda: engine.train_step(micro, loss_fn)) for _ in range(args.steps)]
@@ -128,8 +154,11 @@ def one(backend: str, folder: Path, args) -> dict:
         _peak, it = engine.full_weights(dtype, args.bucket_mib * 2**20)
         for _name, _t in it:
             pass
+
     gathers = [timed(gather) for _ in range(args.rounds)]
-    adapter_gathers = [timed(lambda: engine.adapter_tensors(dtype)) for _ in range(args.rounds)] if backend == "fsdp-lora" else [0.0]
+    adapter_gathers = (
+        [timed(lambda: engine.adapter_tensors(dtype)) for _ in range(args.rounds)] if backend == "fsdp-lora" else [0.0]
+    )
     swap = HostSwap(acc)
     swap.track(engine.param_tensors() + engine.grad_tensors() + engine.optimizer_tensors())
     outs, ins, left = [], [], []
@@ -139,10 +168,23 @@ def one(backend: str, folder: Path, args) -> dict:
         left.append(torch.cuda.memory_allocated() if acc.kind != "cpu" else None)
         ins.append(timed(swap.reload))
     mean = statistics.mean
-    return {"backend": backend, "device": torch.cuda.get_device_name() if acc.kind == "cuda" else acc.kind, "build_s": build_s,
-            "loss": first["loss"], "grad_norm": first["grad_norm"], "update_s": mean(steps), "update_tokens_per_s": tokens / mean(steps), "peak_bytes": peak,
-            "gather_s": mean(gathers), "adapter_gather_s": mean(adapter_gathers), "swap_out_s": mean(outs), "swap_in_s": mean(ins), "swapped_bytes": swap.nbytes,
-            "left_during_generation": left[-1], "tokens": tokens}
+    return {
+        "backend": backend,
+        "device": torch.cuda.get_device_name() if acc.kind == "cuda" else acc.kind,
+        "build_s": build_s,
+        "loss": first["loss"],
+        "grad_norm": first["grad_norm"],
+        "update_s": mean(steps),
+        "update_tokens_per_s": tokens / mean(steps),
+        "peak_bytes": peak,
+        "gather_s": mean(gathers),
+        "adapter_gather_s": mean(adapter_gathers),
+        "swap_out_s": mean(outs),
+        "swap_in_s": mean(ins),
+        "swapped_bytes": swap.nbytes,
+        "left_during_generation": left[-1],
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -152,7 +194,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=20)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense Qwen2)")
+    ap.add_argument(
+        "--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense Qwen2)"
+    )
     ap.add_argument("--topk", type=int, default=2, help="experts routed per token (--experts)")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
@@ -163,7 +207,11 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=512)
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype; masters and AdamW stay float32 on both sides")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on both sides")
-    ap.add_argument("--backends", default="fsdp,megatron", help="any of fsdp, megatron, fsdp-lora (FSDP with actor.lora on the default targets)")
+    ap.add_argument(
+        "--backends",
+        default="fsdp,megatron",
+        help="any of fsdp, megatron, fsdp-lora (FSDP with actor.lora on the default targets)",
+    )
     ap.add_argument("--lora-rank", type=int, default=16, help="fsdp-lora: the adapters' rank")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -176,30 +224,58 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         n = build_model(folder, args)
-        print(f"model: {n / 1e9:.2f} B params{f', {args.experts} experts top-{args.topk}' if args.experts else ''}, hidden {args.hidden}, {args.layers} layers; batch {args.samples} x "
-              f"({args.prompt} + <= {args.response}) tokens in micro-batches of {args.micro}", flush=True)
-        passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("backends", "json", "one", "folder", "checkpointing")]
+        print(
+            f"model: {n / 1e9:.2f} B params{f', {args.experts} experts top-{args.topk}' if args.experts else ''}, "
+            f"hidden {args.hidden}, {args.layers} layers; batch {args.samples} x "
+            f"({args.prompt} + <= {args.response}) tokens in micro-batches of {args.micro}",
+            flush=True,
+        )
+        passthrough = [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("backends", "json", "one", "folder", "checkpointing")
+        ]
         passthrough += ["--checkpointing"] if args.checkpointing else []
         for backend in args.backends.split(","):
-            done = subprocess.run([sys.executable, __file__, *passthrough, "--one", backend, "--folder", str(folder)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, __file__, *passthrough, "--one", backend, "--folder", str(folder)],
+                capture_output=True,
+                text=True,
+            )
             line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
             if done.returncode or not line:
-                print(f"{backend} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}", flush=True)
+                print(
+                    f"{backend} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}",
+                    flush=True,
+                )
                 continue
             rows[backend] = json.loads(line[0].removeprefix("RESULT "))
     gib = 2**30
-    print(f"\n{'backend':10s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'adapter gather s':>16s} {'swap out s':>10s} "
-          f"{'swap in s':>9s} {'swapped GiB':>11s} {'left GiB':>9s} {'loss':>8s} {'grad norm':>9s}   (means; device: {next(iter(rows.values()))['device'] if rows else '-'})")
+    print(
+        f"\n{'backend':10s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'adapter gather s':>16s} "
+        f"{'swap out s':>10s} "
+        f"{'swap in s':>9s} {'swapped GiB':>11s} {'left GiB':>9s} {'loss':>8s} {'grad norm':>9s}   (means; device: "
+        f"{next(iter(rows.values()))['device'] if rows else '-'})"
+    )
     for b, r in rows.items():
         f = lambda v: f"{v / gib:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} {r['gather_s']:9.3f} {r['adapter_gather_s']:16.4f} "
-              f"{r['swap_out_s']:10.3f} {r['swap_in_s']:9.3f} {f(r['swapped_bytes']):>11s} {f(r['left_during_generation']):>9s} {r['loss']:8.4f} {r['grad_norm']:9.4f}")
+        print(
+            f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} "
+            f"{r['gather_s']:9.3f} {r['adapter_gather_s']:16.4f} "
+            f"{r['swap_out_s']:10.3f} {r['swap_in_s']:9.3f} {f(r['swapped_bytes']):>11s} "
+            f"{f(r['left_during_generation']):>9s} {r['loss']:8.4f} {r['grad_norm']:9.4f}"
+        )
     for other in ("megatron", "fsdp-lora"):
         if {"fsdp", other} <= rows.keys():
             m, s = rows[other], rows["fsdp"]
-            print(f"{other} / fsdp: " + ", ".join(f"{k} {m[k] / s[k]:.2f}x" for k in ("update_s", "gather_s", "swap_out_s", "swap_in_s", "swapped_bytes", "peak_bytes")
-                                                   if s[k]))
+            print(
+                f"{other} / fsdp: "
+                + ", ".join(
+                    f"{k} {m[k] / s[k]:.2f}x"
+                    for k in ("update_s", "gather_s", "swap_out_s", "swap_in_s", "swapped_bytes", "peak_bytes")
+                    if s[k]
+                )
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "params": n, "rows": rows}, indent=1))
 

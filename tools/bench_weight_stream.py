@@ -51,7 +51,9 @@ def peer(rank: int, port: int, mode: str, params: int, limit: int, folder: str, 
     if rank == 0:
         w = weights(params)
         dist.barrier()
-        q.put(("sent", broadcast.send(1, [(n, t.dtype, list(t.shape)) for n, t in w], iter(w), limit, 0, None, cpu, True)))
+        q.put(
+            ("sent", broadcast.send(1, [(n, t.dtype, list(t.shape)) for n, t in w], iter(w), limit, 0, None, cpu, True))
+        )
     else:
         dist.barrier()
         before, path = status_kib("VmRSS"), os.path.join(folder, f"{mode}.safetensors")
@@ -93,8 +95,14 @@ def main() -> None:
         res = {mode: run(mode, params, limit, folder) for mode in ("whole", "stream")}
     model = params * 4
     for mode, (_, grow, size, _, _) in res.items():
-        print(f"  {mode:6s} receiver peak RSS growth {grow / 2**20:8.1f} MiB  ({grow / model:.2f}x model)  file {size / 2**20:.1f} MiB")
-    print(f"model {model / 2**20:.1f} MiB, bucket {args.bucket_mib:g} MiB; stream / whole peak: {res['stream'][1] / res['whole'][1]:.2f}")
+        print(
+            f"  {mode:6s} receiver peak RSS growth {grow / 2**20:8.1f} MiB  ({grow / model:.2f}x model)  file "
+            f"{size / 2**20:.1f} MiB"
+        )
+    print(
+        f"model {model / 2**20:.1f} MiB, bucket {args.bucket_mib:g} MiB; stream / whole peak: "
+        f"{res['stream'][1] / res['whole'][1]:.2f}"
+    )
     same = all(r[3] == r[4] for r in res.values())
     print("both files hold the sent tensors bit for bit" if same else "the files' tensors differ")
 

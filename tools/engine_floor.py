@@ -5,7 +5,8 @@ in one process that owns every core, with none of spmd-rl around them.
 - generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,
   same SL, same dtype), after one warm-up call;
 - training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
-  padded, longest first as the trainer orders them; the response log-probs of ``engines.logprobs``, a token-mean policy-gradient loss,
+  padded, longest first as the trainer orders them; the response log-probs of ``engines.logprobs``, a token-mean
+  policy-gradient loss,
   backward in micro-batches of ``actor.micro_batch_size x train DP`` samples, and at most
   ``actor.micro_batch_tokens x train DP`` tokens when that is set; AdamW), after one warm-up
   step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
@@ -23,7 +24,8 @@ fusion, partial rollout, asynchronous) can gain by hiding the tail, when, as on 
 core sits idle while the tail is generated.
 
     python tools/engine_floor.py configs/bench_cpu.yaml
-    python tools/engine_floor.py configs/bench_cpu.yaml model.path=assets/bench-longtail rollout.max_response_length=256 --flat
+    python tools/engine_floor.py configs/bench_cpu.yaml model.path=assets/bench-longtail rollout.max_response_length=256
+    --flat
 """
 
 from __future__ import annotations
@@ -69,21 +71,36 @@ def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.rollout.kv_cache_gib))))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=cfg.model.path, dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-              seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager, enable_prefix_caching=False)
+    llm = LLM(
+        model=cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        seed=cfg.trainer.seed,
+        enforce_eager=cfg.rollout.enforce_eager,
+        enable_prefix_caching=False,
+    )
     outs: list = []
 
     def timed(length: int, **fixed) -> float:
         """Median seconds of generating every prompt's N samples of at most ``length`` tokens."""
-        params = SamplingParams(n=cfg.rollout.n, max_tokens=length, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                logprobs=0, **fixed)
+        params = SamplingParams(
+            n=cfg.rollout.n,
+            max_tokens=length,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            logprobs=0,
+            **fixed,
+        )
 
         def run():
             outs[:] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
         return _median_time(run, repeats)
 
-    got = {"floor_generation_s": timed(cfg.rollout.max_response_length), "responses": [list(c.token_ids) for o in outs for c in o.outputs]}
+    got = {
+        "floor_generation_s": timed(cfg.rollout.max_response_length),
+        "responses": [list(c.token_ids) for o in outs for c in o.outputs],
+    }
     if flat:  # the same tokens, no tail
         mean = max(1, round(sum(map(len, got["responses"])) / len(got["responses"])))
         got["flat_generation_s"] = timed(mean, min_tokens=mean, ignore_eos=True)
@@ -91,8 +108,7 @@ def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) 
     return got
 
 
-def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int,
-             model=None) -> float:
+def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: int, repeats: int, model=None) -> float:
     """Median seconds of one training step of the batch; ``model``: the HF model to train (loaded
     from ``cfg.model.path`` when None), so a caller can see what the steps did to it."""
     from transformers import AutoModelForCausalLM
@@ -111,7 +127,9 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
     budget = cfg.actor.micro_batch_tokens and cfg.actor.micro_batch_tokens * dp
     order = torch.argsort(batch.attention_mask.sum(1), descending=True, stable=True)  # as the trainer orders
     batch, adv = batch[order], adv[order]
-    runs = token_runs(batch.attention_mask.sum(1).tolist(), cfg.actor.micro_batch_size * dp, budget, cfg.actor.pack_sequences)
+    runs = token_runs(
+        batch.attention_mask.sum(1).tolist(), cfg.actor.micro_batch_size * dp, budget, cfg.actor.pack_sequences
+    )
     cast = torch.autocast("cpu", dtype=compute) if compute != master else contextlib.nullcontext()
     logprobs = packed_response_logprobs if cfg.actor.pack_sequences else lm_response_logprobs
     policy = SamplingPolicy.of(cfg.rollout)
@@ -136,7 +154,11 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--flat", action="store_true", help="Also time the same response tokens with no tail; print the streaming bound.")
+    ap.add_argument(
+        "--flat",
+        action="store_true",
+        help="Also time the same response tokens with no tail; print the streaming bound.",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
@@ -146,7 +168,12 @@ def main() -> None:
     out = generation(cfg, prompts, args.repeats, args.flat)
     responses = out.pop("responses")
     t_gen, t_train = out["floor_generation_s"], training(cfg, prompts, responses, tok.pad_token_id, args.repeats)
-    out |= {"floor_training_s": t_train, "floor_s": t_gen + t_train, "response_tokens": sum(map(len, responses)), "samples": len(responses)}
+    out |= {
+        "floor_training_s": t_train,
+        "floor_s": t_gen + t_train,
+        "response_tokens": sum(map(len, responses)),
+        "samples": len(responses),
+    }
     if args.flat:
         out["streaming_bound"] = (t_gen + t_train) / (out["flat_generation_s"] + t_train)
     print(json.dumps(out))

@@ -35,8 +35,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-BASE = ("model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.use_kl_loss=true", "trainer.iterations=2",
-        "checkpoint.interval=1", "logging.progress=false")
+BASE = (
+    "model.dtype=bfloat16",
+    "algorithm.kl_coef=0.05",
+    "algorithm.use_kl_loss=true",
+    "trainer.iterations=2",
+    "checkpoint.interval=1",
+    "logging.progress=false",
+)
 
 
 class Failed(Exception):
@@ -55,14 +61,31 @@ def layout(n: int, separated: bool) -> list[str]:
     tp = 2 if n >= 2 and not separated else 1
     out = [f"parallel.nproc_per_node={n}", f"parallel.train.tp={tp}", f"parallel.gen.tp={tp}"]
     if separated:
-        return out + ["parallel.placement=separated", "parallel.gen_ranks=2", "parallel.gen.dp=null", "parallel.train.dp_shard=null",
-                      "actor.tis_cap=2.0"]
+        return out + [
+            "parallel.placement=separated",
+            "parallel.gen_ranks=2",
+            "parallel.gen.dp=null",
+            "parallel.train.dp_shard=null",
+            "actor.tis_cap=2.0",
+        ]
     return out + [f"parallel.train.dp_shard={n // tp}", f"parallel.gen.dp={n // tp}"]
 
 
 def run(name: str, args: argparse.Namespace, out: Path, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "spmd_rl.cli", "train", str(REPO / "configs/quickstart.yaml"), f"trainer.device={args.device}",
-           *BASE, f"checkpoint.dir={out}/ckpt", f"logging.dir={out}/logs", f"metadata.job=gpu-smoke-{name}", *overrides, *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmd_rl.cli",
+        "train",
+        str(REPO / "configs/quickstart.yaml"),
+        f"trainer.device={args.device}",
+        *BASE,
+        f"checkpoint.dir={out}/ckpt",
+        f"logging.dir={out}/logs",
+        f"metadata.job=gpu-smoke-{name}",
+        *overrides,
+        *args.overrides,
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise Failed(f"[{name}] exit status {done.returncode}:\n{done.stderr[-4000:]}")
@@ -91,8 +114,11 @@ def memory(row: dict, phase: str) -> float:
 def check_mismatch(name: str, rows: list[dict], limit: float) -> None:
     for r in rows:
         if not r["logprob_mismatch_mean"] < limit:
-            raise Failed(f"[{name}] iteration {r['iteration']}: logprob_mismatch_mean {r['logprob_mismatch_mean']:.4f} >= {limit} "
-                         "(wrong TP slices or stale rollout weights)")
+            raise Failed(
+                f"[{name}] iteration {r['iteration']}: logprob_mismatch_mean {r['logprob_mismatch_mean']:.4f} >= "
+                f"{limit} "
+                "(wrong TP slices or stale rollout weights)"
+            )
 
 
 def main() -> int:
@@ -109,35 +135,71 @@ def main() -> int:
     try:
         table["naive"] = run("naive", args, args.out / "naive", *plain, "reshard.mode=naive")
         table["swap"] = run("swap", args, args.out / "swap", *plain, "reshard.mode=allgather_swap")
-        table["resume"] = run("resume", args, args.out / "swap", *plain, "reshard.mode=allgather_swap", "trainer.iterations=3")
-        table["graphs"] = "skipped: CPU vLLM has no graph capture" if args.device == "cpu" else \
-            run("graphs", args, args.out / "graphs", *plain, "rollout.enforce_eager=false", "trainer.iterations=1")
-        table["megatron"] = run("megatron", args, args.out / "megatron", *plain, "actor.backend=megatron",
-                                *(["parallel.train.sequence_parallel=true"] if n >= 2 else []))
-        table["separated"] = "skipped: needs 3 ranks (2 generators + a trainer)" if n < 3 else \
-            run("separated", args, args.out / "separated", *layout(n, True))
+        table["resume"] = run(
+            "resume", args, args.out / "swap", *plain, "reshard.mode=allgather_swap", "trainer.iterations=3"
+        )
+        table["graphs"] = (
+            "skipped: CPU vLLM has no graph capture"
+            if args.device == "cpu"
+            else run("graphs", args, args.out / "graphs", *plain, "rollout.enforce_eager=false", "trainer.iterations=1")
+        )
+        table["megatron"] = run(
+            "megatron",
+            args,
+            args.out / "megatron",
+            *plain,
+            "actor.backend=megatron",
+            *(["parallel.train.sequence_parallel=true"] if n >= 2 else []),
+        )
+        table["separated"] = (
+            "skipped: needs 3 ranks (2 generators + a trainer)"
+            if n < 3
+            else run("separated", args, args.out / "separated", *layout(n, True))
+        )
         if [r["iteration"] for r in table["resume"]] != [0, 1, 2]:
-            raise Failed(f"[resume] iterations {[r['iteration'] for r in table['resume']]}: expected the resumed run to add iteration 2")
+            raise Failed(
+                f"[resume] iterations {[r['iteration'] for r in table['resume']]}: expected the resumed run to add "
+                f"iteration 2"
+            )
         state = train_state_bytes(args, n)
         saving = memory(table["naive"][-1], "actor_rollout") - memory(table["swap"][-1], "actor_rollout")
         if saving < 0.9 * state:
-            raise Failed(f"allgather-swap saves {saving / 2**20:.1f} MiB as generation starts, less than 0.9 x the training state "
-                         f"{state / 2**20:.1f} MiB")
+            raise Failed(
+                f"allgather-swap saves {saving / 2**20:.1f} MiB as generation starts, less than 0.9 x the training "
+                f"state "
+                f"{state / 2**20:.1f} MiB"
+            )
     except Failed as exc:
         print(f"FAILED {exc}", file=sys.stderr)
         return 1
-    source = "device bytes in use (mem_get_info)" if "mem_actor_rollout_device_bytes" in table["naive"][-1] else "ledger bytes (CPU)"
+    source = (
+        "device bytes in use (mem_get_info)"
+        if "mem_actor_rollout_device_bytes" in table["naive"][-1]
+        else "ledger bytes (CPU)"
+    )
     print(f"device {args.device}, {n} rank(s), bf16; memory per stage entry: {source}, max over ranks (MiB)")
-    print(f"{'run':<10} {'iters':>5} {'mismatch it0':>12} {'mismatch last':>13} {'rollout':>9} {'ref':>9} {'update':>9} {'iter s':>7}")
+    print(
+        f"{'run':<10} {'iters':>5} {'mismatch it0':>12} {'mismatch last':>13} {'rollout':>9} {'ref':>9} {'update':>9} "
+        f"{'iter s':>7}"
+    )
     for name, rows in table.items():
         if isinstance(rows, str):
             print(f"{name:<10} {rows}")
             continue
         last = rows[-1]
-        mib = [f"{memory(last, p) / 2**20:9.1f}" if f"mem_{p}_bytes" in last else f"{'-':>9}" for p in ("actor_rollout", "ref_logprob", "actor_update")]
-        print(f"{name:<10} {len(rows):>5} {rows[0]['logprob_mismatch_mean']:>12.4f} {last['logprob_mismatch_mean']:>13.4f} {' '.join(mib)} "
-              f"{last['iteration_s']:>7.2f}")
-    print(f"allgather-swap saves {saving / 2**20:.1f} MiB as generation starts; the actor's training state is {state / 2**20:.1f} MiB")
+        mib = [
+            f"{memory(last, p) / 2**20:9.1f}" if f"mem_{p}_bytes" in last else f"{'-':>9}"
+            for p in ("actor_rollout", "ref_logprob", "actor_update")
+        ]
+        print(
+            f"{name:<10} {len(rows):>5} {rows[0]['logprob_mismatch_mean']:>12.4f} "
+            f"{last['logprob_mismatch_mean']:>13.4f} {' '.join(mib)} "
+            f"{last['iteration_s']:>7.2f}"
+        )
+    print(
+        f"allgather-swap saves {saving / 2**20:.1f} MiB as generation starts; the actor's training state is "
+        f"{state / 2**20:.1f} MiB"
+    )
     print("all checks passed")
     return 0
 

@@ -41,9 +41,19 @@ def build(out: Path, vocab: int, positions: int, prompts: int, seed: int, stop_t
     assert len(tok) == vocab, (len(tok), vocab)
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=positions, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
     )
     model = Qwen2ForCausalLM(cfg)
     stops = [tok.eos_token_id] + list(range(vocab - stop_tokens, vocab))
@@ -57,8 +67,11 @@ def build(out: Path, vocab: int, positions: int, prompts: int, seed: int, stop_t
             text = "".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS))
             f.write(json.dumps({"prompt": text, "answer": "0"}) + "\n")
     n = sum(p.numel() for p in model.parameters())
-    print(f"[make_bench_model] wrote {out}: {n / 1e6:.2f} M parameters, vocab {vocab}, {positions} positions, "
-          f"{prompts} prompts of {PROMPT_TOKENS} tokens, {len(stops)} stop token(s)", flush=True)
+    print(
+        f"[make_bench_model] wrote {out}: {n / 1e6:.2f} M parameters, vocab {vocab}, {positions} positions, "
+        f"{prompts} prompts of {PROMPT_TOKENS} tokens, {len(stops)} stop token(s)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -68,7 +81,12 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=512, help="max_position_embeddings (>= PL + SL).")
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop-tokens", type=int, default=0, help="Extra added tokens that also end a response (the long-tail variant).")
+    ap.add_argument(
+        "--stop-tokens",
+        type=int,
+        default=0,
+        help="Extra added tokens that also end a response (the long-tail variant).",
+    )
     args = ap.parse_args()
     build(args.out, args.vocab, args.positions, args.prompts, args.seed, args.stop_tokens)
 

@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -77,11 +84,27 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
 def build_moe_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(
-        vocab_size=272, hidden_size=128, intermediate_size=384, moe_intermediate_size=192, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
-        tie_word_embeddings=True, router_aux_loss_coef=0.01, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        vocab_size=272,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        router_aux_loss_coef=0.01,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
     )
     return Qwen3MoeForCausalLM(cfg)
 
@@ -95,7 +118,9 @@ def make_task(seed: int, n_test: int) -> tuple[list[dict], list[dict]]:
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,10 +149,13 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
         {"input_ids": [prompt_ids(tokenizer, r["prompt"]) for r in rows]}, padding=True, return_tensors="pt"
     )
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     model.train()
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
@@ -140,7 +168,9 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
     t0 = time.time()
     for step in range(1, args.max_steps + 1):
         ids, mask, lab = sft_batch(tokenizer, rng.sample(train, args.batch_size))
-        moe = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}  # + the load-balancing loss
+        moe = (
+            {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
+        )  # + the load-balancing loss
         loss = model(input_ids=ids, attention_mask=mask, labels=lab, **moe).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -148,7 +178,10 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
         opt.zero_grad(set_to_none=True)
         if step % args.eval_every == 0:
             acc = greedy_accuracy(model, tokenizer, probe)
-            print(f"[make_tiny_model] step {step:5d} loss {loss.item():.4f} test acc {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(
+                f"[make_tiny_model] step {step:5d} loss {loss.item():.4f} test acc {acc:.3f} ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
             if acc >= args.target_accuracy:
                 break
     return step, acc
@@ -157,25 +190,36 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="Output folder (model + tokenizer + data).")
-    ap.add_argument("--arch", choices=("qwen2", "qwen3_moe"), default="qwen2", help="Dense Qwen2, or its Qwen3-MoE sibling.")
+    ap.add_argument(
+        "--arch", choices=("qwen2", "qwen3_moe"), default="qwen2", help="Dense Qwen2, or its Qwen3-MoE sibling."
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-test", type=int, default=500, help="Held-out prompts.")
-    ap.add_argument("--target-accuracy", type=float, default=0.25, help="Stop the warm start at this greedy test accuracy.")
+    ap.add_argument(
+        "--target-accuracy", type=float, default=0.25, help="Stop the warm start at this greedy test accuracy."
+    )
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--no-reward-model", dest="reward_model", action="store_false",
-                    help="Skip the tiny reward model (<out>/reward_model, tools/make_tiny_reward_model.py).")
+    ap.add_argument(
+        "--no-reward-model",
+        dest="reward_model",
+        action="store_false",
+        help="Skip the tiny reward model (<out>/reward_model, tools/make_tiny_reward_model.py).",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer()
     model = (build_moe_model if args.arch == "qwen3_moe" else build_model)(tokenizer, args.seed)
     train, test = make_task(args.seed, args.n_test)
-    print(f"[make_tiny_model] {sum(p.numel() for p in model.parameters()) / 1e6:.3f} M parameters, "
-          f"{len(train)} train / {len(test)} test prompts", flush=True)
+    print(
+        f"[make_tiny_model] {sum(p.numel() for p in model.parameters()) / 1e6:.3f} M parameters, "
+        f"{len(train)} train / {len(test)} test prompts",
+        flush=True,
+    )
     steps, acc = warm_start(model, tokenizer, train, test, args) if args.max_steps else (0, 0.0)
     full_acc = greedy_accuracy(model, tokenizer, test)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -189,8 +233,11 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     report = {"seed": args.seed, "sft_steps": steps, "test_accuracy": full_acc, "n_test": len(test)}
     (args.out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[make_tiny_model] wrote {args.out}: greedy accuracy on all {len(test)} test prompts = {full_acc:.3f} "
-          f"after {steps} SFT steps", flush=True)
+    print(
+        f"[make_tiny_model] wrote {args.out}: greedy accuracy on all {len(test)} test prompts = {full_acc:.3f} "
+        f"after {steps} SFT steps",
+        flush=True,
+    )
     if args.reward_model and args.arch == "qwen2":
         from make_tiny_reward_model import build  # tools/ is the script's folder
 

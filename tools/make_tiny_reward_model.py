@@ -45,7 +45,9 @@ def batch(tok, rows: list[dict], rng: random.Random) -> tuple[torch.Tensor, torc
     """Right-padded ids, attention mask and 0/1 labels: each row once right, once wrong."""
     seqs, labels = [], []
     for r in rows:
-        p = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        p = tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         for correct in (True, False):
             seqs.append(p + _response(tok, rng, r["answer"], correct))
             labels.append(float(correct))
@@ -103,7 +105,9 @@ def build(model_dir: Path, out: Path, seed: int = 0, steps: int = 600, batch_siz
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True, help="The tiny policy folder (tools/make_tiny_model.py --out).")
+    ap.add_argument(
+        "--model", type=Path, required=True, help="The tiny policy folder (tools/make_tiny_model.py --out)."
+    )
     ap.add_argument("--out", type=Path, default=None, help="Output folder; default <model>/reward_model.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=600)

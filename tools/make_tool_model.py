@@ -39,23 +39,31 @@ def make_task(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[di
     pairs = {(rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(3 * (n_train + n_test))}
     rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in sorted(pairs)]
     rng.shuffle(rows)
-    return rows[n_test:n_test + n_train], rows[:n_test]
+    return rows[n_test : n_test + n_train], rows[:n_test]
 
 
 def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
     """(ids, labels) of one supervised conversation; labels -100 outside the assistant's turns."""
     a, b = row["prompt"].rstrip("=").split("*")
     user = {"role": "user", "content": row["prompt"]}
-    turns = [{"role": "assistant", "content": f"<calc>{a}*{b}</calc>"}, {"role": "tool", "content": row["answer"]},
-             {"role": "assistant", "content": row["answer"]}] if tool else [{"role": "assistant", "content": row["answer"]}]
+    turns = (
+        [
+            {"role": "assistant", "content": f"<calc>{a}*{b}</calc>"},
+            {"role": "tool", "content": row["answer"]},
+            {"role": "assistant", "content": row["answer"]},
+        ]
+        if tool
+        else [{"role": "assistant", "content": row["answer"]}]
+    )
     ids = prompt_ids(tok, row["prompt"])
     labels = [-100] * len(ids)
     messages = [user]
     for m in turns:
         messages.append(m)
-        full = tok.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                       add_generation_prompt=m["role"] == "tool")
-        new = full[len(ids):]
+        full = tok.apply_chat_template(
+            messages, tokenize=True, return_dict=False, add_generation_prompt=m["role"] == "tool"
+        )
+        new = full[len(ids) :]
         if m["role"] == "assistant":
             new = new[:-1]  # the template's "\n" after <|im_end|> is the next turn's separator
             labels += new
@@ -82,16 +90,21 @@ def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float) -> li
     long as a direct one, and padding both to the longest spent half of a step on padding."""
     kinds = [rng.random() < tool_fraction for _ in rows]
     convs = [conversation(tok, r, tool) for r, tool in zip(rows, kinds)]
-    return [pad(tok, group) for group in ([c for c, t in zip(convs, kinds) if t], [c for c, t in zip(convs, kinds) if not t])
-            if group]
+    return [
+        pad(tok, group)
+        for group in ([c for c, t in zip(convs, kinds) if t], [c for c, t in zip(convs, kinds) if not t])
+        if group
+    ]
 
 
 def sft_loss(model, parts: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The mean cross-entropy over every labelled token of the step, whichever part holds it:
     each part's sum over its tokens, divided by the step's count (``num_items_in_batch``)."""
     labelled = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in parts)
-    return sum(model(input_ids=ids, attention_mask=att, labels=lab, num_items_in_batch=labelled).loss
-               for ids, att, lab in parts)
+    return sum(
+        model(input_ids=ids, attention_mask=att, labels=lab, num_items_in_batch=labelled).loss
+        for ids, att, lab in parts
+    )
 
 
 @torch.no_grad()
@@ -102,9 +115,14 @@ def measure(model, tok, rows: list[dict]) -> dict[str, float]:
     enc = tok.pad({"input_ids": [prompt_ids(tok, r["prompt"]) for r in rows]}, padding=True, return_tensors="pt")
     gen = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, max_new_tokens=24)
     sampled = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, **gen)
-    calls = sum("<calc>" in t for t in tok.batch_decode(sampled[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    calls = sum(
+        "<calc>" in t for t in tok.batch_decode(sampled[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    )
     greedy = model.generate(**enc, do_sample=False, **gen)
-    direct = sum(t.strip() == r["answer"] for t, r in zip(tok.batch_decode(greedy[:, enc["input_ids"].shape[1]:], skip_special_tokens=True), rows))
+    direct = sum(
+        t.strip() == r["answer"]
+        for t, r in zip(tok.batch_decode(greedy[:, enc["input_ids"].shape[1] :], skip_special_tokens=True), rows)
+    )
     copies = 0
     for r in rows:
         ids, _ = conversation(tok, r, True)
@@ -112,7 +130,11 @@ def measure(model, tok, rows: list[dict]) -> dict[str, float]:
         out = model.generate(input_ids=torch.tensor([ids[:cut]]), do_sample=False, **gen)
         copies += tok.decode(out[0, cut:], skip_special_tokens=True).strip() == r["answer"]
     model.train()
-    return {"tool_call_rate": calls / len(rows), "copy_accuracy": copies / len(rows), "greedy_accuracy_without_tool": direct / len(rows)}
+    return {
+        "tool_call_rate": calls / len(rows),
+        "copy_accuracy": copies / len(rows),
+        "greedy_accuracy_without_tool": direct / len(rows),
+    }
 
 
 def main() -> None:
@@ -142,9 +164,13 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0:
             print(f"[make_tool_model] step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
-    report = {"seed": args.seed, "sft_steps": args.steps, "tool_fraction": args.tool_fraction} | measure(model, tok, test[:200])
+    report = {"seed": args.seed, "sft_steps": args.steps, "tool_fraction": args.tool_fraction} | measure(
+        model, tok, test[:200]
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id
+    )
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
     for name, rows in (("train", train), ("test", test)):

@@ -26,7 +26,10 @@ def file_seconds(report: Path) -> dict[str, float]:
     for case in ET.parse(report).getroot().iter("testcase"):
         parts = case.get("classname", "").split(".")
         if len(parts) < 2 or parts[0] != "tests":
-            raise SystemExit(f"{report}: testcase classname {case.get('classname')!r} is not tests.<module>: run pytest from the repository root")
+            raise SystemExit(
+                f"{report}: testcase classname {case.get('classname')!r} is not tests.<module>: run pytest from the "
+                f"repository root"
+            )
         seconds[f"tests/{parts[1]}.py"] += float(case.get("time", 0))
     return {f: round(s, 1) for f, s in seconds.most_common()}
 
@@ -36,7 +39,10 @@ def main() -> int:
     ap.add_argument("report", type=Path, help="a JUnit XML report of a whole-suite run (pytest --junitxml)")
     args = ap.parse_args()
     if not args.report.is_file():
-        print(f"{args.report}: no such report; write one with 'python -m pytest --junitxml={args.report}'", file=sys.stderr)
+        print(
+            f"{args.report}: no such report; write one with 'python -m pytest --junitxml={args.report}'",
+            file=sys.stderr,
+        )
         return 2
     record = file_seconds(args.report)
     RECORD.write_text(json.dumps(record, indent=0) + "\n")

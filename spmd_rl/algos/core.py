@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Group-normalised advantage per sample (samples of a prompt are contiguous):
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps) with the unbiased group std, or
     A_i = r_i - mean_g(r) without std normalisation (Dr. GRPO)."""
@@ -40,7 +42,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response tokens where ``mask`` is 1 (token
     rewards [B, R]): with t' the next masked-in position after t,
     delta_t = r_t + gamma V_t' - V_t,  A_t = delta_t + gamma lam A_t',  returns = A + V,
@@ -60,8 +64,14 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, adv + values * m
 
 
-def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, width: int, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+def token_rewards(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    width: int,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """PPO's per-token rewards [B, width]: the sequence score at the last sampled response token
     (index L_b - 1, or with ``mask`` [B, width] of the sampled tokens the last index where it is
     1), minus ``kl_coef`` x the per-token KL when KL is in the reward (verl
@@ -88,7 +98,9 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, f
     return float(m.sum()), float((x * m).sum()), float((x * x * m).sum())
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, count: float, total: float, total_sq: float, eps: float = 1e-8) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, count: float, total: float, total_sq: float, eps: float = 1e-8
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) on masked entries, 0 elsewhere, with the batch's mean and
     unbiased variance from its global moments (verl ``masked_whiten``):
     mean = S / n, var = (Q - n mean^2) / (n - 1)."""

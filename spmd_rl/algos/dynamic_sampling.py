@@ -44,5 +44,5 @@ class GroupSelection:
         """(the ``target`` group ids to train on in ascending order, how many of them are
         constant-reward fillers because the rounds ran out)."""
         short = max(0, self.target - len(self.kept))
-        fill = self.discarded[len(self.discarded) - short:] if short else []
+        fill = self.discarded[len(self.discarded) - short :] if short else []
         return sorted(self.kept[: self.target] + fill), short

@@ -83,7 +83,9 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
     return torch.exp((old_logp - rollout_logp).clamp(-20, 20)).clamp(max=cap).detach()
 
 
-def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip: ClipConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip: ClipConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token L = max(-A r, -A clip(r, 1 - low, 1 + high)); dual clip for A < 0:
     L = min(L, -A c). Returns (L, clip-active indicator)."""
     unclipped = -advantages * ratio
@@ -94,17 +96,32 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip: Clip
     return loss, (clipped > unclipped)
 
 
-def _finish(per_token: torch.Tensor, active: torch.Tensor, mask: torch.Tensor, clip: ClipConfig,
-            norm: LossNorm | None, weight: torch.Tensor | None) -> PolicyLossOut:
+def _finish(
+    per_token: torch.Tensor,
+    active: torch.Tensor,
+    mask: torch.Tensor,
+    clip: ClipConfig,
+    norm: LossNorm | None,
+    weight: torch.Tensor | None,
+) -> PolicyLossOut:
     if weight is not None:
         per_token = per_token * weight
-    clipped = (active.to(per_token.dtype) * mask.to(per_token.dtype)).sum().detach()  # a tensor: no host sync per micro-batch
+    clipped = (
+        (active.to(per_token.dtype) * mask.to(per_token.dtype)).sum().detach()
+    )  # a tensor: no host sync per micro-batch
     return PolicyLossOut(aggregate(per_token, mask, clip.agg_mode, norm), clipped)
 
 
 @register_policy_loss("vanilla")
-def vanilla_ppo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip: ClipConfig, norm: LossNorm | None = None, weight: torch.Tensor | None = None) -> PolicyLossOut:
+def vanilla_ppo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: ClipConfig,
+    norm: LossNorm | None = None,
+    weight: torch.Tensor | None = None,
+) -> PolicyLossOut:
     """PPO clipped surrogate with a token ratio r_t = exp(logp_t - old_logp_t), separate low/high
     clip ratios (DAPO clip-higher: high > low) and dual clip. ``weight`` (e.g. TIS) multiplies
     each token's loss. ``advantages`` is [B, R] or [B] (one scalar per sample)."""
@@ -115,8 +132,15 @@ def vanilla_ppo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 
 @register_policy_loss("gspo")
-def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-         clip: ClipConfig, norm: LossNorm | None = None, weight: torch.Tensor | None = None) -> PolicyLossOut:
+def gspo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: ClipConfig,
+    norm: LossNorm | None = None,
+    weight: torch.Tensor | None = None,
+) -> PolicyLossOut:
     """GSPO (Zheng et al. 2025): sequence-level ratio s_b = exp(mean_t (logp - old_logp)) over
     the response tokens, used per token as s_{b,t} = sg[s_b] * exp(logp_t - sg[logp_t]) (equal
     in value to s_b, gradient of log s_b spread over the tokens), then the same clipped
@@ -131,8 +155,15 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
 
 
 @register_policy_loss("cispo")
-def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-          clip: ClipConfig, norm: LossNorm | None = None, weight: torch.Tensor | None = None) -> PolicyLossOut:
+def cispo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: ClipConfig,
+    norm: LossNorm | None = None,
+    weight: torch.Tensor | None = None,
+) -> PolicyLossOut:
     """CISPO (MiniMax-M1, 2025): the importance weight is clipped and detached, and every token
     keeps its gradient: L_t = -sg[clip(r_t, 1 - low, 1 + high)] A_t log pi(t), with r_t =
     exp(logp_t - old_logp_t). Unlike PPO's clip, a token outside the band still contributes

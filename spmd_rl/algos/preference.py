@@ -36,8 +36,14 @@ get_preference_loss = PREFERENCE_LOSSES.lookup
 
 
 @PREFERENCE_LOSSES.register("dpo")
-def dpo(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-        beta: float, label_smoothing: float = 0.0) -> PairTerms:
+def dpo(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> PairTerms:
     """The (c)DPO loss of each pair (module docstring) from [P] sequence log-probs of the policy
     and the reference."""
     r_c = beta * (chosen - ref_chosen)

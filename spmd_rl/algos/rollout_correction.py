@@ -34,7 +34,9 @@ def icepop_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, band: tupl
     return torch.where((rho >= band[0]) & (rho <= band[1]), rho, 0.0)
 
 
-def mis_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
+def mis_mask(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, band: tuple[float, float]
+) -> torch.Tensor:
     """[a <= exp(mean_t log rho_t) <= b] per sample, broadcast over its tokens (float [B, R])."""
     m = mask.to(old_logp.dtype)
     log_rho = ((old_logp - rollout_logp).detach() * m).sum(-1) / m.sum(-1).clamp(min=1)

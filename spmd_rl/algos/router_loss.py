@@ -33,7 +33,9 @@ def load_fractions(routes: list[torch.Tensor], experts: int) -> torch.Tensor:
     return out
 
 
-def load_balance_terms(probs: torch.Tensor, valid: torch.Tensor, fraction: torch.Tensor, tokens: float, layers: int) -> torch.Tensor:
+def load_balance_terms(
+    probs: torch.Tensor, valid: torch.Tensor, fraction: torch.Tensor, tokens: float, layers: int
+) -> torch.Tensor:
     """This forward's part of L_lb from one layer: E / (L T) sum_{t valid} sum_e f[e] p[t, e]
     (``probs`` [N, E], ``fraction`` f [E] of the layer)."""
     experts = probs.shape[1]

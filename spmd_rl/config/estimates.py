@@ -21,7 +21,7 @@ def tcv_centralized(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int) ->
     return G * N * B * (2 * PL + 3 * n * SL + 8 * M) / GB
 
 
-def tcv_per_warehouse(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, C: int, S: int) -> float:
+def tcv_per_warehouse(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, C: int, S: int) -> float:  # noqa: PLR0913
     """Paper Eq. (4): TCV = G x N x B x [2PL + 3n x SL + 8(C+1)M] / S / 1024^3  [GB] per warehouse,
     with C controllers and S warehouses."""
     return G * N * B * (2 * PL + 3 * n * SL + 8 * (C + 1) * M) / S / GB
@@ -84,8 +84,11 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
     if cfg.actor.backend == "megatron":
         return _megatron_memory(cfg, arch, lay, gen_numel * gb)
     lora = cfg.actor.lora  # the base frozen in the compute dtype; grads and AdamW over the adapters only
-    frozen, trained = (train_numel, sum(-(-n // lay.train.dp) for n in lora_numels(arch, lora.rank, lora.target_modules))) \
-        if lora is not None else (0, train_numel)
+    frozen, trained = (
+        (train_numel, sum(-(-n // lay.train.dp) for n in lora_numels(arch, lora.rank, lora.target_modules)))
+        if lora is not None
+        else (0, train_numel)
+    )
     # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
     # alone (its gather output plus this rank's 1/dp input) exceeds half of it
     lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
@@ -105,7 +108,15 @@ def lora_numels(arch: ModelArch, rank: int, targets: list[str]) -> list[int]:
     layer (``engines.lora``; fused MoE experts are never adapted)."""
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     f = arch.intermediate_size
-    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    shapes = {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (f, h),
+        "up_proj": (f, h),
+        "down_proj": (h, f),
+    }
     out = []
     for layer in range(arch.num_layers):
         for t in targets:
@@ -150,7 +161,9 @@ def _megatron_memory(cfg: Config, arch: ModelArch, lay: Layouts, gen_bytes: int)
     tp_local = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep)
     experts = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep, experts_only=True)
     mixed = cfg.model.dtype != cfg.actor.param_dtype
-    shard = -(-(tp_local - experts) // lay.train.dp) + -(-experts // (lay.train.dp // ep))  # experts: over the expert DP group
+    shard = -(-(tp_local - experts) // lay.train.dp) + -(
+        -experts // (lay.train.dp // ep)
+    )  # experts: over the expert DP group
     gb = DTYPE_BYTES[cfg.model.dtype]
     return RankMemory(
         train_params=tp_local * DTYPE_BYTES[cfg.model.dtype if mixed else cfg.actor.param_dtype],
@@ -175,8 +188,13 @@ def _sharded_numel(tensors, lay: Layouts) -> int:
     return sum(-(-(t.numel // lay.train.tp if t.train_tp_split else t.numel) // lay.train.dp) for t in tensors)
 
 
-def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArch | None = None,
-               reward_arch: ModelArch | None = None) -> dict[str, int]:
+def role_bytes(
+    cfg: Config,
+    arch: ModelArch,
+    lay: Layouts,
+    critic_arch: ModelArch | None = None,
+    reward_arch: ModelArch | None = None,
+) -> dict[str, int]:
     """Per-rank bytes each role holds while resident, at a stage's entry: trainable roles their
     params and two AdamW states in ``actor.param_dtype`` (gradients exist only inside a backward
     pass and are freed after the step), frozen roles (reference, reward model) their params in
@@ -191,8 +209,11 @@ def role_bytes(cfg: Config, arch: ModelArch, lay: Layouts, critic_arch: ModelArc
         ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp, cfg.parallel.train.ep) * cb
     else:  # a LoRA reference is the actor with adapters off: no memory of its own
         ref = 0 if cfg.actor.lora is not None else mem.train_params // pb * cb
-    out = {"actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
-           "ref": ref, "rollout": mem.gen_weights + mem.kv_cache}
+    out = {
+        "actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
+        "ref": ref,
+        "rollout": mem.gen_weights + mem.kv_cache,
+    }
     for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):
         if a is not None:
             trunk = [t for t in a.tensors() if t.name != "lm_head.weight"]

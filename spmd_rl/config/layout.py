@@ -74,13 +74,27 @@ def world_size(cfg: Config, world: int | None = None) -> int:
     return world if world is not None else cfg.parallel.nnodes * cfg.parallel.nproc_per_node
 
 
-def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation], first: int = 0, what: str = "world size",
-             pp: int = 1) -> Layout:
+def _resolve(
+    name: str,
+    dp: int | None,
+    tp: int,
+    world: int,
+    out: list[Violation],
+    first: int = 0,
+    what: str = "world size",
+    pp: int = 1,
+) -> Layout:
     """The layout of ``world`` ranks from ``first`` (``what`` names that rank count in errors)."""
     if world % (tp * pp):
         field, value = (f"parallel.{name}.tp", tp) if pp == 1 else (f"parallel.{name}.pp", pp)
-        out.append(Violation(field, value, f"{'tp' if pp == 1 else f'tp x pp = {tp * pp}'} does not divide the {what} {world}",
-                             f"use a divisor of {world}"))
+        out.append(
+            Violation(
+                field,
+                value,
+                f"{'tp' if pp == 1 else f'tp x pp = {tp * pp}'} does not divide the {what} {world}",
+                f"use a divisor of {world}",
+            )
+        )
         return Layout(dp or 1, tp, first, pp)
     dp_name = "dp_shard" if name == "train" else "dp"
     if dp is None:
@@ -89,7 +103,9 @@ def _resolve(name: str, dp: int | None, tp: int, world: int, out: list[Violation
         prod = f"{dp_name} x tp = {dp} x {tp}" if pp == 1 else f"{dp_name} x pp x tp = {dp} x {pp} x {tp}"
         out.append(
             Violation(
-                f"parallel.{name}.{dp_name}", dp, f"{prod} = {dp * tp * pp} != {what} {world}",
+                f"parallel.{name}.{dp_name}",
+                dp,
+                f"{prod} = {dp * tp * pp} != {what} {world}",
                 f"set {dp_name}={world // (tp * pp)} or leave it out to derive it",
             )
         )
@@ -101,31 +117,68 @@ def _gen_ranks(cfg: Config, world: int, out: list[Violation]) -> int | None:
     p = cfg.parallel
     if p.placement == "colocated":
         if p.gen_ranks is not None:
-            out.append(Violation("parallel.gen_ranks", p.gen_ranks, "only used by parallel.placement: separated", "remove it, or set placement: separated"))
+            out.append(
+                Violation(
+                    "parallel.gen_ranks",
+                    p.gen_ranks,
+                    "only used by parallel.placement: separated",
+                    "remove it, or set placement: separated",
+                )
+            )
         return None
     if p.gen_ranks is None:
-        out.append(Violation("parallel.gen_ranks", None, "separated placement needs the size of the generation side", f"set it between 1 and {world - 1}"))
+        out.append(
+            Violation(
+                "parallel.gen_ranks",
+                None,
+                "separated placement needs the size of the generation side",
+                f"set it between 1 and {world - 1}",
+            )
+        )
         return None
     if not 0 < p.gen_ranks < world:
-        out.append(Violation("parallel.gen_ranks", p.gen_ranks, f"leaves no rank to {'train' if p.gen_ranks >= world else 'generate'} in a world of {world}",
-                             f"set it between 1 and {world - 1} (separated placement needs at least 2 ranks)"))
+        out.append(
+            Violation(
+                "parallel.gen_ranks",
+                p.gen_ranks,
+                f"leaves no rank to {'train' if p.gen_ranks >= world else 'generate'} in a world of {world}",
+                f"set it between 1 and {world - 1} (separated placement needs at least 2 ranks)",
+            )
+        )
         return None
     return p.gen_ranks
 
 
-def resolve_layouts(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
+def resolve_layouts(
+    cfg: Config, world: int | None = None, nproc_per_node: int | None = None
+) -> tuple[Layouts, list[Violation]]:
     """Derive the layouts for a world size; violations list every layout that does not fit."""
     w = world_size(cfg, world)
     npn = nproc_per_node or cfg.parallel.nproc_per_node
     out: list[Violation] = []
     if w % npn:
-        out.append(Violation("parallel.nproc_per_node", npn, f"does not divide the world size {w}", "use ranks per node that divide the world"))
+        out.append(
+            Violation(
+                "parallel.nproc_per_node",
+                npn,
+                f"does not divide the world size {w}",
+                "use ranks per node that divide the world",
+            )
+        )
     g = _gen_ranks(cfg, w, out)
     if g is None:
         train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w, out, pp=cfg.parallel.train.pp)
         gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, w, out)
     else:
-        train = _resolve("train", cfg.parallel.train.dp_shard, cfg.parallel.train.tp, w - g, out, first=g, what="training side's rank count",
-                         pp=cfg.parallel.train.pp)
+        train = _resolve(
+            "train",
+            cfg.parallel.train.dp_shard,
+            cfg.parallel.train.tp,
+            w - g,
+            out,
+            first=g,
+            what="training side's rank count",
+            pp=cfg.parallel.train.pp,
+        )
         gen = _resolve("gen", cfg.parallel.gen.dp, cfg.parallel.gen.tp, g, out, what="parallel.gen_ranks")
     return Layouts(w, npn, train, gen), out

@@ -68,23 +68,53 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([Violation("CONFIG", str(p), "file not found", "pass the path of a YAML config, e.g. configs/quickstart.yaml")], str(p))
+        raise ConfigError(
+            [
+                Violation(
+                    "CONFIG", str(p), "file not found", "pass the path of a YAML config, e.g. configs/quickstart.yaml"
+                )
+            ],
+            str(p),
+        )
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError([Violation("CONFIG", str(p), f"not UTF-8 text (byte {exc.start})", "pass a YAML text file saved as UTF-8")], str(p)) from None
+        raise ConfigError(
+            [Violation("CONFIG", str(p), f"not UTF-8 text (byte {exc.start})", "pass a YAML text file saved as UTF-8")],
+            str(p),
+        ) from None
     except OSError as exc:
-        raise ConfigError([Violation("CONFIG", str(p), f"cannot be read ({exc.strerror})", "check the path and its permissions")], str(p)) from None
+        raise ConfigError(
+            [Violation("CONFIG", str(p), f"cannot be read ({exc.strerror})", "check the path and its permissions")],
+            str(p),
+        ) from None
     try:
         tree = _yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
-        raise ConfigError([Violation("CONFIG", str(p), f"invalid YAML at {where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")], str(p))
+        raise ConfigError(
+            [
+                Violation(
+                    "CONFIG", str(p), f"invalid YAML at {where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax"
+                )
+            ],
+            str(p),
+        )
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
-        raise ConfigError([Violation("CONFIG", str(p), "top level is not a mapping of sections", "start the file with `model:`, `data:`, ...")], str(p))
+        raise ConfigError(
+            [
+                Violation(
+                    "CONFIG",
+                    str(p),
+                    "top level is not a mapping of sections",
+                    "start the file with `model:`, `data:`, ...",
+                )
+            ],
+            str(p),
+        )
     return tree
 
 

@@ -80,9 +80,13 @@ class ModelArch:
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the second
         if experts is None:
             raise KeyError("num_experts")
-        return {"num_experts": int(experts), "experts_per_token": int(cfg["num_experts_per_tok"]),
-                "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-                "sparse_layers": tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense)}
+        return {
+            "num_experts": int(experts),
+            "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "sparse_layers": tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense),
+        }
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArch":
@@ -107,7 +111,10 @@ class ModelArch:
             if self.qkv_bias:
                 out += [Tensor(p + f"self_attn.{n}_proj.bias", s, True) for n, s in (("q", q), ("k", kv), ("v", kv))]
             if self.qk_norm:
-                out += [Tensor(p + "self_attn.q_norm.weight", d, False, False), Tensor(p + "self_attn.k_norm.weight", d, False, False)]
+                out += [
+                    Tensor(p + "self_attn.q_norm.weight", d, False, False),
+                    Tensor(p + "self_attn.k_norm.weight", d, False, False),
+                ]
         out.append(Tensor("model.norm.weight", h, False, False))
         if not self.tie_word_embeddings:
             out.append(Tensor("lm_head.weight", self.vocab_size * h, True, train_tp_split=False))
@@ -120,7 +127,9 @@ class ModelArch:
             return [Tensor(p + f"mlp.{n}_proj.weight", f * h, True) for n in ("gate", "up", "down")]
         f, out = self.moe_intermediate_size, [Tensor(p + "mlp.gate.weight", self.num_experts * h, False, False)]
         for e in range(self.num_experts):
-            out += [Tensor(p + f"mlp.experts.{e}.{n}_proj.weight", f * h, True, expert=True) for n in ("gate", "up", "down")]
+            out += [
+                Tensor(p + f"mlp.experts.{e}.{n}_proj.weight", f * h, True, expert=True) for n in ("gate", "up", "down")
+            ]
         return out
 
     @property

@@ -53,7 +53,9 @@ def _default(info: FieldInfo) -> str:
 
 def _range(info: FieldInfo) -> str:
     bounds = {Gt: (">", "gt"), Ge: (">=", "ge"), Lt: ("<", "lt"), Le: ("<=", "le")}
-    return ", ".join(f"{bounds[type(m)][0]} {getattr(m, bounds[type(m)][1])}" for m in info.metadata if type(m) in bounds)
+    return ", ".join(
+        f"{bounds[type(m)][0]} {getattr(m, bounds[type(m)][1])}" for m in info.metadata if type(m) in bounds
+    )
 
 
 def _cell(text: str) -> str:
@@ -68,7 +70,10 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         if nested is not None:
             rows += _rows(nested, f"{prefix}{name}.")
             continue
-        rows.append(f"| `{prefix}{name}` | {_cell(_type(annotation))} | `{_cell(_default(info))}` | {_range(info)} | {_cell(info.description or '')} |")
+        rows.append(
+            f"| `{prefix}{name}` | {_cell(_type(annotation))} | `{_cell(_default(info))}` | {_range(info)} | "
+            f"{_cell(info.description or '')} |"
+        )
     return rows
 
 

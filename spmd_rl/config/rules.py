@@ -38,32 +38,90 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
     g, n = cfg.data.global_batch_size, cfg.rollout.n
     tdp, gdp = lay.train.dp, lay.gen.dp
     if g % gdp:
-        out.append(Violation("data.global_batch_size", g, f"not divisible by the generation DP size {gdp}", f"use a multiple of {gdp}, e.g. {_multiple(g, gdp)}"))
+        out.append(
+            Violation(
+                "data.global_batch_size",
+                g,
+                f"not divisible by the generation DP size {gdp}",
+                f"use a multiple of {gdp}, e.g. {_multiple(g, gdp)}",
+            )
+        )
     if (g * n) % tdp:
-        out.append(Violation("data.global_batch_size", g, f"G x N = {g * n} samples not divisible by the training DP size {tdp}", f"make G x rollout.n a multiple of {tdp}"))
+        out.append(
+            Violation(
+                "data.global_batch_size",
+                g,
+                f"G x N = {g * n} samples not divisible by the training DP size {tdp}",
+                f"make G x rollout.n a multiple of {tdp}",
+            )
+        )
     grouped = cfg.algorithm.name in GROUP_ALGORITHMS
     if grouped and g % tdp:
-        out.append(Violation("data.global_batch_size", g, f"{cfg.algorithm.name} gives whole prompt groups to the {tdp} training DP groups; "
-                             f"{g} groups leave some with {g // tdp} and others with {g // tdp + 1} (or none), and their collectives stop matching",
-                             f"use a multiple of the training DP size {tdp}, e.g. {_multiple(g, tdp)}, or a smaller parallel.train.dp_shard"))
+        out.append(
+            Violation(
+                "data.global_batch_size",
+                g,
+                f"{cfg.algorithm.name} gives whole prompt groups to the {tdp} training DP groups; "
+                f"{g} groups leave some with {g // tdp} and others with {g // tdp + 1} (or none), and their "
+                f"collectives stop matching",
+                f"use a multiple of the training DP size {tdp}, e.g. {_multiple(g, tdp)}, or a smaller "
+                f"parallel.train.dp_shard",
+            )
+        )
     mb = cfg.actor.mini_batch_size
     if g % mb:
-        out.append(Violation("actor.mini_batch_size", mb, f"does not divide data.global_batch_size={g}", "use a divisor of the global batch size"))
+        out.append(
+            Violation(
+                "actor.mini_batch_size",
+                mb,
+                f"does not divide data.global_batch_size={g}",
+                "use a divisor of the global batch size",
+            )
+        )
     elif cfg.algorithm.name == "dpo" and mb % tdp:  # the one update that reads a group (its pair) whole
-        out.append(Violation("actor.mini_batch_size", mb, f"dpo splits each mini-batch's whole pairs over the {tdp} training DP groups: "
-                             f"{mb} groups do not split evenly (ranks would take different numbers of optimizer steps)",
-                             f"use a multiple of {tdp} that divides data.global_batch_size={g}"))
+        out.append(
+            Violation(
+                "actor.mini_batch_size",
+                mb,
+                f"dpo splits each mini-batch's whole pairs over the {tdp} training DP groups: "
+                f"{mb} groups do not split evenly (ranks would take different numbers of optimizer steps)",
+                f"use a multiple of {tdp} that divides data.global_batch_size={g}",
+            )
+        )
     elif (mb * n) % tdp:
-        out.append(Violation("actor.mini_batch_size", mb, f"mini-batch x N = {mb * n} samples not divisible by the training DP size {tdp}", f"make mini_batch_size x rollout.n a multiple of {tdp}"))
+        out.append(
+            Violation(
+                "actor.mini_batch_size",
+                mb,
+                f"mini-batch x N = {mb * n} samples not divisible by the training DP size {tdp}",
+                f"make mini_batch_size x rollout.n a multiple of {tdp}",
+            )
+        )
     else:
         per_rank = mb * n // tdp
-        for field, micro in (("actor.micro_batch_size", cfg.actor.micro_batch_size), ("ref.micro_batch_size", cfg.ref.micro_batch_size)):
+        for field, micro in (
+            ("actor.micro_batch_size", cfg.actor.micro_batch_size),
+            ("ref.micro_batch_size", cfg.ref.micro_batch_size),
+        ):
             if micro is not None and per_rank % micro:
-                out.append(Violation(field, micro, f"does not divide the {per_rank} samples each rank gets per mini-batch", f"use a divisor of {per_rank}"))
+                out.append(
+                    Violation(
+                        field,
+                        micro,
+                        f"does not divide the {per_rank} samples each rank gets per mini-batch",
+                        f"use a divisor of {per_rank}",
+                    )
+                )
     budget, longest = cfg.actor.micro_batch_tokens, cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if budget is not None and budget < longest:
-        out.append(Violation("actor.micro_batch_tokens", budget, f"is below one full-length sample (data.max_prompt_length + rollout.max_response_length = {longest})",
-                             f"use at least {longest}, or null for micro_batch_size samples per micro-batch"))
+        out.append(
+            Violation(
+                "actor.micro_batch_tokens",
+                budget,
+                f"is below one full-length sample (data.max_prompt_length + rollout.max_response_length = {longest})",
+                f"use at least {longest}, or null for micro_batch_size samples per micro-batch",
+            )
+        )
     return out
 
 
@@ -72,34 +130,82 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
     cfg_json = folder / "config.json"
     if not cfg_json.is_file():
         problem = "folder not found" if not folder.is_dir() else "has no config.json"
-        return [Violation("model.path", cfg.model.path, problem, "point it at a local HF model folder (build the tiny one with tools/make_tiny_model.py)")]
+        return [
+            Violation(
+                "model.path",
+                cfg.model.path,
+                problem,
+                "point it at a local HF model folder (build the tiny one with tools/make_tiny_model.py)",
+            )
+        ]
     try:
         arch = ModelArch.from_folder(folder)
     except (KeyError, ValueError) as exc:
-        return [Violation("model.path", cfg.model.path, f"config.json lacks or mangles {exc}", "use a Qwen2/Qwen3/Llama/Qwen3-MoE config.json")]
+        return [
+            Violation(
+                "model.path",
+                cfg.model.path,
+                f"config.json lacks or mangles {exc}",
+                "use a Qwen2/Qwen3/Llama/Qwen3-MoE config.json",
+            )
+        ]
     out: list[Violation] = []
     if arch.model_type not in SUPPORTED_TYPES:
-        out.append(Violation("model.path", cfg.model.path, f"model_type {arch.model_type!r} is not supported", f"use one of {', '.join(SUPPORTED_TYPES)}"))
+        out.append(
+            Violation(
+                "model.path",
+                cfg.model.path,
+                f"model_type {arch.model_type!r} is not supported",
+                f"use one of {', '.join(SUPPORTED_TYPES)}",
+            )
+        )
     for name, tp in (("train", lay.train.tp), ("gen", lay.gen.tp)):
-        counts = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), ("intermediate_size", arch.intermediate_size)]
+        counts = [
+            ("num_attention_heads", arch.num_heads),
+            ("num_key_value_heads", arch.num_kv_heads),
+            ("intermediate_size", arch.intermediate_size),
+        ]
         for what, count in counts + ([("moe_intermediate_size", arch.moe_intermediate_size)] if arch.is_moe else []):
             if count % tp:
-                out.append(Violation(f"parallel.{name}.tp", tp, f"does not divide the model's {what}={count}", f"use a TP size dividing {count}"))
+                out.append(
+                    Violation(
+                        f"parallel.{name}.tp",
+                        tp,
+                        f"does not divide the model's {what}={count}",
+                        f"use a TP size dividing {count}",
+                    )
+                )
     total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if arch.max_positions and total > arch.max_positions:
         out.append(
             Violation(
-                "rollout.max_response_length", cfg.rollout.max_response_length,
-                f"max_prompt_length + max_response_length = {total} exceeds the model's max_position_embeddings={arch.max_positions}",
+                "rollout.max_response_length",
+                cfg.rollout.max_response_length,
+                f"max_prompt_length + max_response_length = {total} exceeds the model's "
+                f"max_position_embeddings={arch.max_positions}",
                 f"keep the sum <= {arch.max_positions}",
             )
         )
     for weights in sorted(folder.glob("*.safetensors")):
         if (problem := check_safetensors(weights)) is not None:
-            out.append(Violation("model.path", cfg.model.path, f"{weights.name}: {problem}", "copy the model folder again or rebuild it"))
+            out.append(
+                Violation(
+                    "model.path",
+                    cfg.model.path,
+                    f"{weights.name}: {problem}",
+                    "copy the model folder again or rebuild it",
+                )
+            )
     tok = Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else None
     if tok is not None and not tok.is_dir():
-        out.append(Violation("model.tokenizer_path", cfg.model.tokenizer_path, "folder not found", "point it at a tokenizer folder or leave it out"))
+        out.append(
+            Violation(
+                "model.tokenizer_path",
+                cfg.model.tokenizer_path,
+                "folder not found",
+                "point it at a tokenizer folder or leave it out",
+            )
+        )
     return out
 
 
@@ -112,7 +218,11 @@ def _check_files(cfg: Config) -> list[Violation]:
         if p.suffix not in (".jsonl", ".parquet"):
             out.append(Violation(field, path, "unsupported file type", "use a .jsonl or .parquet file"))
         elif not p.is_file():
-            out.append(Violation(field, path, "file not found", "check the path (relative paths start at the current directory)"))
+            out.append(
+                Violation(
+                    field, path, "file not found", "check the path (relative paths start at the current directory)"
+                )
+            )
         elif (problem := sniff_dataset(p)) is not None:
             out.append(Violation(field, path, problem, f"pass a {p.suffix} file (one JSON object per line for .jsonl)"))
     return out
@@ -123,25 +233,59 @@ def _check_reward_model(cfg: Config) -> list[Violation]:
     scores the policy's token ids as they are)."""
     r = cfg.reward
     if r.model_path is None:
-        return [Violation("reward.model_path", None, "reward.kind: model needs the reward model's folder", "set reward.model_path (tools/make_tiny_model.py writes <out>/reward_model)")]
+        return [
+            Violation(
+                "reward.model_path",
+                None,
+                "reward.kind: model needs the reward model's folder",
+                "set reward.model_path (tools/make_tiny_model.py writes <out>/reward_model)",
+            )
+        ]
     conf = Path(r.model_path) / "config.json"
     try:
         rm = json.loads(conf.read_text())
     except (OSError, ValueError) as exc:
-        return [Violation("reward.model_path", r.model_path, f"no readable config.json ({exc.__class__.__name__})", "point it at a local HF sequence-classification folder")]
+        return [
+            Violation(
+                "reward.model_path",
+                r.model_path,
+                f"no readable config.json ({exc.__class__.__name__})",
+                "point it at a local HF sequence-classification folder",
+            )
+        ]
     archs = rm.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        return [Violation("reward.model_path", r.model_path, f"architectures {archs} is not a sequence classifier", "export the reward model with AutoModelForSequenceClassification")]
+        return [
+            Violation(
+                "reward.model_path",
+                r.model_path,
+                f"architectures {archs} is not a sequence classifier",
+                "export the reward model with AutoModelForSequenceClassification",
+            )
+        ]
     labels = rm.get("num_labels", len(rm.get("id2label") or {}) or 2)
     if labels != 1:
-        return [Violation("reward.model_path", r.model_path, f"has {labels} labels; a reward model scores with one", "train it with num_labels=1")]
+        return [
+            Violation(
+                "reward.model_path",
+                r.model_path,
+                f"has {labels} labels; a reward model scores with one",
+                "train it with num_labels=1",
+            )
+        ]
     try:
         policy_vocab = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
         return []  # model.path's own check reports it
     if rm.get("vocab_size") != policy_vocab:
-        return [Violation("reward.model_path", r.model_path, f"vocab_size {rm.get('vocab_size')} differs from the policy's {policy_vocab}",
-                          "use a reward model with the policy's tokenizer")]
+        return [
+            Violation(
+                "reward.model_path",
+                r.model_path,
+                f"vocab_size {rm.get('vocab_size')} differs from the policy's {policy_vocab}",
+                "use a reward model with the policy's tokenizer",
+            )
+        ]
     return []
 
 
@@ -151,26 +295,60 @@ def _check_reward(cfg: Config) -> list[Violation]:
         out += _check_reward_model(cfg)
     else:
         if r.model_path is not None:
-            out.append(Violation("reward.model_path", r.model_path, "only read with reward.kind: model", "remove it or set reward.kind: model"))
+            out.append(
+                Violation(
+                    "reward.model_path",
+                    r.model_path,
+                    "only read with reward.kind: model",
+                    "remove it or set reward.kind: model",
+                )
+            )
         for field in ("rule_weight", "offload_to_host"):
             if field in r.model_fields_set:
-                out.append(Violation(f"reward.{field}", getattr(r, field), "only read with reward.kind: model", "remove it or set reward.kind: model"))
+                out.append(
+                    Violation(
+                        f"reward.{field}",
+                        getattr(r, field),
+                        "only read with reward.kind: model",
+                        "remove it or set reward.kind: model",
+                    )
+                )
     if out:
         return out
     if r.rule in REGISTERED_RULES:
         return []
     if r.format_score != 0:
-        return [Violation("reward.format_score", r.format_score, f"a module:function rule ({r.rule}) has no notion of a well-formed answer",
-                          "return the format reward from your function and set format_score: 0")]
+        return [
+            Violation(
+                "reward.format_score",
+                r.format_score,
+                f"a module:function rule ({r.rule}) has no notion of a well-formed answer",
+                "return the format reward from your function and set format_score: 0",
+            )
+        ]
     module, sep, func = r.rule.partition(":")
     if not sep or not module or not func.isidentifier():
-        return [Violation("reward.rule", r.rule, "neither a registered rule nor module:function", f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score")]
+        return [
+            Violation(
+                "reward.rule",
+                r.rule,
+                "neither a registered rule nor module:function",
+                f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score",
+            )
+        ]
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         found = False
     if not found:
-        return [Violation("reward.rule", r.rule, f"module {module!r} not importable", "put it on PYTHONPATH or fix the module name")]
+        return [
+            Violation(
+                "reward.rule",
+                r.rule,
+                f"module {module!r} not importable",
+                "put it on PYTHONPATH or fix the module name",
+            )
+        ]
     return []
 
 
@@ -178,67 +356,222 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
     a, out = cfg.algorithm, []
     if a.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline"):
         if cfg.rollout.n < 2:
-            out.append(Violation("rollout.n", cfg.rollout.n, f"{a.name} compares each response with the other responses to its prompt; N=1 has none", "set rollout.n >= 2"))
+            out.append(
+                Violation(
+                    "rollout.n",
+                    cfg.rollout.n,
+                    f"{a.name} compares each response with the other responses to its prompt; N=1 has none",
+                    "set rollout.n >= 2",
+                )
+            )
         if cfg.rollout.temperature == 0 and cfg.rollout.n > 1:
-            out.append(Violation("rollout.temperature", 0.0, "greedy sampling gives N identical responses and zero advantages", "set a temperature > 0, e.g. 1.0"))
+            out.append(
+                Violation(
+                    "rollout.temperature",
+                    0.0,
+                    "greedy sampling gives N identical responses and zero advantages",
+                    "set a temperature > 0, e.g. 1.0",
+                )
+            )
     if a.name != "ppo":
         critic_only = {"lam", "value_clip", "critic_lr"} | (set() if a.name.startswith("reinforce_pp") else {"gamma"})
         for field in sorted(critic_only & a.model_fields_set):
-            out.append(Violation(f"algorithm.{field}", getattr(a, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove it or set algorithm.name: ppo"))
+            out.append(
+                Violation(
+                    f"algorithm.{field}",
+                    getattr(a, field),
+                    f"only PPO has a critic; algorithm.name is {a.name}",
+                    "remove it or set algorithm.name: ppo",
+                )
+            )
         for field in sorted(cfg.critic.model_fields_set):
-            out.append(Violation(f"critic.{field}", getattr(cfg.critic, field), f"only PPO has a critic; algorithm.name is {a.name}", "remove the critic section or set algorithm.name: ppo"))
+            out.append(
+                Violation(
+                    f"critic.{field}",
+                    getattr(cfg.critic, field),
+                    f"only PPO has a critic; algorithm.name is {a.name}",
+                    "remove the critic section or set algorithm.name: ppo",
+                )
+            )
     elif cfg.critic.model_path is not None and not (Path(cfg.critic.model_path) / "config.json").is_file():
-        out.append(Violation("critic.model_path", cfg.critic.model_path, "no config.json in that folder", "point it at a local HF folder or leave it out (the actor's weights)"))
+        out.append(
+            Violation(
+                "critic.model_path",
+                cfg.critic.model_path,
+                "no config.json in that folder",
+                "point it at a local HF folder or leave it out (the actor's weights)",
+            )
+        )
     if "use_kl_loss" in a.model_fields_set and a.kl_coef == 0:
-        out.append(Violation("algorithm.use_kl_loss", a.use_kl_loss, "there is no KL term: algorithm.kl_coef is 0", "set kl_coef > 0 or remove use_kl_loss"))
+        out.append(
+            Violation(
+                "algorithm.use_kl_loss",
+                a.use_kl_loss,
+                "there is no KL term: algorithm.kl_coef is 0",
+                "set kl_coef > 0 or remove use_kl_loss",
+            )
+        )
     if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
-        out.append(Violation("algorithm.overlong_buffer", a.overlong_buffer, f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}", "use a buffer smaller than the response length"))
+        out.append(
+            Violation(
+                "algorithm.overlong_buffer",
+                a.overlong_buffer,
+                f"not shorter than rollout.max_response_length={cfg.rollout.max_response_length}",
+                "use a buffer smaller than the response length",
+            )
+        )
     if a.dynamic_sampling and a.name != "dapo":
-        out.append(Violation("algorithm.dynamic_sampling", True, f"dynamic sampling is DAPO's; algorithm.name is {a.name}", "set algorithm.name: dapo or dynamic_sampling: false"))
+        out.append(
+            Violation(
+                "algorithm.dynamic_sampling",
+                True,
+                f"dynamic sampling is DAPO's; algorithm.name is {a.name}",
+                "set algorithm.name: dapo or dynamic_sampling: false",
+            )
+        )
     if not a.norm_adv_by_std and a.name not in ("grpo", "dapo"):  # asks for Dr. GRPO's undivided advantages
-        out.append(Violation("algorithm.norm_adv_by_std", False, f"only GRPO and DAPO divide by the group std; algorithm.name is {a.name}", "remove it"))
+        out.append(
+            Violation(
+                "algorithm.norm_adv_by_std",
+                False,
+                f"only GRPO and DAPO divide by the group std; algorithm.name is {a.name}",
+                "remove it",
+            )
+        )
     if cfg.actor.icepop_band is not None and cfg.actor.tis_cap is not None:
-        out.append(Violation("actor.tis_cap", cfg.actor.tis_cap, "IcePop's weight is already the importance ratio (inside its band); TIS would apply it twice",
-                             "remove actor.tis_cap with actor.icepop_band (or the band, to truncate instead of mask)"))
+        out.append(
+            Violation(
+                "actor.tis_cap",
+                cfg.actor.tis_cap,
+                "IcePop's weight is already the importance ratio (inside its band); TIS would apply it twice",
+                "remove actor.tis_cap with actor.icepop_band (or the band, to truncate instead of mask)",
+            )
+        )
     for field in ("icepop_band", "mis_band"):
         band = getattr(cfg.actor, field)
         if band is not None and not band[0] < 1.0 < band[1]:
-            out.append(Violation(f"actor.{field}", list(band), "the band must hold ratio 1 strictly inside ([low, high], low < 1 < high)", "e.g. [0.5, 2.0]"))
+            out.append(
+                Violation(
+                    f"actor.{field}",
+                    list(band),
+                    "the band must hold ratio 1 strictly inside ([low, high], low < 1 < high)",
+                    "e.g. [0.5, 2.0]",
+                )
+            )
     if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
-        out.append(Violation("actor.clip_ratio_high", cfg.actor.clip_ratio_high, "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low", f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28"))
+        out.append(
+            Violation(
+                "actor.clip_ratio_high",
+                cfg.actor.clip_ratio_high,
+                "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low",
+                f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28",
+            )
+        )
     return out
 
 
 def _check_runtime(cfg: Config) -> list[Violation]:
     out: list[Violation] = []
-    if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        out.append(Violation("logging.wandb", cfg.logging.wandb.project, "the wandb package is not installed", "pip install 'spmd-rl[wandb]' (or wandb), or set logging.wandb.mode: disabled"))
+    if (
+        cfg.logging.wandb is not None
+        and cfg.logging.wandb.mode != "disabled"
+        and importlib.util.find_spec("wandb") is None
+    ):
+        out.append(
+            Violation(
+                "logging.wandb",
+                cfg.logging.wandb.project,
+                "the wandb package is not installed",
+                "pip install 'spmd-rl[wandb]' (or wandb), or set logging.wandb.mode: disabled",
+            )
+        )
     e = cfg.elastic
     if e.min_nodes > e.max_nodes:
-        out.append(Violation("elastic.min_nodes", e.min_nodes, f"greater than elastic.max_nodes={e.max_nodes}", "make min_nodes <= max_nodes"))
+        out.append(
+            Violation(
+                "elastic.min_nodes",
+                e.min_nodes,
+                f"greater than elastic.max_nodes={e.max_nodes}",
+                "make min_nodes <= max_nodes",
+            )
+        )
     elif not e.min_nodes <= cfg.parallel.nnodes <= e.max_nodes:
-        out.append(Violation("parallel.nnodes", cfg.parallel.nnodes, f"outside elastic range [{e.min_nodes}, {e.max_nodes}]", "widen elastic.min_nodes/max_nodes or change nnodes"))
+        out.append(
+            Violation(
+                "parallel.nnodes",
+                cfg.parallel.nnodes,
+                f"outside elastic range [{e.min_nodes}, {e.max_nodes}]",
+                "widen elastic.min_nodes/max_nodes or change nnodes",
+            )
+        )
     if e.rdzv_backend == "etcd-v2" and not (e.rdzv_endpoint or cfg.metadata.endpoints):
-        out.append(Violation("elastic.rdzv_endpoint", None, "etcd-v2 rendezvous needs an etcd endpoint", "set elastic.rdzv_endpoint or metadata.endpoints"))
+        out.append(
+            Violation(
+                "elastic.rdzv_endpoint",
+                None,
+                "etcd-v2 rendezvous needs an etcd endpoint",
+                "set elastic.rdzv_endpoint or metadata.endpoints",
+            )
+        )
     if e.rdzv_backend == "c10d" and e.max_nodes > 1 and not e.rdzv_endpoint:
-        out.append(Violation("elastic.rdzv_endpoint", None, f"c10d rendezvous over up to {e.max_nodes} nodes needs the host:port every node reaches",
-                             "set elastic.rdzv_endpoint (or use rdzv_backend: etcd-v2, which survives losing any node)"))
+        out.append(
+            Violation(
+                "elastic.rdzv_endpoint",
+                None,
+                f"c10d rendezvous over up to {e.max_nodes} nodes needs the host:port every node reaches",
+                "set elastic.rdzv_endpoint (or use rdzv_backend: etcd-v2, which survives losing any node)",
+            )
+        )
     for i, ep in enumerate(cfg.metadata.endpoints):
         if not _ENDPOINT.match(ep):
             out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))
     if cfg.dock.max_message_bytes < cfg.dock.bucket_bytes + (1 << 20):
-        out.append(Violation("dock.max_message_bytes", cfg.dock.max_message_bytes, f"too small for a reply bucket of dock.bucket_bytes={cfg.dock.bucket_bytes} plus its header",
-                             f"make it at least bucket_bytes + 1 MiB = {cfg.dock.bucket_bytes + (1 << 20)}"))
+        out.append(
+            Violation(
+                "dock.max_message_bytes",
+                cfg.dock.max_message_bytes,
+                f"too small for a reply bucket of dock.bucket_bytes={cfg.dock.bucket_bytes} plus its header",
+                f"make it at least bucket_bytes + 1 MiB = {cfg.dock.bucket_bytes + (1 << 20)}",
+            )
+        )
     if cfg.dock.token is not None and len(cfg.dock.token) < 16:
-        out.append(Violation("dock.token", "<hidden>", "shorter than 16 characters", "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`"))
+        out.append(
+            Violation(
+                "dock.token",
+                "<hidden>",
+                "shorter than 16 characters",
+                "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`",
+            )
+        )
     if cfg.trainer.eval_interval and not cfg.data.test_path:
-        out.append(Violation("trainer.eval_interval", cfg.trainer.eval_interval, "periodic evaluation needs held-out prompts", "set data.test_path or eval_interval: 0"))
+        out.append(
+            Violation(
+                "trainer.eval_interval",
+                cfg.trainer.eval_interval,
+                "periodic evaluation needs held-out prompts",
+                "set data.test_path or eval_interval: 0",
+            )
+        )
     if cfg.stream.fuse and not fused_stages(cfg, stages_for(cfg)):
-        out.append(Violation("stream.fuse", True, "no stage can run during generation: the reward needs the reward model and the advantage needs later stages' columns",
-                             "set stream.fuse: false, or use reward.kind: rule"))
+        out.append(
+            Violation(
+                "stream.fuse",
+                True,
+                "no stage can run during generation: the reward needs the reward model and the advantage needs later "
+                "stages' columns",
+                "set stream.fuse: false, or use reward.kind: rule",
+            )
+        )
     res = cfg.checkpoint.resume
     if res not in ("auto", "never") and not Path(res).is_dir():
-        out.append(Violation("checkpoint.resume", res, "neither auto, never nor an existing checkpoint folder", "use auto, never or a checkpoint path"))
+        out.append(
+            Violation(
+                "checkpoint.resume",
+                res,
+                "neither auto, never nor an existing checkpoint folder",
+                "use auto, never or a checkpoint path",
+            )
+        )
     return out
 
 
@@ -248,11 +581,23 @@ def _check_relay(cfg: Config, lay: Layouts) -> list[Violation]:
     if "tp_relay_min_bytes" not in d.model_fields_set or d.tp_relay_min_bytes is None:
         return []
     if d.mode == "centralized":
-        return [Violation("dock.tp_relay_min_bytes", d.tp_relay_min_bytes, "the TP leader fetch relays through each node's own warehouse; dock.mode is centralized",
-                          "remove it, or set dock.mode: distributed")]
+        return [
+            Violation(
+                "dock.tp_relay_min_bytes",
+                d.tp_relay_min_bytes,
+                "the TP leader fetch relays through each node's own warehouse; dock.mode is centralized",
+                "remove it, or set dock.mode: distributed",
+            )
+        ]
     if lay.train.tp == 1 and lay.gen.tp == 1:
-        return [Violation("dock.tp_relay_min_bytes", d.tp_relay_min_bytes, "there is no TP group to relay to: parallel.train.tp and parallel.gen.tp are 1",
-                          "remove it, or use tensor parallelism")]
+        return [
+            Violation(
+                "dock.tp_relay_min_bytes",
+                d.tp_relay_min_bytes,
+                "there is no TP group to relay to: parallel.train.tp and parallel.gen.tp are 1",
+                "remove it, or use tensor parallelism",
+            )
+        ]
     return []
 
 
@@ -260,14 +605,34 @@ def _check_tls(cfg: Config) -> list[Violation]:
     m = cfg.metadata
     out = []
     if bool(m.cert_file) != bool(m.key_file):
-        out.append(Violation("metadata.cert_file" if m.key_file else "metadata.key_file", None, "a client certificate needs both files",
-                             "set metadata.cert_file and metadata.key_file (launch/make_certs.sh: client.crt, client.key)"))
+        out.append(
+            Violation(
+                "metadata.cert_file" if m.key_file else "metadata.key_file",
+                None,
+                "a client certificate needs both files",
+                "set metadata.cert_file and metadata.key_file (launch/make_certs.sh: client.crt, client.key)",
+            )
+        )
     if m.cert_file and not m.ca_file:
-        out.append(Violation("metadata.ca_file", None, "a client certificate is only used over TLS", "set metadata.ca_file to the etcd's CA (ca.crt)"))
+        out.append(
+            Violation(
+                "metadata.ca_file",
+                None,
+                "a client certificate is only used over TLS",
+                "set metadata.ca_file to the etcd's CA (ca.crt)",
+            )
+        )
     for field in ("ca_file", "cert_file", "key_file"):
         path = getattr(m, field)
         if path and not Path(path).is_file():
-            out.append(Violation(f"metadata.{field}", path, "file not found", "copy the job's certificates to this node (launch/make_certs.sh)"))
+            out.append(
+                Violation(
+                    f"metadata.{field}",
+                    path,
+                    "file not found",
+                    "copy the job's certificates to this node (launch/make_certs.sh)",
+                )
+            )
     return out
 
 

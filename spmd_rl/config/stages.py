@@ -48,7 +48,8 @@ COLUMNS: dict[str, ColumnKind] = {
 DAPO: a group-normalised reward, the same for every token). ``answer`` is the reference answer
 of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader. Partial
 rollout adds ``response_version`` (the policy version, i.e. the number of updates, that
-generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new one, and whether it
+generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new
+one, and whether it
 already finished). Multi-turn rollouts (``rollout.environment``) add ``response_mask`` (1 on
 sampled tokens, 0 on inserted ones: every stage that computes per-token terms reads it) and
 ``env_reward`` (the environment's summed reward contributions)."""
@@ -186,11 +187,27 @@ def stages_for(cfg: Config) -> list[Stage]:
     routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
     rows: tuple[str, ...] = ("prompt_row",) if partial or turns else ()  # the environment starts from the dataset row
     out = [
-        Stage("actor_rollout", ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
-              ("response_ids", "rollout_log_prob", "response_length") + (("response_version",) if versioned(cfg) else ()) + routes
-              + (turns + ("env_reward",) if turns else ()), ("rollout",), group_granular=True, layout="gen", per_round=True),
-        Stage("reward", (("prompt_ids",) if model_reward else ()) + ("response_ids", "response_length", "answer")
-              + (turns + ("env_reward",) if turns else ()), ("reward",), ("reward_model",) if model_reward else (), per_round=True),
+        Stage(
+            "actor_rollout",
+            ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
+            ("response_ids", "rollout_log_prob", "response_length")
+            + (("response_version",) if versioned(cfg) else ())
+            + routes
+            + (turns + ("env_reward",) if turns else ()),
+            ("rollout",),
+            group_granular=True,
+            layout="gen",
+            per_round=True,
+        ),
+        Stage(
+            "reward",
+            (("prompt_ids",) if model_reward else ())
+            + ("response_ids", "response_length", "answer")
+            + (turns + ("env_reward",) if turns else ()),
+            ("reward",),
+            ("reward_model",) if model_reward else (),
+            per_round=True,
+        ),
     ]
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
     kl_cols: tuple[str, ...] = ()
@@ -212,9 +229,21 @@ def stages_for(cfg: Config) -> list[Stage]:
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
     elif cfg.algorithm.name in TOKEN_ESTIMATORS:  # REINFORCE++: per-token returns, whitened over the batch
         adv_in = ("reward", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
-        out.append(Stage("advantage", adv_in, ("advantages",), group_granular=cfg.algorithm.name == "reinforce_pp_baseline", whole_batch=True))
+        out.append(
+            Stage(
+                "advantage",
+                adv_in,
+                ("advantages",),
+                group_granular=cfg.algorithm.name == "reinforce_pp_baseline",
+                whole_batch=True,
+            )
+        )
     else:
-        out.append(Stage("advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True))
+        out.append(
+            Stage(
+                "advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True
+            )
+        )
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
 
@@ -225,9 +254,11 @@ def dpo_stages(cfg: Config) -> list[Stage]:
     chosen, 2q + 1 rejected), then the reference's log-probs of both and the update over whole
     pairs."""
     seq = ("prompt_ids", "response_ids")
-    return [Stage("preference_pairs", ("prompt_row",), ("response_ids",), (), group_granular=True, per_round=True),
-            Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)),
-            Stage("dpo_update", seq + ("ref_log_prob", "prompt_row"), (), ("actor",), group_granular=True)]
+    return [
+        Stage("preference_pairs", ("prompt_row",), ("response_ids",), (), group_granular=True, per_round=True),
+        Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)),
+        Stage("dpo_update", seq + ("ref_log_prob", "prompt_row"), (), ("actor",), group_granular=True),
+    ]
 
 
 def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
@@ -250,8 +281,12 @@ def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
 def pinned_roles(cfg: Config) -> set[str]:
     """Roles the config keeps resident through every stage (their ``offload_to_host: false``;
     the actor under ``reshard.mode: naive``)."""
-    keep = {"ref": not cfg.ref.offload_to_host, "critic": not cfg.critic.offload_to_host,
-            "reward_model": not cfg.reward.offload_to_host, "actor": cfg.reshard.mode == "naive"}
+    keep = {
+        "ref": not cfg.ref.offload_to_host,
+        "critic": not cfg.critic.offload_to_host,
+        "reward_model": not cfg.reward.offload_to_host,
+        "actor": cfg.reshard.mode == "naive",
+    }
     return {role for role, pinned in keep.items() if pinned}
 
 

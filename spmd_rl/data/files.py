@@ -26,9 +26,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
                     continue
                 row = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise BadFile(f"{path}: line {no} is not a UTF-8 JSON object ({exc}); fix or remove that line") from None
+                raise BadFile(
+                    f"{path}: line {no} is not a UTF-8 JSON object ({exc}); fix or remove that line"
+                ) from None
             if not isinstance(row, dict):
-                raise BadFile(f"{path}: line {no} is a JSON {type(row).__name__}, not an object with the prompt/answer columns")
+                raise BadFile(
+                    f"{path}: line {no} is a JSON {type(row).__name__}, not an object with the prompt/answer columns"
+                )
             rows.append(row)
     return rows
 
@@ -82,7 +86,11 @@ def safetensors_header(path: str | Path) -> tuple[int, dict]:
             raise ValueError("the header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+    ]
     need = 8 + n + max(ends, default=0)
     if size < need:
         raise ValueError(f"truncated: {size} bytes, the header needs {need}")

@@ -21,8 +21,16 @@ log = logging.getLogger(__name__)
 def preferences_for(cfg, tokenizer, path: str | Path) -> PromptSet:
     """A preference file read with the run's ``data`` fields and ``rollout.max_response_length``."""
     d = cfg.data
-    return load_preferences(path, tokenizer, d.prompt_column, d.chosen_column, d.rejected_column, d.max_prompt_length,
-                            cfg.rollout.max_response_length, d.apply_chat_template)
+    return load_preferences(
+        path,
+        tokenizer,
+        d.prompt_column,
+        d.chosen_column,
+        d.rejected_column,
+        d.max_prompt_length,
+        cfg.rollout.max_response_length,
+        d.apply_chat_template,
+    )
 
 
 def _reason(row: dict, columns: tuple[str, str, str]) -> str | None:
@@ -34,8 +42,16 @@ def _reason(row: dict, columns: tuple[str, str, str]) -> str | None:
     return "chosen equals rejected" if str(row[columns[1]]) == str(row[columns[2]]) else None
 
 
-def load_preferences(path: str | Path, tokenizer, prompt_column: str, chosen_column: str, rejected_column: str,
-                     max_prompt_length: int, max_response_length: int, chat_template: bool = True) -> PromptSet:
+def load_preferences(
+    path: str | Path,
+    tokenizer,
+    prompt_column: str,
+    chosen_column: str,
+    rejected_column: str,
+    max_prompt_length: int,
+    max_response_length: int,
+    chat_template: bool = True,
+) -> PromptSet:
     """The pairs of a preference file (``PromptSet.pairs``; ``answers`` are empty: no reward
     reads them)."""
     columns = (prompt_column, chosen_column, rejected_column)
@@ -49,13 +65,20 @@ def load_preferences(path: str | Path, tokenizer, prompt_column: str, chosen_col
             out.skipped.setdefault(reason, []).append(row_no)
         else:
             candidates.append((row_no, row))
-    prompts, chosen, rejected = (encode_prompts(tokenizer, [str(row[c]) for _, row in candidates], chat_template and c == prompt_column)
-                                 for c in columns)  # one batched tokenizer call per column
+    prompts, chosen, rejected = (
+        encode_prompts(tokenizer, [str(row[c]) for _, row in candidates], chat_template and c == prompt_column)
+        for c in columns
+    )  # one batched tokenizer call per column
     for (row_no, row), ids, good, bad in zip(candidates, prompts, chosen, rejected):
         good, bad = [*good, eos], [*bad, eos]
         longest = max(len(good), len(bad))
-        reason = (f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}" if len(ids) > max_prompt_length else
-                  f"response of {longest} tokens > rollout.max_response_length={max_response_length}" if longest > max_response_length else None)
+        reason = (
+            f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
+            if len(ids) > max_prompt_length
+            else f"response of {longest} tokens > rollout.max_response_length={max_response_length}"
+            if longest > max_response_length
+            else None
+        )
         if reason is not None:
             out.skipped.setdefault(reason, []).append(row_no)
             continue
@@ -67,6 +90,8 @@ def load_preferences(path: str | Path, tokenizer, prompt_column: str, chosen_col
     for reason, rows in out.skipped.items():
         log.warning("%s: skipped %d row(s) with %s, e.g. row %s", path, len(rows), reason, rows[:5])
     if not out.pairs:
-        raise ValueError(f"{path}: no usable preference rows (columns {', '.join(columns)}; skipped: "
-                         f"{', '.join(f'{k}: {len(v)}' for k, v in out.skipped.items())})")
+        raise ValueError(
+            f"{path}: no usable preference rows (columns {', '.join(columns)}; skipped: "
+            f"{', '.join(f'{k}: {len(v)}' for k, v in out.skipped.items())})"
+        )
     return out

@@ -43,8 +43,10 @@ def encode_prompts(tokenizer, texts: list[str], chat_template: bool) -> list[lis
     prompt (``apply_chat_template(..., tokenize=True)``, which tokenizes the rendered text
     without special tokens), or the bare text. One batched tokenizer call for all of them."""
     if chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-                 for t in texts]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in texts
+        ]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
@@ -61,8 +63,14 @@ def prompts_for(cfg, tokenizer, path: str | Path) -> "PromptSet":
     return load_prompts(path, tokenizer, d.prompt_column, d.answer_column, d.max_prompt_length, d.apply_chat_template)
 
 
-def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column: str, max_prompt_length: int,
-                 chat_template: bool = True) -> PromptSet:
+def load_prompts(
+    path: str | Path,
+    tokenizer,
+    prompt_column: str,
+    answer_column: str,
+    max_prompt_length: int,
+    chat_template: bool = True,
+) -> PromptSet:
     out = PromptSet([], [], [], [])
     candidates: list[tuple[int, dict]] = []
     for row_no, row in enumerate(load_rows(path)):
@@ -80,7 +88,9 @@ def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column:
     encoded = encode_prompts(tokenizer, [str(row[prompt_column]) for _, row in candidates], chat_template)
     for (row_no, row), ids in zip(candidates, encoded):
         if len(ids) > max_prompt_length:
-            out.skipped.setdefault(f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}", []).append(row_no)
+            out.skipped.setdefault(
+                f"prompt of {len(ids)} tokens > data.max_prompt_length={max_prompt_length}", []
+            ).append(row_no)
             continue
         out.prompt_ids.append(ids)
         out.answers.append(str(row[answer_column]))
@@ -89,5 +99,7 @@ def load_prompts(path: str | Path, tokenizer, prompt_column: str, answer_column:
     for reason, rows in out.skipped.items():
         log.warning("%s: skipped %d row(s) with %s, e.g. row %s", path, len(rows), reason, rows[:5])
     if not out.prompt_ids:
-        raise ValueError(f"{path}: no usable prompt rows (skipped: {', '.join(f'{k}: {len(v)}' for k, v in out.skipped.items())})")
+        raise ValueError(
+            f"{path}: no usable prompt rows (skipped: {', '.join(f'{k}: {len(v)}' for k, v in out.skipped.items())})"
+        )
     return out

@@ -91,6 +91,8 @@ def detect(kind: str = "auto", local_rank: int | None = None) -> Accelerator:
     if kind not in BACKENDS:
         raise ValueError(f"unknown accelerator {kind!r}; use cpu, cuda or npu")
     if kind == "cuda" and not torch.cuda.is_available() or kind == "npu" and not _npu_available():
-        raise ValueError(f"trainer.device={kind}: no {kind.upper()} device is visible to this process -> use auto or cpu, "
-                         f"or install the matching torch build (the `{kind}` extra)")
+        raise ValueError(
+            f"trainer.device={kind}: no {kind.upper()} device is visible to this process -> use auto or cpu, "
+            f"or install the matching torch build (the `{kind}` extra)"
+        )
     return Accelerator(kind, lr)

@@ -28,5 +28,8 @@ def replica_group(layout: Layout, rank: int):
     """The process group of this rank's replica in ``layout`` (its TP ranks), or None when the
     rank is not in the layout. ``new_group`` is collective over the world: every rank calls this,
     and every replica's group is created in the same order."""
-    groups = [dist.new_group(list(range(layout.dp_group_leader(g), layout.dp_group_leader(g) + layout.group))) for g in range(layout.dp)]
+    groups = [
+        dist.new_group(list(range(layout.dp_group_leader(g), layout.dp_group_leader(g) + layout.group)))
+        for g in range(layout.dp)
+    ]
     return groups[layout.coords(rank)[0]] if rank in layout.ranks else None

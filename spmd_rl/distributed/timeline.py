@@ -57,6 +57,7 @@ def use_device_events(device, new_event: Callable[[], Any] | None = None) -> Non
         event = make()
         event.record()
         return event
+
     _new_event = recorded
 
 
@@ -85,7 +86,14 @@ def flush(folder: str | Path, rank: int, iteration: int, start_us: int) -> None:
     global _recorded
     end = now_us()
     spans = [_ended(s) for s in _spans]
-    line = {"iteration": iteration, "rank": rank, "start": start_us, "end": end, "dropped": _recorded - len(spans), "spans": spans}
+    line = {
+        "iteration": iteration,
+        "rank": rank,
+        "start": start_us,
+        "end": end,
+        "dropped": _recorded - len(spans),
+        "spans": spans,
+    }
     _spans.clear()
     _recorded = 0
     path = Path(folder) / "trace" / f"rank{rank}.jsonl"

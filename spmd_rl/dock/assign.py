@@ -110,8 +110,8 @@ def _assign_equal(units: Sequence[Unit], group_nodes: Sequence[int]) -> list[lis
     out: list[list[int]] = []
     for g, node in enumerate(group_nodes):
         mine = by_node.get(node, [])
-        out.append(mine[:quota[g]])
-        by_node[node] = mine[quota[g]:]
+        out.append(mine[: quota[g]])
+        by_node[node] = mine[quota[g] :]
     rest = sorted(k for keys in by_node.values() for k in keys)
     for g in range(d):
         need = quota[g] - len(out[g])

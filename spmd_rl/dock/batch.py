@@ -28,7 +28,9 @@ class DockBatch:
         for name, values in self.columns.items():
             if name in self.ragged:
                 lengths = torch.tensor([v.numel() for v in values], dtype=torch.int64)
-                out[name] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=(pad or {}).get(name, 0))
+                out[name] = torch.nn.utils.rnn.pad_sequence(
+                    values, batch_first=True, padding_value=(pad or {}).get(name, 0)
+                )
                 out[f"{name}_length"] = lengths
             else:
                 out[name] = torch.stack(values) if values else torch.empty(0)

@@ -4,7 +4,8 @@ Distributed mode: a rank puts into its own node's warehouse (served by the node'
 process) and publishes one put-record in etcd; a stage's get waits for its inputs through its
 controller, takes its DP group's share of the split, and fetches each (column, index) from the
 warehouse that holds it: its own node's in process (the serving rank, ``dock.local``) or
-through shared memory (the node's other ranks, ``dock.same_node``). Centralized mode (the paper's replay-buffer baseline): rank 0 serves
+through shared memory (the node's other ranks, ``dock.same_node``). Centralized mode (the paper's replay-buffer
+baseline): rank 0 serves
 the only warehouse and every put and get goes through it.
 
 Within a DP group every TP rank computes the same split. Its remote part is fetched once, by
@@ -43,8 +44,15 @@ class TransferDock(Fetcher):
     """The dock on this rank: its warehouse (when it serves one), liveness, puts, gets and
     streams, commits (``Fetcher`` holds the fetch primitives)."""
 
-    def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str,
-                 in_process: bool = True):
+    def __init__(
+        self,
+        cfg: DockConfig,
+        meta: MetadataStore,
+        specs: dict[str, ColumnSpec],
+        peer: Peer,
+        token: str,
+        in_process: bool = True,
+    ):
         """``in_process``: see ``Fetcher``."""
         super().__init__(cfg, meta, specs, peer, token, in_process)
         self._num_samples: dict[int, int] = {}
@@ -61,12 +69,21 @@ class TransferDock(Fetcher):
             self.heartbeat = Heartbeat(self.meta, self.peer.rank, heartbeat_ttl_s).start()
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
-            self.server = WarehouseServer(self.cfg.interface, port, self.token, self.cfg.bucket_bytes, self.cfg.max_message_bytes,
-                                          self.cfg.buffer_pool_bytes).start()
+            self.server = WarehouseServer(
+                self.cfg.interface,
+                port,
+                self.token,
+                self.cfg.bucket_bytes,
+                self.cfg.max_message_bytes,
+                self.cfg.buffer_pool_bytes,
+            ).start()
             if heartbeat_ttl_s:
-                self._warehouse_beat = Heartbeat(self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive",
-                                                 healthy=self.server.serving).start()
-            self.meta.put(self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode())
+                self._warehouse_beat = Heartbeat(
+                    self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive", healthy=self.server.serving
+                ).start()
+            self.meta.put(
+                self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode()
+            )
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
         return self
 
@@ -120,12 +137,16 @@ class TransferDock(Fetcher):
             feed.stop()
 
     # -- sample flow ----------------------------------------------------------------------------
-    def put(self, stage: str, iteration: int, data: Mapping[str, Any] | TensorDict, indices: Sequence[int] | torch.Tensor) -> None:
+    def put(
+        self, stage: str, iteration: int, data: Mapping[str, Any] | TensorDict, indices: Sequence[int] | torch.Tensor
+    ) -> None:
         """Store columns for ``indices`` in this node's warehouse and publish the put-record.
         Refused puts (unknown column, bad index, dtype/shape, duplicate) change nothing."""
         idx = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
         if iteration not in self._num_samples:
-            raise DockRequestError(f"iteration {iteration} not started: call begin_iteration({iteration}, num_samples) first")
+            raise DockRequestError(
+                f"iteration {iteration} not started: call begin_iteration({iteration}, num_samples) first"
+            )
         limit = self._num_samples[iteration]
         out_of_range = [i for i in idx if not 0 <= i < limit]
         if out_of_range:
@@ -141,12 +162,21 @@ class TransferDock(Fetcher):
         for name in columns:
             dup = [i for i in idx if loc.has(name, i)]
             if dup:
-                raise DockRequestError(f"column {name!r} already written for indices {dup[:8]} by {loc.writer[name][dup[0]]}: duplicate put")
+                raise DockRequestError(
+                    f"column {name!r} already written for indices {dup[:8]} by {loc.writer[name][dup[0]]}: duplicate "
+                    f"put"
+                )
         ragged = {n: self.specs[n].ragged for n in columns}
         client = self.client(self.home_node)
         client.put(iteration, idx, columns, ragged)
-        record = PutRecord(stage, self.peer.rank, self.home_node, list(columns), idx,
-                           {n: [v.numel() for v in vals] for n, vals in columns.items() if ragged[n]})
+        record = PutRecord(
+            stage,
+            self.peer.rank,
+            self.home_node,
+            list(columns),
+            idx,
+            {n: [v.numel() for v in vals] for n, vals in columns.items() if ragged[n]},
+        )
         self._seq += 1
         try:
             self.meta.put(self.meta.key(iteration, "puts", f"{self.peer.rank:06d}-{self._seq:08d}"), record.encode())
@@ -155,8 +185,14 @@ class TransferDock(Fetcher):
             raise
 
     def get(
-        self, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
-        group_size: int = 1, expected: Sequence[int] | None = None, timeout_s: float | None = None,
+        self,
+        stage: str,
+        iteration: int,
+        columns: Sequence[str],
+        layout: Layout,
+        group_size: int = 1,
+        expected: Sequence[int] | None = None,
+        timeout_s: float | None = None,
     ) -> DockBatch:
         """This rank's DP group's share of ``expected`` (default: all indices) once every index
         has all ``columns``. ``layout`` is the stage's (dp, tp) layout over the world."""
@@ -165,27 +201,50 @@ class TransferDock(Fetcher):
             raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
         ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
-        plan = ctl.plan(iteration, columns, want, group_nodes(layout, self.peer.nproc_per_node), group_size, timeout_s or self.cfg.get_timeout_s)
-        return self.batch_of(iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, (stage, layout))
+        plan = ctl.plan(
+            iteration,
+            columns,
+            want,
+            group_nodes(layout, self.peer.nproc_per_node),
+            group_size,
+            timeout_s or self.cfg.get_timeout_s,
+        )
+        return self.batch_of(
+            iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, (stage, layout)
+        )
 
     def stream(
-        self, stage: str, iteration: int, columns: Sequence[str], layout: Layout, expected: Sequence[int],
-        group_size: int = 1, units_per_group: int = 1,
+        self,
+        stage: str,
+        iteration: int,
+        columns: Sequence[str],
+        layout: Layout,
+        expected: Sequence[int],
+        group_size: int = 1,
+        units_per_group: int = 1,
     ) -> StageStream:
         """Like ``get``, in waves as the inputs become ready (``dock.stream``). The iteration's
         streams share one watch of its put-records, closed by ``commit``."""
         self._check_known(columns)
         if iteration not in self._feeds:
             self._feeds[iteration] = RecordFeed(self.meta, iteration)
-        return StageStream(self, self._feeds[iteration], stage, iteration, columns, layout, expected, group_size, units_per_group)
+        return StageStream(
+            self, self._feeds[iteration], stage, iteration, columns, layout, expected, group_size, units_per_group
+        )
 
     def _check_known(self, columns: Sequence[str]) -> None:
         unknown = [c for c in columns if c not in self.specs]
         if unknown:
             raise DockRequestError(f"unknown column(s) {unknown}; known columns: {', '.join(sorted(self.specs))}")
 
-    def batch_of(self, iteration: int, indices: list[int], columns: list[str], loc: Locations,
-                 relay: tuple[str, Layout] | None = None) -> DockBatch:
+    def batch_of(
+        self,
+        iteration: int,
+        indices: list[int],
+        columns: list[str],
+        loc: Locations,
+        relay: tuple[str, Layout] | None = None,
+    ) -> DockBatch:
         """Fetch ``columns`` of ``indices`` from the warehouses that hold them. ``relay``: (stage,
         layout) of a blocking get whose TP ranks all make the same call, so the TP leader may
         fetch the remote part for them (``dock.relay``); a streamed wave passes None, because a

@@ -38,15 +38,19 @@ def missing_inputs(loc: Locations, columns: Sequence[str], expected: Sequence[in
 
 def describe_missing(specs: dict[str, ColumnSpec], missing: dict[str, list[int]]) -> str:
     """What a stage still waits for: each column, the stage that writes it, the missing indices."""
-    return "; ".join(f"column {c!r} (written by stage {specs[c].writer}): missing {describe(m)}" for c, m in missing.items())
+    return "; ".join(
+        f"column {c!r} (written by stage {specs[c].writer}): missing {describe(m)}" for c, m in missing.items()
+    )
 
 
 def fail_if_ranks_lost(meta: MetadataStore, world: int, who: str, doing: str) -> None:
     """DockUnavailable once any rank of the world has lost its heartbeat key."""
     lost = set(range(world)) - alive_ranks(meta)
     if lost:
-        raise DockUnavailable(f"{who}: rank(s) {sorted(lost)} lost (heartbeat expired) while {doing}; "
-                              "exiting so torchrun can restart the group")
+        raise DockUnavailable(
+            f"{who}: rank(s) {sorted(lost)} lost (heartbeat expired) while {doing}; "
+            "exiting so torchrun can restart the group"
+        )
 
 
 def group_nodes(layout: Layout, nproc_per_node: int) -> list[int]:
@@ -72,8 +76,14 @@ def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], g
 
 
 class StageController:
-    def __init__(self, meta: MetadataStore, stage: str, specs: dict[str, ColumnSpec], poll_s: float = 0.02,
-                 world: int | None = None):
+    def __init__(
+        self,
+        meta: MetadataStore,
+        stage: str,
+        specs: dict[str, ColumnSpec],
+        poll_s: float = 0.02,
+        world: int | None = None,
+    ):
         self.meta = meta
         self.stage = stage
         self.specs = specs
@@ -94,24 +104,35 @@ class StageController:
             if self.world is not None and delay >= 0.25:
                 fail_if_ranks_lost(self.meta, self.world, f"stage {self.stage}", f"waiting for iteration {iteration}")
             if time.monotonic() >= deadline:
-                raise DockTimeout(f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; " + describe_missing(self.specs, missing))
+                raise DockTimeout(
+                    f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; "
+                    + describe_missing(self.specs, missing)
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
 
     def plan(
-        self, iteration: int, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int],
-        group_size: int = 1, timeout_s: float = 600.0,
+        self,
+        iteration: int,
+        columns: Sequence[str],
+        expected: Sequence[int],
+        group_nodes: Sequence[int],
+        group_size: int = 1,
+        timeout_s: float = 600.0,
     ) -> Assignment:
         loc = self.wait(iteration, columns, expected, timeout_s)
         return Assignment(split(loc, columns, expected, group_nodes, group_size), loc)
 
 
-def split(loc: Locations, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int],
-          group_size: int = 1) -> list[list[int]]:
+def split(
+    loc: Locations, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int], group_size: int = 1
+) -> list[list[int]]:
     """Indices per DP group: ``assign`` of the units (samples, or whole prompt groups) of
     ``expected``, expanded back to the expected indices of each unit."""
     groups = assign(units_for(loc, columns, expected, group_size), group_nodes)
     if group_size > 1:
         wanted = set(expected)
-        groups = [[i for k in keys for i in range(k * group_size, (k + 1) * group_size) if i in wanted] for keys in groups]
+        groups = [
+            [i for k in keys for i in range(k * group_size, (k + 1) * group_size) if i in wanted] for keys in groups
+        ]
     return groups

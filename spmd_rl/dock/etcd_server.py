@@ -97,8 +97,15 @@ class EmbeddedEtcd:
                 with open(self._log_path(), "rb") as f:
                     f.seek(offset)
                     said = f.read()
-                lost = [port for port in (self.client_port, self.peer_port) if f":{port}: bind: {_IN_USE}".encode() in said]
-                if not exited or not lost or attempt + 1 == BIND_TRIES or (self._fixed_client and self.client_port in lost):
+                lost = [
+                    port for port in (self.client_port, self.peer_port) if f":{port}: bind: {_IN_USE}".encode() in said
+                ]
+                if (
+                    not exited
+                    or not lost
+                    or attempt + 1 == BIND_TRIES
+                    or (self._fixed_client and self.client_port in lost)
+                ):
                     self.stop()
                     raise
             # another process took a port between our pick and etcd's bind: pick again
@@ -114,16 +121,35 @@ class EmbeddedEtcd:
         client = f"http://{self.endpoint}"
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
-            str(ETCD_BINARY), "--name", "spmd-rl", "--data-dir", self.data_dir,
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"spmd-rl={peer}", "--enable-v2=true", "--log-level", "warn",
-            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",  # bounded history on long runs
+            str(ETCD_BINARY),
+            "--name",
+            "spmd-rl",
+            "--data-dir",
+            self.data_dir,
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"spmd-rl={peer}",
+            "--enable-v2=true",
+            "--log-level",
+            "warn",
+            "--auto-compaction-mode",
+            "periodic",
+            "--auto-compaction-retention",
+            "10m",  # bounded history on long runs
         ]
         if self._own_dir:  # the folder is deleted at stop, so nothing in it outlives this object: fsync buys nothing
             cmd.append("--unsafe-no-fsync")
         with open(self._log_path(), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

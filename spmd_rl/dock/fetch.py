@@ -40,8 +40,15 @@ class Peer:
 class Fetcher:
     """Connections to the warehouses and the fetch of samples from them."""
 
-    def __init__(self, cfg: DockConfig, meta: MetadataStore, specs: dict[str, ColumnSpec], peer: Peer, token: str,
-                 in_process: bool = True):
+    def __init__(
+        self,
+        cfg: DockConfig,
+        meta: MetadataStore,
+        specs: dict[str, ColumnSpec],
+        peer: Peer,
+        token: str,
+        in_process: bool = True,
+    ):
         """``in_process``: reach this node's warehouse without the wire: directly when this
         process serves it (``dock.local``), else through shared memory (``dock.same_node``);
         False sends those requests over the wire too (the baseline of ``tools/bench_dispatch``)."""
@@ -70,8 +77,9 @@ class Fetcher:
 
     def client(self, node: int) -> WarehouseClient | InProcessWarehouse:
         if node not in self._clients and self.in_process and self.server is not None and node == self.home_node:
-            self._clients[node] = InProcessWarehouse(self.server, f"warehouse of node {node}", self.cfg.max_message_bytes,
-                                                     self.server.pool)
+            self._clients[node] = InProcessWarehouse(
+                self.server, f"warehouse of node {node}", self.cfg.max_message_bytes, self.server.pool
+            )
         if node not in self._clients:
             key = self.meta.key("warehouses", node)
             raw = self._wait_key(key)
@@ -79,18 +87,28 @@ class Fetcher:
             if self.heartbeat is not None:  # liveness-bounded fetches: a lost warehouse fails at once
                 key = self.meta.key("warehouse_alive", node)
                 alive = lambda: self.meta.get(key) is not None  # noqa: E731
-            kwargs = dict(timeout_s=self.cfg.get_timeout_s, max_message_bytes=self.cfg.max_message_bytes, alive=alive,
-                          name=f"warehouse of node {node}")
+            kwargs = dict(
+                timeout_s=self.cfg.get_timeout_s,
+                max_message_bytes=self.cfg.max_message_bytes,
+                alive=alive,
+                name=f"warehouse of node {node}",
+            )
             address = json.loads(raw)["address"]
-            self._clients[node] = (SameNodeWarehouse(address, self.token, self.cfg.buffer_pool_bytes, **kwargs)
-                                   if node == self.peer.node and self.in_process else WarehouseClient(address, self.token, **kwargs))
+            self._clients[node] = (
+                SameNodeWarehouse(address, self.token, self.cfg.buffer_pool_bytes, **kwargs)
+                if node == self.peer.node and self.in_process
+                else WarehouseClient(address, self.token, **kwargs)
+            )
         return self._clients[node]
 
     def _wait_key(self, key: str) -> bytes:
         deadline = time.monotonic() + self.cfg.get_timeout_s
         while (raw := self.meta.get(key)) is None:
             if time.monotonic() > deadline:
-                raise DockTimeout(f"no warehouse registered at {key} after {self.cfg.get_timeout_s:.0f}s: is that node's local rank 0 running?")
+                raise DockTimeout(
+                    f"no warehouse registered at {key} after {self.cfg.get_timeout_s:.0f}s: is that node's local rank "
+                    f"0 running?"
+                )
             time.sleep(0.02)
         return raw
 
@@ -100,9 +118,13 @@ class Fetcher:
 
     def as_batch(self, indices: list[int], fetched: dict[str, list[torch.Tensor]]) -> DockBatch:
         """Fetched columns of ``indices`` as a ``DockBatch`` (which of them are ragged: their specs)."""
-        return DockBatch(torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in fetched if self.specs[c].ragged))
+        return DockBatch(
+            torch.tensor(indices, dtype=torch.int64), fetched, frozenset(c for c in fetched if self.specs[c].ragged)
+        )
 
-    def fetch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> dict[str, list[torch.Tensor]]:
+    def fetch(
+        self, iteration: int, indices: list[int], columns: list[str], loc: Locations
+    ) -> dict[str, list[torch.Tensor]]:
         """One request per (node, columns placed alike): columns whose indices live on the same
         nodes travel together; a column held by one node comes back in ``indices`` order as is."""
         out: dict[str, list[torch.Tensor]] = {}

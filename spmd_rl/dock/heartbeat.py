@@ -19,8 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, meta: MetadataStore, rank: int, ttl_s: int = 10, kind: str = "alive",
-                 healthy: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        meta: MetadataStore,
+        rank: int,
+        ttl_s: int = 10,
+        kind: str = "alive",
+        healthy: Callable[[], bool] | None = None,
+    ):
         """Holds ``/<job>/<kind>/<rank>``; with ``healthy``, the key is deleted as soon as it
         returns False (and not renewed)."""
         self.meta = meta
@@ -59,7 +65,7 @@ class Heartbeat:
 
 def alive_ranks(meta: MetadataStore) -> set[int]:
     prefix = meta.key("alive") + "/"
-    return {int(k[len(prefix):]) for k, _ in meta.get_prefix(prefix)}
+    return {int(k[len(prefix) :]) for k, _ in meta.get_prefix(prefix)}
 
 
 class PeerWatch:
@@ -72,8 +78,15 @@ class PeerWatch:
     group about ``heartbeat_ttl_s + grace_s`` after a peer dies. An unreachable etcd proves
     nothing and resets the evidence (the ranks ride out an etcd restart)."""
 
-    def __init__(self, meta: MetadataStore, world: int, warehouses: Sequence[int], on_lost: Callable[[str], None],
-                 poll_s: float = 1.0, grace_s: float = 2.0):
+    def __init__(
+        self,
+        meta: MetadataStore,
+        world: int,
+        warehouses: Sequence[int],
+        on_lost: Callable[[str], None],
+        poll_s: float = 1.0,
+        grace_s: float = 2.0,
+    ):
         self.meta = meta
         self.world = world
         self.warehouses = list(warehouses)
@@ -87,8 +100,10 @@ class PeerWatch:
         """What is gone now: ``rank r`` / ``warehouse of node n``."""
         ranks = set(range(self.world)) - alive_ranks(self.meta)
         prefix = self.meta.key("warehouse_alive") + "/"
-        served = {int(k[len(prefix):]) for k, _ in self.meta.get_prefix(prefix)}
-        return [f"rank {r}" for r in sorted(ranks)] + [f"warehouse of node {n}" for n in self.warehouses if n not in served]
+        served = {int(k[len(prefix) :]) for k, _ in self.meta.get_prefix(prefix)}
+        return [f"rank {r}" for r in sorted(ranks)] + [
+            f"warehouse of node {n}" for n in self.warehouses if n not in served
+        ]
 
     def start(self) -> "PeerWatch":
         self._thread.start()

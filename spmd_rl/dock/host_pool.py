@@ -43,6 +43,7 @@ def size_class(nbytes: int) -> int:
 @dataclass(eq=False)
 class Region:
     """One mapped buffer; ``fd`` and ``ino`` name its memfd (-1 and 0 when anonymous)."""
+
     mm: mmap.mmap
     fd: int = -1
     ino: int = 0

@@ -49,13 +49,17 @@ class InProcessWarehouse:
 
     def _check(self, op: str) -> None:
         if not self.server.serving():
-            raise DockUnavailable(f"{self.name} at {self.address} is lost (its server thread in this process stopped) during {op}; "
-                                  "exiting so torchrun can restart the group")
+            raise DockUnavailable(
+                f"{self.name} at {self.address} is lost (its server thread in this process stopped) during {op}; "
+                "exiting so torchrun can restart the group"
+            )
 
     def close(self) -> None:
         """Nothing to release: the server belongs to the dock."""
 
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
+    def put(
+        self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]
+    ) -> None:
         self._check("put")
         for values in columns.values():
             for dtype in {v.dtype for v in values}:

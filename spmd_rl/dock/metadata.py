@@ -8,7 +8,8 @@ small so another client can replace it.
 TLS (``EtcdTLS``): the session verifies etcd against the job's CA and presents the client
 certificate; it ignores $REQUESTS_CA_BUNDLE and proxy variables, which requests would
 otherwise let override the CA. Plain HTTP ignores proxy variables too: etcd is reached
-directly, never through a proxy a user set for the outside world. A refused handshake fails at once with the fix, not after
+directly, never through a proxy a user set for the outside world. A refused handshake fails at once with the fix, not
+after
 ``retry_s``.
 
 Keys live under ``/<job>/``; per-iteration data under ``/<job>/<iteration>/``. Values are bytes
@@ -68,7 +69,9 @@ def _tls_failure(exc: BaseException) -> BaseException | None:
 class MetadataStore:
     """put/get/prefix/delete/create(put-if-absent)/replace(CAS)/lease/watch over one job prefix."""
 
-    def __init__(self, endpoints: list[str], job: str, retry_s: float = 30.0, timeout_s: float = 5.0, tls: EtcdTLS | None = None):
+    def __init__(
+        self, endpoints: list[str], job: str, retry_s: float = 30.0, timeout_s: float = 5.0, tls: EtcdTLS | None = None
+    ):
         if not endpoints:
             raise ValueError("metadata.endpoints is empty: start an embedded etcd first")
         self.endpoints = list(endpoints)
@@ -87,10 +90,14 @@ class MetadataStore:
             host = host.removeprefix("https://").removeprefix("http://")
             if self.tls is None:
                 session = requests.Session()
-                session.trust_env = False  # no proxy variables (nor their lookup on every request) between a rank and etcd
+                session.trust_env = (
+                    False  # no proxy variables (nor their lookup on every request) between a rank and etcd
+                )
                 client = Etcd3Client(host=host, port=int(port), timeout=self._timeout, session=session)
             else:
-                client = Etcd3Client(host=host, port=int(port), protocol="https", timeout=self._timeout, session=self.tls.session())
+                client = Etcd3Client(
+                    host=host, port=int(port), protocol="https", timeout=self._timeout, session=self.tls.session()
+                )
             self._local.client = client
         return client
 
@@ -102,11 +109,15 @@ class MetadataStore:
                 return op(self._client())
             except _TRANSIENT as exc:
                 if (tls := _tls_failure(exc)) is not None:
-                    raise DockUnavailable(f"etcd {self.endpoints} refused the TLS connection ({tls}): set metadata.ca_file, "
-                                          "cert_file and key_file to the job's CA and client certificate (launch/make_certs.sh)") from exc
+                    raise DockUnavailable(
+                        f"etcd {self.endpoints} refused the TLS connection ({tls}): set metadata.ca_file, "
+                        "cert_file and key_file to the job's CA and client certificate (launch/make_certs.sh)"
+                    ) from exc
                 if time.monotonic() + delay > deadline:
                     hint = "" if self.tls else "; if it serves TLS only, set metadata.ca_file/cert_file/key_file"
-                    raise DockUnavailable(f"etcd {self.endpoints} unreachable for {self.retry_s:.0f}s: {exc}{hint}") from exc
+                    raise DockUnavailable(
+                        f"etcd {self.endpoints} unreachable for {self.retry_s:.0f}s: {exc}{hint}"
+                    ) from exc
                 self._current += 1  # next endpoint
                 self._local.client = None
                 time.sleep(delay)
@@ -139,11 +150,23 @@ class MetadataStore:
     def get_prefix_at(self, prefix: str) -> tuple[int, list[tuple[str, bytes, int]]]:
         """(store revision of the read, [(key, value, create revision)] sorted by key): a
         consistent snapshot that a watch from ``revision + 1`` continues without gap or overlap."""
+
         def op(c: Etcd3Client) -> dict:
-            return c.post(c.get_url("/kv/range"), json={"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
-                                                        "sort_order": "ASCEND", "sort_target": "KEY"})
+            return c.post(
+                c.get_url("/kv/range"),
+                json={
+                    "key": _encode(prefix),
+                    "range_end": _encode(_increment_last_byte(prefix)),
+                    "sort_order": "ASCEND",
+                    "sort_target": "KEY",
+                },
+            )
+
         got = self._call(op)
-        kvs = [(_decode(kv["key"]).decode(), _decode(kv.get("value", "")), int(kv["create_revision"])) for kv in got.get("kvs", [])]
+        kvs = [
+            (_decode(kv["key"]).decode(), _decode(kv.get("value", "")), int(kv["create_revision"]))
+            for kv in got.get("kvs", [])
+        ]
         return int(got["header"]["revision"]), kvs
 
     def delete_prefix(self, prefix: str) -> None:

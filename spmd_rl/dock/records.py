@@ -47,9 +47,16 @@ class PutRecord:
 
     def encode(self) -> bytes:
         return json.dumps(
-            {"stage": self.stage, "rank": self.rank, "node": self.node, "columns": self.columns,
-             "ranges": to_ranges(self.indices), "order": self.indices if self.indices != sorted(self.indices) else None,
-             "lengths": self.lengths}, separators=(",", ":"),
+            {
+                "stage": self.stage,
+                "rank": self.rank,
+                "node": self.node,
+                "columns": self.columns,
+                "ranges": to_ranges(self.indices),
+                "order": self.indices if self.indices != sorted(self.indices) else None,
+                "lengths": self.lengths,
+            },
+            separators=(",", ":"),
         ).encode()
 
     @classmethod
@@ -79,7 +86,8 @@ class Locations:
                 if not nodes.keys().isdisjoint(r.indices):
                     i = next(i for i in r.indices if i in nodes)
                     raise DockRequestError(
-                        f"column {c!r} index {i} written twice: by stage {writers[i]} and by stage {r.stage} (rank {r.rank}); "
+                        f"column {c!r} index {i} written twice: by stage {writers[i]} and by stage {r.stage} (rank "
+                        f"{r.rank}); "
                         "each column of a sample is written once per iteration"
                     )
                 nodes.update(dict.fromkeys(r.indices, r.node))

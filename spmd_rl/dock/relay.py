@@ -7,7 +7,8 @@ TP group never spans nodes when t divides the ranks per node). With the relay, t
 relay columns ``relay/<stage>/<call>/<dp>/<column>``, creates the etcd key
 ``/<job>/<iteration>/relay/<stage>/<call>/<dp>``, then fetches its local part; meanwhile the TP
 ranks on its node fetch their local part as before and, once the key exists, the remote part
-from their own node's warehouse, through shared memory (``dock.same_node``) or in process. ``commit`` frees relay columns and keys with
+from their own node's warehouse, through shared memory (``dock.same_node``) or in process. ``commit`` frees relay
+columns and keys with
 the iteration.
 
 The relay runs only where it can pay: TP > 1, distributed mode, at least one other TP rank on
@@ -73,8 +74,15 @@ def sample_bytes(dock: "Fetcher", loc: Locations, columns: Sequence[str], indice
     return out
 
 
-def plan_relay(dock: "Fetcher", stage: str, iteration: int, layout: Layout, indices: Sequence[int],
-               columns: Sequence[str], loc: Locations) -> Relay | None:
+def plan_relay(
+    dock: "Fetcher",
+    stage: str,
+    iteration: int,
+    layout: Layout,
+    indices: Sequence[int],
+    columns: Sequence[str],
+    loc: Locations,
+) -> Relay | None:
     """The relay of this rank's fetch of ``indices``, or None where it does not pay (module)."""
     threshold, npn = dock.cfg.tp_relay_min_bytes, dock.peer.nproc_per_node
     if threshold is None or layout.group == 1 or dock.centralized or not indices:
@@ -93,8 +101,9 @@ def plan_relay(dock: "Fetcher", stage: str, iteration: int, layout: Layout, indi
     return Relay(f"relay/{stage}/{call}/{dp}", dock.peer.rank == leader, remote, sizes)
 
 
-def relayed_fetch(dock: "Fetcher", iteration: int, indices: list[int], columns: list[str], loc: Locations,
-                  relay: Relay) -> dict[str, list[torch.Tensor]]:
+def relayed_fetch(
+    dock: "Fetcher", iteration: int, indices: list[int], columns: list[str], loc: Locations, relay: Relay
+) -> dict[str, list[torch.Tensor]]:
     """The leader fetches the remote part first and stores it on its node, then its local part;
     the other TP ranks there fetch their local part meanwhile, then the relayed one."""
     home = dock.client(dock.peer.node)
@@ -103,7 +112,9 @@ def relayed_fetch(dock: "Fetcher", iteration: int, indices: list[int], columns: 
     local = [k for k in range(len(indices)) if k not in remote]
     out: dict[str, list[torch.Tensor | None]] = {c: [None] * len(indices) for c in columns}
 
-    def place(positions: Sequence[int], got: dict[str, list[torch.Tensor]], rename: dict[str, str] | None = None) -> None:
+    def place(
+        positions: Sequence[int], got: dict[str, list[torch.Tensor]], rename: dict[str, str] | None = None
+    ) -> None:
         for c in columns:
             for k, v in zip(positions, got[rename[c] if rename else c]):
                 out[c][k] = v
@@ -113,8 +124,12 @@ def relayed_fetch(dock: "Fetcher", iteration: int, indices: list[int], columns: 
         for a, b in _chunks(relay.sizes, dock.cfg.bucket_bytes):
             part = relay.remote[a:b]
             got = dock.fetch(iteration, [indices[k] for k in part], columns, loc)
-            home.put(iteration, [indices[k] for k in part], {names[c]: got[c] for c in columns},
-                     {names[c]: dock.specs[c].ragged for c in columns})
+            home.put(
+                iteration,
+                [indices[k] for k in part],
+                {names[c]: got[c] for c in columns},
+                {names[c]: dock.specs[c].ragged for c in columns},
+            )
             place(part, got)
         dock.meta.put(key, b"1")
     if local:
@@ -164,8 +179,12 @@ def _wait_for_leader(dock: "Fetcher", key: str, iteration: int) -> None:
             if woke:  # the watch ended without the key (a broken watch): a look a second from now on
                 arrived.clear()
             if dock.heartbeat is not None:
-                fail_if_ranks_lost(dock.meta, dock.peer.world, f"relay {key}", f"waiting for the TP leader in iteration {iteration}")
+                fail_if_ranks_lost(
+                    dock.meta, dock.peer.world, f"relay {key}", f"waiting for the TP leader in iteration {iteration}"
+                )
             if time.monotonic() > deadline:
-                raise DockTimeout(f"the TP leader did not relay {key} within dock.get_timeout_s={dock.cfg.get_timeout_s:.0f}s")
+                raise DockTimeout(
+                    f"the TP leader did not relay {key} within dock.get_timeout_s={dock.cfg.get_timeout_s:.0f}s"
+                )
     finally:
         cancel()

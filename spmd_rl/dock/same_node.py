@@ -48,10 +48,17 @@ class SameNodeWarehouse(WarehouseClient):
         if exc.kind != "PeerMemoryError":
             return False
         self.shared = False
-        log.warning("%s at %s cannot use this rank's shared memory (%s); using the wire from now on", self.name, self.address, exc)
+        log.warning(
+            "%s at %s cannot use this rank's shared memory (%s); using the wire from now on",
+            self.name,
+            self.address,
+            exc,
+        )
         return True
 
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
+    def put(
+        self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]
+    ) -> None:
         sizes = [sum(v.numel() * v.element_size() for v in values) for values in columns.values()]
         if not self.shared or sum(sizes) < SHM_MIN_BYTES:
             return super().put(iteration, indices, columns, ragged)
@@ -61,7 +68,9 @@ class SameNodeWarehouse(WarehouseClient):
         buf, region = self.pool.region(total)
         meta = {}
         for (name, values), offset, nbytes in zip(columns.items(), offsets, sizes):
-            flat, lengths = flatten(values, ragged[name], lambda numel, dtype, a=offset, b=offset + nbytes: buf[a:b].view(dtype))
+            flat, lengths = flatten(
+                values, ragged[name], lambda numel, dtype, a=offset, b=offset + nbytes: buf[a:b].view(dtype)
+            )
             meta[name] = {"ragged": ragged[name], "lengths": lengths, "offset": offset, **tensor_meta(flat)}
         ref = {"pid": os.getpid(), "fd": region.fd, "ino": region.ino}
         try:
@@ -101,6 +110,10 @@ class SameNodeWarehouse(WarehouseClient):
             offset = spec["offset"]
             if not 0 <= offset <= offset + nbytes <= buf.numel():
                 raise DockRequestError(f"{self.name} placed column {name!r} outside the buffer it was given")
-            out[name] = unflatten(buf[offset:offset + nbytes].view(dtype).reshape(shape), n, spec.get("lengths") if spec["ragged"] else None)
+            out[name] = unflatten(
+                buf[offset : offset + nbytes].view(dtype).reshape(shape),
+                n,
+                spec.get("lengths") if spec["ragged"] else None,
+            )
             self.shm_bytes += nbytes
         return out

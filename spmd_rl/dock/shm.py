@@ -85,7 +85,10 @@ def open_peer_buffer(ref: Any, key: bytes, end: int, resident: int = 0) -> int:
             raise PeerMemoryError(f"fd {fd} of pid {pid} is {target[:80]!r}, not a memfd of this job")
         f = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
-        raise PeerMemoryError(f"cannot open fd {fd} of pid {pid} ({exc.strerror}): not a rank on this node, or /proc is closed to this process") from None
+        raise PeerMemoryError(
+            f"cannot open fd {fd} of pid {pid} ({exc.strerror}): not a rank on this node, or /proc is closed to this "
+            f"process"
+        ) from None
     try:
         st, target = os.fstat(f), os.readlink(f"/proc/self/fd/{f}")  # what was opened, whatever the peer did since
         if target != ours or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -93,7 +96,10 @@ def open_peer_buffer(ref: Any, key: bytes, end: int, resident: int = 0) -> int:
         if st.st_ino != ino:
             raise PeerMemoryError(f"fd {fd} of pid {pid} is inode {st.st_ino}, not the buffer {ino} the request names")
         if st.st_size < end or st.st_blocks * 512 < resident:
-            raise PeerMemoryError(f"the buffer holds {st.st_size} bytes ({st.st_blocks * 512} in memory); the request needs {end} ({resident})")
+            raise PeerMemoryError(
+                f"the buffer holds {st.st_size} bytes ({st.st_blocks * 512} in memory); the request needs {end} "
+                f"({resident})"
+            )
     except BaseException:
         os.close(f)
         raise
@@ -103,14 +109,16 @@ def open_peer_buffer(ref: Any, key: bytes, end: int, resident: int = 0) -> int:
 def _write(f: int, views: list[memoryview], offset: int) -> None:
     views = [v for v in views if v.nbytes]
     for a in range(0, len(views), IOV_BATCH):
-        batch = views[a:a + IOV_BATCH]
+        batch = views[a : a + IOV_BATCH]
         want = sum(v.nbytes for v in batch)
         if os.pwritev(f, batch, offset) != want:
             raise PeerMemoryError("short write into the rank's buffer")
         offset += want
 
 
-def serve_get(store: WarehouseStore, key: bytes, it: int, indices: list[int], names: list[str], ref: Any) -> dict | None:
+def serve_get(
+    store: WarehouseStore, key: bytes, it: int, indices: list[int], names: list[str], ref: Any
+) -> dict | None:
     """The answer to a ``get`` carrying ``shm`` (see the module), or None: answer inline (a
     small reply, or a column whose samples differ in dtype or, when fixed, in shape)."""
     cols, ragged = store.get(it, indices, names)
@@ -139,7 +147,9 @@ def serve_get(store: WarehouseStore, key: bytes, it: int, indices: list[int], na
     return {"placed": placed}
 
 
-def put_columns(key: bytes, indices: list[int], specs: Any, ref: Any, max_message_bytes: int, pool: HostPool) -> tuple[dict, dict]:
+def put_columns(
+    key: bytes, indices: list[int], specs: Any, ref: Any, max_message_bytes: int, pool: HostPool
+) -> tuple[dict, dict]:
     """(Per-column per-sample tensors, ragged flags) of a ``put`` carrying ``shm``: every
     column is validated before one byte is read, each is read into a buffer of its own from
     ``pool`` (warm pages, once an earlier iteration's buffers were freed). The columns may not
@@ -155,7 +165,10 @@ def put_columns(key: bytes, indices: list[int], specs: Any, ref: Any, max_messag
         if nbytes > max_message_bytes:
             raise DockRequestError(f"a put column of {nbytes} bytes exceeds dock.max_message_bytes={max_message_bytes}")
         lengths = spec.get("lengths") if spec["ragged"] else None
-        if spec["ragged"] and not (isinstance(lengths, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)):
+        if spec["ragged"] and not (
+            isinstance(lengths, list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)
+        ):
             raise DockRequestError(f"ragged put column {name!r} needs lengths: [int]")
         parsed.append((name, dtype, shape, nbytes, _uint(spec.get("offset"), "offset"), lengths))
     spans = sorted((offset, offset + nbytes) for *_, nbytes, offset, _ in parsed)

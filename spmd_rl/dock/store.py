@@ -15,8 +15,11 @@ import torch
 from spmd_rl.dock.errors import DockRequestError
 
 
-def flatten(values: list[torch.Tensor], ragged: bool, empty: Callable[[int, torch.dtype], torch.Tensor] | None = None,
-            ) -> tuple[torch.Tensor, list[int] | None]:
+def flatten(
+    values: list[torch.Tensor],
+    ragged: bool,
+    empty: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[int] | None]:
     """Samples -> (one flat tensor, per-sample lengths for ragged columns). ``empty(numel,
     dtype)`` allocates the flat tensor (``dock.host_pool``); default: torch's allocator."""
     if not values:
@@ -33,7 +36,9 @@ def flatten(values: list[torch.Tensor], ragged: bool, empty: Callable[[int, torc
 def unflatten(flat: torch.Tensor, n: int, lengths: list[int] | None) -> list[torch.Tensor]:
     if lengths is not None:
         if len(lengths) != n or sum(lengths) != flat.numel():
-            raise DockRequestError(f"ragged lengths {len(lengths)} / {sum(lengths)} do not match {n} samples / {flat.numel()} values")
+            raise DockRequestError(
+                f"ragged lengths {len(lengths)} / {sum(lengths)} do not match {n} samples / {flat.numel()} values"
+            )
         return list(torch.split(flat, lengths))
     if flat.shape[:1] != (n,):
         raise DockRequestError(f"fixed column has leading size {tuple(flat.shape[:1])}, expected {n}")
@@ -52,16 +57,24 @@ class WarehouseStore:
         self.bytes_out = 0
         self.bytes_out_by_iter: dict[int, int] = defaultdict(int)
 
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
+    def put(
+        self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]
+    ) -> None:
         with self._lock:
             cols = self.data.get(iteration, {})
             kinds = self.ragged.get(iteration, {})
             for name in columns:
                 if kinds.get(name, ragged[name]) != ragged[name]:
-                    raise DockRequestError(f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it otherwise")
+                    raise DockRequestError(
+                        f"column {name!r} was stored as {'ragged' if kinds[name] else 'fixed'}; this put sends it "
+                        f"otherwise"
+                    )
                 dup = [i for i in indices if i in cols.get(name, {})]
                 if dup:
-                    raise DockRequestError(f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of iteration {iteration}: duplicate put")
+                    raise DockRequestError(
+                        f"column {name!r} already stored for indices {dup[:8]}{'...' if len(dup) > 8 else ''} of "
+                        f"iteration {iteration}: duplicate put"
+                    )
             if len(set(indices)) != len(indices):
                 raise DockRequestError("indices of one put must be distinct")
             cols = self.data.setdefault(iteration, {})
@@ -72,7 +85,9 @@ class WarehouseStore:
                     store[i] = v
                     self.bytes_in += v.numel() * v.element_size()
 
-    def get(self, iteration: int, indices: list[int], names: list[str]) -> tuple[dict[str, list[torch.Tensor]], dict[str, bool]]:
+    def get(
+        self, iteration: int, indices: list[int], names: list[str]
+    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, bool]]:
         """(per-column stored tensors in the order of ``indices``, whether each column is ragged).
         The tensors are the store's own: callers copy them out and never write to them."""
         with self._lock:
@@ -82,7 +97,9 @@ class WarehouseStore:
                 store = cols.get(name, {})
                 missing = [i for i in indices if i not in store]
                 if missing:
-                    raise DockRequestError(f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}")
+                    raise DockRequestError(
+                        f"column {name!r} not stored here for indices {missing[:8]} of iteration {iteration}"
+                    )
                 out[name] = [store[i] for i in indices]
             kinds = self.ragged.get(iteration, {})
             return out, {name: kinds[name] for name in names}
@@ -108,6 +125,9 @@ class WarehouseStore:
     def stats(self) -> dict[str, object]:
         """Payload bytes in and out (in total and read out per iteration) and samples held."""
         with self._lock:
-            return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                    "samples": sum(len(col) for cols in self.data.values() for col in cols.values()),
-                    "bytes_out_by_iter": {str(k): v for k, v in self.bytes_out_by_iter.items()}}
+            return {
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "samples": sum(len(col) for cols in self.data.values() for col in cols.values()),
+                "bytes_out_by_iter": {str(k): v for k, v in self.bytes_out_by_iter.items()},
+            }

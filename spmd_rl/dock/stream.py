@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 _IDLE_S = 1.0
 
 
-def ready_order(records: Sequence[tuple[int, PutRecord]], columns: Sequence[str], expected: Sequence[int],
-                group_size: int = 1) -> list[tuple[int, int]]:
+def ready_order(
+    records: Sequence[tuple[int, PutRecord]], columns: Sequence[str], expected: Sequence[int], group_size: int = 1
+) -> list[tuple[int, int]]:
     """(ready revision, unit key) of every unit whose expected indices all have every column,
     sorted. A unit's key is index // group_size."""
     rev: dict[str, dict[int, int]] = {c: {} for c in columns}
@@ -126,8 +127,19 @@ class StageStream:
     """This rank's DP group's share of each wave of a stage's ready inputs (module docstring).
     ``poll`` never blocks; ``next`` and iteration wait for the next wave."""
 
-    def __init__(self, dock: "Fetcher", feed: RecordFeed, stage: str, iteration: int, columns: Sequence[str], layout: Layout,
-                 expected: Sequence[int], group_size: int = 1, units_per_group: int = 1, timeout_s: float | None = None):
+    def __init__(  # noqa: PLR0913
+        self,
+        dock: "Fetcher",
+        feed: RecordFeed,
+        stage: str,
+        iteration: int,
+        columns: Sequence[str],
+        layout: Layout,
+        expected: Sequence[int],
+        group_size: int = 1,
+        units_per_group: int = 1,
+        timeout_s: float | None = None,
+    ):
         self.dock, self.stage, self.iteration = dock, stage, iteration
         self.columns, self.expected, self.group_size = list(columns), list(expected), group_size
         self.dp_index = layout.coords(dock.peer.rank)[0]
@@ -153,14 +165,16 @@ class StageStream:
         need = min(len(self.order) + self.wave, self.total)
         if len(ready) < need:
             return None
-        keys = [k for _, k in ready[len(self.order):need]]
+        keys = [k for _, k in ready[len(self.order) : need]]
         self.order += keys
         self._seen = -1  # the records may already complete the wave after this one
         loc = Locations.from_records([r for _, r in records])
         members = set(keys)
         wave = [i for i in self.expected if i // self.group_size in members]
         mine = split(loc, self.columns, wave, self.group_nodes, self.group_size)[self.dp_index]
-        return self.dock.plain_batch(self.iteration, mine, self.columns, loc)  # no TP relay: a poll never waits on a peer
+        return self.dock.plain_batch(
+            self.iteration, mine, self.columns, loc
+        )  # no TP relay: a poll never waits on a peer
 
     def next(self) -> "DockBatch | None":
         """Block until the next wave (None once every wave was delivered)."""
@@ -184,10 +198,14 @@ class StageStream:
 
     def _check_peers(self) -> None:
         if self.dock.heartbeat is not None:
-            fail_if_ranks_lost(self.dock.meta, self.dock.peer.world, f"stage {self.stage}", f"streaming iteration {self.iteration}")
+            fail_if_ranks_lost(
+                self.dock.meta, self.dock.peer.world, f"stage {self.stage}", f"streaming iteration {self.iteration}"
+            )
 
     def _timeout(self) -> None:
         loc = Locations.from_records([r for _, r in self.feed.snapshot()[1]])
         missing = missing_inputs(loc, self.columns, self.expected)
-        raise DockTimeout(f"stage {self.stage} streamed {len(self.order)} of {self.total} units of iteration {self.iteration} and "
-                          f"waited {self.timeout_s:.1f}s for the next wave; " + describe_missing(self.dock.specs, missing))
+        raise DockTimeout(
+            f"stage {self.stage} streamed {len(self.order)} of {self.total} units of iteration {self.iteration} and "
+            f"waited {self.timeout_s:.1f}s for the next wave; " + describe_missing(self.dock.specs, missing)
+        )

@@ -67,8 +67,15 @@ def _peer_of(frame) -> str:
 class WarehouseServer:
     """Background thread serving a :class:`WarehouseStore` on ``tcp://interface:port``."""
 
-    def __init__(self, interface: str, port: int, token: str, bucket_bytes: int = 64 << 20, max_message_bytes: int = 1 << 30,
-                 pool_bytes: int = 512 << 20):
+    def __init__(
+        self,
+        interface: str,
+        port: int,
+        token: str,
+        bucket_bytes: int = 64 << 20,
+        max_message_bytes: int = 1 << 30,
+        pool_bytes: int = 512 << 20,
+    ):
         """``pool_bytes``: idle bytes of freed buffers ``pool`` keeps for the next puts that
         arrive through shared memory and for the serving rank's in-process copies."""
         self.key = job_key(token)
@@ -88,7 +95,9 @@ class WarehouseServer:
                 self.port = port
         except zmq.ZMQError as exc:
             self._sock.close()
-            raise DockUnavailable(f"warehouse cannot bind {interface}:{port} ({exc}); set dock.interface/dock.port") from exc
+            raise DockUnavailable(
+                f"warehouse cannot bind {interface}:{port} ({exc}); set dock.interface/dock.port"
+            ) from exc
         self.address = f"tcp://{interface}:{self.port}"
         self.refused = 0
         """Requests refused before authentication (missing or wrong MAC: not this job's token)."""
@@ -135,7 +144,14 @@ class WarehouseServer:
         now = time.monotonic()
         if now - self._last_log.get((peer, kind), -LOG_EVERY_S) >= LOG_EVERY_S:
             self._last_log[(peer, kind)] = now
-            log.warning("warehouse %s %s a request from %s (%d so far): %s", self.address, kind, peer, counts[kind], reason[:200])
+            log.warning(
+                "warehouse %s %s a request from %s (%d so far): %s",
+                self.address,
+                kind,
+                peer,
+                counts[kind],
+                reason[:200],
+            )
 
     def _handle(self, frames: list, peer: str) -> list[list]:
         """Authenticate the frames as received (nothing is parsed or copied before the MAC
@@ -144,7 +160,9 @@ class WarehouseServer:
         if not verify(self.key, b"req", buffers):
             self.refused += 1
             self._note("refused", peer, f"missing or wrong MAC ({len(buffers)} frames): not this job's token")
-            return [encode({"error": "refused: the request does not authenticate (wrong job token?)", "last": True}, [])]
+            return [
+                encode({"error": "refused: the request does not authenticate (wrong job token?)", "last": True}, [])
+            ]
         try:
             head, tensors = decode(buffers[1:])
             return self._dispatch(head, tensors)
@@ -171,15 +189,25 @@ class WarehouseServer:
         if not isinstance(indices, list) or not all(_is_int(i) for i in indices):
             raise DockRequestError("indices must be a list of integers")
         if op == "put" and "shm" in head and not tensors:
-            cols, ragged = put_columns(self.key, indices, head.get("columns"), head["shm"], self.max_message_bytes, self.pool)
+            cols, ragged = put_columns(
+                self.key, indices, head.get("columns"), head["shm"], self.max_message_bytes, self.pool
+            )
             self.store.put(it, indices, cols, ragged)
             return [encode({"ok": True, "last": True}, [])]
         if op == "put":
             specs = head.get("columns")
-            if not isinstance(specs, dict) or len(specs) != len(tensors) or not all(_valid_spec(n, v) for n, v in specs.items()):
-                raise DockRequestError("put columns must map names to {ragged: bool, lengths: [int] | null}, one per tensor")
-            cols = {name: unflatten(t, len(indices), spec.get("lengths") if spec.get("ragged") else None)
-                    for (name, spec), t in zip(specs.items(), tensors)}
+            if (
+                not isinstance(specs, dict)
+                or len(specs) != len(tensors)
+                or not all(_valid_spec(n, v) for n, v in specs.items())
+            ):
+                raise DockRequestError(
+                    "put columns must map names to {ragged: bool, lengths: [int] | null}, one per tensor"
+                )
+            cols = {
+                name: unflatten(t, len(indices), spec.get("lengths") if spec.get("ragged") else None)
+                for (name, spec), t in zip(specs.items(), tensors)
+            }
             self.store.put(it, indices, cols, {name: bool(spec.get("ragged")) for name, spec in specs.items()})
             return [encode({"ok": True, "last": True}, [])]
         names = head.get("columns")
@@ -214,5 +242,7 @@ class WarehouseServer:
                 meta[n] = {"ragged": ragged[n], "lengths": lengths}
                 flats.append(flat)
             self.store.count_out(it, sum(f.numel() * f.element_size() for f in flats))
-            replies.append(encode({"chunk": c, "last": c == len(chunks) - 1, "indices": indices[a:b], "columns": meta}, flats))
+            replies.append(
+                encode({"chunk": c, "last": c == len(chunks) - 1, "indices": indices[a:b], "columns": meta}, flats)
+            )
         return replies

@@ -21,15 +21,24 @@ def check_frame_limit(op: Any, nbytes: int, limit: int) -> None:
     """Refuse, before sending, a frame the warehouse would drop (libzmq's ``MAXMSGSIZE``); the
     in-process path applies it too, so a put is refused alike whichever rank makes it."""
     if nbytes > limit:
-        raise DockRequestError(f"a {op} frame of {nbytes} bytes exceeds dock.max_message_bytes={limit} "
-                               "(the warehouse would drop the connection): raise it or put fewer samples at once")
+        raise DockRequestError(
+            f"a {op} frame of {nbytes} bytes exceeds dock.max_message_bytes={limit} "
+            "(the warehouse would drop the connection): raise it or put fewer samples at once"
+        )
 
 
 class WarehouseClient:
     """One DEALER connection to one warehouse; one outstanding request at a time."""
 
-    def __init__(self, address: str, token: str, timeout_s: float = 60.0, max_message_bytes: int = 1 << 30,
-                 alive: Callable[[], bool] | None = None, name: str = "warehouse"):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 1 << 30,
+        alive: Callable[[], bool] | None = None,
+        name: str = "warehouse",
+    ):
         """``alive``: checked about every second while waiting for a reply; once it is False the
         request fails at once instead of waiting ``timeout_s`` for a dead warehouse."""
         self.alive = alive
@@ -47,7 +56,9 @@ class WarehouseClient:
     def close(self) -> None:
         self._sock.close()
 
-    def request(self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> list[tuple[dict, list[torch.Tensor]]]:
+    def request(
+        self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None
+    ) -> list[tuple[dict, list[torch.Tensor]]]:
         """Send one request and collect every reply chunk; raise on an error reply."""
         frames = seal(self.key, b"req", encode(header, tensors or []))
         big = max(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
@@ -59,16 +70,23 @@ class WarehouseClient:
         while True:
             if not self._sock.poll(min(1000, self.timeout_ms)):
                 if self.alive is not None and not self.alive():
-                    raise DockUnavailable(f"{self.name} at {self.address} is lost (its liveness key in etcd is gone) during "
-                                          f"{header.get('op')}; exiting so torchrun can restart the group")
+                    raise DockUnavailable(
+                        f"{self.name} at {self.address} is lost (its liveness key in etcd is gone) during "
+                        f"{header.get('op')}; exiting so torchrun can restart the group"
+                    )
                 if time.monotonic() < deadline:
                     continue
-                raise DockUnavailable(f"{self.name} at {self.address} did not answer {header.get('op')} within {self.timeout_ms / 1000:.0f}s")
+                raise DockUnavailable(
+                    f"{self.name} at {self.address} did not answer {header.get('op')} within "
+                    f"{self.timeout_ms / 1000:.0f}s"
+                )
             raw = [f.buffer for f in self._sock.recv_multipart(copy=False)]
             self.bytes_received += sum(f.nbytes for f in raw)
             if not verify(self.key, b"rep", raw):
-                raise DockRequestError(f"{self.name} at {self.address}: the reply does not authenticate with this job's key: "
-                                       "wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN) or not this job's warehouse")
+                raise DockRequestError(
+                    f"{self.name} at {self.address}: the reply does not authenticate with this job's key: "
+                    "wrong job token (check dock.token / $SPMD_RL_JOB_TOKEN) or not this job's warehouse"
+                )
             head, out = decode(raw[1:])
             if "error" in head:
                 raise DockRequestError(f"warehouse {self.address}: {head['error']}", head.get("kind"))
@@ -76,7 +94,9 @@ class WarehouseClient:
             if head.get("last"):
                 return replies
 
-    def put(self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]) -> None:
+    def put(
+        self, iteration: int, indices: list[int], columns: dict[str, list[torch.Tensor]], ragged: dict[str, bool]
+    ) -> None:
         meta, flats = {}, []
         for name, values in columns.items():
             flat, lengths = flatten(values, ragged[name])
@@ -86,7 +106,9 @@ class WarehouseClient:
 
     def get(self, iteration: int, indices: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
         """Per-column list of per-sample tensors, in the order of ``indices``."""
-        return self.samples(self.request({"op": "get", "iter": iteration, "indices": list(indices), "columns": names}), names)
+        return self.samples(
+            self.request({"op": "get", "iter": iteration, "indices": list(indices), "columns": names}), names
+        )
 
     @staticmethod
     def samples(replies: list[tuple[dict, list[torch.Tensor]]], names: list[str]) -> dict[str, list[torch.Tensor]]:

@@ -15,9 +15,16 @@ import numpy as np
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 64 << 20
@@ -76,7 +83,11 @@ def check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
     name, shape = meta.get("dtype"), meta.get("shape")
     if not isinstance(name, str) or name not in DTYPES:
         raise WireError(f"bad tensor dtype {name!r:.80}; allowed: {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_int(d) and 0 <= d <= MAX_ELEMENTS for d in shape):
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(_int(d) and 0 <= d <= MAX_ELEMENTS for d in shape)
+    ):
         raise WireError(f"bad tensor shape {shape!r:.80}")
     numel = math.prod(shape)
     if numel > MAX_ELEMENTS:
@@ -89,7 +100,9 @@ def decode_tensors(metas: Any, buffers: list[bytes | memoryview]) -> list[torch.
     """The tensors of a decoded header's ``tensors`` metas; each buffer must hold exactly its
     declared bytes and is copied once."""
     if not isinstance(metas, list) or len(metas) != len(buffers):
-        raise WireError(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, got {len(buffers)} buffers")
+        raise WireError(
+            f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, got {len(buffers)} buffers"
+        )
     out = []
     for meta, buf in zip(metas, buffers):
         dtype, shape, nbytes = check_meta(meta)

@@ -4,7 +4,8 @@ adapters over the base weights it loaded once.
 Each sync writes the adapters, gathered whole on every rank, as a PEFT folder
 (``adapter_model.safetensors`` + ``adapter_config.json``). It writes them to a private
 directory in host memory (``/dev/shm`` when present, mode 0700, one per rank, so TP ranks on
-one node never share a file; named per job so an elastic restart removes a killed rank's). The engine then gets a new ``LoRARequest``, a fresh id per
+one node never share a file; named per job so an elastic restart removes a killed rank's). The engine then gets a new
+``LoRARequest``, a fresh id per
 version, and the previous one is removed from vLLM. Every request the engine enqueues carries
 the current request (``RolloutEngine.submit``).
 

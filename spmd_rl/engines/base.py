@@ -1,4 +1,5 @@
-"""The one interface every role's engine implements (actor, reference, critic, reward model). The resharder, the stages, the update and the checkpoint code depend on this,
+"""The one interface every role's engine implements (actor, reference, critic, reward model). The resharder, the stages,
+the update and the checkpoint code depend on this,
 never on the FSDP class, so another backend (megatron-core, pipeline parallel) implements
 these methods and nothing else changes.
 

@@ -40,7 +40,7 @@ def read(reader: Callable[[str], torch.Tensor], name: str, num_experts: int) -> 
         return reader(name)
     names = checkpoint_names(name, num_experts)
     per = len(names) // num_experts
-    return torch.stack([torch.cat([reader(n) for n in names[e * per:(e + 1) * per]]) for e in range(num_experts)])
+    return torch.stack([torch.cat([reader(n) for n in names[e * per : (e + 1) * per]]) for e in range(num_experts)])
 
 
 def split(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,14 +20,28 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from spmd_rl.data.files import safetensors_header
 from spmd_rl.engines import fused_experts
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class SafetensorsFolder:
@@ -37,7 +51,9 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {self.folder}: the model folder must hold HF safetensors weights")
+            raise FileNotFoundError(
+                f"no *.safetensors files in {self.folder}: the model folder must hold HF safetensors weights"
+            )
         self.index: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
         for f in files:
             try:
@@ -87,7 +103,11 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-HEADS = {"lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification, "score": AutoModelForSequenceClassification}
+HEADS = {
+    "lm": AutoModelForCausalLM,
+    "value": AutoModelForTokenClassification,
+    "score": AutoModelForSequenceClassification,
+}
 """The three model kinds an engine serves: a causal LM (actor, reference), a per-token scalar
 head on the trunk (critic) and a pooled sequence score (reward model)."""
 
@@ -104,8 +124,14 @@ def attention_for(device: torch.device) -> str:
     return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
-                  shard: Callable[[nn.Module], nn.Module], head: str = "lm", fresh: Callable[[str], bool] | None = None) -> nn.Module:
+def build_sharded(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Callable[[nn.Module], nn.Module],
+    head: str = "lm",
+    fresh: Callable[[str], bool] | None = None,
+) -> nn.Module:
     """The model of ``path`` in ``dtype``, parallelized by ``shard`` while still on the meta
     device, then materialised on ``device`` holding only this rank's shards of the weights.
     ``head: value`` has one label and no dropout (its output must not depend on the rank).
@@ -128,8 +154,12 @@ def build_sharded(path: str | Path, dtype: torch.dtype, device: torch.device,
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str | None = None,
-                fresh: Callable[[str], bool] | None = None) -> None:
+def load_shards(
+    model: nn.Module,
+    weights: SafetensorsFolder,
+    zero_missing: str | None = None,
+    fresh: Callable[[str], bool] | None = None,
+) -> None:
     """Fill every parameter's local shard from ``weights``, one checkpoint tensor at a time;
     parameters named ``zero_missing*`` that the folder lacks are zeroed, those ``fresh`` names
     are skipped."""
@@ -141,11 +171,15 @@ def load_shards(model: nn.Module, weights: SafetensorsFolder, zero_missing: str 
             continue
         sources = fused_experts.checkpoint_names(name, p.shape[0])  # MoE experts: fused in memory, one by one on disk
         if any(n not in weights for n in sources):
-            raise ValueError(f"parameter {name!r} of the model is not in {weights.folder}/*.safetensors "
-                             f"(looked for {sources[0]!r}); is the folder a checkpoint of this architecture?")
+            raise ValueError(
+                f"parameter {name!r} of the model is not in {weights.folder}/*.safetensors "
+                f"(looked for {sources[0]!r}); is the folder a checkpoint of this architecture?"
+            )
         full = fused_experts.read(weights.read, name, p.shape[0]).to(dtype=p.dtype)
         if tuple(full.shape) != tuple(p.shape):
-            raise ValueError(f"{weights.folder}: {name!r} has shape {list(full.shape)}, the model expects {list(p.shape)}")
+            raise ValueError(
+                f"{weights.folder}: {name!r} has shape {list(full.shape)}, the model expects {list(p.shape)}"
+            )
         if isinstance(p, DTensor):
             local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)

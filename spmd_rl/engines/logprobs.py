@@ -39,7 +39,11 @@ class SeqBatch:
 
     def __getitem__(self, rows: slice | torch.Tensor) -> "SeqBatch":
         """The samples ``rows`` (a slice or an index tensor over the batch dimension)."""
-        routes = None if self.routes is None else (self.routes[rows] if isinstance(rows, slice) else [self.routes[int(i)] for i in rows])
+        routes = (
+            None
+            if self.routes is None
+            else (self.routes[rows] if isinstance(rows, slice) else [self.routes[int(i)] for i in rows])
+        )
         return SeqBatch(*(t[rows] for t in self._fields()), routes)
 
     def trim(self) -> "SeqBatch":
@@ -48,8 +52,14 @@ class SeqBatch:
         t = max(1, int(self.attention_mask.sum(1).max())) if len(self) else 1
         used = self.mask.any(0).nonzero()
         r = int(used.max()) + 1 if used.numel() else 1
-        return SeqBatch(self.input_ids[:, :t], self.attention_mask[:, :t], self.predictor[:, :r].clamp(max=t - 1),
-                        self.targets[:, :r], self.mask[:, :r], self.routes)
+        return SeqBatch(
+            self.input_ids[:, :t],
+            self.attention_mask[:, :t],
+            self.predictor[:, :r].clamp(max=t - 1),
+            self.targets[:, :r],
+            self.mask[:, :r],
+            self.routes,
+        )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -60,15 +70,23 @@ def split(batch: SeqBatch, size: int) -> list[SeqBatch]:
     return [batch[i : i + size] for i in range(0, len(batch), size)]
 
 
-def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int,
-                routes: list[torch.Tensor] | None = None, route_shape: tuple[int, int] | None = None,
-                sampled: list[torch.Tensor] | None = None) -> SeqBatch:
+def build_batch(
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    pad_id: int,
+    routes: list[torch.Tensor] | None = None,
+    route_shape: tuple[int, int] | None = None,
+    sampled: list[torch.Tensor] | None = None,
+) -> SeqBatch:
     """The right-padded batch of prompt ++ response; ``routes`` (flattened ``rollout_routes``)
     are reshaped to [positions, *route_shape] (layers, top_k) and checked to cover P + R - 1
     positions; ``sampled`` (a multi-turn rollout's ``response_mask``, 1 where the policy
     sampled) keeps inserted tokens out of ``mask``."""
     if routes is not None:
-        routes = [_routes_of(r, route_shape, p.numel() + s.numel() - 1, k) for k, (r, p, s) in enumerate(zip(routes, prompts, responses))]
+        routes = [
+            _routes_of(r, route_shape, p.numel() + s.numel() - 1, k)
+            for k, (r, p, s) in enumerate(zip(routes, prompts, responses))
+        ]
     b = len(prompts)
     plen = torch.tensor([p.numel() for p in prompts])
     rlen = torch.tensor([r.numel() for r in responses])
@@ -85,7 +103,9 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
     if sampled is not None:
         for k, m in enumerate(sampled):
             if m.numel() != int(rlen[k]):
-                raise ValueError(f"sample {k}: response_mask has {m.numel()} entries for {int(rlen[k])} response tokens")
+                raise ValueError(
+                    f"sample {k}: response_mask has {m.numel()} entries for {int(rlen[k])} response tokens"
+                )
             mask[k, : m.numel()] &= m.bool()
     pos = (plen[:, None] + j).clamp(max=t - 1)
     predictor = (pos - 1).clamp(min=0)
@@ -95,8 +115,10 @@ def build_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_
 
 def _routes_of(flat: torch.Tensor, shape: tuple[int, int], positions: int, k: int) -> torch.Tensor:
     if flat.numel() != positions * shape[0] * shape[1]:
-        raise ValueError(f"sample {k}: rollout_routes holds {flat.numel()} ids, expected {positions} positions x "
-                         f"{shape[0]} layers x {shape[1]} experts per token")
+        raise ValueError(
+            f"sample {k}: rollout_routes holds {flat.numel()} ids, expected {positions} positions x "
+            f"{shape[0]} layers x {shape[1]} experts per token"
+        )
     return flat.view(positions, *shape)
 
 
@@ -110,8 +132,13 @@ def logit_window(batch: SeqBatch) -> tuple[int, int]:
     return int(used.min()), int(used.max()) + 1
 
 
-def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool = False,
-                      policy: SamplingPolicy = SamplingPolicy(), first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    logits: torch.Tensor,
+    batch: SeqBatch,
+    with_entropy: bool = False,
+    policy: SamplingPolicy = SamplingPolicy(),
+    first: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [B, R], entropies [B, R] or None) of the response tokens under the sampling
     ``policy``; 0 where masked. ``logits`` [B, K, V] are those of positions
     first .. first + K - 1 (all T positions by default); the log-softmax is the fused, chunked
@@ -127,8 +154,9 @@ def response_logprobs(logits: torch.Tensor, batch: SeqBatch, with_entropy: bool 
     return lp, ent
 
 
-def lm_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False,
-                         policy: SamplingPolicy = SamplingPolicy()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lm_response_logprobs(
+    model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, policy: SamplingPolicy = SamplingPolicy()
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An HF causal LM's response log-probs: the LM head runs only on ``logit_window``
     (``logits_to_keep``), then ``response_logprobs``."""
     lo, hi = logit_window(batch)

@@ -56,7 +56,9 @@ def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def inject(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], dtype: torch.dtype) -> list[str]:
+def inject(
+    model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], dtype: torch.dtype
+) -> list[str]:
     """Turn every ``nn.Linear`` whose last name part is in ``targets`` into a LoRALinear with
     (still uninitialised) adapters in ``dtype``, freeze everything else; the names it adapted.
     A target that names no ``nn.Linear`` of the model is an error naming it."""
@@ -75,8 +77,10 @@ def inject(model: nn.Module, rank: int, alpha: float, dropout: float, targets: l
     missing = [t for t in targets if t not in hit]
     if missing:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) in (nn.Linear, LoRALinear)})
-        raise ValueError(f"actor.lora.target_modules: {missing} name no linear layer of this model (its linear layers: {linears}); "
-                         "fused MoE experts are not nn.Linear and cannot be adapted")
+        raise ValueError(
+            f"actor.lora.target_modules: {missing} name no linear layer of this model (its linear layers: {linears}); "
+            "fused MoE experts are not nn.Linear and cannot be adapted"
+        )
     return adapted
 
 
@@ -135,19 +139,41 @@ def peft_name(name: str) -> str:
 
 def peft_config(base: str, rank: int, alpha: float, dropout: float, targets: list[str]) -> dict:
     """PEFT's ``adapter_config.json`` for these adapters."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank, "lora_alpha": alpha,
-            "lora_dropout": dropout, "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
 
 
-def write_peft_folder(folder: Path, adapters: dict[str, torch.Tensor], base: str, rank: int, alpha: float, dropout: float,
-                      targets: list[str]) -> None:
+def write_peft_folder(
+    folder: Path,
+    adapters: dict[str, torch.Tensor],
+    base: str,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+) -> None:
     """PEFT's adapter folder: ``adapter_model.safetensors`` (``peft_name`` of every
     ``<linear>.lora_A`` / ``.lora_B``) and ``adapter_config.json`` (``peft_config``)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({peft_name(n): t.detach().cpu().contiguous() for n, t in adapters.items()}, str(folder / "adapter_model.safetensors"))
+    save_file(
+        {peft_name(n): t.detach().cpu().contiguous() for n, t in adapters.items()},
+        str(folder / "adapter_model.safetensors"),
+    )
     (folder / "adapter_config.json").write_text(json.dumps(peft_config(base, rank, alpha, dropout, targets), indent=1))
 
 

@@ -79,7 +79,7 @@ def start_time(pid: int) -> str | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return raw[raw.rindex(")") + 2:].split()[19]
+    return raw[raw.rindex(")") + 2 :].split()[19]
 
 
 def children(pid: int | None = None) -> set[int]:
@@ -91,7 +91,7 @@ def children(pid: int | None = None) -> set[int]:
                 raw = Path(f"/proc/{p}/stat").read_text()
             except OSError:
                 continue
-            if int(raw[raw.rindex(")") + 2:].split()[1]) == me:
+            if int(raw[raw.rindex(")") + 2 :].split()[1]) == me:
                 out.add(int(p))
     return out
 
@@ -100,8 +100,13 @@ class OrphanWatch:
     """A watcher of this rank's death: ``watch(children() - before)`` after starting an engine."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", WATCHER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     start_new_session=True, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WATCHER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
 
     def watch(self, pids: set[int]) -> None:
         for pid in sorted(pids):

@@ -76,7 +76,9 @@ def pack(batch: SeqBatch, one_row: bool = False) -> Packed:
         pos[r, o:] = torch.arange(width - o)  # restarts here; a free tail continues it
     start = torch.tensor([r * width + o for r, o in where], dtype=torch.long)
     flat_predictor = (start[:, None] + batch.predictor)[batch.mask]
-    return Packed(ids, pos, flat_predictor, batch.targets[batch.mask], start + torch.tensor(lengths, dtype=torch.long) - 1)
+    return Packed(
+        ids, pos, flat_predictor, batch.targets[batch.mask], start + torch.tensor(lengths, dtype=torch.long) - 1
+    )
 
 
 def packed_for(model: torch.nn.Module, batch: SeqBatch) -> Packed:
@@ -91,8 +93,9 @@ def _on(p: Packed, device: torch.device) -> Packed:
     return Packed(*(t.to(device) for t in (p.input_ids, p.position_ids, p.flat_predictor, p.targets, p.last)))
 
 
-def _packed_head(model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch,
-                 device: torch.device) -> tuple[torch.Tensor, Packed, torch.Tensor]:
+def _packed_head(
+    model: torch.nn.Module, head: torch.nn.Module, batch: SeqBatch, device: torch.device
+) -> tuple[torch.Tensor, Packed, torch.Tensor]:
     """(``head``'s outputs [N, out] at the N response-predicting positions, the layout on
     ``device``, the mask on ``device``): the model runs once on the packed rows, and a
     pre-hook hands ``head`` only the hidden states of those positions."""
@@ -115,8 +118,13 @@ def _unflatten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).masked_scatter(mask, values)
 
 
-def packed_response_logprobs(model: torch.nn.Module, batch: SeqBatch, with_entropy: bool = False, policy: SamplingPolicy = SamplingPolicy(),
-                             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_response_logprobs(
+    model: torch.nn.Module,
+    batch: SeqBatch,
+    with_entropy: bool = False,
+    policy: SamplingPolicy = SamplingPolicy(),
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs.lm_response_logprobs`` computed on the packed layout of ``batch`` (host
     tensors; the model runs on ``device``): (log-probs [B, R], entropies [B, R] or None) on
     ``device``, 0 where masked."""

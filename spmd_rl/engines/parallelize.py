@@ -57,8 +57,13 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
-def parallelize(model: nn.Module, train_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None, checkpointing: bool = False,
-                compile: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    train_mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy | None = None,
+    checkpointing: bool = False,
+    compile: bool = False,
+) -> nn.Module:
     if train_mesh["tp"].size() > 1:
         apply_tp(model, train_mesh["tp"])
     if checkpointing:

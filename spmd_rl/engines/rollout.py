@@ -30,8 +30,15 @@ from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
 from spmd_rl.engines.adapter_sync import AdapterSync
-from spmd_rl.engines.vllm_options import (check_version, child_device_env, configure_vllm_env, eager_child_env, eager_sampler,
-                                          engine_options, sampling_options)
+from spmd_rl.engines.vllm_options import (
+    check_version,
+    child_device_env,
+    configure_vllm_env,
+    eager_child_env,
+    eager_sampler,
+    engine_options,
+    sampling_options,
+)
 
 log = logging.getLogger("spmd_rl")
 
@@ -74,7 +81,12 @@ def _child_env(extra: dict[str, str]):
 
 def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
     ids = list(completion.token_ids)
-    return Sample(ids, [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])], completion.finish_reason == "stop", routes)
+    return Sample(
+        ids,
+        [float(pos[t].logprob) for t, pos in zip(ids, completion.logprobs or [])],
+        completion.finish_reason == "stop",
+        routes,
+    )
 
 
 def _freeze_import_heap() -> None:
@@ -89,9 +101,22 @@ def _freeze_import_heap() -> None:
 
 
 class RolloutEngine:
-    def __init__(self, path: str | Path, acc: Accelerator, cfg: RolloutConfig, tp: int, dtype: str,
-                 max_model_len: int, seed: int = 0, distributed: bool = True, own_process: bool = False,
-                 dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False, lora=None):
+    def __init__(  # noqa: PLR0913
+        self,
+        path: str | Path,
+        acc: Accelerator,
+        cfg: RolloutConfig,
+        tp: int,
+        dtype: str,
+        max_model_len: int,
+        seed: int = 0,
+        distributed: bool = True,
+        own_process: bool = False,
+        dummy_weights: bool = False,
+        record_routes: bool = False,
+        expert_parallel: bool = False,
+        lora=None,
+    ):
         """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
         so vLLM initialises them randomly instead of reading the checkpoint; generating before
         the first ``update_weights`` is refused. ``record_routes``: every sample carries the
@@ -121,10 +146,26 @@ class RolloutEngine:
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
         if not own_process:
             _freeze_import_heap()
-        with _child_env(child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg) if own_process else {}):
-            self.llm = LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed,
-                           **engine_options(acc.kind, cfg, distributed, own_process, dummy_weights, record_routes, expert_parallel,
-                                            None if lora is None else lora.rank))
+        with _child_env(
+            child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg) if own_process else {}
+        ):
+            self.llm = LLM(
+                model=str(path),
+                dtype=dtype,
+                tensor_parallel_size=tp,
+                max_model_len=max_model_len,
+                seed=seed,
+                **engine_options(
+                    acc.kind,
+                    cfg,
+                    distributed,
+                    own_process,
+                    dummy_weights,
+                    record_routes,
+                    expert_parallel,
+                    None if lora is None else lora.rank,
+                ),
+            )
         self.adapters = None if lora is None else AdapterSync(path, lora.rank, lora.alpha, lora.target_modules)
         torch.set_float32_matmul_precision(precision)
         self.record_routes = record_routes
@@ -143,14 +184,26 @@ class RolloutEngine:
         """vLLM's module on this rank (its TP slice of the weights); in-process engines only."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
-                 seed: int | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
         """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
         done = dict(g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed) for g in step)
         return [s for p in range(len(prompts)) for s in done[p]]
 
-    def generate_stream(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float | None = None,
-                        seed: int | None = None) -> Iterator[list[tuple[int, list[Sample]]]]:
+    def generate_stream(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> Iterator[list[tuple[int, list[Sample]]]]:
         """As each prompt group finishes: [(prompt index, its n samples)].
         The samples are the ones ``generate`` returns (same requests, same per-request seeds
         seed + k)."""
@@ -158,7 +211,10 @@ class RolloutEngine:
         temp = self.cfg.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n  # vLLM's greedy mode takes n=1: repeat the prompts instead
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
-        params = [self.sampling_params(max_tokens, temp, None if seed is None else seed + k, per_request) for k in range(len(owners))]
+        params = [
+            self.sampling_params(max_tokens, temp, None if seed is None else seed + k, per_request)
+            for k in range(len(owners))
+        ]
         groups: dict[int, list[tuple[int, list[Sample]]]] = {}
         for k, samples in self._run([prompts[p] for p in owners], params):
             p = owners[k]
@@ -183,9 +239,15 @@ class RolloutEngine:
         soon as its tool returns. vLLM names requests internally "<external>-<random>" (outputs
         carry the external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
         self._require_weights()
-        ids = self.llm.enqueue([{"prompt_token_ids": c} for _, c in requests], params, use_tqdm=False,
-                               lora_request=self.adapters.request if self.adapters else None)
-        self._open.update({rid.split("-", 1)[0]: (key, ctx, rid, p.n) for (key, ctx), rid, p in zip(requests, ids, params)})
+        ids = self.llm.enqueue(
+            [{"prompt_token_ids": c} for _, c in requests],
+            params,
+            use_tqdm=False,
+            lora_request=self.adapters.request if self.adapters else None,
+        )
+        self._open.update(
+            {rid.split("-", 1)[0]: (key, ctx, rid, p.n) for (key, ctx), rid, p in zip(requests, ids, params)}
+        )
 
     def busy(self) -> bool:
         """Whether a submitted request is still unfinished."""
@@ -225,25 +287,35 @@ class RolloutEngine:
         for name, c in zip(names, outputs):
             table = tables[name]
             if table is None:
-                raise RuntimeError(f"vLLM returned no routed experts for request {name}: is enable_return_routed_experts on?")
+                raise RuntimeError(
+                    f"vLLM returned no routed experts for request {name}: is enable_return_routed_experts on?"
+                )
             if table.shape[0] != len(context) + len(c.token_ids) - 1:
-                raise RuntimeError(f"vLLM routed {table.shape[0]} positions of request {name}, expected "
-                                   f"{len(context) + len(c.token_ids) - 1} (prompt {len(context)} + response {len(c.token_ids)} - 1)")
+                raise RuntimeError(
+                    f"vLLM routed {table.shape[0]} positions of request {name}, expected "
+                    f"{len(context) + len(c.token_ids) - 1} (prompt {len(context)} + response {len(c.token_ids)} - 1)"
+                )
             out.append(torch.from_numpy(table.astype("uint8", copy=False)).flatten())
         return out
 
-    def continue_samples(self, requests: list[tuple[list[int], int]], temperature: float | None = None,
-                         seed: int | None = None) -> list[Sample]:
+    def continue_samples(
+        self, requests: list[tuple[list[int], int]], temperature: float | None = None, seed: int | None = None
+    ) -> list[Sample]:
         """One sample per (context, max_tokens): at most max_tokens tokens continuing
         ``context`` (the prompt followed by the response so far); request k is seeded seed + k.
         Partial rollout's primitive: at temperature 0 a response continued in pieces equals the
         one generated at once (tested)."""
         self._require_weights()
-        params = [self.sampling_params(m, temperature, None if seed is None else seed + k) for k, (_, m) in enumerate(requests)]
+        params = [
+            self.sampling_params(m, temperature, None if seed is None else seed + k)
+            for k, (_, m) in enumerate(requests)
+        ]
         done = dict(self._run([c for c, _ in requests], params))
         return [done[k][0] for k in range(len(requests))]
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], meta: list[tuple[str, torch.dtype, list[int]]] | None = None) -> None:
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], meta: list[tuple[str, torch.dtype, list[int]]] | None = None
+    ) -> None:
         """Load new full weights and drop cached prefixes. In-process they are consumed lazily,
         one at a time. An engine in its own process reads them from a private file streamed
         here (``engines.weight_file``: header from ``meta`` [(name, dtype, shape)] in the
@@ -252,13 +324,18 @@ class RolloutEngine:
         is_cpu = self.acc.kind == "cpu"
         if self.own_process:
             if meta is None:
-                raise ValueError("an engine in its own process loads weights from a file whose header needs meta=[(name, dtype, shape)]")
+                raise ValueError(
+                    "an engine in its own process loads weights from a file whose header needs meta=[(name, dtype, "
+                    "shape)]"
+                )
             with tempfile.TemporaryDirectory(prefix="spmd-rl-weights-") as folder:  # mode 0700
                 path = os.path.join(folder, "weights.safetensors")
                 weight_file.write(path, meta, iter(weights))
                 self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
             self.llm.collective_rpc("after_reload", args=(is_cpu,))
         self.llm.reset_prefix_cache()
         self.weights_current = True
@@ -284,8 +361,10 @@ class RolloutEngine:
 
     def _require_weights(self) -> None:
         if not self.weights_current or (self.adapters is not None and self.adapters.request is None):
-            raise RuntimeError("the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
-                               "load them with update_weights before generating")
+            raise RuntimeError(
+                "the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
+                "load them with update_weights before generating"
+            )
 
     def sleep(self, discard_weights: bool = False) -> None:
         """Release the device: vLLM sleep level 1 (weights backed up to host, KV cache dropped),

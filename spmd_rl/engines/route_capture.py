@@ -62,7 +62,7 @@ class RouteCapture:
         uint16), removed from the worker; a request that computed no token gets an empty one."""
         runner = self.model_runner
         empty = np.zeros((0, runner._route_layers, 0), np.uint8)
-        return {r: runner._route_tables.pop(r, empty)[:runner._route_lengths.pop(r, 0)] for r in req_ids}
+        return {r: runner._route_tables.pop(r, empty)[: runner._route_lengths.pop(r, 0)] for r in req_ids}
 
     def drop_routes(self) -> None:
         """Forget every table: the rollout engine calls it before each batch of requests, so
@@ -90,15 +90,15 @@ def _scatter(runner, positions: torch.Tensor | None) -> None:
         n = runner._route_scheduled.get(req, 0)
         if n == 0:
             continue
-        p = pos[row:row + n]
+        p = pos[row : row + n]
         table = runner._route_tables.get(req)
         need = int(p.max()) + 1
         if table is None or table.shape[0] < need:
             grown = np.zeros((max(need, 2 * (0 if table is None else table.shape[0])), n_layers, ids.shape[2]), dtype)
             if table is not None:
-                grown[:table.shape[0]] = table
+                grown[: table.shape[0]] = table
             table = grown
-        table[p] = ids[row:row + n]
+        table[p] = ids[row : row + n]
         runner._route_tables[req] = table
         runner._route_lengths[req] = max(runner._route_lengths.get(req, 0), need)
         row += n

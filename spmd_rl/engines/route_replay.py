@@ -84,8 +84,12 @@ _experts: dict[int, int] = {}
 """Experts per patched layer."""
 
 
-def place(lengths: list[int], size: int, index: Callable[[int, torch.Tensor], torch.Tensor],
-          routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+def place(
+    lengths: list[int],
+    size: int,
+    index: Callable[[int, torch.Tensor], torch.Tensor],
+    routes: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(routes [size, layers, k] int64, -1 where none; valid [size] bool) of a forward whose
     sample b's position t sits at row ``index(b, t)`` (t a tensor of positions)."""
     valid = torch.zeros(size, dtype=torch.bool)
@@ -107,7 +111,9 @@ def start(routes: torch.Tensor | None, valid: torch.Tensor, replay: bool, device
     routers' ``device`` here, once per micro-batch, not once per layer."""
     global _current
     stop()
-    _current = Feed(None if routes is None else routes.to(device, non_blocking=True), valid.to(device, non_blocking=True), replay)
+    _current = Feed(
+        None if routes is None else routes.to(device, non_blocking=True), valid.to(device, non_blocking=True), replay
+    )
 
 
 def stop() -> None:
@@ -177,7 +183,9 @@ def _count(f: Feed, layer: int, own: torch.Tensor, routes: torch.Tensor | None, 
     micro-batch). A forward without real tokens adds load 0 over 0 layers."""
     valid = f.valid.to(own.device)
     used = own if not (f.replay and routes is not None) else torch.where(recorded[:, None], routes, own)
-    experts = _experts[layer] if layer in _experts else int(used.max()) + 1 if used.numel() else 1  # unpatched routers only
+    experts = (
+        _experts[layer] if layer in _experts else int(used.max()) + 1 if used.numel() else 1
+    )  # unpatched routers only
     weight = valid[:, None].expand_as(used).flatten().to(torch.float32)
     load = torch.zeros(experts, device=own.device).index_add_(0, used.flatten(), weight)
     _add("load_ratio", load.max() / load.mean().clamp(min=1e-12))
@@ -213,8 +221,10 @@ def metrics(sums: dict[str, float]) -> dict[str, float]:
     when routes were recorded."""
     out = {"expert_load_max_mean": sums["load_ratio"] / max(sums["load_layers"], 1.0)} if sums["load_layers"] else {}
     if sums["decisions"]:
-        out |= {"router_agreement": sums["agree"] / sums["decisions"],
-                "routes_differ_tokens": sums["differ_tokens"] / max(sums["recorded_tokens"], 1.0)}
+        out |= {
+            "router_agreement": sums["agree"] / sums["decisions"],
+            "routes_differ_tokens": sums["differ_tokens"] / max(sums["recorded_tokens"], 1.0),
+        }
     return out
 
 

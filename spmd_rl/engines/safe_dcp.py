@@ -26,9 +26,16 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 _MODULES = {"torch.distributed.checkpoint.metadata"}
-_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-          ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-          ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 class BadCheckpoint(ValueError):
@@ -37,9 +44,15 @@ class BadCheckpoint(ValueError):
 
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        ok = module in _MODULES or (module, name) in _NAMES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ok = (
+            module in _MODULES
+            or (module, name) in _NAMES
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
         if not ok:
-            raise BadCheckpoint(f".metadata references {module}.{name}, which DCP metadata never does; refusing to unpickle it")
+            raise BadCheckpoint(
+                f".metadata references {module}.{name}, which DCP metadata never does; refusing to unpickle it"
+            )
         return super().find_class(module, name)
 
 
@@ -54,7 +67,9 @@ class SafeReader(FileSystemReader):
         except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
             raise BadCheckpoint(f"checkpoint {self.path}: unreadable .metadata ({exc})") from None
         if not isinstance(metadata, Metadata):
-            raise BadCheckpoint(f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP metadata")
+            raise BadCheckpoint(
+                f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP metadata"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -67,7 +82,9 @@ def _safe_bytes(value: io.BytesIO) -> io.BytesIO:
     try:
         obj = torch.load(value, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise BadCheckpoint(f"a non-tensor checkpoint item holds objects spmd-rl never writes ({str(exc).splitlines()[0]})") from None
+        raise BadCheckpoint(
+            f"a non-tensor checkpoint item holds objects spmd-rl never writes ({str(exc).splitlines()[0]})"
+        ) from None
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)

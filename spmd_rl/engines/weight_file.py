@@ -29,7 +29,9 @@ def header(meta: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
     entries, at = {}, 0
     for name, dtype, shape in meta:
         if dtype not in CODES:
-            raise ValueError(f"weight {name}: dtype {dtype} has no safetensors code here (known: {sorted(map(str, CODES))})")
+            raise ValueError(
+                f"weight {name}: dtype {dtype} has no safetensors code here (known: {sorted(map(str, CODES))})"
+            )
         n = dtype.itemsize * int(torch.Size(shape).numel())
         entries[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
         at += n
@@ -38,7 +40,9 @@ def header(meta: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write(path: str, meta: list[tuple[str, torch.dtype, list[int]]], tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+def write(
+    path: str, meta: list[tuple[str, torch.dtype, list[int]]], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> int:
     """Write ``tensors`` (consumed lazily, in ``meta`` order) to ``path``; returns how many.
     A tensor that does not match its header entry is refused before its bytes are written."""
     count = 0
@@ -46,7 +50,10 @@ def write(path: str, meta: list[tuple[str, torch.dtype, list[int]]], tensors: It
         f.write(header(meta))
         for (name, dtype, shape), (got, t) in zip(meta, tensors, strict=True):
             if got != name or t.dtype != dtype or list(t.shape) != list(shape):
-                raise ValueError(f"weight {count} is {got} {t.dtype} {list(t.shape)}, the header announced {name} {dtype} {list(shape)}")
+                raise ValueError(
+                    f"weight {count} is {got} {t.dtype} {list(t.shape)}, the header announced {name} {dtype} "
+                    f"{list(shape)}"
+                )
             f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
             count += 1
     return count

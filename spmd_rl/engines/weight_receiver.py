@@ -17,7 +17,9 @@ class WeightReceiver:
 
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-            self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names), is_checkpoint_format=True)
+            self.model_runner.reload_weights(
+                weights_iterator=((n, f.get_tensor(n)) for n in names), is_checkpoint_format=True
+            )
         self.after_reload(is_cpu)
         return len(names)
 
@@ -41,10 +43,15 @@ class WeightReceiver:
             experts = getattr(kernel, "fused_experts", None)
             if experts is None or not hasattr(experts, "_padded_intermediate_size"):
                 continue
-            if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
-                raise RuntimeError(f"vLLM CPU pads this MoE's intermediate size {experts.moe_config.intermediate_size_per_partition} "
-                                   "per TP rank to a multiple of 32, which its weight reload does not support: use a "
-                                   "moe_intermediate_size / parallel.gen.tp that is a multiple of 32")
+            if (
+                experts._padded_intermediate_size(experts.moe_config)
+                != experts.moe_config.intermediate_size_per_partition
+            ):
+                raise RuntimeError(
+                    f"vLLM CPU pads this MoE's intermediate size {experts.moe_config.intermediate_size_per_partition} "
+                    "per TP rank to a multiple of 32, which its weight reload does not support: use a "
+                    "moe_intermediate_size / parallel.gen.tp that is a multiple of 32"
+                )
             experts.process_weights_after_loading(layer)
             done += 1
         return done

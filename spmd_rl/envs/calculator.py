@@ -13,12 +13,19 @@ import re
 from spmd_rl.envs.base import Step, Turn, register_environment
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 MAX_DIGITS = 100
 
 
 def evaluate(expr: str) -> int:
     """The value of an integer arithmetic expression; ValueError on anything else."""
+
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value

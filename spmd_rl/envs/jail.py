@@ -47,11 +47,22 @@ def python_for_jail() -> tuple[str, str]:
 
 def bwrap_args(bwrap: str, seccomp_fd: int, tmp_bytes: int, network: bool, as_nobody: bool) -> list[str]:
     """The bubblewrap command line up to (not including) the program it runs (module docstring)."""
-    args = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL"]
+    args = [
+        bwrap,
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+    ]
     if not network:
         args.append("--unshare-net")
-    if as_nobody:  # root: no user namespace (nobody must be a real uid for the process limit); the bootstrap drops to it
+    if (
+        as_nobody
+    ):  # root: no user namespace (nobody must be a real uid for the process limit); the bootstrap drops to it
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:  # an unprivileged caller: its own user namespace, where it is nobody
         args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
@@ -69,8 +80,25 @@ def bwrap_args(bwrap: str, seccomp_fd: int, tmp_bytes: int, network: bool, as_no
     for f in LOADER_FILES:
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
-             "--setenv", "HOME", "/tmp", "--seccomp", str(seccomp_fd)]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(tmp_bytes),
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        "/tmp",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--seccomp",
+        str(seccomp_fd),
+    ]
     return args
 
 
@@ -91,7 +119,13 @@ def jailed_python(args: list[str], tmp_bytes: int, network: bool) -> tuple[list[
     os.write(write, program())  # a few hundred bytes: the pipe holds them
     os.close(write)
     exe, _ = python_for_jail()
-    return [*bwrap_args(bwrap_path(), read, tmp_bytes, network, as_nobody=os.geteuid() == 0), exe, "-I", "-S", *args], read
+    return [
+        *bwrap_args(bwrap_path(), read, tmp_bytes, network, as_nobody=os.geteuid() == 0),
+        exe,
+        "-I",
+        "-S",
+        *args,
+    ], read
 
 
 @functools.cache
@@ -103,7 +137,9 @@ def jail_problem() -> str | None:
     read = None
     try:
         cmd, read = jailed_python(["-c", "pass"], 2**20, network=False)
-        res = subprocess.run(cmd, pass_fds=(read,), capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        res = subprocess.run(
+            cmd, pass_fds=(read,), capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}
+        )
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         return f"bubblewrap could not start a jail: {exc}"
     finally:

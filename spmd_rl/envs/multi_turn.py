@@ -11,7 +11,8 @@ Budgets per trajectory: at most ``max_turns`` sampled turns and ``max_tokens`` r
 (sampled + inserted; each turn may sample what is left). Partial rollout continues
 trajectories across iterations (``advance`` with ``segment`` = B): each samples at most B more
 tokens per call and is then paused, mid-turn or before its next turn; the next iteration
-rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not returned
+rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not
+returned
 after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
 goes on; an environment that raises becomes an error observation (``tool_errors``). Turn t of
 trajectory k is seeded ``request_seed(seed, its sample index, t)``, so a rerun samples the same trajectories.
@@ -42,8 +43,16 @@ class TurnLimits:
 
 
 class MultiTurnRollout:
-    def __init__(self, engine, tokenizer, factory: EnvironmentFactory, limits: TurnLimits, lockstep: bool = False,
-                 tool_workers: int = 8, tp_group=None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        factory: EnvironmentFactory,
+        limits: TurnLimits,
+        lockstep: bool = False,
+        tool_workers: int = 8,
+        tp_group=None,
+    ):
         """``tp_group``: the generation group's TP ranks, which run the rollout together; only
         its first rank steps the environments (``envs.turn_sync``)."""
         self.engine, self.tokenizer, self.factory, self.limits = engine, tokenizer, factory, limits
@@ -55,16 +64,30 @@ class MultiTurnRollout:
         makes the trajectory's environment. ``seed_keys``: each one's sample index in the batch
         (``Trajectory.seed_key``)."""
         keys = seed_keys if seed_keys is not None else list(range(len(items)))
-        return [Trajectory(k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row), seed_key=keys[k])
-                for k, (ids, row) in enumerate(items)]
+        return [
+            Trajectory(
+                k, list(ids), [{"role": "user", "content": str(row["prompt"])}], self.factory(row), seed_key=keys[k]
+            )
+            for k, (ids, row) in enumerate(items)
+        ]
 
-    def run(self, items: list[tuple[list[int], dict]], seed: int | None = None, temperature: float | None = None,
-            seed_keys: list[int] | None = None) -> list[Trajectory]:
+    def run(
+        self,
+        items: list[tuple[list[int], dict]],
+        seed: int | None = None,
+        temperature: float | None = None,
+        seed_keys: list[int] | None = None,
+    ) -> list[Trajectory]:
         """New trajectories run to their end."""
         return self.advance(self.start(items, seed_keys), seed, temperature)
 
-    def advance(self, trajs: list[Trajectory], seed: int | None = None, temperature: float | None = None,
-                segment: int | None = None) -> list[Trajectory]:
+    def advance(
+        self,
+        trajs: list[Trajectory],
+        seed: int | None = None,
+        temperature: float | None = None,
+        segment: int | None = None,
+    ) -> list[Trajectory]:
         """Run every unfinished trajectory until it ends or, with ``segment``, has sampled that
         many more tokens (then it is paused: not done). Trajectory k of the list is keyed k."""
         for k, t in enumerate(trajs):
@@ -83,7 +106,11 @@ class MultiTurnRollout:
                     for key, (sample,) in self.engine.step():
                         self._sampled(trajs[key], sample, pool, tools)
                 elif tools:
-                    wait(list(tools), timeout=max(0.0, min(d for _, d in tools.values()) - time.monotonic()), return_when=FIRST_COMPLETED)
+                    wait(
+                        list(tools),
+                        timeout=max(0.0, min(d for _, d in tools.values()) - time.monotonic()),
+                        return_when=FIRST_COMPLETED,
+                    )
                 decided = self._returned(tools) if self.leader else []
                 going, pending = share(decided, bool(tools), trajs, self.tp_group)
                 ready += going
@@ -97,9 +124,12 @@ class MultiTurnRollout:
         return left if self._segment is None else min(left, self._segment - self._spent[t.key])
 
     def _submit(self, trajs: list[Trajectory], seed: int | None, temperature: float | None) -> None:
-        lim = self.limits
-        params = [self.engine.sampling_params(self._left(t), temperature,
-                                              None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])) for t in trajs]
+        params = [
+            self.engine.sampling_params(
+                self._left(t), temperature, None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])
+            )
+            for t in trajs
+        ]
         self.engine.submit([(t.key, t.context) for t in trajs], params)
 
     def _sampled(self, t: Trajectory, sample, pool: ThreadPoolExecutor, tools: dict) -> None:
@@ -108,7 +138,10 @@ class MultiTurnRollout:
         if len(t.ids) >= self.limits.max_tokens or (not sample.stopped and self._segment is None):
             t.finish("truncations")
         elif sample.stopped and self.leader:
-            tools[pool.submit(t.env.step, Turn(text, tuple(t.ids[t.turn_start:])))] = (t, time.monotonic() + self.limits.tool_timeout_s)
+            tools[pool.submit(t.env.step, Turn(text, tuple(t.ids[t.turn_start :])))] = (
+                t,
+                time.monotonic() + self.limits.tool_timeout_s,
+            )
         # else: the segment is spent mid-turn; the trajectory is paused with its turn open
 
     def _returned(self, tools: dict[Future, tuple[Trajectory, float]]) -> list[tuple[Trajectory, list[int], int]]:
@@ -120,8 +153,10 @@ class MultiTurnRollout:
                 step = _result(fut)
             elif now >= deadline:
                 fut.cancel()
-                step = Step(observation=f"error: the tool call timed out after {self.limits.tool_timeout_s:g} s",
-                            metadata={"tool_calls": 1, "tool_timeouts": 1})
+                step = Step(
+                    observation=f"error: the tool call timed out after {self.limits.tool_timeout_s:g} s",
+                    metadata={"tool_calls": 1, "tool_timeouts": 1},
+                )
             else:
                 continue
             del tools[fut]
@@ -145,5 +180,7 @@ def _result(fut: Future) -> Step:
     try:
         return fut.result()
     except Exception as exc:  # the environment's failure is the policy's observation, not the run's crash
-        log.warning("environment step raised %s: %s (returned to the policy as an error observation)", type(exc).__name__, exc)
+        log.warning(
+            "environment step raised %s: %s (returned to the policy as an error observation)", type(exc).__name__, exc
+        )
         return Step(observation=f"error: {type(exc).__name__}: {exc}", metadata={"tool_calls": 1, "tool_errors": 1})

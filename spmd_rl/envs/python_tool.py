@@ -27,7 +27,11 @@ class PythonTool:
         if not blocks:
             return Step(done=True)
         out = run_python(blocks[-1], self.limits)
-        meta = {"tool_calls": 1, "tool_errors": int(out.status in ("error", "killed", "output_limit")), "tool_timeouts": int(out.status == "timeout")}
+        meta = {
+            "tool_calls": 1,
+            "tool_errors": int(out.status in ("error", "killed", "output_limit")),
+            "tool_timeouts": int(out.status == "timeout"),
+        }
         note = "" if out.ok else f"\n[{out.status}]"
         return Step(observation=out.output + note, metadata=meta)
 

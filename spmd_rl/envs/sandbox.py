@@ -110,19 +110,38 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     t0 = time.monotonic()
     drop = NOBODY if limits.jail and os.geteuid() == 0 else 0
     nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
-    boot = [str(v) for v in (limits.cpu_s, limits.memory_bytes, int(limits.network), nproc, limits.file_bytes, limits.open_files,
-                             drop, int(limits.jail))]
+    boot = [
+        str(v)
+        for v in (
+            limits.cpu_s,
+            limits.memory_bytes,
+            int(limits.network),
+            nproc,
+            limits.file_bytes,
+            limits.open_files,
+            drop,
+            int(limits.jail),
+        )
+    ]
     cmd, fds = [sys.executable, "-I", "-S", "-c", _BOOT, *boot], ()
     if limits.jail:
         if (problem := jail_problem()) is not None:
-            raise RuntimeError(f"the python environment needs a jail for model-written code: {problem}; "
-                               "or set rollout.unsafe_python_without_jail: true where none can be had")
+            raise RuntimeError(
+                f"the python environment needs a jail for model-written code: {problem}; "
+                "or set rollout.unsafe_python_without_jail: true where none can be had"
+            )
         cmd, read = jailed_python(["-c", _BOOT, *boot], limits.file_bytes, limits.network)
         fds = (read,)
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"})
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=fds,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"},
+        )
     finally:
         for fd in fds:
             os.close(fd)
@@ -159,10 +178,21 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     isolation, text = _split_tag(raw)
     text = text[: limits.output_bytes]
     code_ = proc.returncode
-    if limits.jail and code_ is not None and code_ > 128 and not timed_out:  # bubblewrap reports a signal as 128 + its number
+    if (
+        limits.jail and code_ is not None and code_ > 128 and not timed_out
+    ):  # bubblewrap reports a signal as 128 + its number
         code_ = -(code_ - 128)
-    status = ("output_limit" if over.is_set() else "timeout" if timed_out else "ok" if code_ == 0
-              else "killed" if code_ is not None and code_ < 0 else "error")
+    status = (
+        "output_limit"
+        if over.is_set()
+        else "timeout"
+        if timed_out
+        else "ok"
+        if code_ == 0
+        else "killed"
+        if code_ is not None and code_ < 0
+        else "error"
+    )
     return Outcome(text, status, code_, time.monotonic() - t0, isolation)
 
 
@@ -195,4 +225,4 @@ def _split_tag(raw: str) -> tuple[str, str]:
     if start < 0:
         return "unknown", raw
     end = raw.find("\x00", start + 1)
-    return raw[start + 11:end], raw[:start] + raw[end + 1:]
+    return raw[start + 11 : end], raw[:start] + raw[end + 1 :]

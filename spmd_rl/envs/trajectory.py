@@ -25,7 +25,17 @@ from spmd_rl.envs.base import Environment, Step, Turn
 
 log = logging.getLogger("spmd_rl")
 
-STATS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncations", "prefix_breaks", "sampled_tokens", "inserted_tokens")
+STATS = (
+    "trajectories",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "truncations",
+    "prefix_breaks",
+    "sampled_tokens",
+    "inserted_tokens",
+)
 """Per-trajectory counts the rollout sums into metrics (``trajectories``: 1 each, the count
 the means divide by)."""
 
@@ -86,7 +96,7 @@ class Trajectory:
         self.logprobs += logprobs
         self.mask += [1] * len(token_ids)
         self.stats["sampled_tokens"] += len(token_ids)
-        self.last_text = tokenizer.decode(self.ids[self.turn_start:], skip_special_tokens=True)
+        self.last_text = tokenizer.decode(self.ids[self.turn_start :], skip_special_tokens=True)
         self.messages[-1]["content"] = self.last_text
         self.stopped, self.open_turn = stopped, not stopped
         return self.last_text
@@ -132,15 +142,26 @@ class Trajectory:
         if not isinstance(observation, str):
             return [int(t) for t in observation]
         messages = self.messages + [{"role": "tool", "content": observation}]
-        full = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        full = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         ctx = self.context
         if full[: len(ctx)] != ctx:
             return None
         self.messages = messages
-        return full[len(ctx):]
+        return full[len(ctx) :]
 
-    def replay(self, ids: list[int], logprobs: list[float], mask: list[int], tokenizer, budget: int, max_turns: int,
-               carried_reward: float = 0.0, step_timeout_s: float | None = None) -> bool:
+    def replay(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        mask: list[int],
+        tokenizer,
+        budget: int,
+        max_turns: int,
+        carried_reward: float = 0.0,
+        step_timeout_s: float | None = None,
+    ) -> bool:
         """Rebuild a carried trajectory (partial rollout) from its response so far: each sampled
         turn is fed to this trajectory's fresh environment in order, and each observation must
         render to exactly the inserted tokens that follow it. The tokens, log-probs and mask are
@@ -158,8 +179,18 @@ class Trajectory:
                 return True  # the open turn
             before, kept = len(self.ids), Counter(self.stats)
             step = _bounded_step(self.env, Turn(text, tuple(ids[a:b])), step_timeout_s)
-            if step is None or not self.apply(step, tokenizer, budget, max_turns) or self.ids[before:] != ids[b:runs[n + 1][1]]:
-                self.ids, self.logprobs, self.mask, self.done, self.stats = list(ids), list(logprobs), list(mask), True, kept
+            if (
+                step is None
+                or not self.apply(step, tokenizer, budget, max_turns)
+                or self.ids[before:] != ids[b : runs[n + 1][1]]
+            ):
+                self.ids, self.logprobs, self.mask, self.done, self.stats = (
+                    list(ids),
+                    list(logprobs),
+                    list(mask),
+                    True,
+                    kept,
+                )
                 self.reward = carried_reward
                 self.stats["prefix_breaks"] += 1
                 return False
@@ -173,7 +204,9 @@ def _bounded_step(env, turn: Turn, timeout_s: float | None) -> Step | None:
     try:
         return pool.submit(env.step, turn).result(timeout=timeout_s)
     except Exception as exc:  # noqa: BLE001 - the environment's failure, or its timeout
-        log.warning("environment step raised or timed out during a replay (%s: %s): a prefix break", type(exc).__name__, exc)
+        log.warning(
+            "environment step raised or timed out during a replay (%s: %s): a prefix break", type(exc).__name__, exc
+        )
         return None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

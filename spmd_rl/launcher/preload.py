@@ -26,7 +26,8 @@ from its own in any variable but the ones torchrun and ``spmd-rl train`` set per
 (``RANK_VARIABLES``, ``SPMD_RL_*``, ``TORCHELASTIC_*``), and refuses those too where its
 imports looked one up (it records every lookup, misses included). ``OMP_NUM_THREADS`` is
 applied in the child (``torch.set_num_threads``). The server imports only libraries, never
-the program itself: the child runs the program's module-level code fresh. What a fresh interpreter runs at start with the
+the program itself: the child runs the program's module-level code fresh. What a fresh interpreter runs at start with
+the
 rank's environment and argv, ``sitecustomize`` and ``usercustomize``, the child runs again with
 the request's (``sys.orig_argv`` included), after the server ran them with its own: they must
 bear running twice, as ``site`` does not guard them either. A refused or
@@ -59,11 +60,27 @@ code path whose collectives follow such an order would hang fresh ranks and pass
 with one server per local rank, the ranks of a node differ in their seeds as fresh ones do."""
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-RANK_VARIABLES = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "_", "SHLVL", "PWD", "OLDPWD",
-})
+RANK_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "_",
+        "SHLVL",
+        "PWD",
+        "OLDPWD",
+    }
+)
 RANK_PREFIXES = ("SPMD_RL_", "TORCHELASTIC_")
 """What torchrun's agent (``LocalElasticAgent._start_workers``), ``spmd-rl train`` and a shell
 (the command run, its depth, the folder) set per rank, job or command: a child may differ in
@@ -117,11 +134,13 @@ def _check_request(request: object) -> dict:
     if not isinstance(request, dict):
         raise ValueError("the frame is not a request")
     strings = lambda xs: all(isinstance(x, str) for x in xs)  # noqa: E731
-    checks = {"argv": isinstance(request.get("argv"), list) and request["argv"] and strings(request["argv"]),
-              "orig_argv": isinstance(request.get("orig_argv"), list) and strings(request["orig_argv"]),
-              "module": request.get("module") is None or isinstance(request["module"], str),
-              "cwd": isinstance(request.get("cwd"), str),
-              "env": isinstance(request.get("env"), dict) and strings(request["env"]) and strings(request["env"].values())}
+    checks = {
+        "argv": isinstance(request.get("argv"), list) and request["argv"] and strings(request["argv"]),
+        "orig_argv": isinstance(request.get("orig_argv"), list) and strings(request["orig_argv"]),
+        "module": request.get("module") is None or isinstance(request["module"], str),
+        "cwd": isinstance(request.get("cwd"), str),
+        "env": isinstance(request.get("env"), dict) and strings(request["env"]) and strings(request["env"].values()),
+    }
     bad = [field for field, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"request field(s) {', '.join(bad)} malformed")
@@ -150,8 +169,13 @@ def delegate(module: str | None = None, sets: dict[str, str] | None = None) -> N
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        request = {"argv": sys.argv, "orig_argv": sys.orig_argv, "module": module, "cwd": os.getcwd(),
-                   "env": dict(os.environ) | (sets or {})}
+        request = {
+            "argv": sys.argv,
+            "orig_argv": sys.orig_argv,
+            "module": module,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ) | (sets or {}),
+        }
         _send_frame(sock, request, [0, 1, 2])
         answer = _recv_frame(sock)
     except OSError:
@@ -242,7 +266,9 @@ def preload(modules: list[str]) -> set[str]:
     return {k for k in _RecordedEnviron.looked_up if isinstance(k, str)}
 
 
-def mismatch(looked_up: set[str], server_env: dict[str, str], env: dict[str, str], free: frozenset[str] = frozenset()) -> str | None:
+def mismatch(
+    looked_up: set[str], server_env: dict[str, str], env: dict[str, str], free: frozenset[str] = frozenset()
+) -> str | None:
     """The first variable in which a child would differ from a fresh interpreter, else None:
     every variable must equal the server's but those in ``APPLIED`` and the per-rank ones (and
     ``free``, the server's ``--free`` names) its imports did not look up. (A library may read
@@ -452,8 +478,13 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -u -m spmd_rl.launcher.preload", description=main.__doc__)
     ap.add_argument("socket", help="the socket's path, in a folder only this user can enter")
     ap.add_argument("modules", nargs="+", help="what to import before forking (libraries, not the program)")
-    ap.add_argument("--free", action="append", default=[], metavar="NAME",
-                    help="a variable a request may differ in, like the per-rank ones (unless an import looked it up)")
+    ap.add_argument(
+        "--free",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a variable a request may differ in, like the per-rank ones (unless an import looked it up)",
+    )
     args = ap.parse_args(argv)
     with open(args.socket + ".log", "a") as log:
         server = Server(args.socket, set(), log, frozenset(args.free))
@@ -464,8 +495,11 @@ def main(argv: list[str]) -> None:
         gc.collect()
         gc.freeze()  # the children's collections leave the imported heap's pages shared
         pinned = sorted(k for k in server.looked_up if k in RANK_VARIABLES | server.free or k.startswith(RANK_PREFIXES))
-        print(f"imported {' '.join(args.modules)}; per-rank variables they looked up (requests must match): {pinned}",
-              file=log, flush=True)
+        print(
+            f"imported {' '.join(args.modules)}; per-rank variables they looked up (requests must match): {pinned}",
+            file=log,
+            flush=True,
+        )
         request = server.serve(until_eof_of=0)
     if request is None:  # the server's end: no interpreter finalization (some bindings complain at it)
         sys.stdout.flush()

@@ -22,12 +22,19 @@ class Figure:
 
 FIGURES = (
     Figure("reward", "Reward", ("reward_mean",), "mean reward"),
-    Figure("accuracy", "Accuracy (training samples and held-out greedy)", ("accuracy", "eval_accuracy"), "fraction correct"),
+    Figure(
+        "accuracy", "Accuracy (training samples and held-out greedy)", ("accuracy", "eval_accuracy"), "fraction correct"
+    ),
     Figure("response_length", "Response length", ("response_length_mean", "response_length_max"), "tokens"),
     Figure("kl", "KL to the reference", ("kl", "kl_reward"), "nats per token"),
     Figure("entropy", "Entropy", ("entropy",), "nats per token"),
     Figure("clip_fraction", "Clip fraction", ("clip_frac",), "fraction of tokens"),
-    Figure("logprob_mismatch", "Trainer vs rollout log-prob mismatch", ("logprob_mismatch_mean", "logprob_mismatch_max"), "|log p difference|"),
+    Figure(
+        "logprob_mismatch",
+        "Trainer vs rollout log-prob mismatch",
+        ("logprob_mismatch_mean", "logprob_mismatch_max"),
+        "|log p difference|",
+    ),
     Figure("grad_norm", "Gradient norm", ("grad_norm",), "global L2 norm"),
     Figure("stage_time", "Time per stage", ("time_",), "seconds", stacked=True),
     Figure("stage_memory", "Resident memory per stage (largest rank)", ("mem_",), "GiB", stacked=True),
@@ -84,7 +91,11 @@ def smoothed(ys: list[float], weight: float = SMOOTHING) -> list[float]:
 
 def warmup_iterations(rows: list[dict], prefix: str = "time_") -> list[int]:
     """The iterations whose summed ``prefix`` times exceed ``WARMUP_FACTOR`` x the median (see there)."""
-    totals = {int(r["iteration"]): sum(float(v) for k, v in r.items() if k.startswith(prefix)) for r in rows if "iteration" in r}
+    totals = {
+        int(r["iteration"]): sum(float(v) for k, v in r.items() if k.startswith(prefix))
+        for r in rows
+        if "iteration" in r
+    }
     if len(totals) < 3:
         return []
     ordered = sorted(totals.values())

@@ -32,11 +32,29 @@ def chrome_trace(timelines: dict[int, list[dict]]) -> dict:
     t0 = min((row["start"] for rows in timelines.values() for row in rows), default=0)
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "spmd-rl run"}}]
     for rank, rows in sorted(timelines.items()):
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
-                   {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}}]
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
+        ]
         for row in rows:
-            events.append({"name": f"iteration {row['iteration']}", "cat": "iteration", "ph": "X", "pid": 0, "tid": rank,
-                           "ts": row["start"] - t0, "dur": row["end"] - row["start"], "args": {"dropped_spans": row.get("dropped", 0)}})
-            events += [{"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rank, "ts": s - t0, "dur": e - s}
-                       for name, cat, s, e in row["spans"]]
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"clock": "wall, microseconds from the first event"}}
+            events.append(
+                {
+                    "name": f"iteration {row['iteration']}",
+                    "cat": "iteration",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": row["start"] - t0,
+                    "dur": row["end"] - row["start"],
+                    "args": {"dropped_spans": row.get("dropped", 0)},
+                }
+            )
+            events += [
+                {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rank, "ts": s - t0, "dur": e - s}
+                for name, cat, s, e in row["spans"]
+            ]
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"clock": "wall, microseconds from the first event"},
+    }

@@ -27,7 +27,9 @@ from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
 
 class Resharder:
-    def __init__(self, train: Engine | None, rollout: RolloutEngine | None, cfg: ReshardConfig, gen_dtype: str, acc=None):
+    def __init__(
+        self, train: Engine | None, rollout: RolloutEngine | None, cfg: ReshardConfig, gen_dtype: str, acc=None
+    ):
         """Separated placement has one side per rank: the trainers no rollout engine (their
         gather is broadcast, ``reshard.broadcast``), the generators no actor."""
         self.train = train
@@ -50,10 +52,18 @@ class Resharder:
         return self.train.optimizer_tensors()
 
     def record(self, phase: str, temp: int = 0) -> None:
-        gen = {"rollout_weights": self.rollout.weight_bytes(), "kv_cache": self.rollout.kv_cache_bytes()} if self.rollout is not None else {}
+        gen = (
+            {"rollout_weights": self.rollout.weight_bytes(), "kv_cache": self.rollout.kv_cache_bytes()}
+            if self.rollout is not None
+            else {}
+        )
         self.ledger.record(
-            phase, actor_params=resident_bytes(self._params()), actor_grads=resident_bytes(self._grads()),
-            actor_optim=resident_bytes(self._optim()), temp=temp, **gen,
+            phase,
+            actor_params=resident_bytes(self._params()),
+            actor_grads=resident_bytes(self._grads()),
+            actor_optim=resident_bytes(self._optim()),
+            temp=temp,
+            **gen,
         )
 
     # -- gather ----------------------------------------------------------------------------

@@ -66,8 +66,16 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     return DTYPES[dtype].itemsize * int(torch.Size(shape).numel())
 
 
-def send(version: int, meta: list[tuple[str, torch.dtype, list[int]]], weights: Iterator[tuple[str, torch.Tensor]],
-         limit: int, src: int, group, device: torch.device, leader: bool) -> str | None:
+def send(
+    version: int,
+    meta: list[tuple[str, torch.dtype, list[int]]],
+    weights: Iterator[tuple[str, torch.Tensor]],
+    limit: int,
+    src: int,
+    group,
+    device: torch.device,
+    leader: bool,
+) -> str | None:
     """Training side: consume ``weights`` (every training rank must, the gathers are
     collective); the leader broadcasts them. ``meta`` gives each tensor's (name, dtype, global
     shape) in iteration order. Returns the leader's digest of what it sent."""
@@ -84,14 +92,18 @@ def send(version: int, meta: list[tuple[str, torch.dtype, list[int]]], weights: 
             continue
         for (name, t), k in zip(got, span):
             if name != meta[k][0] or list(t.shape) != list(meta[k][2]):
-                raise RuntimeError(f"weight {k} is {name} {list(t.shape)}, the header announced {meta[k][0]} {meta[k][2]}")
+                raise RuntimeError(
+                    f"weight {k} is {name} {list(t.shape)}, the header announced {meta[k][0]} {meta[k][2]}"
+                )
         flat = torch.cat([_bytes(t) for _, t in got])
         h.update(flat.numpy().tobytes())
         dist.broadcast(flat.to(device), src=src, group=group)
     return h.hexdigest() if leader else None
 
 
-def receive(limit: int, src: int, group, device: torch.device) -> tuple[int, list[tuple[str, torch.dtype, list[int]]], Iterator[tuple[str, torch.Tensor]]]:
+def receive(
+    limit: int, src: int, group, device: torch.device
+) -> tuple[int, list[tuple[str, torch.dtype, list[int]]], Iterator[tuple[str, torch.Tensor]]]:
     """Generator side: (version, [(name, dtype, shape)], tensors) of the next published policy.
     The header is received here; the tensors arrive lazily, one bucket per step of the
     iterator, so at most one bucket is held on the host. Each bucket is a collective: the caller
@@ -114,7 +126,7 @@ def _tensors(entries: list, limit: int, src: int, group, device: torch.device) -
         for k in span:
             name, dtype, shape = entries[k]
             n = _nbytes(dtype, shape)
-            part = flat[at:at + n]
+            part = flat[at : at + n]
             if at % DTYPES[dtype].itemsize:  # misaligned for its dtype (after an odd-length 16-bit tensor): copy
                 part = part.clone()
             yield name, part.view(DTYPES[dtype]).view(shape)  # else a view into the bucket

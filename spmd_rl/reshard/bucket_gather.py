@@ -168,7 +168,7 @@ def gather(bucket: Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
         rows = chunk_len(piece.local_shape[0], world, rank)
         if shard.shape[0] != rows:
             raise ValueError(f"{piece.name}: local shard has {shard.shape[0]} rows, torch.chunk layout expects {rows}")
-        flat_in[piece.offset: piece.offset + shard.numel()].view(shard.shape).copy_(shard)
+        flat_in[piece.offset : piece.offset + shard.numel()].view(shard.shape).copy_(shard)
     # functional all-gather, waited here: the backend holds no buffer of this bucket past the wait
     out = flat_in if world == 1 else funcol.wait_tensor(funcol.all_gather_single(flat_in, 0, group))
     del flat_in
@@ -181,7 +181,7 @@ def gather(bucket: Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
             local = torch.empty(piece.local_shape, dtype=dtype, device=first.device)
             for r in range(world):
                 n = chunk_len(d0, world, r)
-                local[r * c: r * c + n] = ranks[r, piece.offset: piece.offset + n * piece.row].view(n, *rest)
+                local[r * c : r * c + n] = ranks[r, piece.offset : piece.offset + n * piece.row].view(n, *rest)
         pl = _tp_placement(piece.param)
         if pl is not None:
             p = piece.param

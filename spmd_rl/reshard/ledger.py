@@ -5,8 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CATEGORIES = ("actor_params", "actor_grads", "actor_optim", "ref_params", "critic_params", "critic_grads", "critic_optim",
-              "reward_model_params", "rollout_weights", "kv_cache", "temp")
+CATEGORIES = (
+    "actor_params",
+    "actor_grads",
+    "actor_optim",
+    "ref_params",
+    "critic_params",
+    "critic_grads",
+    "critic_optim",
+    "reward_model_params",
+    "rollout_weights",
+    "kv_cache",
+    "temp",
+)
 
 ROLE_CATEGORIES = {
     "actor": ("actor_params", "actor_grads", "actor_optim"),
@@ -53,5 +64,7 @@ class Ledger:
     def table(self) -> str:
         cols = [c for c in CATEGORIES if any(r[c] for _, r in self.rows)] or list(CATEGORIES)
         head = f"{'phase':<24}" + "".join(f"{c:>20}" for c in cols) + f"{'total':>14}"
-        lines = [head] + [f"{p:<24}" + "".join(f"{r[c]:>20,}" for c in cols) + f"{sum(r.values()):>14,}" for p, r in self.rows]
+        lines = [head] + [
+            f"{p:<24}" + "".join(f"{r[c]:>20,}" for c in cols) + f"{sum(r.values()):>14,}" for p, r in self.rows
+        ]
         return "\n".join(lines)

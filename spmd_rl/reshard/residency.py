@@ -83,9 +83,14 @@ class Residency:
         if not want:  # host-only work: whatever is resident stays
             self.record(phase)
             return
-        adapters = self.rollout.adapters if self.rollout is not None else None  # LoRA adapter sync keeps the base across sleep
-        stale = "rollout" in want and (self.rollout_version != self.actor_version or not self.rollout.weights_current
-                                       or (adapters is not None and adapters.stale))
+        adapters = (
+            self.rollout.adapters if self.rollout is not None else None
+        )  # LoRA adapter sync keeps the base across sleep
+        stale = "rollout" in want and (
+            self.rollout_version != self.actor_version
+            or not self.rollout.weights_current
+            or (adapters is not None and adapters.stale)
+        )
         if "rollout" not in want and self.rollout_awake:
             self.rollout.sleep(discard_weights=self.colocated and adapters is None)
             self.rollout_awake = False

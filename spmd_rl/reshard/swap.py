@@ -63,7 +63,7 @@ class HostSwap:
         if sizes != self._sizes:
             arena = self.acc.host_empty(sum(sizes))
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            self._host = [arena[o:o + n] for o, n in zip(offsets, sizes)]
+            self._host = [arena[o : o + n] for o, n in zip(offsets, sizes)]
         self._storages, self._sizes = storages, sizes
 
     @property
@@ -84,7 +84,9 @@ class HostSwap:
         """Device -> host, then release the device storage."""
         if self.offloaded:
             return
-        self._each(lambda i: self._host[i].copy_(_bytes_view(self._storages[i]), non_blocking=not self.acc.host_is_device))
+        self._each(
+            lambda i: self._host[i].copy_(_bytes_view(self._storages[i]), non_blocking=not self.acc.host_is_device)
+        )
         self.acc.synchronize()
         for s in self._storages:
             s.resize_(0)
@@ -94,6 +96,7 @@ class HostSwap:
         """Host -> device into freshly allocated storage of the original size."""
         if not self.offloaded:
             return
+
         def copy(i: int) -> None:
             self._storages[i].resize_(self._sizes[i])
             _bytes_view(self._storages[i]).copy_(self._host[i], non_blocking=not self.acc.host_is_device)

@@ -66,8 +66,16 @@ def publish(run: Run, version: int) -> None:
     s, res = sides.current(), run.residency
     res.enter("publish", ("actor",))
     with _waiting(run):
-        sent = broadcast.send(version, res.resharder.weight_meta(), res.resharder.full_weights(), run.cfg.reshard.bucket_bytes,
-                              s.train_leader, s.sync_group, run.acc.device, run.peer.rank == s.train_leader)
+        sent = broadcast.send(
+            version,
+            res.resharder.weight_meta(),
+            res.resharder.full_weights(),
+            run.cfg.reshard.bucket_bytes,
+            s.train_leader,
+            s.sync_group,
+            run.acc.device,
+            run.peer.rank == s.train_leader,
+        )
     if sent is not None and run.ledger is not None:
         run.ledger.record_weights(version, "sent", sent)
 
@@ -77,7 +85,9 @@ def receive(run: Run) -> None:
     the side's leader records the digest of what arrived."""
     s = sides.current()
     with _waiting(run):
-        version, meta, weights = broadcast.receive(run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device)
+        version, meta, weights = broadcast.receive(
+            run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device
+        )
         if version <= run.policy_version:
             raise RuntimeError(f"received policy version {version} after {run.policy_version}: versions must increase")
         h = hashlib.sha256()
@@ -122,7 +132,9 @@ def generate(run: Run, start: int) -> None:
         with generation_phase(cfg):
             final = {"final_eval_accuracy": run.evaluator(cfg.trainer.iterations)}
         if leader:
-            run.dock.meta.put(_generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode())
+            run.dock.meta.put(
+                _generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode()
+            )
     with _waiting(run):
         dist.barrier()
 
@@ -144,9 +156,17 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
     """The trainers' loop (module docstring): every stage after the rollout, over the training layout."""
     cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
     G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
-    metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=leader, start_iteration=start,
-                         wandb=cfg.logging.wandb, job=cfg.metadata.job, lineage=run.lineage,
-                         config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
+    metrics = MetricsLog(
+        cfg.logging.dir,
+        cfg.logging.jsonl,
+        cfg.logging.tensorboard,
+        enabled=leader,
+        start_iteration=start,
+        wandb=cfg.logging.wandb,
+        job=cfg.metadata.job,
+        lineage=run.lineage,
+        config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}),
+    )
     bar = progress_for(leader and cfg.logging.progress, cfg.trainer.iterations, start)
     publish(run, start)
     for it in range(start, cfg.trainer.iterations):
@@ -166,7 +186,17 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
             if leader:
                 run.dock.commit(it, alone=True)
                 if run.ledger is not None:
-                    run.ledger.record(StepRecord(it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N))
+                    run.ledger.record(
+                        StepRecord(
+                            it,
+                            rows,
+                            trained,
+                            version=int(gen["gen_version"]),
+                            put=put,
+                            trained_samples=read,
+                            group_size=N,
+                        )
+                    )
             else:
                 run.dock.release(it)
         if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.trainer.eval_interval)):
@@ -177,7 +207,9 @@ def train_side(run: Run, start: int, save_checkpoint) -> None:
         seconds = time.perf_counter() - t0
         out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
         out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
-        out["throughput_eq5"] = throughput(G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds)
+        out["throughput_eq5"] = throughput(
+            G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds
+        )
         out |= {f"time_{n}": v for n, v in timer.times.items()}
         with timeline.span("log", "stage"):
             metrics.write(it, out)

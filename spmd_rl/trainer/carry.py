@@ -30,8 +30,15 @@ class Piece:
     """A multi-turn sample's environment reward so far."""
 
     @classmethod
-    def of(cls, row: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, done: torch.Tensor,
-           routes: torch.Tensor | None = None) -> "Piece":
+    def of(
+        cls,
+        row: torch.Tensor,
+        ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        versions: torch.Tensor,
+        done: torch.Tensor,
+        routes: torch.Tensor | None = None,
+    ) -> "Piece":
         """From the data loader's ``prompt_row`` / ``prefix_*`` columns of one sample."""
         return cls(int(row), ids.tolist(), logprobs.tolist(), versions.tolist(), bool(done), routes)
 
@@ -44,17 +51,27 @@ class Piece:
         self.done = sample.stopped or len(self.token_ids) >= limit
         if sample.routes is not None:
             held = torch.zeros(0, dtype=torch.uint8) if self.routes is None else self.routes
-            self.routes = torch.cat([held, sample.routes[held.numel():]])
+            self.routes = torch.cat([held, sample.routes[held.numel() :]])
 
     def columns(self) -> dict[str, torch.Tensor]:
         """The ``prefix_*`` columns that continue this sample."""
-        return {"prefix_ids": torch.tensor(self.token_ids, dtype=torch.int32),
+        return (
+            {
+                "prefix_ids": torch.tensor(self.token_ids, dtype=torch.int32),
                 "prefix_log_prob": torch.tensor(self.logprobs, dtype=torch.float32),
                 "prefix_version": torch.tensor(self.versions, dtype=torch.int32),
-                "prefix_done": torch.tensor(int(self.done), dtype=torch.int32)} | (
-                    {} if self.routes is None else {"prefix_routes": self.routes}) | (
-                    {} if self.mask is None else {"prefix_mask": torch.tensor(self.mask, dtype=torch.uint8),
-                                                  "prefix_env_reward": torch.tensor(self.env_reward, dtype=torch.float32)})
+                "prefix_done": torch.tensor(int(self.done), dtype=torch.int32),
+            }
+            | ({} if self.routes is None else {"prefix_routes": self.routes})
+            | (
+                {}
+                if self.mask is None
+                else {
+                    "prefix_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                    "prefix_env_reward": torch.tensor(self.env_reward, dtype=torch.float32),
+                }
+            )
+        )
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Atomic checkpoints in a directory all nodes share.
 
 ``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule), PPO's
-critic in ``critic/`` (the same), and ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every rank writes
+critic in ``critic/`` (the same), and ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every
+rank writes
 its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 (separated placement: the
-training leader, ``distributed.sides``) writes the trainer state and renames the folder, so a folder without ``.tmp`` is always complete.
+training leader, ``distributed.sides``) writes the trainer state and renames the folder, so a folder without ``.tmp`` is
+always complete.
 
 Lineage. A run started with ``checkpoint.resume=<folder>`` records that folder as the
 ``origin`` of every checkpoint it writes. Resolution (:func:`resume_folder`): ``auto`` takes
@@ -97,7 +99,11 @@ def resume_folder(root: str | Path, resume: str) -> Path | None:
     if resume == "auto":
         return latest(root)
     start = Path(resume)
-    newer = [c for c in _lineage(root, origin_of(resume)) if int(read_state(c)["iteration"]) > int(read_state(start)["iteration"])]
+    newer = [
+        c
+        for c in _lineage(root, origin_of(resume))
+        if int(read_state(c)["iteration"]) > int(read_state(start)["iteration"])
+    ]
     return newer[-1] if newer else start
 
 

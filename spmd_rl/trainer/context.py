@@ -74,8 +74,13 @@ class Run:
         r = self.cfg.rollout
         if r.environment is None or self.rollout is None:
             return None
-        return MultiTurnRollout(self.rollout, self.tokenizer, environment_factory(r.environment, r.unsafe_python_without_jail),
-                                TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s), tp_group=self.gen_tp_group)
+        return MultiTurnRollout(
+            self.rollout,
+            self.tokenizer,
+            environment_factory(r.environment, r.unsafe_python_without_jail),
+            TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s),
+            tp_group=self.gen_tp_group,
+        )
 
     @property
     def actor(self) -> Engine:

@@ -37,8 +37,9 @@ def eval_accuracy(run: Run, test: PromptSet, correct_fn, iteration: int) -> floa
         items = [(test.prompt_ids[i], test.environment_row(i)) for i in mine]
         texts = [t.last_text for t in run.turns.run(items, temperature=0.0)]
     elif mine:
-        samples = run.rollout.generate([test.prompt_ids[i] for i in mine], n=1,
-                                       max_tokens=run.cfg.rollout.max_response_length, temperature=0.0)
+        samples = run.rollout.generate(
+            [test.prompt_ids[i] for i in mine], n=1, max_tokens=run.cfg.rollout.max_response_length, temperature=0.0
+        )
         texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     hits = torch.zeros(count, dtype=torch.float64)
     if tp_rank == 0:  # a generation group's TP ranks produced the same texts

@@ -35,7 +35,9 @@ def export(checkpoint_dir: str | Path, out: str | Path, merged: bool = False) ->
     if weights:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
-            raise ValueError(f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
     model.tie_weights()
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
@@ -57,7 +59,15 @@ def merge_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor], cf
 def write_adapter(adapters: dict[str, torch.Tensor], state: dict, out: Path) -> Path:
     """PEFT's adapter folder (``engines.lora.write_peft_folder``) with the tokenizer beside it."""
     cfg = state["lora"]
-    lora.write_peft_folder(out, adapters, str(Path(state["model_path"]).resolve()), cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["target_modules"])
+    lora.write_peft_folder(
+        out,
+        adapters,
+        str(Path(state["model_path"]).resolve()),
+        cfg["rank"],
+        cfg["alpha"],
+        cfg["dropout"],
+        cfg["target_modules"],
+    )
     AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
     return out
 
@@ -66,9 +76,17 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / "trainer_state.json").is_file()
 
 
-def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_match", limit: int | None = None,
-                    max_tokens: int = 8, prompt_column: str = "prompt", answer_column: str = "answer",
-                    environment: str | None = None, max_turns: int = 4) -> dict:
+def greedy_accuracy(  # noqa: PLR0913
+    model_dir: str | Path,
+    data: str | Path,
+    rule: str = "exact_match",
+    limit: int | None = None,
+    max_tokens: int = 8,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    environment: str | None = None,
+    max_turns: int = 4,
+) -> dict:
     """Greedy accuracy on a prompt file through in-process vLLM (single process). With an
     ``environment`` each prompt is a greedy multi-turn trajectory of at most ``max_tokens``
     response tokens (``envs.multi_turn``), scored on its last sampled turn."""
@@ -82,17 +100,33 @@ def greedy_accuracy(model_dir: str | Path, data: str | Path, rule: str = "exact_
     prompts = load_prompts(data, tok, prompt_column, answer_column, max_prompt_length=10**6)
     ids, answers = prompts.prompt_ids[:limit], prompts.answers[:limit]
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    engine = RolloutEngine(model_dir, detect("auto"), RolloutConfig(n=1, max_response_length=max_tokens), tp=1,
-                           dtype="float32", max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096), distributed=False)
+    engine = RolloutEngine(
+        model_dir,
+        detect("auto"),
+        RolloutConfig(n=1, max_response_length=max_tokens),
+        tp=1,
+        dtype="float32",
+        max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096),
+        distributed=False,
+    )
     if environment is not None:
         from spmd_rl.envs.factory import environment_factory
         from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 
         turns = MultiTurnRollout(engine, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0))
-        texts = [t.last_text for t in turns.run([(p, prompts.environment_row(i)) for i, p in enumerate(ids)], temperature=0.0)]
+        texts = [
+            t.last_text
+            for t in turns.run([(p, prompts.environment_row(i)) for i, p in enumerate(ids)], temperature=0.0)
+        ]
     else:
         samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
         texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     fn = get_reward(rule)
     correct = sum(fn(t, a) > 0.5 for t, a in zip(texts, answers))
-    return {"model": str(model_dir), "data": str(data), "prompts": len(ids), "correct": correct, "accuracy": correct / len(ids)}
+    return {
+        "model": str(model_dir),
+        "data": str(data),
+        "prompts": len(ids),
+        "correct": correct,
+        "accuracy": correct / len(ids),
+    }

@@ -46,19 +46,40 @@ def _waves_per_group(run: Run, stage: Stage) -> int:
     return -(-micro // n) if stage.group_granular else micro
 
 
-def run_fused(run: Run, it: int, rollout: Stage, fused: list[Stage], expected: list[int], timer: StageTimer) -> list[StageResult]:
+def run_fused(
+    run: Run, it: int, rollout: Stage, fused: list[Stage], expected: list[int], timer: StageTimer
+) -> list[StageResult]:
     """The rollout stage with ``fused`` running on its finished groups; one merged result per
     stage, rollout first."""
     results: dict[str, list[StageResult]] = {s.name: [] for s in (rollout, *fused)}
     with timer.stage(rollout.name):
         run.residency.enter(rollout.name, rollout.roles)
-        batch = run.dock.get(rollout.name, it, list(rollout.inputs), stage_layout(run, rollout),
-                             group_size=group_size(run, rollout), expected=expected)
-        streams = [run.dock.stream(s.name, it, s.inputs, stage_layout(run, s), expected, group_size(run, s), _waves_per_group(run, s))
-                   for s in fused]
+        batch = run.dock.get(
+            rollout.name,
+            it,
+            list(rollout.inputs),
+            stage_layout(run, rollout),
+            group_size=group_size(run, rollout),
+            expected=expected,
+        )
+        streams = [
+            run.dock.stream(
+                s.name, it, s.inputs, stage_layout(run, s), expected, group_size(run, s), _waves_per_group(run, s)
+            )
+            for s in fused
+        ]
         writer = is_writer(run, rollout)
         for indices, samples in rollout_groups(StageCall(run, it, rollout, batch, writer, expected)):
-            results[rollout.name].append(publish(run, it, rollout, indices, StageResult(columns=rollout_columns(samples), sums=turn_sums(run.cfg, samples)), writer))
+            results[rollout.name].append(
+                publish(
+                    run,
+                    it,
+                    rollout,
+                    indices,
+                    StageResult(columns=rollout_columns(samples), sums=turn_sums(run.cfg, samples)),
+                    writer,
+                )
+            )
             for stage, stream in zip(fused, streams):
                 while (wave := stream.poll()) is not None:
                     results[stage.name].append(_run_wave(run, it, stage, wave, expected))
@@ -68,7 +89,10 @@ def run_fused(run: Run, it: int, rollout: Stage, fused: list[Stage], expected: l
             run.residency.record(stage.name)
             results[stage.name] += [_run_wave(run, it, stage, wave, expected) for wave in stream]
     merged = [merge(results[s.name]) for s in (rollout, *fused)]
-    merged[0].maxes |= {"fused_waves_early": float(early), "fused_waves_late": float(sum(map(len, results.values())) - early - len(results[rollout.name]))}
+    merged[0].maxes |= {
+        "fused_waves_early": float(early),
+        "fused_waves_late": float(sum(map(len, results.values())) - early - len(results[rollout.name])),
+    }
     merged[0].sums = turn_sums(run.cfg, []) | merged[0].sums  # every key on every rank, groups or not
     return merged
 

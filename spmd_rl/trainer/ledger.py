@@ -103,10 +103,14 @@ def problems(records: list[StepRecord], start_carried: list[int] | None = None) 
         if len(r.trained) != len(set(r.trained)) or set(r.trained) & trained:
             out.append(f"iteration {r.iteration}: trained a prompt twice ({sorted(set(r.trained) & trained)[:8]})")
         if before != after or len(r.trained) + len(r.carried) + len(r.dropped) != len(after):
-            out.append(f"iteration {r.iteration}: lost {sorted(before - after)[:8]}, appeared {sorted(after - before)[:8]}")
+            out.append(
+                f"iteration {r.iteration}: lost {sorted(before - after)[:8]}, appeared {sorted(after - before)[:8]}"
+            )
         out += _observed(r, carried)
         if r.version is not None and last_version is not None and r.version < last_version:
-            out.append(f"iteration {r.iteration}: policy version {r.version} after {last_version} (versions must not decrease)")
+            out.append(
+                f"iteration {r.iteration}: policy version {r.version} after {last_version} (versions must not decrease)"
+            )
         last_version = r.version if r.version is not None else last_version
         trained |= set(r.trained)
         dropped |= {int(k) for k in r.dropped}
@@ -123,9 +127,21 @@ def _observed(r: StepRecord, carried: set[int]) -> list[str]:
         if set(r.sampled) - set(r.put):
             out.append(f"iteration {r.iteration}: sampled but never put {sorted(set(r.sampled) - set(r.put))[:8]}")
         if set(r.put) - set(r.sampled) - carried:
-            out.append(f"iteration {r.iteration}: put {sorted(set(r.put) - set(r.sampled) - carried)[:8]}, neither sampled nor carried")
+            out.append(
+                f"iteration {r.iteration}: put {sorted(set(r.put) - set(r.sampled) - carried)[:8]}, neither sampled "
+                f"nor carried"
+            )
         if set(r.trained) - set(r.put):
-            out.append(f"iteration {r.iteration}: trained {sorted(set(r.trained) - set(r.put))[:8]}, never put this iteration")
-    if r.trained_samples is not None and r.group_size is not None and r.trained_samples != r.group_size * len(r.trained):
-        out.append(f"iteration {r.iteration}: the update read {r.trained_samples} samples for {len(r.trained)} groups of {r.group_size}")
+            out.append(
+                f"iteration {r.iteration}: trained {sorted(set(r.trained) - set(r.put))[:8]}, never put this iteration"
+            )
+    if (
+        r.trained_samples is not None
+        and r.group_size is not None
+        and r.trained_samples != r.group_size * len(r.trained)
+    ):
+        out.append(
+            f"iteration {r.iteration}: the update read {r.trained_samples} samples for {len(r.trained)} groups of "
+            f"{r.group_size}"
+        )
     return out

@@ -55,14 +55,16 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
             rows += run.sampler.next_batch(G)
-            put += put_prompts(run, it, rows[r * G:], first_group=r * G)
+            put += put_prompts(run, it, rows[r * G :], first_group=r * G)
         inside = [run.graph[0], *run.fused] if run.fused else []  # the rollout with the stages fused into it
         results = run_fused(run, it, run.graph[0], run.fused, expected, timer) if run.fused else []
         results += [run_stage(run, it, s, expected, timer) for s in run.graph if s.per_round and s not in inside]
         for res in results:
             m.add(res)
         if select is None:
-            return list(range(G * N)), StepRecord(it, rows, [], put=put)  # trained: what the update reads (run_iteration)
+            return list(range(G * N)), StepRecord(
+                it, rows, [], put=put
+            )  # trained: what the update reads (run_iteration)
         rewards = next(res.rewards for res in results if res.rewards is not None)
         dist.all_reduce(rewards)
         select.add_round(list(range(r * G, (r + 1) * G)), rewards, N)
@@ -70,14 +72,28 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
             break
     groups, short = select.final()
     if short and run.peer.rank == 0:
-        log.warning("dynamic sampling: only %d of %d groups carried signal after %d rounds; topped up with %d constant groups "
-                    "(raise algorithm.max_extra_rounds)", G - short, G, select.rounds, short)
-    m.final |= {"dapo_rounds": select.rounds, "dapo_kept_groups": G - short, "dapo_discarded_groups": select.rounds * G - G + short,
-                "dapo_filler_groups": short}
+        log.warning(
+            "dynamic sampling: only %d of %d groups carried signal after %d rounds; topped up with %d constant groups "
+            "(raise algorithm.max_extra_rounds)",
+            G - short,
+            G,
+            select.rounds,
+            short,
+        )
+    m.final |= {
+        "dapo_rounds": select.rounds,
+        "dapo_kept_groups": G - short,
+        "dapo_discarded_groups": select.rounds * G - G + short,
+        "dapo_filler_groups": short,
+    }
     kept = set(groups)
     signal = set(select.kept)
-    dropped = {str(rows[q]): "dynamic sampling: " + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
-               for q in range(len(rows)) if q not in kept}
+    dropped = {
+        str(rows[q]): "dynamic sampling: "
+        + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
+        for q in range(len(rows))
+        if q not in kept
+    }
     return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [], dropped=dropped, put=put)
 
 
@@ -114,7 +130,9 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
         return _metrics(run, timer, m, train_idx, seconds)
 
 
-def _metrics(run: Run, timer: StageTimer, m: IterationMetrics, train_idx: list[int], seconds: float) -> dict[str, float]:
+def _metrics(
+    run: Run, timer: StageTimer, m: IterationMetrics, train_idx: list[int], seconds: float
+) -> dict[str, float]:
     """Collective: the iteration's metrics, reduced over the ranks."""
     cfg = run.cfg
     out = m.finish() | {"world": run.lay.world, "samples": len(train_idx), "iteration_s": seconds}
@@ -122,9 +140,17 @@ def _metrics(run: Run, timer: StageTimer, m: IterationMetrics, train_idx: list[i
     # the largest rank's memory; the slowest and fastest rank's rollout stage (their gap is how
     # long the fastest waited: the most a better balance of the generation work could save)
     gen_s = timer.times.get(run.graph[0].name, 0.0)
-    out |= global_maxes(run.residency.iteration_memory(ran) | {"generation_s_max": gen_s}, mins={"generation_s_min": gen_s})
-    out["throughput_eq5"] = throughput(cfg.data.global_batch_size, cfg.rollout.n, cfg.data.max_prompt_length,
-                                       cfg.rollout.max_response_length, run.lay.world, seconds)
+    out |= global_maxes(
+        run.residency.iteration_memory(ran) | {"generation_s_max": gen_s}, mins={"generation_s_min": gen_s}
+    )
+    out["throughput_eq5"] = throughput(
+        cfg.data.global_batch_size,
+        cfg.rollout.n,
+        cfg.data.max_prompt_length,
+        cfg.rollout.max_response_length,
+        run.lay.world,
+        seconds,
+    )
     return out | {f"time_{k}": v for k, v in timer.times.items()}
 
 
@@ -139,9 +165,17 @@ def train(run: Run, start_iteration: int) -> None:
         return async_loop.train_side(run, start_iteration, save_checkpoint)
     cfg = run.cfg
     rank0 = run.peer.rank == 0
-    metrics = MetricsLog(cfg.logging.dir, cfg.logging.jsonl, cfg.logging.tensorboard, enabled=rank0, start_iteration=start_iteration,
-                         wandb=cfg.logging.wandb, job=cfg.metadata.job, lineage=run.lineage,
-                         config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}))
+    metrics = MetricsLog(
+        cfg.logging.dir,
+        cfg.logging.jsonl,
+        cfg.logging.tensorboard,
+        enabled=rank0,
+        start_iteration=start_iteration,
+        wandb=cfg.logging.wandb,
+        job=cfg.metadata.job,
+        lineage=run.lineage,
+        config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}),
+    )
     bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
     for it in range(start_iteration, cfg.trainer.iterations):
         start = timeline.now_us()
@@ -172,15 +206,23 @@ def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     cfg = run.cfg
-    state = {"iteration": iteration, "origin": checkpoint.origin_of(cfg.checkpoint.resume), "lineage": run.lineage,
-             "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
-             "rng": checkpoint.rng_state(), "model_path": cfg.model.path, "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path}
+    state = {
+        "iteration": iteration,
+        "origin": checkpoint.origin_of(cfg.checkpoint.resume),
+        "lineage": run.lineage,
+        "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
+        "rng": checkpoint.rng_state(),
+        "model_path": cfg.model.path,
+        "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path,
+    }
     if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)
         state["lora"] = cfg.actor.lora.model_dump()
     if partial_rollout(cfg):
         state["carry_rows"] = carried_rows(run)
     run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)
-    with long_phase(cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s):  # ranks' writes may be skewed by minutes
+    with long_phase(
+        cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s
+    ):  # ranks' writes may be skewed by minutes
         folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep)
     if run.peer.rank == sides.side_leader():
         log.info("saved checkpoint %s", folder)

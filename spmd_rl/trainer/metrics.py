@@ -45,7 +45,7 @@ def global_maxes(values: dict[str, float], mins: dict[str, float] | None = None)
     t = torch.tensor([float(values[k]) for k in keys] + [-float(mins[k]) for k in low], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
     got = t.tolist()
-    return dict(zip(keys, got)) | {k: -v for k, v in zip(low, got[len(keys):])}
+    return dict(zip(keys, got)) | {k: -v for k, v in zip(low, got[len(keys) :])}
 
 
 class StageTimer:
@@ -101,8 +101,18 @@ class MetricsLog:
     W&B keeps both points of a redone iteration (its x-axis is the ``iteration`` metric, not
     W&B's own step, which would drop them). A new run under a reused job name is a new W&B run."""
 
-    def __init__(self, folder: str | Path, jsonl: bool, tensorboard: bool, enabled: bool, start_iteration: int = 0,
-                 wandb=None, job: str = "", config: dict | None = None, lineage: str = ""):
+    def __init__(  # noqa: PLR0913
+        self,
+        folder: str | Path,
+        jsonl: bool,
+        tensorboard: bool,
+        enabled: bool,
+        start_iteration: int = 0,
+        wandb=None,
+        job: str = "",
+        config: dict | None = None,
+        lineage: str = "",
+    ):
         self.enabled = enabled
         self.folder = Path(folder)
         self._jsonl = None
@@ -115,8 +125,15 @@ class MetricsLog:
             import wandb as wandb_lib
 
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb_lib.init(project=wandb.project, mode=wandb.mode, name=wandb.name or job,
-                                         id=wandb_run_id(job, lineage), dir=str(self.folder), config=config, resume="allow")
+            self._wandb = wandb_lib.init(
+                project=wandb.project,
+                mode=wandb.mode,
+                name=wandb.name or job,
+                id=wandb_run_id(job, lineage),
+                dir=str(self.folder),
+                config=config,
+                resume="allow",
+            )
             self._wandb.define_metric("iteration")
             self._wandb.define_metric("*", step_metric="iteration")
         if enabled:
@@ -140,7 +157,9 @@ class MetricsLog:
                 self._tb.add_scalar(k, v, iteration)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"iteration": iteration})
+            self._wandb.log(
+                {k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"iteration": iteration}
+            )
 
     def close(self) -> None:
         if self._jsonl:

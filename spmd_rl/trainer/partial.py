@@ -47,17 +47,18 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
     fresh = [per - int(c) for c in counts]
     rows = run.sampler.next_batch(sum(fresh))
     start = sum(fresh[:g])
-    mine = run.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start:start + fresh[g]]]
+    mine = run.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start : start + fresh[g]]]
     del run.carry[:reused]
     slot_rows = torch.zeros(G, dtype=torch.int64)  # row + 1 of every slot, filled by its putter
     if tp_rank == 0:
-        slot_rows[g * per:(g + 1) * per] = torch.tensor([grp.row + 1 for grp in mine])
+        slot_rows[g * per : (g + 1) * per] = torch.tensor([grp.row + 1 for grp in mine])
     dist.all_reduce(slot_rows)
     if tp_rank == 0:
         pieces = [p for grp in mine for p in grp.pieces]
         prefix = [p.columns() for p in pieces]
         cols = prompt_columns(run, [p.row for p in pieces]) | {
-            "prefix_done": torch.stack([c["prefix_done"] for c in prefix])}
+            "prefix_done": torch.stack([c["prefix_done"] for c in prefix])
+        }
         names = tuple(c for c in partial_columns(run.cfg) if c not in ("prefix_done", "prefix_env_reward"))
         cols |= {k: [c.get(k, torch.zeros(0, dtype=torch.uint8)) for c in prefix] for k in names}
         if "prefix_env_reward" in partial_columns(run.cfg):
@@ -92,8 +93,11 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
             if stage.per_round:
                 m.add(run_stage(run, it, stage, train_idx, timer))
     carried = carried_rows(run)
-    m.final |= {"partial_new_groups": float(len(new)), "partial_trained_groups": float(len(keep)),
-                "partial_carried_groups": float(len(carried))}
+    m.final |= {
+        "partial_new_groups": float(len(new)),
+        "partial_trained_groups": float(len(keep)),
+        "partial_carried_groups": float(len(carried)),
+    }
     return train_idx, StepRecord(it, new, [], carried, put=[r for r in slot_rows if r >= 0])  # trained: run_iteration
 
 
@@ -114,4 +118,4 @@ def restore_carry(run: Run, rows: list[int]) -> None:
     """A resumed run's carry: the checkpoint's carried rows dealt over the generation DP groups,
     each started again from its prompt."""
     g = run.lay.gen.coords(run.peer.rank)[0]
-    run.carry = [CarriedGroup.fresh(r, run.cfg.rollout.n) for r in rows[g::run.lay.gen.dp]]
+    run.carry = [CarriedGroup.fresh(r, run.cfg.rollout.n) for r in rows[g :: run.lay.gen.dp]]

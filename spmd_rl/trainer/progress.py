@@ -28,9 +28,16 @@ class Quiet:
 class LiveProgress(Quiet):
     def __init__(self, total: int, start: int, console: Console | None = None):
         self.total = total
-        self.bar = Progress(TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                            TimeRemainingColumn(), console=console or Console(stderr=True))
+        self.bar = Progress(
+            TextColumn("[bold]{task.description:<14}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console or Console(stderr=True),
+        )
         self.task = self.bar.add_task("starting", total=total, completed=start, reward="-")
         self._routed = _route_logging(self.bar.console)  # before start(): the bar then proxies sys.stderr
         self.bar.start()
@@ -39,10 +46,18 @@ class LiveProgress(Quiet):
         self.bar.update(self.task, description=name)
 
     def iteration_done(self, it: int, m: dict[str, float]) -> None:
-        line = (f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
-                f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip {m['clip_frac']:.3f} "
-                f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T {m['throughput_eq5']:.0f} tok/s/dev")
-        line += "".join(f" | {label} {m[key]:.3f}" for key, label in (("eval_accuracy", "eval"), ("final_eval_accuracy", "final eval")) if key in m)
+        line = (
+            f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
+            f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip "
+            f"{m['clip_frac']:.3f} "
+            f"ent {m['entropy']:.3f} mis {m['logprob_mismatch_mean']:.1e} | {m['iteration_s']:.2f}s T "
+            f"{m['throughput_eq5']:.0f} tok/s/dev"
+        )
+        line += "".join(
+            f" | {label} {m[key]:.3f}"
+            for key, label in (("eval_accuracy", "eval"), ("final_eval_accuracy", "final eval"))
+            if key in m
+        )
         self.bar.console.print(line, soft_wrap=True)  # one line, never wrapped (a pipe or a narrow terminal)
         self.bar.update(self.task, advance=1, reward=f"{m['reward_mean']:.3f}", description="iteration done")
 
@@ -77,7 +92,10 @@ def _route_logging(console: Console) -> list[tuple[logging.Handler, logging.Hand
     through ``console`` while the bar is live; (new, old) pairs to swap back."""
     root, swapped = logging.getLogger(), []
     for handler in list(root.handlers):
-        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (
+            sys.stderr,
+            sys.__stderr__,
+        ):
             routed = _ConsoleHandler(console, handler)
             root.removeHandler(handler)
             root.addHandler(routed)

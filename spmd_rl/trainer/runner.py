@@ -26,7 +26,9 @@ def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: Stage
             run.residency.enter(stage.name, stage.roles)
         layout = stage_layout(run, stage)
         with timeline.span("dock_get"):
-            batch = run.dock.get(stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected)
+            batch = run.dock.get(
+                stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected
+            )
         return compute(run, it, stage, batch, expected)
 
 
@@ -45,7 +47,9 @@ def is_writer(run: Run, stage: Stage) -> bool:
 def compute(run: Run, it: int, stage: Stage, batch, expected: list[int]) -> StageResult:
     """Steps 3 and 4 for one batch of the stage (the whole share, or one streamed wave)."""
     writer = is_writer(run, stage)
-    return publish(run, it, stage, batch.indices, stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected)), writer)
+    return publish(
+        run, it, stage, batch.indices, stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected)), writer
+    )
 
 
 def publish(run: Run, it: int, stage: Stage, indices, result: StageResult, writer: bool) -> StageResult:
@@ -53,7 +57,10 @@ def publish(run: Run, it: int, stage: Stage, indices, result: StageResult, write
     sums of non-writers."""
     if result.columns is not None:
         if set(result.columns) != set(stage.outputs):
-            raise RuntimeError(f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares {sorted(stage.outputs)}")
+            raise RuntimeError(
+                f"stage {stage.name} returned columns {sorted(result.columns)}, its graph entry declares "
+                f"{sorted(stage.outputs)}"
+            )
         if writer and len(indices):
             with timeline.span("dock_put"):
                 run.dock.put(stage.name, it, result.columns, indices)

@@ -42,9 +42,15 @@ def main() -> None:
     rank = dist.get_rank()
     acc = detect("cpu")
     mesh = train_mesh(acc, Layout(2, 1))
-    micro = [build_batch([torch.tensor([5 + rank, 6, 7]), torch.tensor([8, 9])], [torch.tensor([11, 12]), torch.tensor([13, 14, 15 + rank])], 0),
-             build_batch([torch.tensor([4, 5])], [torch.tensor([16, 17, 18])], 0),
-             build_batch([torch.tensor([9, 3 + rank])], [torch.tensor([20, 21])], 0)]
+    micro = [
+        build_batch(
+            [torch.tensor([5 + rank, 6, 7]), torch.tensor([8, 9])],
+            [torch.tensor([11, 12]), torch.tensor([13, 14, 15 + rank])],
+            0,
+        ),
+        build_batch([torch.tensor([4, 5])], [torch.tensor([16, 17, 18])], 0),
+        build_batch([torch.tensor([9, 3 + rank])], [torch.tensor([20, 21])], 0),
+    ]
     report = {"rank": rank}
     dist.all_gather_single = counting
     for name, accumulate in (("plain", False), ("accumulate", True)):
@@ -57,8 +63,13 @@ def main() -> None:
         GATHERS["n"] = 0
         lp, _ = engine.infer(split(micro[0], 2))
         engine.infer(split(micro[0], 2))
-        report[name] = {"step_gathers": step_gathers, "infer_gathers": GATHERS["n"], "steps": steps, "logprobs": lp.flatten().tolist(),
-                        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in engine.model.modules())}
+        report[name] = {
+            "step_gathers": step_gathers,
+            "infer_gathers": GATHERS["n"],
+            "steps": steps,
+            "logprobs": lp.flatten().tolist(),
+            "fsdp_modules": sum(isinstance(m, FSDPModule) for m in engine.model.modules()),
+        }
     Path(os.environ["SPMD_RL_OUT"], f"accumulate-rank{rank}.json").write_text(json.dumps(report))
 
 

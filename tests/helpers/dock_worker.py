@@ -53,7 +53,10 @@ def main() -> None:
     writers = int(os.environ.get("WRITERS", world))
     gen = Layout(writers // int(os.environ["GEN_TP"]), int(os.environ["GEN_TP"]))
     train = Layout(world // int(os.environ["TRAIN_TP"]), int(os.environ["TRAIN_TP"]))
-    stages = [Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob")), Stage("reward", (), ("reward",))]
+    stages = [
+        Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob")),
+        Stage("reward", (), ("reward",)),
+    ]
     specs = columns_for(stages)
     meta = MetadataStore([os.environ["SPMD_RL_ETCD"]], job=f"dock-test-{os.environ['DOCK_MODE']}-w{writers}")
     relay_min = int(os.environ.get("RELAY_MIN", DockConfig.model_fields["tp_relay_min_bytes"].default))
@@ -78,7 +81,11 @@ def main() -> None:
         ref = sample(i)
         for c in ref:
             a, b = got.columns[c][k], ref[c]
-            if a.dtype != b.dtype or a.shape != b.shape or a.view(-1).view(torch.uint8).tolist() != b.view(-1).view(torch.uint8).tolist():
+            if (
+                a.dtype != b.dtype
+                or a.shape != b.shape
+                or a.view(-1).view(torch.uint8).tolist() != b.view(-1).view(torch.uint8).tolist()
+            ):
                 mismatches += 1
     td = got.padded()
     tokens = int(td["response_ids_length"].sum() + td["prompt_ids_length"].sum())
@@ -86,9 +93,18 @@ def main() -> None:
     stats = dock.warehouse_stats()
     home = dock._clients.get(peer.node)
     relayed = sorted(dock.relay_calls.get(0, {}))  # the stages whose share came through the TP leader
-    out = {"shm_bytes": getattr(home, "shm_bytes", None), "relayed": relayed, "rank": rank, "node": peer.node, "indices": got.indices.tolist(), "grouped": grouped.indices.tolist(),
-           "mismatches": mismatches, "tokens": tokens, "stats": stats,
-           "padded_shape": list(td["response_ids"].shape)}
+    out = {
+        "shm_bytes": getattr(home, "shm_bytes", None),
+        "relayed": relayed,
+        "rank": rank,
+        "node": peer.node,
+        "indices": got.indices.tolist(),
+        "grouped": grouped.indices.tolist(),
+        "mismatches": mismatches,
+        "tokens": tokens,
+        "stats": stats,
+        "padded_shape": list(td["response_ids"].shape),
+    }
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dock.commit(0)

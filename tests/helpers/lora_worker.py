@@ -53,21 +53,36 @@ def hf_logprobs(weights: dict | None, seqs) -> torch.Tensor:
     for b in range(len(seqs.mask)):
         p = int(seqs.attention_mask[b].sum()) - int(seqs.mask[b].sum())
         n = int(seqs.mask[b].sum())
-        out[b, :n] = lp[b, p - 1:p - 1 + n]
+        out[b, :n] = lp[b, p - 1 : p - 1 + n]
     return out[:, :R]
 
 
-def main():
+def main():  # noqa: PLR0915
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     acc = detect("cpu")
     mesh = train_mesh(acc, Layout(2, 1))
     tok = AutoTokenizer.from_pretrained(MODEL)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in QUESTIONS]
-    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=2e-2, grad_clip=1.0, pack_sequences=False,
-                      lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], sync=os.environ["LORA_SYNC"]))
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in QUESTIONS
+    ]
+    cfg = ActorConfig(
+        mini_batch_size=1,
+        micro_batch_size=4,
+        lr=2e-2,
+        grad_clip=1.0,
+        pack_sequences=False,
+        lora=LoRAConfig(
+            rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], sync=os.environ["LORA_SYNC"]
+        ),
+    )
     engine = TrainEngine(MODEL, acc, mesh, cfg, "float32", total_steps=10, seed=3)
-    fixed = build_batch([torch.tensor(p) for p in prompts], [torch.tensor([19, 20, 2]) for _ in prompts], tok.pad_token_id)
+    fixed = build_batch(
+        [torch.tensor(p) for p in prompts], [torch.tensor([19, 20, 2]) for _ in prompts], tok.pad_token_id
+    )
     report: dict = {"rank": rank}
     lp0, _ = engine.infer(split(fixed, 4))
     base = hf_logprobs(None, fixed)
@@ -89,13 +104,19 @@ def main():
     _, stream = engine.full_weights(torch.float32, 1 << 20)
     synced = {n: t.clone() for n, t in stream}
     report["synced_names_are_checkpoint_names"] = sorted(synced) == sorted(SafetensorsFolder(MODEL).index)
-    merged = synced if cfg.lora.sync == "merged" else {
-        n: t + lora.merge_deltas(engine.model).get(n, torch.zeros(())) for n, t in synced.items()}
+    merged = (
+        synced
+        if cfg.lora.sync == "merged"
+        else {n: t + lora.merge_deltas(engine.model).get(n, torch.zeros(())) for n, t in synced.items()}
+    )
     report["merged_vs_adapted"] = float((hf_logprobs(merged, fixed) - lp).abs().max())
     report["synced_is_base"] = all(torch.equal(t, SafetensorsFolder(MODEL).read(n)) for n, t in synced.items())
     files = SafetensorsFolder(MODEL)
     report["base_frozen_bit_exact"] = all(
-        torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, files.read(n)) for n, p in engine.model.named_parameters() if not lora.is_adapter(n))
+        torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, files.read(n))
+        for n, p in engine.model.named_parameters()
+        if not lora.is_adapter(n)
+    )
     adapters = [p for n, p in engine.model.named_parameters() if lora.is_adapter(n)]
     report["adapter_local_numel"] = sum(local(p).numel() for p in adapters)
     report["optimizer_local_numel"] = sum(t.numel() for t in engine.optimizer_tensors())
@@ -103,8 +124,16 @@ def main():
     report["adapted_layers"] = len(list(lora.lora_modules(engine.model)))
     report["decoder_layers"] = engine.model.config.num_hidden_layers
     # the sync, twice: vLLM samples from the trainer's policy after each
-    rollout = RolloutEngine(MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=2, dtype="float32", max_model_len=64, dummy_weights=True,
-                            lora=cfg.lora if cfg.lora.sync == "adapter" else None)
+    rollout = RolloutEngine(
+        MODEL,
+        acc,
+        RolloutConfig(n=1, max_response_length=6),
+        tp=2,
+        dtype="float32",
+        max_model_len=64,
+        dummy_weights=True,
+        lora=cfg.lora if cfg.lora.sync == "adapter" else None,
+    )
     loads = []
     full_load = rollout.update_weights
     rollout.update_weights = lambda *a, **k: (loads.append(1), full_load(*a, **k))[1]
@@ -118,9 +147,13 @@ def main():
         samples = rollout.generate(prompts, n=1, max_tokens=6, temperature=1.0, seed=7 + round_)
         report["sync_s"].append(time.perf_counter() - t0)
         resharder.to_training()
-        seqs = build_batch([torch.tensor(p) for p in prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id)
+        seqs = build_batch(
+            [torch.tensor(p) for p in prompts], [torch.tensor(s.token_ids) for s in samples], tok.pad_token_id
+        )
         got, _ = engine.infer(split(seqs, 4))
-        report["vllm_vs_trainer"].append(max(abs(got[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids))))
+        report["vllm_vs_trainer"].append(
+            max(abs(got[k, j].item() - s.logprobs[j]) for k, s in enumerate(samples) for j in range(len(s.token_ids)))
+        )
     report["full_weight_loads"] = len(loads)
     report["adapter_versions"] = rollout.adapters.version if rollout.adapters else 0
     # checkpoint: adapters and their optimizer state only; a fresh engine resumes them

@@ -61,7 +61,9 @@ def replayed_logprobs(fsdp, mega, share, fdp: int, mdp: int) -> dict:
         mine, _ = share(dp)
         route_replay.take_sums()
         out[f"lp_{name}"] = engine.infer(split(mine, 3))[0].tolist()
-        out[f"own_{name}"] = engine.infer(split(type(mine)(*mine._fields()), 3))[0].tolist()  # the same samples, no routes
+        out[f"own_{name}"] = engine.infer(split(type(mine)(*mine._fields()), 3))[
+            0
+        ].tolist()  # the same samples, no routes
         out[f"sums_{name}"] = route_replay.take_sums()
     return out
 
@@ -82,13 +84,17 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
         micros = split(mine, size)
         if objective:
             counts = router_loss.load_fractions(batch.routes, 4)
-            route_replay.set_objective(route_replay.RouterObjective(0.5, 0.05, (counts / counts.sum(1, keepdim=True)).float(),
-                                                                    float(batch.attention_mask.sum()), 4, dp))
+            route_replay.set_objective(
+                route_replay.RouterObjective(
+                    0.5, 0.05, (counts / counts.sum(1, keepdim=True)).float(), float(batch.attention_mask.sum()), 4, dp
+                )
+            )
 
         def loss_fn(lp, ent, k, micros=micros, a=a, dp=dp, size=size):
             if objective:
                 return (lp * 0).sum()
-            return -(lp * a[k * size:(k + 1) * size, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
+            return -(lp * a[k * size : (k + 1) * size, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
+
         try:
             norms.append(engine.train_step(micros, loss_fn)["grad_norm"])
         finally:
@@ -129,11 +135,17 @@ def checkpoint_round_trip(mega, fresh, step, dp: int, folder: Path, rank: int) -
     after2 = weights(mega)
     ref1, ref2 = load_file(folder / "after1.safetensors"), load_file(folder / "after2.safetensors")
     from spmd_rl.trainer.checkpoint import model_weights
+
     exported = model_weights(ckpt) if rank == 0 else ref1  # the export path's reader (one process)
-    return {"resumed_diff": max(float((loaded[n] - ref1[n]).abs().max()) for n in ref1),
-            "second_step_diff": max(float((after2[n] - ref2[n]).abs().max()) for n in ref2),
-            "second_step_moved": min(float((ref2[n] - ref1[n]).abs().max()) for n in ref2 if ".self_attn." in n and n.endswith("proj.weight")),
-            "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1), "steps": mega.step_count}
+    return {
+        "resumed_diff": max(float((loaded[n] - ref1[n]).abs().max()) for n in ref1),
+        "second_step_diff": max(float((after2[n] - ref2[n]).abs().max()) for n in ref2),
+        "second_step_moved": min(
+            float((ref2[n] - ref1[n]).abs().max()) for n in ref2 if ".self_attn." in n and n.endswith("proj.weight")
+        ),
+        "exported_diff": max(float((exported[n].float() - ref1[n]).abs().max()) for n in ref1),
+        "steps": mega.step_count,
+    }
 
 
 def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str, ep: int = 1) -> dict:
@@ -152,15 +164,24 @@ def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str, ep:
     rs.offload_train()
     rs.record("generate")
     rs.reload_train()
-    cfg = load_config("configs/quickstart.yaml", [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}", f"parallel.train.ep={ep}"])
-    plan = rank_memory(cfg, ModelArch.from_folder(model), Layouts(world, world, Layout(world // (tp * pp), tp, 0, pp), Layout(world, 1)))
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [f"model.path={model}", "actor.backend=megatron", f"model.dtype={dtype}", f"parallel.train.ep={ep}"],
+    )
+    plan = rank_memory(
+        cfg,
+        ModelArch.from_folder(model),
+        Layouts(world, world, Layout(world // (tp * pp), tp, 0, pp), Layout(world, 1)),
+    )
     up, gen = rs.ledger.last("update"), rs.ledger.last("generate")
-    return {"ledger": [up[k] for k in ("actor_params", "actor_grads", "actor_optim")],
-            "plan": [plan.train_params, plan.train_grads, plan.train_optim],
-            "ledger_during_generation": sum(gen[k] for k in ("actor_params", "actor_grads", "actor_optim"))}
+    return {
+        "ledger": [up[k] for k in ("actor_params", "actor_grads", "actor_optim")],
+        "plan": [plan.train_params, plan.train_grads, plan.train_optim],
+        "ledger_during_generation": sum(gen[k] for k in ("actor_params", "actor_grads", "actor_optim")),
+    }
 
 
-def main():
+def main():  # noqa: PLR0915
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dtype, model = int(os.environ["TP"]), os.environ["DTYPE"], os.environ["MODEL"]
@@ -168,9 +189,26 @@ def main():
     acc = detect("cpu")
     torch.manual_seed(0)
     routes = os.environ.get("ROUTES") is not None
-    cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1e9, weight_decay=0.01, router_replay="rollout" if routes else "none")
+    cfg = ActorConfig(
+        mini_batch_size=1,
+        micro_batch_size=4,
+        lr=1e-3,
+        grad_clip=1e9,
+        weight_decay=0.01,
+        router_replay="rollout" if routes else "none",
+    )
     fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
-    mega = MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1", total_steps=4, pp=pp, ep=ep)
+    mega = MegatronEngine(
+        model,
+        acc,
+        cfg,
+        dtype,
+        tp,
+        sequence_parallel=tp > 1 and os.environ.get("SP", "1") == "1",
+        total_steps=4,
+        pp=pp,
+        ep=ep,
+    )
     batch, adv = batch_of(16, seed=1)
     tokens = batch.mask.sum()
 
@@ -178,24 +216,31 @@ def main():
         """This rank's samples when the batch is split over dp data-parallel groups."""
         r = rank // (world // dp)
         per = len(batch) // dp
-        return batch[r * per:(r + 1) * per], adv[r * per:(r + 1) * per]
+        return batch[r * per : (r + 1) * per], adv[r * per : (r + 1) * per]
 
     def step(engine, dp: int, micro: int):
         mine, a = share(dp)
         micros = split(mine, micro)
 
-        def loss_fn(lp, ent, k):  # token-mean policy-gradient surrogate over the whole batch; x dp undoes the DP average
+        def loss_fn(
+            lp, ent, k
+        ):  # token-mean policy-gradient surrogate over the whole batch; x dp undoes the DP average
             m = micros[k].mask.to(lp.dtype)
-            rows = a[k * micro:(k + 1) * micro, None]
+            rows = a[k * micro : (k + 1) * micro, None]
             return -(lp * rows * m).sum() / tokens * dp
+
         return engine.train_step(micros, loss_fn, with_entropy=True), mine
 
     fdp, mdp = world, world // (tp * pp)
     out = {}
     if routes:
         from transformers import AutoConfig
+
         hc = AutoConfig.from_pretrained(model)
-        plain, batch = batch, with_random_routes(batch, hc.num_hidden_layers, hc.num_experts, hc.num_experts_per_tok, seed=2)
+        plain, batch = (
+            batch,
+            with_random_routes(batch, hc.num_hidden_layers, hc.num_experts, hc.num_experts_per_tok, seed=2),
+        )
         got = [None] * world
         dist.all_gather_object(got, replayed_logprobs(fsdp, mega, share, fdp, mdp))
         cat = lambda key, dp: torch.cat([torch.tensor(got[r][key]) for r in range(0, world, world // dp)])  # noqa: E731
@@ -226,7 +271,9 @@ def main():
     out["weight_diff_fraction"] = far / sum(t.numel() for _, t in wm)  # elements more than 1e-4 apart
     hf = SafetensorsFolder(model)
     # every attention projection moved (an expert that no token chose moves only by weight decay)
-    out["moved_from_checkpoint"] = min(float((hf.read(n).float() - t).abs().max()) for n, t in wm if ".self_attn." in n and n.endswith("proj.weight"))
+    out["moved_from_checkpoint"] = min(
+        float((hf.read(n).float() - t).abs().max()) for n, t in wm if ".self_attn." in n and n.endswith("proj.weight")
+    )
     lp_f = fsdp.infer(split(share(fdp)[0], 4))[0]
     lp_m = mega.infer(split(share(mdp)[0], 4))[0]
     dist.all_gather_object(everyone, (lp_f.tolist(), lp_m.tolist()))
@@ -242,7 +289,9 @@ def main():
         out["objective_grad_norms"] = replayed_grad_norms(fsdp, mega, share, tokens, fdp, mdp, batch, objective=True)
     out |= ledger_against_plan(mega, acc, tp, pp, dtype, model, ep) | {"dp": mdp}
     if os.environ.get("CKPT"):
-        fresh = lambda: MegatronEngine(model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp, ep=ep)  # noqa: E731
+        fresh = lambda: MegatronEngine(
+            model, acc, cfg, dtype, tp, sequence_parallel=tp > 1, total_steps=4, pp=pp, ep=ep
+        )  # noqa: E731
         out |= checkpoint_round_trip(mega, fresh, step, mdp, Path(os.environ["CKPT"]), rank)
     Path(os.environ["SPMD_RL_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()

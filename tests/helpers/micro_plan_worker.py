@@ -22,8 +22,10 @@ from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.trainer.stages.micro import micro_plan, token_runs
 from tests.conftest import REPO
 
-LENGTHS = ([30, 30, 30, 30, 10, 9, 8, 7, 6, 5, 4, 3],   # rank 0: long first mini-batch, short second
-           [12, 11, 10, 9, 40, 35, 30, 5, 20, 20, 20, 20])  # rank 1: the other way round
+LENGTHS = (
+    [30, 30, 30, 30, 10, 9, 8, 7, 6, 5, 4, 3],  # rank 0: long first mini-batch, short second
+    [12, 11, 10, 9, 40, 35, 30, 5, 20, 20, 20, 20],
+)  # rank 1: the other way round
 
 
 def main() -> None:
@@ -35,9 +37,16 @@ def main() -> None:
     rows = [lengths[sl].tolist() for sl in minis]
     greedy = [len(token_runs(r, cfg.actor.micro_batch_size, 60, True)) for r in rows]
     plan = micro_plan(cfg, lengths, minis, cfg.actor.micro_batch_size)
-    Path(os.environ["SPMD_RL_OUT"], f"plan{rank}.json").write_text(json.dumps({
-        "greedy": greedy, "plan": [[[s.start, s.stop] for s in mini] for mini in plan],
-        "minis": [[sl.start, sl.stop] for sl in minis], "lengths": LENGTHS[rank]}))
+    Path(os.environ["SPMD_RL_OUT"], f"plan{rank}.json").write_text(
+        json.dumps(
+            {
+                "greedy": greedy,
+                "plan": [[[s.start, s.stop] for s in mini] for mini in plan],
+                "minis": [[sl.start, sl.stop] for sl in minis],
+                "lengths": LENGTHS[rank],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

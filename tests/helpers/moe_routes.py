@@ -43,6 +43,7 @@ def own_replay(model, batch, routes):
                     gate, up = F.linear(flat[rows], block.experts.gate_up_proj[e]).chunk(2, dim=-1)
                     out[rows] += w[rows, j, None] * F.linear(F.silu(gate) * up, block.experts.down_proj[e])
             return out.reshape(hidden.shape)
+
         return forward
 
     saved = []
@@ -59,7 +60,9 @@ def own_replay(model, batch, routes):
 if __name__ == "__main__":
     folder, dtype = sys.argv[1], sys.argv[2]
     cfg = RolloutConfig(n=4, max_response_length=12, temperature=1.0)
-    engine = RolloutEngine(folder, detect("cpu"), cfg, tp=1, dtype=dtype, max_model_len=64, seed=0, distributed=False, record_routes=True)
+    engine = RolloutEngine(
+        folder, detect("cpu"), cfg, tp=1, dtype=dtype, max_model_len=64, seed=0, distributed=False, record_routes=True
+    )
     prompts = [[5, 17, 30, 41, 9, 12], [7, 8, 100, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
     samples = engine.generate(prompts, n=4, max_tokens=12, seed=3)
     partial = engine.continue_samples([(prompts[0] + samples[0].token_ids[:3], 5)], seed=4)[0]
@@ -97,13 +100,24 @@ if __name__ == "__main__":
     diff = lambda a, b: float(((a - b).abs() * m).sum() / m.sum())  # noqa: E731
     dmax = lambda a, b: float(((a - b).abs() * m).max())  # noqa: E731
     first = samples[0].routes.view(-1, layers, k)
-    same_prompt = all(torch.equal(s.routes.view(-1, layers, k)[: len(prompts[0])], first[: len(prompts[0])]) for s in samples[:4])
-    print(json.dumps({
-        "layers": layers,
-        "expected": [len(prompts[i // 4]) + len(s.token_ids) - 1 for i, s in enumerate(samples)],
-        "partial_positions": int(partial.routes.numel() // (layers * k)), "partial_expected": len(prompts[0]) + 3 + len(partial.token_ids) - 1,
-        "same_prompt_routes": same_prompt,
-        "mismatch_own": diff(out["own"], rollout), "mismatch_replay": diff(out["replay"], rollout),
-        "replay_vs_reference_max": dmax(out["replay"], reference), "packed_vs_padded_max": dmax(out["packed"], out["replay"]),
-        "own_sums": out["own_sums"], "replay_sums": out["replay_sums"],
-        "metrics": route_replay.metrics(out["own_sums"])}))
+    same_prompt = all(
+        torch.equal(s.routes.view(-1, layers, k)[: len(prompts[0])], first[: len(prompts[0])]) for s in samples[:4]
+    )
+    print(
+        json.dumps(
+            {
+                "layers": layers,
+                "expected": [len(prompts[i // 4]) + len(s.token_ids) - 1 for i, s in enumerate(samples)],
+                "partial_positions": int(partial.routes.numel() // (layers * k)),
+                "partial_expected": len(prompts[0]) + 3 + len(partial.token_ids) - 1,
+                "same_prompt_routes": same_prompt,
+                "mismatch_own": diff(out["own"], rollout),
+                "mismatch_replay": diff(out["replay"], rollout),
+                "replay_vs_reference_max": dmax(out["replay"], reference),
+                "packed_vs_padded_max": dmax(out["packed"], out["replay"]),
+                "own_sums": out["own_sums"],
+                "replay_sums": out["replay_sums"],
+                "metrics": route_replay.metrics(out["own_sums"]),
+            }
+        )
+    )

@@ -22,9 +22,11 @@ from spmd_rl.envs.python_tool import PythonTool
 
 REWRITING = (  # renders every earlier assistant turn with an "X" in front: it rewrites history
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\nX' + message['content'] + '<|im_end|>\n' }}"
+    "{% if message['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\nX' + message['content'] + "
+    "'<|im_end|>\n' }}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 class Echo:
@@ -72,8 +74,13 @@ class Raises:
 
 
 def code_runner(port: int):
-    codes = {"hang": "while True:\n    pass\n", "crash": "import os\nos.abort()\n", "flood": "print('x' * (10 * 2**20))\n",
-             "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\nprint('reached')\n"}
+    codes = {
+        "hang": "while True:\n    pass\n",
+        "crash": "import os\nos.abort()\n",
+        "flood": "print('x' * (10 * 2**20))\n",
+        "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), "
+        f"timeout=2).sendall(b'hi')\nprint('reached')\n",
+    }
 
     class ScriptedPython:
         """Turn 1 runs the row's code in the python tool's sandbox; turn 2 ends."""
@@ -91,21 +98,46 @@ def code_runner(port: int):
 
 
 def run(engine, tok, factory, items, limits, **kw):
-    return MultiTurnRollout(engine, tok, factory, limits, **kw).run(items, **({"seed": 7} | {k: v for k, v in kw.items() if k == "temperature"}))
+    return MultiTurnRollout(engine, tok, factory, limits, **kw).run(
+        items, **({"seed": 7} | {k: v for k, v in kw.items() if k == "temperature"})
+    )
 
 
 def describe(t):
-    return {"ids": t.ids, "mask": t.mask, "logprobs": t.logprobs, "stats": dict(t.stats), "reward": t.reward, "text": t.last_text}
+    return {
+        "ids": t.ids,
+        "mask": t.mask,
+        "logprobs": t.logprobs,
+        "stats": dict(t.stats),
+        "reward": t.reward,
+        "text": t.last_text,
+    }
 
 
-def main():
+def main():  # noqa: PLR0915
     folder, port = sys.argv[1], int(sys.argv[2])
     quiet_vllm(None, 0)
     tok = AutoTokenizer.from_pretrained(folder)
-    engine = RolloutEngine(folder, detect("cpu"), RolloutConfig(n=1, max_response_length=96), tp=1, dtype="float32",
-                           max_model_len=160, seed=0, distributed=False)
+    engine = RolloutEngine(
+        folder,
+        detect("cpu"),
+        RolloutConfig(n=1, max_response_length=96),
+        tp=1,
+        dtype="float32",
+        max_model_len=160,
+        seed=0,
+        distributed=False,
+    )
     rows = [json.loads(line) for line in open(f"{folder}/test.jsonl")][:6]
-    items = [(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False), r) for r in rows]
+    items = [
+        (
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
+            r,
+        )
+        for r in rows
+    ]
     out = {}
 
     echo = TurnLimits(max_turns=4, max_tokens=96, tool_timeout_s=5.0)
@@ -118,20 +150,27 @@ def main():
     # the trainer's log-probs of the same tokens, from an HF forward, against vLLM's
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     prompts = [torch.tensor(t.prompt) for t in cont]
-    batch = build_batch(prompts, [torch.tensor(t.ids) for t in cont], tok.pad_token_id, sampled=[torch.tensor(t.mask) for t in cont])
+    batch = build_batch(
+        prompts, [torch.tensor(t.ids) for t in cont], tok.pad_token_id, sampled=[torch.tensor(t.mask) for t in cont]
+    )
     with torch.no_grad():
         lp, _ = lm_response_logprobs(hf, batch)
     diffs, masked_zero = [], []
     for k, t in enumerate(cont):
         m = torch.tensor(t.mask, dtype=torch.bool)
         diffs.append(float((lp[k, : m.numel()][m] - torch.tensor(t.logprobs)[m]).abs().max()))
-        masked_zero.append(bool((lp[k, : m.numel()][~m] == 0).all()) and bool((torch.tensor(t.logprobs)[~m] == 0).all()))
+        masked_zero.append(
+            bool((lp[k, : m.numel()][~m] == 0).all()) and bool((torch.tensor(t.logprobs)[~m] == 0).all())
+        )
     out["hf_vs_vllm_max_abs"] = max(diffs)
     out["inserted_logprobs_zero"] = masked_zero
 
     # inserted tokens in the loss: the gradient reaching their logits, and a changed inserted tail
     t = cont[0]
-    tail_a, tail_b = tok.encode("\ntail one", add_special_tokens=False), tok.encode("\nother!!!", add_special_tokens=False)
+    tail_a, tail_b = (
+        tok.encode("\ntail one", add_special_tokens=False),
+        tok.encode("\nother!!!", add_special_tokens=False),
+    )
     grads, logit_grads = [], []
     for tail in (tail_a, tail_b):
         hf.zero_grad()
@@ -147,13 +186,16 @@ def main():
         lp, _ = lm_response_logprobs(hf, b)
         hook.remove()
         old = torch.tensor(t.logprobs + [0.0] * len(tail))[None] - 0.1  # some ratio away from 1
-        loss = get_policy_loss("vanilla")(lp, old, torch.ones(1), b.mask, ClipConfig(0.2, 0.28, 3.0, "token-mean"),
-                                          LossNorm(float(b.mask.sum()), 1.0)).loss
+        loss = get_policy_loss("vanilla")(
+            lp, old, torch.ones(1), b.mask, ClipConfig(0.2, 0.28, 3.0, "token-mean"), LossNorm(float(b.mask.sum()), 1.0)
+        ).loss
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in hf.parameters()]).clone())
         # positions whose logits predict an inserted token (response token j is predicted at P + j - 1)
         lo, hi = logit_window(b)
-        inserted = [len(t.prompt) + j - 1 - lo for j, m in enumerate(mask) if not m and lo <= len(t.prompt) + j - 1 < hi]
+        inserted = [
+            len(t.prompt) + j - 1 - lo for j, m in enumerate(mask) if not m and lo <= len(t.prompt) + j - 1 < hi
+        ]
         logit_grads.append(float(seen[0].grad[0, inserted].abs().max()))
         out["inserted_logits_checked"] = len(inserted)
         out.setdefault("tail_loss", []).append(loss.item())

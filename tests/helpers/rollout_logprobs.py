@@ -32,10 +32,24 @@ if __name__ == "__main__":
     folder, temperature, published = sys.argv[1], float(sys.argv[2]), "published" in sys.argv[3:]
     opts = dict(a.split("=") for a in sys.argv[3:] if "=" in a)
     n = int(opts.get("n", 4))
-    cfg = RolloutConfig(n=n, max_response_length=8, temperature=temperature, top_p=float(opts.get("top_p", 1.0)),
-                        top_k=int(opts.get("top_k", -1)))
-    engine = RolloutEngine(folder, detect("cpu"), cfg, tp=1, dtype="float32", max_model_len=64, seed=0, distributed=False,
-                           own_process=published)
+    cfg = RolloutConfig(
+        n=n,
+        max_response_length=8,
+        temperature=temperature,
+        top_p=float(opts.get("top_p", 1.0)),
+        top_k=int(opts.get("top_k", -1)),
+    )
+    engine = RolloutEngine(
+        folder,
+        detect("cpu"),
+        cfg,
+        tp=1,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        distributed=False,
+        own_process=published,
+    )
     if published:
         weights = perturbed(folder)
         engine.update_weights(iter(weights), [(n, t.dtype, list(t.shape)) for n, t in weights])

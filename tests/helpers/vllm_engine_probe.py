@@ -42,10 +42,25 @@ if __name__ == "__main__":
     misses = Misses()
     logging.getLogger(RELOAD_LOGGER).addHandler(misses)
     torch.set_float32_matmul_precision("medium")  # vLLM's worker sets "highest" process-wide
-    engine = RolloutEngine(folder, detect("cpu"), RolloutConfig(n=1, max_response_length=4, kv_cache_gib=KV_GIB), tp=1,
-                           dtype="float32", max_model_len=64, seed=0, distributed=False, dummy_weights=True)
-    out = {"precision_after_build": torch.get_float32_matmul_precision(), "head_is_embedding": [], "embedding_is_new": [],
-           "greedy_equals_hf": [], "kv_cache_bytes": engine.kv_cache_bytes(), "kv_cache_budget": int(KV_GIB * 2**30)}
+    engine = RolloutEngine(
+        folder,
+        detect("cpu"),
+        RolloutConfig(n=1, max_response_length=4, kv_cache_gib=KV_GIB),
+        tp=1,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        distributed=False,
+        dummy_weights=True,
+    )
+    out = {
+        "precision_after_build": torch.get_float32_matmul_precision(),
+        "head_is_embedding": [],
+        "embedding_is_new": [],
+        "greedy_equals_hf": [],
+        "kv_cache_bytes": engine.kv_cache_bytes(),
+        "kv_cache_budget": int(KV_GIB * 2**30),
+    }
     prompt = [3, 17, 42, 5, 9]
     try:
         engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)
@@ -55,7 +70,9 @@ if __name__ == "__main__":
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     for step in range(3):
-        weights = [(n, p.detach() + 0.01 * (step + 1) * torch.randn(p.shape, generator=g)) for n, p in hf.named_parameters()]
+        weights = [
+            (n, p.detach() + 0.01 * (step + 1) * torch.randn(p.shape, generator=g)) for n, p in hf.named_parameters()
+        ]
         engine.update_weights(iter(weights), [(n, t.dtype, list(t.shape)) for n, t in weights])
         vm = engine.model
         emb, head = vm.model.embed_tokens.weight, vm.lm_head.weight
@@ -64,7 +81,7 @@ if __name__ == "__main__":
         out["embedding_is_new"].append(bool(torch.equal(emb[: new.shape[0]], new)))
         moved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         moved.load_state_dict(dict(weights), strict=False)
-        ref = moved.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+        ref = moved.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
         got = engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0].token_ids
         out["greedy_equals_hf"].append(got == ref[: len(got)] and len(got) > 0)
     engine.generate([prompt], n=4, max_tokens=4, temperature=1.0, seed=1)  # the random sampler too

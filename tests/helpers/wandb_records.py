@@ -23,8 +23,8 @@ def records(path: str | Path) -> list:
         if left < HEAD:
             i += left
             continue
-        length, kind = int.from_bytes(data[i + 4:i + 6], "little"), data[i + 6]
-        chunk = data[i + HEAD:i + HEAD + length]
+        length, kind = int.from_bytes(data[i + 4 : i + 6], "little"), data[i + 6]
+        chunk = data[i + HEAD : i + HEAD + length]
         i += HEAD + length
         if kind == FULL:
             out.append(chunk)
@@ -43,14 +43,21 @@ def history(path: str | Path) -> list[dict]:
     """Every logged row: {key: value} (values as W&B stored them, JSON)."""
     import json
 
-    return [{(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in r.history.item}
-            for r in records(path) if r.WhichOneof("record_type") == "history"]
+    return [
+        {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in r.history.item}
+        for r in records(path)
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def config_text(path: str | Path) -> str:
     """The run's config (the run record's, and any later update) as key=JSON lines."""
-    updates = [item for r in records(path) for kind in [r.WhichOneof("record_type")]
-               for item in (r.run.config.update if kind == "run" else r.config.update if kind == "config" else [])]
+    updates = [
+        item
+        for r in records(path)
+        for kind in [r.WhichOneof("record_type")]
+        for item in (r.run.config.update if kind == "run" else r.config.update if kind == "config" else [])
+    ]
     return "".join(item.key + "=" + item.value_json + "\n" for item in updates)
 
 

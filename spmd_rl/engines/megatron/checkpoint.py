@@ -97,7 +97,11 @@ def state_dict(engine, mesh: DeviceMesh) -> dict:
         for key in MOMENTS:
             for hf, d in _pieces(name, t[key], engine.shape, engine.tp, mesh):
                 state.setdefault(hf, {})[key] = d
-    return {"model": model, "optim": {"state": state, "step": torch.tensor(engine.step_count)}, "steps": engine.step_count}
+    return {
+        "model": model,
+        "optim": {"state": state, "step": torch.tensor(engine.step_count)},
+        "steps": engine.step_count,
+    }
 
 
 def _join(name: str, parts: dict[str, torch.Tensor], s: Shape, tp: int) -> torch.Tensor:
@@ -111,8 +115,11 @@ def load_into(engine, loaded: dict) -> None:
     optimizers = distributed_optimizers(engine.optimizer)
     for opt in optimizers:
         inner = opt.optimizer  # AdamW makes its moments lazily: give them storage to fill (``state`` is a
-        if any("exp_avg" not in inner.state.get(p, {}) for g in inner.param_groups for p in g["params"]):  # defaultdict: reading
-            opt._init_optimizer_states_with_dummy_values()  # it, as state_dict() does, leaves empty entries, so test the keys
+        if any(
+            "exp_avg" not in inner.state.get(p, {}) for g in inner.param_groups for p in g["params"]
+        ):  # defaultdict: reading
+            # it, as state_dict() does, leaves empty entries, so test the keys
+            opt._init_optimizer_states_with_dummy_values()
     local = {k: v.to_local() for k, v in loaded["model"].items()}
     moments = {key: {k: v[key].to_local() for k, v in loaded["optim"]["state"].items()} for key in MOMENTS}
     step = int(loaded["optim"]["step"])

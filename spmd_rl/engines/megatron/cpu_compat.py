@@ -41,13 +41,18 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-              "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
 _applied = False
 
 
 def _is_cuda(device) -> bool:
-    return (isinstance(device, str) and device.startswith("cuda")) or (isinstance(device, torch.device) and device.type == "cuda")
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda"
+    )
 
 
 class _CudaAsCpu(TorchFunctionMode):

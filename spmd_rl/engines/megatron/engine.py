@@ -59,14 +59,27 @@ def _mindspeed_adaptor() -> None:
     try:
         import mindspeed.megatron_adaptor  # noqa: F401  (patches megatron-core for torch_npu on import)
     except ImportError as exc:
-        raise RuntimeError("actor.backend=megatron on NPU needs MindSpeed: install it from https://gitee.com/ascend/MindSpeed "
-                           f"(the PyPI name is a placeholder), or use actor.backend=fsdp ({exc})") from None
+        raise RuntimeError(
+            "actor.backend=megatron on NPU needs MindSpeed: install it from https://gitee.com/ascend/MindSpeed "
+            f"(the PyPI name is a placeholder), or use actor.backend=fsdp ({exc})"
+        ) from None
 
 
 class MegatronEngine(Engine):
-    def __init__(self, path: str | Path, acc: Accelerator, cfg: ActorConfig, compute_dtype: str, tp: int,
-                 sequence_parallel: bool = False, trainable: bool = True, total_steps: int = 1,
-                 policy: SamplingPolicy = SamplingPolicy(), pp: int = 1, ep: int = 1):
+    def __init__(  # noqa: PLR0913
+        self,
+        path: str | Path,
+        acc: Accelerator,
+        cfg: ActorConfig,
+        compute_dtype: str,
+        tp: int,
+        sequence_parallel: bool = False,
+        trainable: bool = True,
+        total_steps: int = 1,
+        policy: SamplingPolicy = SamplingPolicy(),
+        pp: int = 1,
+        ep: int = 1,
+    ):
         from megatron.core import parallel_state as ps
 
         logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
@@ -81,9 +94,20 @@ class MegatronEngine(Engine):
         self.ep, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         compute = DTYPES[compute_dtype]
         master = DTYPES[cfg.param_dtype] if trainable else compute  # a frozen role needs no master copy
-        model, self.shape = build_model(path, master, compute, tp, ps.get_tensor_model_parallel_rank(), sequence_parallel,
-                                        recompute=cfg.activation_checkpointing and trainable, pp=pp, stage=self.stage, device=acc.device,
-                                        ep=ep, ep_rank=self.ep_rank)
+        model, self.shape = build_model(
+            path,
+            master,
+            compute,
+            tp,
+            ps.get_tensor_model_parallel_rank(),
+            sequence_parallel,
+            recompute=cfg.activation_checkpointing and trainable,
+            pp=pp,
+            stage=self.stage,
+            device=acc.device,
+            ep=ep,
+            ep_rank=self.ep_rank,
+        )
         self.stages = StageWeights(path, self.shape, model.config, pp, acc.device, ep)
         self.routers = route_replay.patch_mcore(model) if trainable and self.shape.experts else 0
         """The actor's MoE routers go through ``engines.route_replay`` (replay, router metrics)."""
@@ -97,29 +121,55 @@ class MegatronEngine(Engine):
             return
         self._build_trainable(model, self.mixed)
         c = model.config
-        logging.getLogger("spmd_rl").info("actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d%s, distributed optimizer, %s",
-                                          c.tensor_model_parallel_size, c.sequence_parallel, pp, ps.get_data_parallel_world_size(),
-                                          f" ep={ep} ({self.shape.experts} experts)" if self.shape.experts else "",
-                                          "bf16 with float32 main params" if self.mixed else str(c.params_dtype).removeprefix("torch."))
+        logging.getLogger("spmd_rl").info(
+            "actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d%s, distributed optimizer, %s",
+            c.tensor_model_parallel_size,
+            c.sequence_parallel,
+            pp,
+            ps.get_data_parallel_world_size(),
+            f" ep={ep} ({self.shape.experts} experts)" if self.shape.experts else "",
+            "bf16 with float32 main params" if self.mixed else str(c.params_dtype).removeprefix("torch."),
+        )
 
     def _build_trainable(self, model, mixed: bool) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         config = model.config
         if mixed:
             model = Float16Module(config, model)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+        ddp = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            ),
+            model,
+        )
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
         a = self.cfg
         with cpu_compat.cuda_as_cpu(self.acc.device):
-            self.optimizer = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=a.lr, weight_decay=a.weight_decay, adam_beta1=a.betas[0], adam_beta2=a.betas[1],
-                adam_eps=1e-8, clip_grad=a.grad_clip, bf16=mixed, params_dtype=config.params_dtype,
-                use_distributed_optimizer=True), [ddp], config_overrides={})
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=a.lr,
+                    weight_decay=a.weight_decay,
+                    adam_beta1=a.betas[0],
+                    adam_beta2=a.betas[1],
+                    adam_eps=1e-8,
+                    clip_grad=a.grad_clip,
+                    bf16=mixed,
+                    params_dtype=config.params_dtype,
+                    use_distributed_optimizer=True,
+                ),
+                [ddp],
+                config_overrides={},
+            )
         self.model = ddp
 
     # -- passes ---------------------------------------------------------------------------
@@ -147,8 +197,15 @@ class MegatronEngine(Engine):
 
         longest = max((m.input_ids.shape[1] for m in batches), default=1)
         try:
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(enumerate(batches)), model=[self.model],
-                                        num_microbatches=len(batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(enumerate(batches)),
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=longest,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
         finally:
             route_replay.stop()
 
@@ -160,32 +217,44 @@ class MegatronEngine(Engine):
         if not self.routers:
             return
         count, seq = micro.input_ids.shape
-        routes, valid = route_replay.place(micro.attention_mask.sum(1).tolist(), count * seq, lambda b, t: t * count + b, micro.routes)
+        routes, valid = route_replay.place(
+            micro.attention_mask.sum(1).tolist(), count * seq, lambda b, t: t * count + b, micro.routes
+        )
         route_replay.start(routes, valid, self.cfg.router_replay == "rollout", self.acc.device)
 
-    def _response(self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _response(
+        self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lo, hi = logit_window(micro)
         return response_logprobs(logits[:, lo:hi], micro, with_entropy, self.policy, first=lo)
 
     @torch.no_grad()
-    def infer(self, micro_batches: list[SeqBatch], with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def infer(
+        self, micro_batches: list[SeqBatch], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.eval()
         outs: dict[int, tuple] = {}
         width = max((m.mask.shape[1] for m in micro_batches), default=1)
 
         def keep(k, micro, logits):
             lp, ent = self._response(micro, logits, with_entropy)
-            outs[k] = tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1])).cpu() for t in (lp, ent))
+            outs[k] = tuple(
+                None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1])).cpu() for t in (lp, ent)
+            )
             return logits.new_zeros(())
 
         self._run(micro_batches, True, keep)
         sizes = [(len(m), width) for m in micro_batches]
-        outs = self.stages.from_last([outs.get(k, (None, None)) for k in range(len(micro_batches))], sizes, with_entropy)
+        outs = self.stages.from_last(
+            [outs.get(k, (None, None)) for k in range(len(micro_batches))], sizes, with_entropy
+        )
         lp = torch.cat([o[0].cpu() for o in outs])
         ent = torch.cat([o[1].cpu() for o in outs]) if with_entropy else None
         return lp, ent
 
-    def train_step(self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         assert self.optimizer is not None, "a frozen role has no optimizer"
         self.model.train()
         n = len(micro_batches)
@@ -210,8 +279,11 @@ class MegatronEngine(Engine):
         with timeline.span("forward_backward"):
             self._run(micro_batches, False, loss_of)
         if self.pp > 1:  # loss_fn's contract: called once per micro-batch on every rank, the stages without outputs too
-            got = self.stages.from_last([seen.get(k, (None, None)) for k in range(n)], [(len(m), w) for m, w in zip(micro_batches, widths)],
-                                        with_entropy)
+            got = self.stages.from_last(
+                [seen.get(k, (None, None)) for k in range(n)],
+                [(len(m), w) for m, w in zip(micro_batches, widths)],
+                with_entropy,
+            )
             if self.stage < self.pp - 1:
                 with torch.no_grad():
                     total += [loss_fn(lp, ent, k).detach() for k, (lp, ent) in enumerate(got)]
@@ -227,10 +299,25 @@ class MegatronEngine(Engine):
         as the embedding (``pipeline``)."""
         for name, p in self.model.named_parameters():
             local = name.removeprefix("module.").removeprefix("module.")
-            yield to_global(local, self.shape.layers, self.pp, self.stage, self.shape.tied, self.shape.experts // self.ep, self.ep_rank), p
+            yield (
+                to_global(
+                    local,
+                    self.shape.layers,
+                    self.pp,
+                    self.stage,
+                    self.shape.tied,
+                    self.shape.experts // self.ep,
+                    self.ep_rank,
+                ),
+                p,
+            )
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
-        return [(hf, list(t.shape)) for name in self.stages.names for hf, t in to_hf(name, self.stages.meta(name), self.shape)]
+        return [
+            (hf, list(t.shape))
+            for name in self.stages.names
+            for hf, t in to_hf(name, self.stages.meta(name), self.shape)
+        ]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """Every parameter of every stage on every rank, in ``weight_shapes`` order: one TP
@@ -240,7 +327,9 @@ class MegatronEngine(Engine):
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
-        own = {n: p for n, p in self.named_model_params() if stage_of(n, self.shape.layers, self.pp) == self.stage}  # not a tied copy
+        own = {
+            n: p for n, p in self.named_model_params() if stage_of(n, self.shape.layers, self.pp) == self.stage
+        }  # not a tied copy
         peak = max((self.stages.meta(n).numel() * dtype.itemsize * 2 for n in self.stages.names), default=0)
 
         def gather() -> Iterator[tuple[str, torch.Tensor]]:
@@ -254,6 +343,7 @@ class MegatronEngine(Engine):
                         torch.distributed.all_gather(parts, local, group=group)
                     full = tp_join(name, parts)
                 yield from to_hf(name, self.stages.share(name, full, dtype), self.shape)
+
         return peak, gather()
 
     def param_tensors(self) -> list[torch.Tensor]:
@@ -271,7 +361,9 @@ class MegatronEngine(Engine):
         for opt in (o for o in inner if o is not None):
             out += [p for g in opt.param_groups for p in g["params"]]  # main parameters: float32 copies under bf16
             out += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return [t for t in out if t.untyped_storage().data_ptr() not in model]  # float32 main params are views of the model's
+        return [
+            t for t in out if t.untyped_storage().data_ptr() not in model
+        ]  # float32 main params are views of the model's
 
     def _tp_mesh(self) -> DeviceMesh:
         from megatron.core import parallel_state as ps

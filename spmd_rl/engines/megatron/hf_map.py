@@ -44,7 +44,13 @@ import torch
 
 from spmd_rl.config.model_arch import ModelArch
 
-COLUMN = ("embedding.word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "output_layer.weight")
+COLUMN = (
+    "embedding.word_embeddings.weight",
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "output_layer.weight",
+)
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -66,15 +72,26 @@ class Shape:
     def of(cls, hf_config) -> "Shape":
         nh = hf_config.num_attention_heads
         hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
-        arch = ModelArch.from_dict(hf_config.to_dict())  # the experts and sparse layers, read as plan and validate read them
-        return cls(hf_config.num_hidden_layers, nh, hf_config.num_key_value_heads, hd, bool(hf_config.tie_word_embeddings),
-                   arch.num_experts, arch.sparse_layers)
+        arch = ModelArch.from_dict(
+            hf_config.to_dict()
+        )  # the experts and sparse layers, read as plan and validate read them
+        return cls(
+            hf_config.num_hidden_layers,
+            nh,
+            hf_config.num_key_value_heads,
+            hd,
+            bool(hf_config.tie_word_embeddings),
+            arch.num_experts,
+            arch.sparse_layers,
+        )
 
 
 def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:
     """HF q [nh hd, *r], k and v [ng hd, *r] -> mcore's per-group layout [(nh + 2 ng) hd, *r]."""
     r = q.shape[1:]
-    return torch.cat([q.reshape(s.ng, s.nh // s.ng * s.hd, *r), k.reshape(s.ng, s.hd, *r), v.reshape(s.ng, s.hd, *r)], 1).reshape(-1, *r)
+    return torch.cat(
+        [q.reshape(s.ng, s.nh // s.ng * s.hd, *r), k.reshape(s.ng, s.hd, *r), v.reshape(s.ng, s.hd, *r)], 1
+    ).reshape(-1, *r)
 
 
 def qkv_split(w: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +106,11 @@ def mcore_names(s: Shape, has_qkv_bias: bool, qk_norm: bool) -> list[str]:
     names = ["embedding.word_embeddings.weight"]
     for i in range(s.layers):
         m = f"decoder.layers.{i}."
-        names += [m + "input_layernorm.weight", m + "self_attention.linear_proj.weight", m + "self_attention.linear_qkv.weight"]
+        names += [
+            m + "input_layernorm.weight",
+            m + "self_attention.linear_proj.weight",
+            m + "self_attention.linear_qkv.weight",
+        ]
         names += [m + "self_attention.linear_qkv.bias"] if has_qkv_bias else []
         names += [m + "self_attention.q_layernorm.weight", m + "self_attention.k_layernorm.weight"] if qk_norm else []
         names.append(m + "pre_mlp_layernorm.weight")
@@ -108,11 +129,19 @@ def _layer(name: str) -> tuple[str, str]:
     return f"model.layers.{parts[2]}.", ".".join(parts[3:])
 
 
-_SIMPLE = {"input_layernorm.weight": "input_layernorm.weight", "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-           "self_attention.linear_proj.weight": "self_attn.o_proj.weight", "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-           "self_attention.k_layernorm.weight": "self_attn.k_norm.weight", "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
-_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "decoder.final_layernorm.weight": "model.norm.weight",
-        "output_layer.weight": "lm_head.weight"}
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
 
 
 def to_mcore(name: str, read: Callable[[str], torch.Tensor], s: Shape) -> torch.Tensor:

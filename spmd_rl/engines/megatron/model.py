@@ -36,35 +36,73 @@ def init_groups(tp: int, pp: int, device: torch.device, ep: int = 1) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        )
         if have != (tp, pp, ep):
             raise RuntimeError(f"megatron groups exist with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                 order="tp-cp-ep-pp-dp")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        order="tp-cp-ep-pp-dp",
+    )
     if device.type != "cpu":
         model_parallel_cuda_manual_seed(1234)  # the seed of dropout only, which every config leaves off
 
 
-def transformer_config(hc, params_dtype: torch.dtype, compute: torch.dtype, tp: int, sequence_parallel: bool, recompute: bool, pp: int = 1,
-                       ep: int = 1):
+def transformer_config(
+    hc,
+    params_dtype: torch.dtype,
+    compute: torch.dtype,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: bool,
+    pp: int = 1,
+    ep: int = 1,
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if hc.model_type not in ARCHS:
-        raise ValueError(f"the megatron backend has no mapping for model_type {hc.model_type!r}; supported: {', '.join(ARCHS)}")
+        raise ValueError(
+            f"the megatron backend has no mapping for model_type {hc.model_type!r}; supported: {', '.join(ARCHS)}"
+        )
     s = Shape.of(hc)
     bf16 = compute == torch.bfloat16
     return TransformerConfig(
-        num_layers=s.layers, hidden_size=hc.hidden_size, ffn_hidden_size=hc.intermediate_size, num_attention_heads=s.nh,
-        num_query_groups=s.ng, kv_channels=s.hd, normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=_qkv_bias(hc),
-        qk_layernorm=hc.model_type in ("qwen3", "qwen3_moe"), hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=False, params_dtype=params_dtype, bf16=bf16, pipeline_dtype=compute,
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, pipeline_model_parallel_size=pp,
+        num_layers=s.layers,
+        hidden_size=hc.hidden_size,
+        ffn_hidden_size=hc.intermediate_size,
+        num_attention_heads=s.nh,
+        num_query_groups=s.ng,
+        kv_channels=s.hd,
+        normalization="RMSNorm",
+        layernorm_epsilon=hc.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_qkv_bias(hc),
+        qk_layernorm=hc.model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=compute,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=pp,
         variable_seq_lengths=pp > 1,  # micro-batches differ in length and size: the stages exchange activation shapes
         moe_token_dispatcher_type="alltoall",  # (the config refuses variable lengths with the default "allgather")
-        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None, **_moe(hc, s, ep))
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        **_moe(hc, s, ep),
+    )
 
 
 def _moe(hc, s: Shape, ep: int) -> dict:
@@ -77,15 +115,28 @@ def _moe(hc, s: Shape, ep: int) -> dict:
     if not s.experts:
         return {}
     if s.sparse != tuple(range(s.layers)):
-        raise ValueError("the megatron backend maps Qwen3-MoE models whose every layer is sparse (decoder_sparse_step 1, no mlp_only_layers)")
-    return {"num_moe_experts": s.experts, "moe_router_topk": hc.num_experts_per_tok, "moe_ffn_hidden_size": hc.moe_intermediate_size,
-            "moe_router_pre_softmax": not getattr(hc, "norm_topk_prob", True), "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False, "expert_model_parallel_size": ep, "moe_enable_routing_replay": True}
+        raise ValueError(
+            "the megatron backend maps Qwen3-MoE models whose every layer is sparse (decoder_sparse_step 1, no "
+            "mlp_only_layers)"
+        )
+    return {
+        "num_moe_experts": s.experts,
+        "moe_router_topk": hc.num_experts_per_tok,
+        "moe_ffn_hidden_size": hc.moe_intermediate_size,
+        "moe_router_pre_softmax": not getattr(hc, "norm_topk_prob", True),
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": ep,
+        "moe_enable_routing_replay": True,
+    }
 
 
 def _qkv_bias(hc) -> bool:
     if hc.model_type == "llama" and getattr(hc, "attention_bias", False):
-        raise ValueError("the megatron backend does not map Llama's attention_bias (o_proj bias); use actor.backend=fsdp")
+        raise ValueError(
+            "the megatron backend does not map Llama's attention_bias (o_proj bias); use actor.backend=fsdp"
+        )
     return hc.model_type == "qwen2"
 
 
@@ -96,9 +147,20 @@ def rope_base(hc) -> int:
     return int(params.get("rope_theta") or hc.rope_theta)
 
 
-def build_model(path: str | Path, params_dtype: torch.dtype, compute: torch.dtype, tp: int, tp_rank: int,
-                sequence_parallel: bool = False, recompute: bool = False, pp: int = 1, stage: int = 0,
-                device: torch.device = torch.device("cpu"), ep: int = 1, ep_rank: int = 0):
+def build_model(  # noqa: PLR0913
+    path: str | Path,
+    params_dtype: torch.dtype,
+    compute: torch.dtype,
+    tp: int,
+    tp_rank: int,
+    sequence_parallel: bool = False,
+    recompute: bool = False,
+    pp: int = 1,
+    stage: int = 0,
+    device: torch.device = torch.device("cpu"),
+    ep: int = 1,
+    ep_rank: int = 0,
+):
     """(mcore GPTModel of pipeline stage ``stage`` holding this TP rank's slices of the
     checkpoint, and this EP rank's experts, in ``params_dtype``; its ``Shape``). Each full
     tensor is read, mapped (``hf_map.to_mcore``) and sliced one at a time, so the transient is
@@ -109,16 +171,28 @@ def build_model(path: str | Path, params_dtype: torch.dtype, compute: torch.dtyp
     hc = AutoConfig.from_pretrained(path)
     cfg = transformer_config(hc, params_dtype, compute, tp, sequence_parallel, recompute, pp, ep)
     s = Shape.of(hc)
-    spec = get_gpt_layer_local_spec(num_experts=s.experts or None, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
-    with cpu_compat.cuda_as_cpu(device):  # a tied last stage moves its embedding copy with .cuda() to sum it over stages
-        model = GPTModel(config=cfg, transformer_layer_spec=spec,
-                         vocab_size=hc.vocab_size, max_sequence_length=hc.max_position_embeddings, position_embedding_type="rope",
-                         rotary_base=rope_base(hc), share_embeddings_and_output_weights=s.tied, pre_process=stage == 0,
-                         post_process=stage == pp - 1)
+    spec = get_gpt_layer_local_spec(
+        num_experts=s.experts or None, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"
+    )
+    with cpu_compat.cuda_as_cpu(
+        device
+    ):  # a tied last stage moves its embedding copy with .cuda() to sum it over stages
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=hc.vocab_size,
+            max_sequence_length=hc.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=rope_base(hc),
+            share_embeddings_and_output_weights=s.tied,
+            pre_process=stage == 0,
+            post_process=stage == pp - 1,
+        )
     folder = SafetensorsFolder(path)
     per = s.experts // ep
     own = {to_global(n, s.layers, pp, stage, s.tied, per, ep_rank): p for n, p in model.named_parameters()}
-    mine = lambda n: stage_of(n, s.layers, pp) == stage and (expert_of(n) is None or expert_of(n) // per == ep_rank)  # noqa: E731
+    # noqa: E731
+    mine = lambda n: stage_of(n, s.layers, pp) == stage and (expert_of(n) is None or expert_of(n) // per == ep_rank)
     expected = [n for n in mcore_names(s, cfg.add_qkv_bias, cfg.qk_layernorm) if mine(n)]
     if pp > 1 and s.tied and stage == pp - 1:
         expected.append(TIED_TWIN)
@@ -127,7 +201,13 @@ def build_model(path: str | Path, params_dtype: torch.dtype, compute: torch.dtyp
     with torch.no_grad():
         for name in expected:
             own[name].copy_(tp_slice(name, to_mcore(name, folder.read, s), tp, tp_rank).to(params_dtype))
-            if tp_dim(name) is not None:  # mcore tags TP weights only when it initialises them (perform_initialization);
+            if (
+                tp_dim(name) is not None
+            ):  # mcore tags TP weights only when it initialises them (perform_initialization);
                 # untagged, every rank but TP rank 0 counts them as replicas and leaves them out of the grad norm
-                own[name].tensor_model_parallel, own[name].partition_dim, own[name].partition_stride = True, tp_dim(name), 1
+                own[name].tensor_model_parallel, own[name].partition_dim, own[name].partition_stride = (
+                    True,
+                    tp_dim(name),
+                    1,
+                )
     return model, s

@@ -104,4 +104,5 @@ class StageWeights:
             t = t.float().to(self.device) if mine else torch.empty(shape, dtype=torch.float32, device=self.device)
             dist.broadcast(t, src, group=group)
             return t
+
         return [(bcast(lp, size), bcast(ent, size) if with_entropy else None) for (lp, ent), size in zip(outs, sizes)]

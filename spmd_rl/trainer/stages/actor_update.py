@@ -22,7 +22,19 @@ from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_n
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
-_SUMS = ("loss", "clipped", "kl", "entropy", "tokens", "mismatch_sum", "mismatch_tokens", "rollout_kl", "icepop_masked", "mis_rejected", "seqs")
+_SUMS = (
+    "loss",
+    "clipped",
+    "kl",
+    "entropy",
+    "tokens",
+    "mismatch_sum",
+    "mismatch_tokens",
+    "rollout_kl",
+    "icepop_masked",
+    "mis_rejected",
+    "seqs",
+)
 
 
 def on_host(sums: dict) -> dict[str, float]:
@@ -49,11 +61,13 @@ def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | Non
         dist.all_reduce(counts, group=side_group())
         fractions = (counts / counts.sum(1, keepdim=True).clamp(min=1.0)).float()
     tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group)["tokens"]
-    return route_replay.RouterObjective(a.moe_aux_loss_coef, a.moe_z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp)
+    return route_replay.RouterObjective(
+        a.moe_aux_loss_coef, a.moe_z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp
+    )
 
 
 @register("actor_update")
-def actor_update(call: StageCall) -> StageResult:
+def actor_update(call: StageCall) -> StageResult:  # noqa: PLR0915
     """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch.
     Reads the columns the stage graph declares (reference / old log-probs when present)."""
     run, batch = call.run, call.batch
@@ -63,7 +77,11 @@ def actor_update(call: StageCall) -> StageResult:
     seqs = seq_batch(run, batch)
     width = seqs.mask.shape[1]
     if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
-        adv = torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width) if len(batch) else torch.zeros(0, width)
+        adv = (
+            torch.stack(batch.columns["seq_advantage"]).float()[:, None].expand(-1, width)
+            if len(batch)
+            else torch.zeros(0, width)
+        )
     else:
         adv = padded(batch.columns["advantages"], width)
     rollout = padded(batch.columns["rollout_log_prob"], width)
@@ -87,6 +105,7 @@ def actor_update(call: StageCall) -> StageResult:
             if sums is not None:
                 sums["mis_rejected"] += ((1 - weights[-1]) * mask).any(-1).sum()
         return math.prod(weights[1:], start=weights[0]) if weights else None
+
     clip = ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
     minis = mini_batches(cfg, lay.dp, len(batch))
     plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, a.micro_batch_size)
@@ -123,7 +142,9 @@ def actor_update(call: StageCall) -> StageResult:
                     acc["mismatch_sum"] += diff.abs().sum()
                     acc["mismatch_tokens"] += m.sum()
                     if m.numel():
-                        acc["mismatch_max"] = torch.maximum(torch.as_tensor(acc["mismatch_max"], device=diff.device), diff.abs().max())
+                        acc["mismatch_max"] = torch.maximum(
+                            torch.as_tensor(acc["mismatch_max"], device=diff.device), diff.abs().max()
+                        )
                     acc["rollout_kl"] += (-diff).sum()
                     acc["seqs"] += float(mask.any(-1).sum())
                 return loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
@@ -142,7 +163,9 @@ def actor_update(call: StageCall) -> StageResult:
     acc = on_host(acc)
     final = {}
     if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
-        lag = call.it - (torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32))
+        lag = call.it - (
+            torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32)
+        )
         acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
         final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
     acc |= {f"route_{k}": v for k, v in routing.items()}
@@ -151,17 +174,32 @@ def actor_update(call: StageCall) -> StageResult:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag
         if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
-            raise RuntimeError(f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above stream.max_policy_lag={k}")
+            raise RuntimeError(
+                f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above "
+                f"stream.max_policy_lag={k}"
+            )
     final |= route_replay.metrics({k.removeprefix("route_"): v for k, v in g.items() if k.startswith("route_")})
-    if a.moe_aux_loss_coef or a.moe_z_loss_coef:  # each mini-batch's objective is the sum over its ranks and micro-batches
+    if (
+        a.moe_aux_loss_coef or a.moe_z_loss_coef
+    ):  # each mini-batch's objective is the sum over its ranks and micro-batches
         final |= {"moe_aux_loss": g["route_aux"] / len(minis), "moe_z_loss": g["route_z"] / len(minis)}
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
-    return StageResult(consumed=consumed, final=final | {
-        "loss": g["loss"] / max(steps, 1), "grad_norm": grad_norm / max(steps, 1), "lr": lr,
-        "clip_frac": g["clipped"] / tokens, "kl": g["kl"] / tokens, "entropy": g["entropy"] / tokens,
-        "logprob_mismatch_mean": g["mismatch_sum"] / mt, "logprob_mismatch_max": global_max(acc["mismatch_max"]),
-        "rollout_kl": g["rollout_kl"] / mt,
-        **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.icepop_band else {}),
-        **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.mis_band else {}),
-        "micro_batches": sum(map(len, plan)) / max(len(plan), 1)})  # per optimizer step, the same on every rank
+    return StageResult(
+        consumed=consumed,
+        final=final
+        | {
+            "loss": g["loss"] / max(steps, 1),
+            "grad_norm": grad_norm / max(steps, 1),
+            "lr": lr,
+            "clip_frac": g["clipped"] / tokens,
+            "kl": g["kl"] / tokens,
+            "entropy": g["entropy"] / tokens,
+            "logprob_mismatch_mean": g["mismatch_sum"] / mt,
+            "logprob_mismatch_max": global_max(acc["mismatch_max"]),
+            "rollout_kl": g["rollout_kl"] / mt,
+            **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.icepop_band else {}),
+            **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.mis_band else {}),
+            "micro_batches": sum(map(len, plan)) / max(len(plan), 1),
+        },
+    )  # per optimizer step, the same on every rank

@@ -7,7 +7,8 @@
   (``algos.estimators``), whitened with the moments of every sampled token of the iteration's
   batch (summed over the DP ranks, as PPO's whitening).
 - PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
-  in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before whitening), then A whitened with the mean and variance
+  in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before
+  whitening), then A whitened with the mean and variance
   of the *whole iteration's* tokens: moments are summed over the DP ranks (each DP group
   once), so the result does not depend on the layout (tested against a single-process float64
   recomputation from the dock's columns).
@@ -72,17 +73,29 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     kl, mask = _kl(call, width)
     rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef, mask)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
-    g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(adv, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
+    g = dp_sums(
+        dict(zip(("n", "s", "q"), masked_moments(adv, mask))), run.lay.train.group
+    )  # a replica's ranks hold the same samples
     white = whiten(adv, mask, g["n"], g["s"], g["q"])
     lens = lengths.tolist()
     resid = (returns - values) * mask
-    sums = {"returns_sum": float((returns * mask).sum()), "returns_sq": float((returns.square() * mask).sum()),
-            "resid_sum": float(resid.sum()), "resid_sq": float(resid.square().sum()),
-            "values_sum": float((values * mask).sum()), "value_tokens": float(mask.sum())}
+    sums = {
+        "returns_sum": float((returns * mask).sum()),
+        "returns_sq": float((returns.square() * mask).sum()),
+        "resid_sum": float(resid.sum()),
+        "resid_sq": float(resid.square().sum()),
+        "values_sum": float((values * mask).sum()),
+        "value_tokens": float(mask.sum()),
+    }
     if kl is not None:
         sums |= {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
-    return StageResult(columns={"advantages": [white[k, :L].float() for k, L in enumerate(lens)],
-                                "returns": [returns[k, :L].float() for k, L in enumerate(lens)]}, sums=sums)
+    return StageResult(
+        columns={
+            "advantages": [white[k, :L].float() for k, L in enumerate(lens)],
+            "returns": [returns[k, :L].float() for k, L in enumerate(lens)],
+        },
+        sums=sums,
+    )
 
 
 def _reinforce(call: StageCall, scores: torch.Tensor) -> StageResult:
@@ -93,8 +106,12 @@ def _reinforce(call: StageCall, scores: torch.Tensor) -> StageResult:
         scores = group_centred(scores, run.cfg.rollout.n)
     kl, mask = _kl(call, width)
     returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma)
-    g = dp_sums(dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group)  # a replica's ranks hold the same samples
+    g = dp_sums(
+        dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group
+    )  # a replica's ranks hold the same samples
     white = whiten(returns, mask, g["n"], g["s"], g["q"])
     sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())} if kl is not None else {}
-    return StageResult(columns={"advantages": [white[k, :L].float() for k, L in enumerate(lengths.tolist())]},
-                       sums=sums | {"adv_zero_groups": 0.0})
+    return StageResult(
+        columns={"advantages": [white[k, :L].float() for k, L in enumerate(lengths.tolist())]},
+        sums=sums | {"adv_zero_groups": 0.0},
+    )

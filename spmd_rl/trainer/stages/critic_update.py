@@ -33,7 +33,15 @@ def critic_update(call: StageCall) -> StageResult:
                 s = micros[k]
                 mask = seqs.mask[s].to(values.device)
                 ret = returns[s].to(values.device)
-                out = objective(values, old_values[s].to(values.device), ret, mask, cfg.algorithm.value_clip, cfg.actor.loss_agg_mode, norm)
+                out = objective(
+                    values,
+                    old_values[s].to(values.device),
+                    ret,
+                    mask,
+                    cfg.algorithm.value_clip,
+                    cfg.actor.loss_agg_mode,
+                    norm,
+                )
                 acc["value_loss"] += float(out.loss.detach())
                 acc["value_clipped"] += out.clipped_tokens
                 acc["value_tokens"] += float(mask.sum())
@@ -46,5 +54,12 @@ def critic_update(call: StageCall) -> StageResult:
             steps += 1
     g = dp_sums(acc, lay.group)
     tokens = max(g["value_tokens"], 1.0)
-    return StageResult(final={"value_loss": g["value_loss"] / max(steps, 1), "value_clip_frac": g["value_clipped"] / tokens,
-                              "value_mse": g["value_err_sq"] / tokens, "critic_grad_norm": grad_norm / max(steps, 1), "critic_lr": lr})
+    return StageResult(
+        final={
+            "value_loss": g["value_loss"] / max(steps, 1),
+            "value_clip_frac": g["value_clipped"] / tokens,
+            "value_mse": g["value_err_sq"] / tokens,
+            "critic_grad_norm": grad_norm / max(steps, 1),
+            "critic_lr": lr,
+        }
+    )

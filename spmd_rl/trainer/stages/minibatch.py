@@ -50,6 +50,8 @@ def length_order(cfg: Config, dp: int, lengths: torch.Tensor) -> torch.Tensor:
     global normaliser. Forward stages and updates use the same order, so the first epoch's
     recomputed log-probs are bit-identical to the update's."""
     per_rank = _per_rank(cfg, dp)
-    parts = [start + torch.argsort(lengths[start : start + per_rank], descending=True, stable=True)
-             for start in range(0, lengths.numel(), per_rank)]
+    parts = [
+        start + torch.argsort(lengths[start : start + per_rank], descending=True, stable=True)
+        for start in range(0, lengths.numel(), per_rank)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

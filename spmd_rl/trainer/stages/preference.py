@@ -26,7 +26,10 @@ def preference_pairs(call: StageCall) -> StageResult:
     """Sample i's response: the chosen (i even) or rejected (i odd) tokens of its pair;
     ``prompt_row`` is the sampler's position in the loaded set (``put_prompts``)."""
     pairs = call.run.prompts.pairs
-    out = [torch.tensor(pairs[int(row)][int(i) % 2], dtype=torch.int32) for i, row in zip(call.batch.indices, call.batch.columns["prompt_row"])]
+    out = [
+        torch.tensor(pairs[int(row)][int(i) % 2], dtype=torch.int32)
+        for i, row in zip(call.batch.indices, call.batch.columns["prompt_row"])
+    ]
     return StageResult(columns={"response_ids": out})
 
 
@@ -49,8 +52,11 @@ def dpo_update(call: StageCall) -> StageResult:
     chosen, rejected = pair_order(batch.indices)
     interleaved = torch.stack([chosen, rejected], 1).reshape(-1)  # c0 r0 c1 r1 ...
     seqs = seq_batch(run, batch)[interleaved]
-    ref = torch.stack([batch.columns["ref_log_prob"][int(p)].double().sum() for p in interleaved]).float().reshape(-1, 2) \
-        if len(batch) else torch.zeros(0, 2)
+    ref = (
+        torch.stack([batch.columns["ref_log_prob"][int(p)].double().sum() for p in interleaved]).float().reshape(-1, 2)
+        if len(batch)
+        else torch.zeros(0, 2)
+    )
     loss_of = get_preference_loss(cfg.algorithm.name)
     beta, eps = cfg.algorithm.dpo_beta, cfg.algorithm.dpo_label_smoothing
     per_rank = a.mini_batch_size // lay.dp
@@ -66,9 +72,9 @@ def dpo_update(call: StageCall) -> StageResult:
 
             def loss_fn(lp, ent, k, micros=micros, total=total, first=epoch == 0):
                 span = micros[k]
-                mask = seqs.mask[2 * span.start:2 * span.stop].to(lp.device)
+                mask = seqs.mask[2 * span.start : 2 * span.stop].to(lp.device)
                 seq_lp = (lp * mask).sum(1).reshape(-1, 2)
-                r = ref[span.start:span.stop].to(lp.device)
+                r = ref[span.start : span.stop].to(lp.device)
                 terms = loss_of(seq_lp[:, 0], seq_lp[:, 1], r[:, 0], r[:, 1], beta, eps)
                 if first:
                     acc["loss"] += terms.loss.detach().sum()
@@ -78,13 +84,21 @@ def dpo_update(call: StageCall) -> StageResult:
                     acc["correct"] += (terms.chosen_reward > terms.rejected_reward).sum()
                 return terms.loss.sum() / total * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
-            out = run.roles["actor"].train_step([seqs[2 * s.start:2 * s.stop] for s in micros], loss_fn)
+            out = run.roles["actor"].train_step([seqs[2 * s.start : 2 * s.stop] for s in micros], loss_fn)
             grad_norm, lr, steps = grad_norm + out["grad_norm"], out["lr"], steps + 1
     run.residency.weights_changed()
     g = dp_sums(on_host(acc), lay.group)
     p = max(g["pairs"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
-    return StageResult(consumed=consumed, final={
-        "loss": g["loss"] / p, "grad_norm": grad_norm / max(steps, 1), "lr": lr,
-        "dpo_chosen_reward": g["chosen_reward"] / p, "dpo_rejected_reward": g["rejected_reward"] / p,
-        "dpo_margin": (g["chosen_reward"] - g["rejected_reward"]) / p, "dpo_accuracy": g["correct"] / p})
+    return StageResult(
+        consumed=consumed,
+        final={
+            "loss": g["loss"] / p,
+            "grad_norm": grad_norm / max(steps, 1),
+            "lr": lr,
+            "dpo_chosen_reward": g["chosen_reward"] / p,
+            "dpo_rejected_reward": g["rejected_reward"] / p,
+            "dpo_margin": (g["chosen_reward"] - g["rejected_reward"]) / p,
+            "dpo_accuracy": g["correct"] / p,
+        },
+    )

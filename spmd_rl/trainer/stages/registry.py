@@ -56,6 +56,8 @@ class StageResult:
 
 
 StageFn = Callable[[StageCall], StageResult]
-REGISTRY: Registry[StageFn] = Registry("stage", hint="; add a module under trainer/stages/ with @register(<stage name>)")
+REGISTRY: Registry[StageFn] = Registry(
+    "stage", hint="; add a module under trainer/stages/ with @register(<stage name>)"
+)
 register = REGISTRY.register
 stage_fn = REGISTRY.lookup

@@ -27,9 +27,15 @@ from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 def reward(call: StageCall) -> StageResult:
     run, batch, cfg = call.run, call.batch, call.run.cfg
     if not len(batch):
-        return StageResult(sums={"generated": 0.0}, maxes={"response_length_max": 0.0}, rewards=torch.zeros(len(call.expected), dtype=torch.float64))
+        return StageResult(
+            sums={"generated": 0.0},
+            maxes={"response_length_max": 0.0},
+            rewards=torch.zeros(len(call.expected), dtype=torch.float64),
+        )
     masks = batch.columns.get("response_mask")
-    responses = [r.tolist() if masks is None else last_turn(r, masks[k]) for k, r in enumerate(batch.columns["response_ids"])]
+    responses = [
+        r.tolist() if masks is None else last_turn(r, masks[k]) for k, r in enumerate(batch.columns["response_ids"])
+    ]
     texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
     answers = [decode_text(a) for a in batch.columns["answer"]]
     rule = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
@@ -47,17 +53,26 @@ def reward(call: StageCall) -> StageResult:
     lengths = torch.stack(batch.columns["response_length"])
     algo = cfg.algorithm
     if algo.name == "dapo" and algo.overlong_buffer:
-        scores = scores + overlong_penalty(lengths, cfg.rollout.max_response_length, algo.overlong_buffer, algo.overlong_penalty)
+        scores = scores + overlong_penalty(
+            lengths, cfg.rollout.max_response_length, algo.overlong_buffer, algo.overlong_penalty
+        )
     dense = torch.zeros(len(call.expected), dtype=torch.float64)
     if call.writer:
         slot = {i: k for k, i in enumerate(call.expected)}
         dense[[slot[i] for i in batch.indices.tolist()]] = scores.double()
-    sums |= {"reward_sum": float(scores.sum()), "reward_sq": float((scores**2).sum()), "correct": float((rule > 0.5).sum()),
-             "generated": float(len(batch)), "response_tokens": float(lengths.float().sum())}
-    return StageResult(columns={"reward": scores}, sums=sums, maxes={"response_length_max": float(lengths.max())}, rewards=dense)
+    sums |= {
+        "reward_sum": float(scores.sum()),
+        "reward_sq": float((scores**2).sum()),
+        "correct": float((rule > 0.5).sum()),
+        "generated": float(len(batch)),
+        "response_tokens": float(lengths.float().sum()),
+    }
+    return StageResult(
+        columns={"reward": scores}, sums=sums, maxes={"response_length_max": float(lengths.max())}, rewards=dense
+    )
 
 
 def last_turn(response: torch.Tensor, mask: torch.Tensor) -> list[int]:
     """The tokens of a multi-turn response's last sampled turn: its last run of mask 1."""
     turns = [(a, b) for a, b, sampled in mask_runs(mask.tolist()) if sampled]
-    return response[turns[-1][0]:turns[-1][1]].tolist() if turns else []
+    return response[turns[-1][0] : turns[-1][1]].tolist() if turns else []

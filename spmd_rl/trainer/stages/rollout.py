@@ -48,8 +48,10 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
         yield idx, [_as_sample(t) for t in _trajectories(call)]
         return
     firsts = batch.columns["prompt_ids"][::n]
-    for step in run.rollout.generate_stream([f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)):
-        yield [i for p, _ in step for i in idx[p * n:(p + 1) * n]], [s for _, samples in step for s in samples]
+    for step in run.rollout.generate_stream(
+        [f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)
+    ):
+        yield [i for p, _ in step for i in idx[p * n : (p + 1) * n]], [s for _, samples in step for s in samples]
 
 
 def rollout_columns(samples: list[Sample]) -> dict[str, object]:
@@ -94,7 +96,9 @@ def _rollout(call: StageCall) -> StageResult:
     samples = [by_index[i] for i in call.batch.indices.tolist()]
     out = rollout_columns(samples)
     if versioned(call.run.cfg):  # separated placement: the version of the weights the engine holds
-        out["response_version"] = [torch.full((len(s.token_ids),), call.run.policy_version, dtype=torch.int32) for s in samples]
+        out["response_version"] = [
+            torch.full((len(s.token_ids),), call.run.policy_version, dtype=torch.int32) for s in samples
+        ]
     return StageResult(columns=out, sums=turn_sums(call.run.cfg, samples))
 
 
@@ -110,14 +114,30 @@ def _continue(call: StageCall) -> StageResult:
     cfg, cols = call.run.cfg, call.batch.columns
     limit = cfg.rollout.max_response_length
     routes = cols.get("prefix_routes", [None] * len(call.batch))
-    pieces = [Piece.of(row, ids, lp, ver, done, r if r is None or r.numel() else None) for row, ids, lp, ver, done, r in
-              zip(cols["prompt_row"], cols["prefix_ids"], cols["prefix_log_prob"], cols["prefix_version"], cols["prefix_done"], routes)]
+    pieces = [
+        Piece.of(row, ids, lp, ver, done, r if r is None or r.numel() else None)
+        for row, ids, lp, ver, done, r in zip(
+            cols["prompt_row"],
+            cols["prefix_ids"],
+            cols["prefix_log_prob"],
+            cols["prefix_version"],
+            cols["prefix_done"],
+            routes,
+        )
+    ]
     if call.run.turns is not None:
         return _continue_turns(call, pieces)
     todo = [k for k, p in enumerate(pieces) if not p.done]
     got = call.run.rollout.continue_samples(
-        [(cols["prompt_ids"][k].tolist() + pieces[k].token_ids, min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids))) for k in todo],
-        seed=_seed(call))
+        [
+            (
+                cols["prompt_ids"][k].tolist() + pieces[k].token_ids,
+                min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids)),
+            )
+            for k in todo
+        ],
+        seed=_seed(call),
+    )
     for k, s in zip(todo, got):
         pieces[k].extend(s, call.it, limit)
     out = rollout_columns([Sample(p.token_ids, p.logprobs, routes=p.routes) for p in pieces])
@@ -131,13 +151,26 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
     A trajectory's counts are summed once, in the iteration it ends."""
     run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
-    trajs = run.turns.start([(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
-                            seed_keys=call.batch.indices.tolist())
+    trajs = run.turns.start(
+        [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
+        seed_keys=call.batch.indices.tolist(),
+    )
     todo = []
     for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
         p.mask, p.env_reward = m.tolist(), float(reward)
-        if not p.done and (not p.token_ids or t.replay(p.token_ids, p.logprobs, p.mask, run.tokenizer, lim.max_tokens, lim.max_turns,
-                                                       p.env_reward, lim.tool_timeout_s)):
+        if not p.done and (
+            not p.token_ids
+            or t.replay(
+                p.token_ids,
+                p.logprobs,
+                p.mask,
+                run.tokenizer,
+                lim.max_tokens,
+                lim.max_turns,
+                p.env_reward,
+                lim.tool_timeout_s,
+            )
+        ):
             todo.append(t)
     run.turns.advance(todo, seed=_seed(call), segment=run.cfg.stream.partial_tokens)
     samples, ended = [], []
@@ -145,8 +178,20 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
         ended.append(not p.done and t.done)  # its counts are summed in the iteration it ends
         if not p.done:
             p.versions += [call.it] * (len(t.ids) - len(p.token_ids))
-            p.token_ids, p.logprobs, p.mask, p.done, p.env_reward = list(t.ids), list(t.logprobs), list(t.mask), t.done, t.reward
-        samples.append(Sample(p.token_ids, p.logprobs, mask=p.mask, env_reward=p.env_reward, stats=dict(t.stats) if ended[-1] else {}))
+            p.token_ids, p.logprobs, p.mask, p.done, p.env_reward = (
+                list(t.ids),
+                list(t.logprobs),
+                list(t.mask),
+                t.done,
+                t.reward,
+            )
+        samples.append(
+            Sample(
+                p.token_ids, p.logprobs, mask=p.mask, env_reward=p.env_reward, stats=dict(t.stats) if ended[-1] else {}
+            )
+        )
     out = rollout_columns(samples)
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
-    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run.cfg, samples))
+    return StageResult(
+        columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run.cfg, samples)
+    )

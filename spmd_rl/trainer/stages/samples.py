@@ -13,7 +13,11 @@ from spmd_rl.trainer.context import Run
 
 def encode_text(text: str) -> torch.Tensor:
     """A string as a dock column value: its UTF-8 bytes."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+        if text
+        else torch.zeros(0, dtype=torch.uint8)
+    )
 
 
 def decode_text(value: torch.Tensor) -> str:
@@ -39,8 +43,14 @@ def seq_batch(run: Run, batch) -> SeqBatch:
     reads ``response_mask`` (multi-turn rollouts)."""
     routes = batch.columns.get("rollout_routes")
     shape = None if routes is None else (run.arch.num_layers, run.arch.experts_per_token)
-    return build_batch(batch.columns["prompt_ids"], batch.columns["response_ids"], run.tokenizer.pad_token_id, routes, shape,
-                       batch.columns.get("response_mask"))
+    return build_batch(
+        batch.columns["prompt_ids"],
+        batch.columns["response_ids"],
+        run.tokenizer.pad_token_id,
+        routes,
+        shape,
+        batch.columns.get("response_mask"),
+    )
 
 
 def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int = 0) -> list[int]:
@@ -57,13 +67,15 @@ def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int
         rows = [prompt_positions[p] for p in mine for _ in range(n)]
         cols = prompt_columns(run, rows)
         run.dock.put("data", it, cols, [(first_group + p) * n + k for p in mine for k in range(n)])
-        put[g * per:(g + 1) * per] = cols["prompt_row"][::n].long() + 1
+        put[g * per : (g + 1) * per] = cols["prompt_row"][::n].long() + 1
     dist.all_reduce(put, group=side_group())
     return [int(r) - 1 for r in put]
 
 
 def prompt_columns(run: Run, rows: list[int]) -> dict[str, list[torch.Tensor] | torch.Tensor]:
     """The data loader's ``prompt_ids``, ``answer`` and ``prompt_row`` of one sample per dataset row."""
-    return {"prompt_ids": [torch.tensor(run.prompts.prompt_ids[r], dtype=torch.int32) for r in rows],
-            "answer": [encode_text(run.prompts.answers[r]) for r in rows],
-            "prompt_row": torch.tensor(rows, dtype=torch.int32)}
+    return {
+        "prompt_ids": [torch.tensor(run.prompts.prompt_ids[r], dtype=torch.int32) for r in rows],
+        "answer": [encode_text(run.prompts.answers[r]) for r in rows],
+        "prompt_row": torch.tensor(rows, dtype=torch.int32),
+    }

@@ -57,7 +57,12 @@ def _pause(plan: dict) -> None:
 
     def at(point: str, iteration: int) -> None:
         pending = [p for p in points if not (folder / f"{p}.go").exists()]
-        if os.environ.get("WORLD_SIZE") != "2" or not pending or pending[0] != point or iteration < plan["min_iteration"]:
+        if (
+            os.environ.get("WORLD_SIZE") != "2"
+            or not pending
+            or pending[0] != point
+            or iteration < plan["min_iteration"]
+        ):
             return
         (folder / f"{point}.reached").write_text(str(iteration))
         while not (folder / f"{point}.go").exists():
@@ -77,6 +82,7 @@ def _pause(plan: dict) -> None:
 
     wrap(REGISTRY, "actor_rollout", "generate", lambda call: call.it)
     wrap(REGISTRY, "actor_update", "update", lambda call: call.it)
+
     def iteration_of_folder(engine, folder) -> int:  # .../iter_000012.tmp[/critic]
         return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
 
@@ -117,7 +123,10 @@ def _dump(plan: dict) -> None:
     def put_saving(self, stage, iteration, data, indices):
         idx = indices.tolist() if hasattr(indices, "tolist") else list(indices)
         cols = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in data.items()}
-        torch.save({"stage": stage, "iteration": iteration, "indices": idx, "columns": cols}, folder / f"put_rank{rank}_{count[0]}.pt")
+        torch.save(
+            {"stage": stage, "iteration": iteration, "indices": idx, "columns": cols},
+            folder / f"put_rank{rank}_{count[0]}.pt",
+        )
         count[0] += 1
         return put(self, stage, iteration, data, indices)
 
@@ -141,15 +150,27 @@ def _dump_routes(folder: Path, rank: str) -> None:
 
     def routes_saving(self, context, outputs, rid, n):
         got = taken(self, context, outputs, rid, n)
-        torch.save({"context": list(context), "responses": [list(c.token_ids) for c in outputs], "routes": [r.clone() for r in got]},
-                   folder / f"vllm_routes_rank{rank}_{count[0]}.pt")
+        torch.save(
+            {
+                "context": list(context),
+                "responses": [list(c.token_ids) for c in outputs],
+                "routes": [r.clone() for r in got],
+            },
+            folder / f"vllm_routes_rank{rank}_{count[0]}.pt",
+        )
         count[0] += 1
         return got
 
     def build_saving(prompts, responses, pad_id, routes=None, route_shape=None, sampled=None):
         if routes is not None:
-            torch.save({"prompts": [p.clone() for p in prompts], "responses": [r.clone() for r in responses],
-                        "routes": [r.clone() for r in routes]}, folder / f"read_routes_rank{rank}_{count[1]}.pt")
+            torch.save(
+                {
+                    "prompts": [p.clone() for p in prompts],
+                    "responses": [r.clone() for r in responses],
+                    "routes": [r.clone() for r in routes],
+                },
+                folder / f"read_routes_rank{rank}_{count[1]}.pt",
+            )
             count[1] += 1
         return build(prompts, responses, pad_id, routes, route_shape, sampled)
 
@@ -214,8 +235,13 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker's stacks, on demand
     _plan = json.loads(_PLAN)
-    _apply = {"pause": _pause, "stop_warehouse": _stop_warehouse, "dump": _dump, "desync": _desync,
-              "slow_generate": _slow_generate}[_plan["kind"]]
+    _apply = {
+        "pause": _pause,
+        "stop_warehouse": _stop_warehouse,
+        "dump": _dump,
+        "desync": _desync,
+        "slow_generate": _slow_generate,
+    }[_plan["kind"]]
     _delegate = getattr(preload.delegate, "__wrapped__", preload.delegate)  # once, however often this runs
 
     @functools.wraps(_delegate)
