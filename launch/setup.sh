@@ -27,7 +27,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     step "dependencies up to date (pyproject.toml and launch/requirements-cpu.lock unchanged since the last install)"
 else
 # uv downloads in parallel and installs without compiling bytecode: about 40 s for torch, the lock
-# and the import check on a fresh clone, where pip took 158 s (docs/benchmarks.md, issue 46).
+# and the import check on a fresh clone, where pip took 158 s (docs/benchmarks.md).
 # uv reads the system's certificates (UV_NATIVE_TLS) as pip does; where uv cannot be had or
 # fails, pip installs the same pinned set, only slower.
 step "installing uv $UV_VERSION (the installer for the pinned set)"

@@ -86,7 +86,7 @@ MODES = {
         "algorithm.name=ppo",
         "algorithm.critic_lr=1e-4",
     ],
-    # the critic-free estimators and CISPO (issue 36); LoRA RL: rank-16 adapters on every
+    # the critic-free estimators and CISPO; LoRA RL: rank-16 adapters on every
     # projection, at the learning rate LoRA needs
     "rloo-cispo": ["algorithm.name=rloo", "actor.policy_loss=cispo"],
     "reinforce_pp-lora": ["algorithm.name=reinforce_pp", "actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=1e-3"],

@@ -1,4 +1,4 @@
-"""What jobs on one host share, tested with the real CLI (issue 31):
+"""What jobs on one host share, tested with the real CLI:
 - ``spmd-rl train`` takes its whole process tree with it: a SIGKILLed launcher leaves no
   torchrun agent, worker, vLLM engine or embedded etcd behind (defect 4);
 - two jobs run at once on one host: vLLM's CPU shared-memory names are per job (defect 3)."""

@@ -1,5 +1,5 @@
 """Ports picked before they are bound: a server whose port another process takes in between
-picks again instead of failing (issue 31, defect 5)."""
+picks again instead of failing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runtime fields act, observed from outside the ranks (issue 31: fields wired without a test
+"""Runtime fields act, observed from outside the ranks (fields wired without a test
 that would notice). Each runs the real CLI with two values and looks at what the run did:
 
 - ``dock.port`` (non-zero) is the port node 0's warehouse registers in etcd, ``elastic.

@@ -1,4 +1,4 @@
-"""vLLM's CPU shared-memory segment names are per job (issue 31, defect 3), checked on vLLM's own
+"""vLLM's CPU shared-memory segment names are per job, checked on vLLM's own
 naming function: under vLLM's name two jobs on one host get the same segment name; under
 ``vllm_shm.name_per_job`` they differ, and the ranks of one job still agree (vLLM checks that
 before it uses the segments, and falls back to plain torch.distributed if they disagree).

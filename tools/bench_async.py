@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 13's benchmark: the streaming modes (stage fusion, partial rollout, the asynchronous
+"""The benchmark of the streaming modes (stage fusion, partial rollout, the asynchronous
 separated placement) against the synchronous colocated baseline, as ratios measured in the
 same run, with the learning each mode still does.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The engines' floor for one iteration of a config (issue 12): what the two engines cost alone,
+"""The engines' floor for one iteration of a config: what the two engines cost alone,
 in one process that owns every core, with none of spmd-rl around them.
 
 - generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Build the paper-shaped benchmark model and prompts for ``tools/bench_e2e.py`` and
-``tools/bench_trl.py`` (issue 12): a random (untrained) Qwen2 with hidden 256, 4 layers,
+``tools/bench_trl.py``: a random (untrained) Qwen2 with hidden 256, 4 layers,
 4 heads / 2 KV heads, intermediate 512, vocabulary 1000, tied embeddings (2.6 M parameters),
 and prompts of exactly 16 tokens.
 

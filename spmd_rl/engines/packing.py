@@ -1,5 +1,5 @@
-"""Padding-free micro-batches: a right-padded ``SeqBatch`` packed into fewer rows (issue 12's
-"padding-free sequences" lever).
+"""Padding-free micro-batches: a right-padded ``SeqBatch`` packed into fewer rows (the
+"padding-free sequences" lever of docs/benchmarks.md).
 
 Layout. With L_b = the length of sample b (prompt + response) and W = max_b L_b, samples are
 placed longest first into rows of width W, each into the first row that still has room (first

@@ -1,4 +1,4 @@
-"""Fused, chunked per-token log-prob and entropy (issue 12's "fused log-prob" lever) of the
+"""Fused, chunked per-token log-prob and entropy (the "fused log-prob" lever) of the
 policy vLLM samples from.
 
 The sampling policy (``SamplingPolicy``: temperature T, top-k, top-p) is vLLM's: x = logits / T

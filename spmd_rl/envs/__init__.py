@@ -1,1 +1,1 @@
-"""Multi-turn environments and the tools they call (issue 35)."""
+"""Multi-turn environments and the tools they call."""
