@@ -32,7 +32,7 @@ from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
-from spmd_rl.config.stages import multi_turn, needs_reference, pinned_roles, records_routes, stages_for
+from spmd_rl.config.stages import algorithm, multi_turn, needs_reference, pinned_roles, records_routes, stages_for
 from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
@@ -119,7 +119,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
     tok = load_tokenizer(cfg)
     prompts = (
         preferences_for(cfg, tok, cfg.data.train_path)
-        if cfg.algorithm.name == "dpo"
+        if algorithm(cfg).advantage == "preference"
         else prompts_for(cfg, tok, cfg.data.train_path)
     )
     rollout = (

@@ -8,6 +8,9 @@ torchrun with 2 ranks, etcd, vLLM), one iteration each:
 - the correction bands act: IcePop masks tokens, MIS rejects samples (a band so narrow that the
   float32 trainer/vLLM mismatch leaves it), and the gradient changes accordingly.
 
+A user's algorithm, a spec and an estimator in the user's own module
+(``tests/helpers/algorithms.py``), trains with no edit to the package.
+
 Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo-cispo and
 reinforce_pp-lora modes."""
 
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer_util import train
+from tests.dock_dump import columns, dump_env
+from tests.trainer_util import N, train
 
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
 LAYOUTS = {
@@ -78,3 +82,28 @@ def test_icepop_and_mis_bands_mask_and_reject(tiny_model, tmp_path, etcd, grpo):
     assert 0 < cut["icepop_masked_frac"] < 1 and 0 < cut["mis_rejected_frac"] <= 1, cut
     assert "icepop_masked_frac" not in base and "mis_rejected_frac" not in base
     assert abs(cut["grad_norm"] - base["grad_norm"]) > 1e-6 * base["grad_norm"]
+
+
+@pytest.mark.slow
+def test_a_users_algorithm_from_its_own_module_trains(tiny_model, tmp_path, etcd):
+    """``algorithm.name: tests.helpers.algorithms:MEDIAN``: the run trains, and every sample's
+    ``seq_advantage`` in the dock is its reward minus its prompt group's median (the lower middle
+    value), as the user's function defines it, recomputed here from the dock's rewards."""
+    dump = tmp_path / "dump"
+    row = train(
+        tmp_path,
+        "median",
+        etcd.endpoint,
+        *ONE,
+        *LAYOUTS["dp2-micro16"],
+        "algorithm.name=tests.helpers.algorithms:MEDIAN",
+        extra_env=dump_env(dump),
+    )[0]
+    assert row["grad_norm"] > 0
+    cols = columns(dump)[0]
+    rewards, adv = cols["reward"], cols["seq_advantage"]
+    assert sorted(adv) == sorted(rewards) and len(adv) == 8 * N
+    for i in adv:
+        group = sorted(float(rewards[j]) for j in range(i - i % N, i - i % N + N))
+        assert abs(float(adv[i]) - (float(rewards[i]) - group[(N - 1) // 2])) < 1e-6, (i, group, float(adv[i]))
+    assert any(float(a) != 0 for a in adv.values())

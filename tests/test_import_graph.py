@@ -73,8 +73,8 @@ def test_the_check_finds_a_circle():
 
 def test_the_launcher_and_validate_import_no_torch():
     """``spmd-rl validate`` and ``spmd-rl train`` up to torchrun import neither torch nor vLLM:
-    torch alone is about 2 s of every launch (the config's stage graph reads estimator names
-    from ``algos.estimator_kinds``, not from the torch module that registers them)."""
+    torch alone is about 2 s of every launch (the config's stage graph and rules read the
+    algorithms' specs, ``algos.specs``, not the torch modules that implement them)."""
     import subprocess
     import sys
 

@@ -3,6 +3,7 @@ this version, and the fields that only one backend reads."""
 
 from __future__ import annotations
 
+from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.model_arch import ModelArch
@@ -87,12 +88,12 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
                 f"use parallel.placement: colocated, {fix_fsdp}",
             )
         )
-    if cfg.algorithm.name == "ppo":
+    if spec_named(cfg.algorithm.name).critic:
         out.append(
             Violation(
                 field,
                 "megatron",
-                "PPO's critic (a value head) runs on the FSDP backend only",
+                f"{cfg.algorithm.name}'s critic (a value head) runs on the FSDP backend only",
                 f"use algorithm.name: grpo or dapo, {fix_fsdp}",
             )
         )

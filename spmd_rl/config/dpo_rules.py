@@ -1,9 +1,10 @@
-"""Rules of DPO (``algorithm.name: dpo``): an offline graph with no rollout engine, so every
-field that configures generation-time behaviour is refused rather than ignored, and the DPO
-fields are refused outside DPO."""
+"""Rules of DPO (``algorithm.name: dpo``, a spec with ``advantage="preference"``): an offline
+graph with no rollout engine, so every field that configures generation-time behaviour is
+refused rather than ignored, and the DPO fields are refused outside DPO."""
 
 from __future__ import annotations
 
+from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
 
@@ -13,7 +14,7 @@ _DPO_DATA_FIELDS = ("chosen_column", "rejected_column")
 
 def check_dpo(cfg: Config) -> list[Violation]:
     al = cfg.algorithm
-    if al.name != "dpo":
+    if spec_named(al.name).advantage != "preference":
         return [
             Violation(f"{section}.{f}", getattr(obj, f), "only read by algorithm.name: dpo", "remove it")
             for section, obj, names in (("algorithm", al, _DPO_FIELDS), ("data", cfg.data, _DPO_DATA_FIELDS))

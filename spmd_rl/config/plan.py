@@ -18,7 +18,7 @@ from spmd_rl.config.estimates import (
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import flow_counts, records_routes, resident_roles, stages_for, written_columns
+from spmd_rl.config.stages import algorithm, flow_counts, records_routes, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
 
@@ -165,7 +165,7 @@ def stage_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> tuple[list[tuple
     roles resident at once (what a run without the manager would hold). Under the separated
     placement a rank holds only its side's roles: the generators the rollout engine, the
     trainers every other role."""
-    critic = ModelArch.from_folder(cfg.critic.model_path or cfg.model.path) if cfg.algorithm.name == "ppo" else None
+    critic = ModelArch.from_folder(cfg.critic.model_path or cfg.model.path) if algorithm(cfg).critic else None
     reward = ModelArch.from_folder(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     size = role_bytes(cfg, arch, lay, critic, reward)
     graph = stages_for(cfg)

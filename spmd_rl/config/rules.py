@@ -12,7 +12,6 @@ import json
 import re
 from pathlib import Path
 
-from spmd_rl.algos.estimator_kinds import GROUP_ALGORITHMS
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
 from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment
@@ -20,7 +19,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import fused_stages, stages_for
+from spmd_rl.config.stages import algorithm, fused_stages, stages_for
 from spmd_rl.config.stream_rules import check_partial, check_separated
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
@@ -55,8 +54,8 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
                 f"make G x rollout.n a multiple of {tdp}",
             )
         )
-    grouped = cfg.algorithm.name in GROUP_ALGORITHMS
-    if grouped and g % tdp:
+    spec = algorithm(cfg)
+    if spec.group_relative and g % tdp:
         out.append(
             Violation(
                 "data.global_batch_size",
@@ -78,7 +77,7 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
                 "use a divisor of the global batch size",
             )
         )
-    elif cfg.algorithm.name == "dpo" and mb % tdp:  # the one update that reads a group (its pair) whole
+    elif spec.advantage == "preference" and mb % tdp:  # the one update that reads a group (its pair) whole
         out.append(
             Violation(
                 "actor.mini_batch_size",
@@ -353,8 +352,8 @@ def _check_reward(cfg: Config) -> list[Violation]:
 
 
 def _check_algorithm(cfg: Config) -> list[Violation]:
-    a, out = cfg.algorithm, []
-    if a.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline"):
+    a, spec, out = cfg.algorithm, algorithm(cfg), []
+    if spec.needs_group_of_two:
         if cfg.rollout.n < 2:
             out.append(
                 Violation(
@@ -373,8 +372,8 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                     "set a temperature > 0, e.g. 1.0",
                 )
             )
-    if a.name != "ppo":
-        critic_only = {"lam", "value_clip", "critic_lr"} | (set() if a.name.startswith("reinforce_pp") else {"gamma"})
+    if not spec.critic:
+        critic_only = {"lam", "value_clip", "critic_lr"} | (set() if spec.discounted else {"gamma"})
         for field in sorted(critic_only & a.model_fields_set):
             out.append(
                 Violation(
@@ -411,7 +410,7 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                 "set kl_coef > 0 or remove use_kl_loss",
             )
         )
-    if a.name == "dapo" and a.overlong_buffer >= cfg.rollout.max_response_length:
+    if spec.dapo and a.overlong_buffer >= cfg.rollout.max_response_length:
         out.append(
             Violation(
                 "algorithm.overlong_buffer",
@@ -420,7 +419,7 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                 "use a buffer smaller than the response length",
             )
         )
-    if a.dynamic_sampling and a.name != "dapo":
+    if a.dynamic_sampling and not spec.dapo:
         out.append(
             Violation(
                 "algorithm.dynamic_sampling",
@@ -429,7 +428,7 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                 "set algorithm.name: dapo or dynamic_sampling: false",
             )
         )
-    if not a.norm_adv_by_std and a.name not in ("grpo", "dapo"):  # asks for Dr. GRPO's undivided advantages
+    if not a.norm_adv_by_std and not spec.std_normalised:  # asks for Dr. GRPO's undivided advantages
         out.append(
             Violation(
                 "algorithm.norm_adv_by_std",
@@ -458,7 +457,7 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                     "e.g. [0.5, 2.0]",
                 )
             )
-    if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and a.name == "dapo":
+    if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and spec.dapo:
         out.append(
             Violation(
                 "actor.clip_ratio_high",

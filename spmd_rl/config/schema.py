@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from spmd_rl.config.runtime_schema import (
     CheckpointConfig,
@@ -24,6 +24,7 @@ from spmd_rl.config.runtime_schema import (
     TrainerConfig,
 )
 from spmd_rl.config.section import Section
+from spmd_rl.algos.specs import spec_named
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Ratio = Annotated[float, Field(gt=0.0)]
@@ -303,15 +304,23 @@ class RewardConfig(Section):
     )
 
 
+def _known_algorithm(name: str) -> str:
+    """A built-in algorithm, or a user's spec as ``module:attribute`` (ValueError names what is wrong)."""
+    spec_named(name)
+    return name
+
+
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dpo"] = Field(
+    name: Annotated[str, AfterValidator(_known_algorithm)] = Field(
         "grpo",
-        description="RL algorithm, i.e. the advantage estimator (algos.estimators): grpo and dapo group-normalise the "
+        description="RL algorithm (its spec: algos.specs), i.e. the advantage estimator (algos.estimators): grpo and "
+        "dapo group-normalise the "
         "reward; rloo subtracts the mean reward of the prompt's other samples; reinforce_pp (REINFORCE++) and "
         "reinforce_pp_baseline (the reward minus its group mean) whiten per-token discounted returns (algorithm.gamma) "
         "over the whole batch, with the KL in the reward when use_kl_loss is false; ppo trains a critic for GAE. dpo "
         "is offline preference training (algos.preference) on data.train_path's (prompt, chosen, rejected) rows: no "
-        "rollout, its own stage graph (pairs -> reference log-probs -> DPO update); rollout.n must be 2.",
+        "rollout, its own stage graph (pairs -> reference log-probs -> DPO update); rollout.n must be 2. A user's "
+        "algorithm: `module:attribute` naming an AlgorithmSpec (docs/extending.md).",
     )
     dpo_beta: float = Field(
         0.1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd_rl.algos.estimator_kinds import TOKEN_ESTIMATORS
+from spmd_rl.algos.specs import AlgorithmSpec, spec_named
 from spmd_rl.config.schema import Config
 
 ColumnKind = Literal["prompt", "response", "scalar", "routes"]
@@ -98,8 +98,13 @@ class Stage:
     every token): it cannot run per streamed wave, so it is never fused."""
 
 
+def algorithm(cfg: Config) -> AlgorithmSpec:
+    """The spec of ``algorithm.name`` (``algos.specs``): what every algorithm-dependent choice reads."""
+    return spec_named(cfg.algorithm.name)
+
+
 def needs_reference(cfg: Config) -> bool:
-    return cfg.algorithm.kl_coef > 0 or cfg.algorithm.name == "dpo"
+    return cfg.algorithm.kl_coef > 0 or algorithm(cfg).advantage == "preference"
 
 
 def reference_roles(cfg: Config) -> tuple[str, ...]:
@@ -109,7 +114,7 @@ def reference_roles(cfg: Config) -> tuple[str, ...]:
 
 
 def dynamic_sampling(cfg: Config) -> bool:
-    return cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling
+    return algorithm(cfg).dapo and cfg.algorithm.dynamic_sampling
 
 
 def partial_rollout(cfg: Config) -> bool:
@@ -178,7 +183,8 @@ def stages_for(cfg: Config) -> list[Stage]:
     """The stage graph of one iteration, in execution order. Invariants (tested): each stage
     reads exactly its ``inputs`` from the dock, every column written is read by a later stage,
     and only the stage's ``roles`` are resident while it runs."""
-    if cfg.algorithm.name == "dpo":
+    spec = algorithm(cfg)
+    if spec.advantage == "preference":
         return dpo_stages(cfg)
     turns: tuple[str, ...] = ("response_mask",) if multi_turn(cfg) else ()
     seq = ("prompt_ids", "response_ids") + turns
@@ -222,19 +228,19 @@ def stages_for(cfg: Config) -> list[Stage]:
         out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
         if off_policy(cfg):
             update_extra += ("old_log_prob",)
-    if cfg.algorithm.name == "ppo":
+    if spec.critic:
         out.append(Stage("critic_value", seq, ("values",), ("critic",)))
         adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(Stage("advantage", adv_in, ("advantages", "returns"), whole_batch=True))
         out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
-    elif cfg.algorithm.name in TOKEN_ESTIMATORS:  # REINFORCE++: per-token returns, whitened over the batch
+    elif spec.advantage == "token":  # REINFORCE++: per-token returns, whitened over the batch
         adv_in = ("reward", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(
             Stage(
                 "advantage",
                 adv_in,
                 ("advantages",),
-                group_granular=cfg.algorithm.name == "reinforce_pp_baseline",
+                group_granular=spec.group_relative,
                 whole_batch=True,
             )
         )
@@ -303,7 +309,7 @@ def resident_roles(cfg: Config, stage: Stage, graph: list[Stage]) -> set[str]:
 
 def advantage_column(cfg: Config) -> str:
     """Per-token ``advantages`` (PPO's GAE, REINFORCE++'s returns) or one ``seq_advantage`` per sample."""
-    return "advantages" if cfg.algorithm.name == "ppo" or cfg.algorithm.name in TOKEN_ESTIMATORS else "seq_advantage"
+    return algorithm(cfg).column
 
 
 def written_columns(stages: list[Stage]) -> list[str]:

@@ -6,6 +6,7 @@ recorded behaviour log-probs (``actor.tis_cap``).
 
 from __future__ import annotations
 
+from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
 
@@ -47,13 +48,13 @@ def check_partial(cfg: Config) -> list[Violation]:
                 f"set actor.mini_batch_size = data.global_batch_size ({cfg.data.global_batch_size})",
             )
         )
-    if cfg.algorithm.name == "ppo" or (cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling):
+    spec = spec_named(cfg.algorithm.name)
+    if spec.critic or (spec.dapo and cfg.algorithm.dynamic_sampling):
         out.append(
             Violation(
                 field,
                 b,
-                f"not supported with {cfg.algorithm.name}{' dynamic sampling' if cfg.algorithm.name == 'dapo' else ''} "
-                f"in this version",
+                f"not supported with {cfg.algorithm.name}{' dynamic sampling' if spec.dapo else ''} in this version",
                 "use algorithm.name: grpo (or dapo without dynamic_sampling), or partial_tokens: 0",
             )
         )
@@ -100,7 +101,7 @@ def check_separated(cfg: Config) -> list[Violation]:
     modes = {
         "stream.fuse": cfg.stream.fuse,
         "stream.partial_tokens": cfg.stream.partial_tokens > 0,
-        "algorithm.dynamic_sampling": cfg.algorithm.name == "dapo" and cfg.algorithm.dynamic_sampling,
+        "algorithm.dynamic_sampling": spec_named(cfg.algorithm.name).dapo and cfg.algorithm.dynamic_sampling,
     }
     for name, on in modes.items():
         if on:

@@ -1,4 +1,5 @@
-"""advantage: a critic-free estimator's advantages, or PPO's GAE with whitened advantages.
+"""advantage: a critic-free estimator's advantages, or PPO's GAE with whitened advantages; which
+one is the algorithm's spec (``algos.specs``: ``advantage``, ``estimator``, ``centre_scores``).
 
 - GRPO/DAPO/RLOO (group-granular): the sequence score s = r - beta sum_t kl_t when KL is in the
   reward (else s = r), then A = the registered sequence estimator of s
@@ -21,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
-from spmd_rl.algos.estimator_kinds import TOKEN_ESTIMATORS
 from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
+from spmd_rl.algos.specs import user_function
+from spmd_rl.config.stages import algorithm
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded
@@ -45,22 +47,24 @@ def _kl(call: StageCall, width: int) -> tuple[torch.Tensor | None, torch.Tensor]
 @register("advantage")
 def advantage(call: StageCall) -> StageResult:
     run, batch = call.run, call.batch
+    spec = algorithm(run.cfg)
     if not len(batch):  # every rank enters every collective, even with an empty share: the whitening's sums
-        if "values" in call.stage.inputs or run.cfg.algorithm.name in TOKEN_ESTIMATORS:
+        if spec.advantage in ("gae", "token"):
             dp_sums({"n": 0.0, "s": 0.0, "q": 0.0}, run.lay.train.group)
         return StageResult(sums={"adv_zero_groups": 0.0})
     rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
-    if "values" in call.stage.inputs:
+    if spec.advantage == "gae":
         return _gae(call, rewards)
-    if run.cfg.algorithm.name in TOKEN_ESTIMATORS:
-        return _reinforce(call, rewards)
+    if spec.advantage == "token":
+        return _reinforce(call, rewards, spec.centre_scores)
     n, sums = run.cfg.rollout.n, {}
     if "ref_log_prob" in batch.columns:
         width = int(torch.stack(batch.columns["response_length"]).max())
         kl, mask = _kl(call, width)
         rewards = rewards - run.cfg.algorithm.kl_coef * kl.sum(-1)
         sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
-    adv = SEQ_ESTIMATORS.lookup(run.cfg.algorithm.name)(rewards, n, run.cfg.algorithm.norm_adv_by_std)
+    estimator = user_function(spec.estimator) if ":" in spec.estimator else SEQ_ESTIMATORS.lookup(spec.estimator)
+    adv = estimator(rewards, n, run.cfg.algorithm.norm_adv_by_std)
     sums["adv_zero_groups"] = float((adv.reshape(-1, n) == 0).all(dim=1).sum())
     return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
 
@@ -98,11 +102,11 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     )
 
 
-def _reinforce(call: StageCall, scores: torch.Tensor) -> StageResult:
+def _reinforce(call: StageCall, scores: torch.Tensor, centre: bool) -> StageResult:
     run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
     lengths = torch.stack(cols["response_length"]).long()
     width = max(1, int(lengths.max()))
-    if algo.name == "reinforce_pp_baseline":
+    if centre:
         scores = group_centred(scores, run.cfg.rollout.n)
     kl, mask = _kl(call, width)
     returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.preference import get_preference_loss
+from spmd_rl.config.stages import algorithm
 from spmd_rl.trainer.stages.actor_update import on_host
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -57,7 +58,7 @@ def dpo_update(call: StageCall) -> StageResult:
         if len(batch)
         else torch.zeros(0, 2)
     )
-    loss_of = get_preference_loss(cfg.algorithm.name)
+    loss_of = get_preference_loss(algorithm(cfg).estimator)
     beta, eps = cfg.algorithm.dpo_beta, cfg.algorithm.dpo_label_smoothing
     per_rank = a.mini_batch_size // lay.dp
     micro = max(1, a.micro_batch_size // 2)

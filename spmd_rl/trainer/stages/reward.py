@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.core import overlong_penalty
-from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.config.stages import algorithm, ref_micro_batch_size
 from spmd_rl.engines.logprobs import split
 from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -52,7 +52,7 @@ def reward(call: StageCall) -> StageResult:
         sums["env_reward_sum"] = float(env.sum())
     lengths = torch.stack(batch.columns["response_length"])
     algo = cfg.algorithm
-    if algo.name == "dapo" and algo.overlong_buffer:
+    if algorithm(cfg).dapo and algo.overlong_buffer:
         scores = scores + overlong_penalty(
             lengths, cfg.rollout.max_response_length, algo.overlong_buffer, algo.overlong_penalty
         )

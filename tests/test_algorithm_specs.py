@@ -1,0 +1,85 @@
+"""Algorithms are specs (``algos.specs``): the stage graph, the rules and the advantage stage
+read an algorithm's spec, and a user's spec from their own module (tests/helpers/algorithms.py)
+is checked, graphed and computed like a built-in one, with no edit to the package; its
+end-to-end run is ``test_algorithms_torchrun.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_rl.algos.specs import ALGORITHMS, AlgorithmSpec, spec_named
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.rules import check
+from spmd_rl.config.stages import advantage_column, stages_for
+from tests.conftest import REPO
+
+USER = "tests.helpers.algorithms:MEDIAN"
+
+
+def _cfg(*overrides: str):
+    return load_config(REPO / "configs/quickstart.yaml", list(overrides))
+
+
+def test_every_built_in_is_registered_under_its_own_name():
+    assert sorted(ALGORITHMS) == ["dapo", "dpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert all(spec.name == name for name, spec in ALGORITHMS.items())
+    assert [n for n, s in ALGORITHMS.items() if s.critic] == ["ppo"]
+    assert {n for n, s in ALGORITHMS.items() if s.group_relative} == {
+        "grpo",
+        "dapo",
+        "rloo",
+        "reinforce_pp_baseline",
+        "dpo",
+    }
+
+
+def test_a_users_spec_is_graphed_and_checked_like_a_built_in(in_repo):
+    cfg = _cfg(f"algorithm.name={USER}")
+    graph = stages_for(cfg)
+    adv = next(s for s in graph if s.name == "advantage")
+    assert adv.outputs == ("seq_advantage",) and adv.group_granular and advantage_column(cfg) == "seq_advantage"
+    assert [s.name for s in graph] == [s.name for s in stages_for(_cfg("algorithm.name=rloo"))]
+    # a group-relative algorithm: whole groups per training DP rank, N >= 2 (the rules read the spec)
+    fields = {v.field for v in check(_cfg(f"algorithm.name={USER}", "rollout.n=1"))[1]}
+    assert "rollout.n" in fields
+    fields = {
+        v.field for v in check(_cfg(f"algorithm.name={USER}", "data.global_batch_size=3", "actor.mini_batch_size=3"))[1]
+    }
+    assert "data.global_batch_size" in fields
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("tests.helpers.algorithms:median_baseline", "is not an AlgorithmSpec"),
+        ("tests.helpers.no_such_module:SPEC", "not importable"),
+        ("reinforce", "unknown algorithm 'reinforce'; registered: dapo, dpo, grpo"),
+    ],
+)
+def test_a_bad_algorithm_name_is_refused_naming_the_problem(name, problem):
+    with pytest.raises(ValueError, match=problem):
+        spec_named(name)
+
+
+def test_a_spec_must_be_named_by_its_path(monkeypatch):
+    import tests.helpers.algorithms as module
+
+    monkeypatch.setattr(module, "OTHER", AlgorithmSpec("other", "sequence", "grpo"), raising=False)
+    with pytest.raises(ValueError, match="name it by its path"):
+        spec_named("tests.helpers.algorithms:OTHER")
+
+
+def test_the_advantage_stage_runs_the_users_estimator(world_of_one):
+    """Through the stage, on one rank: A_i = r_i - median of its group, computed here by hand."""
+    from types import SimpleNamespace
+
+    from spmd_rl.trainer.stages.advantage import advantage
+
+    rewards = [1.0, 0.0, 0.5, 0.25, 2.0, 2.0, 0.0, 1.0]
+    batch = type("Batch", (), {"columns": {"reward": [torch.tensor(r) for r in rewards]}, "__len__": lambda self: 8})()
+    algorithm = SimpleNamespace(name=USER, norm_adv_by_std=True, kl_coef=0.0)
+    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)))
+    out = advantage(SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("reward",))))
+    want = [1.0 - 0.25, 0.0 - 0.25, 0.5 - 0.25, 0.0, 1.0, 1.0, -1.0, 0.0]  # lower middles: 0.25 and 1.0
+    assert out.columns["seq_advantage"].tolist() == want
