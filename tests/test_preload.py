@@ -197,6 +197,40 @@ def test_a_child_spawned_by_multiprocessing_runs_as_itself(server, tmp_path):
     assert server.log().count("forked") == 1  # the program's copy, not its spawned child
 
 
+RACE = """
+import os, socket, sys
+from spmd_rl.launcher import preload
+server = preload.Server(sys.argv[1], set(), sys.stderr)
+server.bind()
+ours, stub = socket.socketpair()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+server.children[pid], server.by_conn[ours] = ours, pid
+preload._send_frame(stub, {"signal": 15})  # the stub forwards a signal as its copy exits
+os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+r, w = os.pipe()
+os.close(w)  # the parent's pipe at EOF: serve returns after this round
+print(server.serve(until_eof_of=r), preload._recv_frame(stub))
+"""
+
+
+def test_a_stub_whose_copy_exits_in_the_same_round_is_answered_and_the_server_serves_on(tmp_path):
+    """One select round sees a stub's frame, then the reaper finds its copy exited, answers the
+    stub and closes its connection: the frame is not read from the closed connection (the
+    server died of a KeyError there, and every later rank imported by itself)."""
+    out = subprocess.run(
+        [sys.executable, "-c", RACE, str(tmp_path / "s")],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "{'status':", f"{7 << 8}}}"], out.stdout
+
+
 def test_a_killed_stub_takes_its_copy_with_it(server, tmp_path):
     prog = script(tmp_path, "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     p = stub(server, prog)

@@ -314,7 +314,7 @@ class Server:
                     elif item == until_eof_of:
                         if not os.read(until_eof_of, 4096):
                             return None
-                    else:
+                    elif item in self.by_conn:  # not if _reap has just closed it (its copy exited)
                         self._from_stub(item)
         finally:
             if os.getpid() == server_pid:
