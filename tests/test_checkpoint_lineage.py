@@ -6,6 +6,7 @@ not duplicated."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from spmd_rl.trainer.checkpoint import complete_checkpoints, folder_for, origin_of, resume_folder
@@ -109,8 +110,17 @@ def test_wandb_runs_follow_lineages_with_iteration_as_their_axis(tmp_path, monke
         files.setdefault(path.stem.removeprefix("run-"), []).append(path)
     assert sorted(files) == ["exp-7-aaa", "exp-7-bbb"]
     logged = lambda run_id: [(row["iteration"], row["loss"]) for p in files[run_id] for row in history(p)]  # noqa: E731
-    assert logged("exp-7-aaa") == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 1.0), (2, 2.0), (3, 3.0)]
-    assert logged("exp-7-bbb") == [(0, 0.0), (1, 1.0)]
+    # W&B's service may still be writing the last run's file when finish() returns (seen once
+    # with both cores busy: the file there, no rows yet): read until it holds what was logged
+    want = {
+        "exp-7-aaa": [(0, 0.0), (1, 1.0), (2, 2.0), (1, 1.0), (2, 2.0), (3, 3.0)],
+        "exp-7-bbb": [(0, 0.0), (1, 1.0)],
+    }
+    deadline = time.monotonic() + 30
+    while any(logged(k) != v for k, v in want.items()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert logged("exp-7-aaa") == want["exp-7-aaa"]
+    assert logged("exp-7-bbb") == want["exp-7-bbb"]
     for paths in files.values():
         metrics = [r.metric for p in paths for r in records(p) if r.WhichOneof("record_type") == "metric"]
         assert any(m.glob_name == "*" and m.step_metric == "iteration" for m in metrics), metrics
