@@ -85,3 +85,42 @@ def test_the_launcher_and_validate_import_no_torch():
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]", res.stdout
+
+
+def _layers() -> dict[str, int]:
+    """docs/design.md's layer list: package -> layer number (1 is the bottom)."""
+    import re
+
+    text = (REPO / "docs/design.md").read_text()
+    block = text[text.index("<!-- layers -->") : text.index("<!-- /layers -->")]
+    return {
+        name.strip(): int(n) for n, names in re.findall(r"^(\d+)\. (.+)$", block, re.M) for name in names.split(",")
+    }
+
+
+def test_imports_follow_the_layers_docs_design_states():
+    """Every package of spmd_rl has a layer in docs/design.md, and every import goes to the
+    importer's layer or below."""
+    layers, graph = _layers(), _graph()
+    top = lambda module: module.split(".")[1] if "." in module else None  # noqa: E731  spmd_rl.x.y -> x
+    tops = {top(m) for m in graph} - {None}
+    assert tops <= set(layers), f"packages without a layer in docs/design.md: {sorted(tops - set(layers))}"
+    upward = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if top(m) and top(d) and layers[top(d)] > layers[top(m)]
+    )
+    assert not upward, "imports reaching up a layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_finds_an_upward_import(monkeypatch):
+    import tests.test_import_graph as me
+
+    monkeypatch.setattr(me, "_graph", lambda: {"spmd_rl.algos.x": {"spmd_rl.trainer.y"}, "spmd_rl.trainer.y": set()})
+    try:
+        test_imports_follow_the_layers_docs_design_states()
+    except AssertionError as e:
+        assert "spmd_rl.algos.x -> spmd_rl.trainer.y" in str(e)
+    else:
+        raise AssertionError("an upward import passed")
