@@ -83,3 +83,43 @@ def test_the_advantage_stage_runs_the_users_estimator(world_of_one):
     out = advantage(SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("reward",))))
     want = [1.0 - 0.25, 0.0 - 0.25, 0.5 - 0.25, 0.0, 1.0, 1.0, -1.0, 0.0]  # lower middles: 0.25 and 1.0
     assert out.columns["seq_advantage"].tolist() == want
+
+
+def test_the_torch_free_policy_loss_names_are_the_registered_ones():
+    from spmd_rl.algos.policy_loss import POLICY_LOSSES
+    from spmd_rl.algos.specs import POLICY_LOSS_NAMES
+
+    assert sorted(POLICY_LOSS_NAMES) == sorted(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("foo", "unknown policy loss 'foo'"),
+        ("tests.helpers.no_such:loss", "not found"),
+        ("tests.helpers.algorithms:1x", "not a name"),
+    ],
+)
+def test_a_bad_policy_loss_is_refused_by_validate(in_repo, name, problem):
+    with pytest.raises(Exception, match=problem):
+        _cfg(f"actor.policy_loss={name}")
+
+
+def test_a_users_policy_loss_has_the_on_policy_gradient_of_the_clipped_surrogate():
+    """tests/helpers/algorithms.py's plain_pg (-A log pi): on policy (old = new log-probs) its
+    gradient is the clipped surrogate's (-A d ratio = -A d log pi at ratio 1), its value is not."""
+    from spmd_rl.algos.policy_loss import ClipConfig, get_policy_loss
+    from spmd_rl.algos.specs import user_function
+
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 5, dtype=torch.float64)).requires_grad_()
+    adv, mask = torch.randn(3, dtype=torch.float64), torch.ones(3, 5)
+    mask[1, 3:] = 0
+    clip = ClipConfig(0.2, 0.2, None, "token-mean")
+    user = user_function("tests.helpers.algorithms:plain_pg")(logp, logp.detach(), adv, mask, clip)
+    vanilla = get_policy_loss("vanilla")(logp, logp.detach(), adv, mask, clip)
+    (g_user,) = torch.autograd.grad(user.loss, logp)
+    (g_vanilla,) = torch.autograd.grad(vanilla.loss, logp)
+    assert torch.allclose(g_user, g_vanilla, atol=1e-12)
+    want = -(adv[:, None] * logp.detach() * mask).sum() / mask.sum()
+    assert torch.allclose(user.loss.detach(), want) and not torch.allclose(user.loss, vanilla.loss)

@@ -86,9 +86,12 @@ def test_icepop_and_mis_bands_mask_and_reject(tiny_model, tmp_path, etcd, grpo):
 
 @pytest.mark.slow
 def test_a_users_algorithm_from_its_own_module_trains(tiny_model, tmp_path, etcd):
-    """``algorithm.name: tests.helpers.algorithms:MEDIAN``: the run trains, and every sample's
-    ``seq_advantage`` in the dock is its reward minus its prompt group's median (the lower middle
-    value), as the user's function defines it, recomputed here from the dock's rewards."""
+    """``algorithm.name: tests.helpers.algorithms:MEDIAN`` and ``actor.policy_loss:
+    tests.helpers.algorithms:plain_pg``: the run trains; every sample's ``seq_advantage`` in the
+    dock is its reward minus its prompt group's median (the lower middle value), as the user's
+    function defines it, recomputed here from the dock's rewards; and the logged loss is the
+    user's -sum A log pi / tokens (token-mean), recomputed from the dock's rollout log-probs
+    (vLLM's, within 1e-5 of the trainer's), not the clipped surrogate's -sum A / tokens."""
     dump = tmp_path / "dump"
     row = train(
         tmp_path,
@@ -97,6 +100,7 @@ def test_a_users_algorithm_from_its_own_module_trains(tiny_model, tmp_path, etcd
         *ONE,
         *LAYOUTS["dp2-micro16"],
         "algorithm.name=tests.helpers.algorithms:MEDIAN",
+        "actor.policy_loss=tests.helpers.algorithms:plain_pg",
         extra_env=dump_env(dump),
     )[0]
     assert row["grad_norm"] > 0
@@ -107,3 +111,10 @@ def test_a_users_algorithm_from_its_own_module_trains(tiny_model, tmp_path, etcd
         group = sorted(float(rewards[j]) for j in range(i - i % N, i - i % N + N))
         assert abs(float(adv[i]) - (float(rewards[i]) - group[(N - 1) // 2])) < 1e-6, (i, group, float(adv[i]))
     assert any(float(a) != 0 for a in adv.values())
+    lengths = {i: int(cols["response_length"][i]) for i in adv}
+    logp = {i: cols["rollout_log_prob"][i].double()[: lengths[i]].sum() for i in adv}
+    tokens = sum(lengths.values())
+    want = -sum(float(adv[i]) * float(logp[i]) for i in adv) / tokens
+    surrogate = -sum(float(adv[i]) * lengths[i] for i in adv) / tokens
+    assert abs(row["loss"] - want) < 1e-3 * abs(want) + 1e-4, (row["loss"], want, surrogate)
+    assert abs(want - surrogate) > 10 * (1e-3 * abs(want) + 1e-4)  # the two objectives are told apart

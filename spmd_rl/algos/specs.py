@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +99,31 @@ def spec_named(name: str) -> AlgorithmSpec:
     if spec.name != name:
         raise ValueError(f"algorithm {name!r}: the spec is named {spec.name!r}; name it by its path, {name!r}")
     return spec
+
+
+POLICY_LOSS_NAMES = ("vanilla", "gspo", "cispo")
+"""The policy objectives ``algos.policy_loss`` registers, by name, for the torch-free config
+check (a test keeps the two equal)."""
+
+
+def check_policy_loss(name: str) -> str:
+    """A registered policy objective, or a user's ``module:function`` with the registered ones'
+    signature (``algos.policy_loss``), whose module can be found (it is imported by the ranks
+    only: it may import torch). ValueError naming what is wrong otherwise."""
+    if ":" not in name:
+        if name not in POLICY_LOSS_NAMES:
+            raise ValueError(
+                f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSS_NAMES)}; or a user's module:function"
+            )
+        return name
+    module, _, attr = name.partition(":")
+    try:
+        found = bool(module) and attr.isidentifier() and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"policy loss {name!r}: module {module!r} not found or {attr!r} not a name")
+    return name
 
 
 def user_function(path: str):

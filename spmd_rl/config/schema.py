@@ -24,7 +24,7 @@ from spmd_rl.config.runtime_schema import (
     TrainerConfig,
 )
 from spmd_rl.config.section import Section
-from spmd_rl.algos.specs import spec_named
+from spmd_rl.algos.specs import check_policy_loss, spec_named
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Ratio = Annotated[float, Field(gt=0.0)]
@@ -175,11 +175,12 @@ class ActorConfig(Section):
         description="How per-token losses reduce to one scalar, normalised over the whole mini-batch (all DP ranks): "
         "token-mean divides by its token count, the seq-mean modes by its sequence count.",
     )
-    policy_loss: Literal["vanilla", "gspo", "cispo"] = Field(
+    policy_loss: Annotated[str, AfterValidator(check_policy_loss)] = Field(
         "vanilla",
         description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high "
         "(DAPO clip-higher when high > low); gspo = sequence-level ratio; cispo = MiniMax-M1's clipped, detached "
-        "importance weight times the log-prob (every token keeps a gradient).",
+        "importance weight times the log-prob (every token keeps a gradient); or a user's `module:function` with "
+        "their signature (docs/extending.md).",
     )
     tis_cap: float | None = Field(
         None,

@@ -1,6 +1,7 @@
-"""A user's algorithm (``algorithm.name: tests.helpers.algorithms:MEDIAN``), defined the way a
-user defines one in their own module, with no edit to the package: a spec naming its estimator
-as ``module:function``."""
+"""A user's algorithm (``algorithm.name: tests.helpers.algorithms:MEDIAN``) and policy loss
+(``actor.policy_loss: tests.helpers.algorithms:plain_pg``), defined the way a user defines them
+in their own module, with no edit to the package: a spec naming its estimator as
+``module:function``, and a loss with the registered losses' signature."""
 
 from __future__ import annotations
 
@@ -17,3 +18,13 @@ def median_baseline(rewards, group_size: int, norm_by_std: bool):
 MEDIAN = AlgorithmSpec(
     "tests.helpers.algorithms:MEDIAN", "sequence", "tests.helpers.algorithms:median_baseline", group_relative=True
 )
+
+
+def plain_pg(logp, old_logp, advantages, mask, clip, norm=None, weight=None):
+    """REINFORCE's -A log pi(y_t) per token (no ratio, no clip; the same gradient as the clipped
+    surrogate on policy), aggregated as the registered objectives are (``algos.policy_loss``)."""
+    from spmd_rl.algos.policy_loss import PolicyLossOut, aggregate
+
+    adv = advantages if advantages.dim() == logp.dim() else advantages[:, None]
+    per_token = -adv * logp * (1.0 if weight is None else weight)
+    return PolicyLossOut(aggregate(per_token, mask, clip.agg_mode, norm), logp.new_zeros(()))
