@@ -116,14 +116,20 @@ def check_policy_loss(name: str) -> str:
                 f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSS_NAMES)}; or a user's module:function"
             )
         return name
-    module, _, attr = name.partition(":")
-    try:
-        found = bool(module) and attr.isidentifier() and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not findable(name):
+        module, _, attr = name.partition(":")
         raise ValueError(f"policy loss {name!r}: module {module!r} not found or {attr!r} not a name")
     return name
+
+
+def findable(path: str) -> bool:
+    """``module:attribute`` whose module can be found on the path, without importing it (the
+    torch-free config check of a user's function: the ranks import it)."""
+    module, sep, attr = path.partition(":")
+    try:
+        return bool(sep and module) and attr.isidentifier() and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def user_function(path: str):

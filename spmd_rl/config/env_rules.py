@@ -3,8 +3,7 @@ rest of the config, and the combinations this version refuses with the reason.""
 
 from __future__ import annotations
 
-import importlib.util
-
+from spmd_rl.algos.specs import findable
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import Config
@@ -90,12 +89,8 @@ def _check_name(name: str) -> list[Violation]:
                 )
             ]
         return []
-    module, _, func = name.partition(":")
-    try:
-        found = bool(module) and func.isidentifier() and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not findable(name):
+        module, _, func = name.partition(":")
         return [
             Violation(
                 "rollout.environment",

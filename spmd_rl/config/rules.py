@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from spmd_rl.algos.specs import findable
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
 from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment
@@ -335,11 +336,7 @@ def _check_reward(cfg: Config) -> list[Violation]:
                 f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score",
             )
         ]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not findable(r.rule):
         return [
             Violation(
                 "reward.rule",
