@@ -237,8 +237,7 @@ def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
 def build_roles(cfg, acc, mesh, graph) -> dict:
     """One engine per training-side role the graph uses (``Stage.roles``), FSDP2 over the
     training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the
-    actor's or
-    its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
+    actor's or its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
     needed = {r for s in graph for r in s.roles}
     policy = SamplingPolicy.of(cfg.rollout)
     dtype = cfg.model.dtype

@@ -19,14 +19,14 @@ COVERED = {
     "data.max_prompt_length": "test_rewards_data.py",
     "rollout.engine": "test_cli_validate.py::test_broken_config_names_field",
     "rollout.n": "test_invariance_torchrun.py::test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16",
-    "rollout.temperature": "test_invariance_torchrun.py::test_training_layout_does_not_change_the_objective_and_logprob"
-    "s_match_vllm",
+    "rollout.temperature": "test_invariance_torchrun.py::"
+    "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
     "rollout.max_response_length": "test_cli_validate.py::test_broken_config_names_field",
     "rollout.environment": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.max_turns": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.tool_timeout_s": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
-    "rollout.unsafe_python_without_jail": "test_env_rules.py::test_the_python_environment_runs_its_code_in_the_jail_unl"
-    "ess_told_otherwise",
+    "rollout.unsafe_python_without_jail": "test_env_rules.py::"
+    "test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise",
     "actor.lr": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.lr_schedule": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
@@ -42,16 +42,16 @@ COVERED = {
     "actor.mis_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
     "actor.lora": "test_lora_torchrun.py::test_lora_run_reference_checkpoint_and_export",
     "algorithm.dpo_beta": "test_dpo_torchrun.py::test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split",
-    "algorithm.dpo_label_smoothing": "test_dpo_torchrun.py::test_dpo_objective_starts_at_log2_and_does_not_depend_on_th"
-    "e_split",
+    "algorithm.dpo_label_smoothing": "test_dpo_torchrun.py::"
+    "test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split",
     "data.chosen_column": "test_preference.py::test_the_run_reads_its_preference_columns",
     "data.rejected_column": "test_preference.py::test_the_run_reads_its_preference_columns",
-    "actor.router_replay": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_carri"
-    "es",
-    "actor.moe_aux_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_c"
-    "arries",
-    "actor.moe_z_loss_coef": "test_route_replay_torchrun.py::test_the_trainer_reads_the_routes_vllm_returned_across_car"
-    "ries",
+    "actor.router_replay": "test_route_replay_torchrun.py::"
+    "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
+    "actor.moe_aux_loss_coef": "test_route_replay_torchrun.py::"
+    "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
+    "actor.moe_z_loss_coef": "test_route_replay_torchrun.py::"
+    "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
     "reward.kind": "test_cli_validate.py::test_broken_config_names_field",
     "reward.rule": "test_math_verify.py::test_training_with_math_verify_on_latex_answers",
     "reward.model_path": "test_cli_validate.py::test_broken_config_names_field",
@@ -59,21 +59,21 @@ COVERED = {
     "algorithm.name": "test_cli_validate.py::test_broken_config_names_field",
     "algorithm.kl_coef": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
     "algorithm.use_kl_loss": "test_cli_validate.py::test_broken_config_names_field",
-    "algorithm.dynamic_sampling": "test_invariance_torchrun.py::test_dapo_dynamic_sampling_trains_only_signal_groups_in"
-    "_bf16",
-    "algorithm.max_extra_rounds": "test_invariance_torchrun.py::test_dapo_dynamic_sampling_trains_only_signal_groups_in"
-    "_bf16",
-    "parallel.train.dp_shard": "test_invariance_torchrun.py::test_training_layout_does_not_change_the_objective_and_log"
-    "probs_match_vllm",
-    "parallel.train.tp": "test_invariance_torchrun.py::test_training_layout_does_not_change_the_objective_and_logprobs_"
-    "match_vllm",
+    "algorithm.dynamic_sampling": "test_invariance_torchrun.py::"
+    "test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16",
+    "algorithm.max_extra_rounds": "test_invariance_torchrun.py::"
+    "test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16",
+    "parallel.train.dp_shard": "test_invariance_torchrun.py::"
+    "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
+    "parallel.train.tp": "test_invariance_torchrun.py::"
+    "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
     "parallel.gen.dp": "test_elastic_torchrun.py",
     "parallel.gen.tp": "test_cli_validate.py::test_broken_config_names_field",
     "parallel.gen.expert_parallel": "test_backend_rules.py::test_generation_expert_parallelism_is_a_device_option",
     "parallel.nproc_per_node": "test_elastic_torchrun.py",
     "parallel.nnodes": "test_elastic_torchrun.py",
-    "parallel.placement": "test_async_torchrun.py::test_separated_placement_bounds_the_lag_sends_exact_weights_and_resu"
-    "mes",
+    "parallel.placement": "test_async_torchrun.py::"
+    "test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes",
     "parallel.gen_ranks": "test_separated.py::test_the_sides_split_the_world",
     "dock.mode": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "dock.token": "test_cli_validate.py::test_broken_config_names_field",
@@ -136,10 +136,10 @@ COVERED = {
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
     "dock.tp_relay_min_bytes": "test_dock_relay.py::test_tp_ranks_receive_their_own_share_with_one_remote_copy",
-    "dock.buffer_pool_bytes": "test_host_pool.py::test_dock_returns_the_same_data_with_and_without_the_pool_and_reuses_"
-    "buffers",
-    "stream.max_policy_lag": "test_runtime_fields_torchrun.py::test_max_policy_lag_two_trains_on_samples_two_updates_ol"
-    "d",
+    "dock.buffer_pool_bytes": "test_host_pool.py::"
+    "test_dock_returns_the_same_data_with_and_without_the_pool_and_reuses_buffers",
+    "stream.max_policy_lag": "test_runtime_fields_torchrun.py::"
+    "test_max_policy_lag_two_trains_on_samples_two_updates_old",
     "stream.fuse": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "stream.partial_tokens": "test_partial_rollout.py::test_partial_rollout_trains_every_group_once_and_resumes",
     "stream.micro_batch_size": "test_fusion.py::test_wave_size_follows_micro_batch_size",

@@ -19,8 +19,7 @@ got it right) - (1 if the start got it right); the mean of d, the gain of the me
 the run, must be at least Z standard errors (one-sided: a policy whose accuracy on such prompts
 did not change passes with probability about 0.6 % at Z = 2.5 on the 32 trained prompts, 0.13 %
 at Z = 3 on the 500 held-out ones) and at least a minimum gain. Pairing removes the prompts both evaluations get right
-or wrong from the noise,
-and the mean over several evaluations removes most of one policy's eval-to-eval swing (about
+or wrong from the noise, and the mean over several evaluations removes most of one policy's eval-to-eval swing (about
 +-0.04 on the held-out set: on an Intel AMX machine GRPO went 0.242 -> 0.336 after 10
 iterations and was at 0.264 after 60, so a final evaluation alone failed a run that had
 learned). The held-out check also passes on the final policy beating the start by ``MARGIN``

@@ -84,8 +84,7 @@ def test_megatron_checkpoint_resumes_in_another_layout(layouts):
     """Written with TP 2 + SP (DP 1), read with TP 1 (DP 2, the distributed optimizer split
     differently) and with two pipeline stages (each reads its own layers; the last stage's copy
     of the tied embedding reads the embedding): the weights come back bit for bit, the next update equals the writer's
-    own
-    next update (AdamW moments and step count restored: a lost moment or step changes it by
+    own next update (AdamW moments and step count restored: a lost moment or step changes it by
     about lr), and ``spmd-rl export``'s reader sees the same HF weights."""
     for reader in ("tp1-dp2", "pp2"):
         for rank in range(2):

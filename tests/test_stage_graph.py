@@ -1,7 +1,6 @@
 """The declared stage graph is the one that runs: every column a stage (or the data loader,
 prompts with their answers) writes is read by a later stage (nothing is written for nobody), every input of a stage is
-written before it,
-every stage has a registered function and declares known roles, and GRPO's advantage is one
+written before it, every stage has a registered function and declares known roles, and GRPO's advantage is one
 scalar per sample while PPO's is per token."""
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ def run(args, mode: str) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict:
     steady = rows[1:] or rows
-    # noqa: E731
     mean = lambda k: statistics.mean(r[k] for r in steady if k in r) if any(k in r for r in steady) else float("nan")
     return {
         "curve": [(r["iteration"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r],

@@ -22,8 +22,7 @@ re-runs the repacking) and resets the prefix cache; and a tied LM head is re-pac
 reloaded embedding (vLLM CPU keeps a stale packed copy otherwise, as ``engines.weight_receiver``
 does for spmd-rl). A third matches the work: TRL builds vLLM with dtype "auto", which runs a
 float32 model in bf16; the benchmark passes ``model.dtype``. ``--check-sync`` perturbs the weights after training,
-syncs, and reports
-the largest difference between vLLM's prompt log-probs and HF's (it must be float rounding).
+syncs, and reports the largest difference between vLLM's prompt log-probs and HF's (it must be float rounding).
 
 Matched to the config: G prompts x N generations per optimizer step (one step per
 generation), beta = 0, the same lr, temperature, SL and max grad norm, the same master dtype

@@ -6,8 +6,7 @@ in one process that owns every core, with none of spmd-rl around them.
   same SL, same dtype), after one warm-up call;
 - training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
   padded, longest first as the trainer orders them; the response log-probs of ``engines.logprobs``, a token-mean
-  policy-gradient loss,
-  backward in micro-batches of ``actor.micro_batch_size x train DP`` samples, and at most
+  policy-gradient loss, backward in micro-batches of ``actor.micro_batch_size x train DP`` samples, and at most
   ``actor.micro_batch_tokens x train DP`` tokens when that is set; AdamW), after one warm-up
   step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
   differs, as the FSDP engine's mixed precision does; decoder layers compiled when

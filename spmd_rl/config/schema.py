@@ -3,8 +3,7 @@
 A config is a YAML file plus dotted ``key=value`` overrides (see ``loader.py``). This module
 holds the model, data, rollout and training sections and ``Config``; the runtime sections are
 in ``runtime_schema``. The schema checks types and per-field ranges only; rules that relate fields to each other, to the
-world
-size or to files on disk live in ``rules.py`` so that all violations can be reported at once.
+world size or to files on disk live in ``rules.py`` so that all violations can be reported at once.
 """
 
 from __future__ import annotations

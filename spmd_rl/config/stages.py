@@ -49,8 +49,7 @@ DAPO: a group-normalised reward, the same for every token). ``answer`` is the re
 of the sample's prompt as UTF-8 bytes, written with the prompt by the data loader. Partial
 rollout adds ``response_version`` (the policy version, i.e. the number of updates, that
 generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new
-one, and whether it
-already finished). Multi-turn rollouts (``rollout.environment``) add ``response_mask`` (1 on
+one, and whether it already finished). Multi-turn rollouts (``rollout.environment``) add ``response_mask`` (1 on
 sampled tokens, 0 on inserted ones: every stage that computes per-token terms reads it) and
 ``env_reward`` (the environment's summed reward contributions)."""
 

@@ -5,8 +5,7 @@ process) and publishes one put-record in etcd; a stage's get waits for its input
 controller, takes its DP group's share of the split, and fetches each (column, index) from the
 warehouse that holds it: its own node's in process (the serving rank, ``dock.local``) or
 through shared memory (the node's other ranks, ``dock.same_node``). Centralized mode (the paper's replay-buffer
-baseline): rank 0 serves
-the only warehouse and every put and get goes through it.
+baseline): rank 0 serves the only warehouse and every put and get goes through it.
 
 Within a DP group every TP rank computes the same split. Its remote part is fetched once, by
 the group's TP leader, and relayed to the TP ranks on the leader's node through their node's

@@ -9,8 +9,7 @@ TLS (``EtcdTLS``): the session verifies etcd against the job's CA and presents t
 certificate; it ignores $REQUESTS_CA_BUNDLE and proxy variables, which requests would
 otherwise let override the CA. Plain HTTP ignores proxy variables too: etcd is reached
 directly, never through a proxy a user set for the outside world. A refused handshake fails at once with the fix, not
-after
-``retry_s``.
+after ``retry_s``.
 
 Keys live under ``/<job>/``; per-iteration data under ``/<job>/<iteration>/``. Values are bytes
 (JSON from callers), never pickles. Every call retries a lost etcd with exponential backoff for

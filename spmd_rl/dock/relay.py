@@ -8,8 +8,7 @@ relay columns ``relay/<stage>/<call>/<dp>/<column>``, creates the etcd key
 ``/<job>/<iteration>/relay/<stage>/<call>/<dp>``, then fetches its local part; meanwhile the TP
 ranks on its node fetch their local part as before and, once the key exists, the remote part
 from their own node's warehouse, through shared memory (``dock.same_node``) or in process. ``commit`` frees relay
-columns and keys with
-the iteration.
+columns and keys with the iteration.
 
 The relay runs only where it can pay: TP > 1, distributed mode, at least one other TP rank on
 the leader's node, and at least ``dock.tp_relay_min_bytes`` of the share held on other nodes

@@ -12,8 +12,7 @@ Budgets per trajectory: at most ``max_turns`` sampled turns and ``max_tokens`` r
 trajectories across iterations (``advance`` with ``segment`` = B): each samples at most B more
 tokens per call and is then paused, mid-turn or before its next turn; the next iteration
 rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not
-returned
-after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
+returned after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
 goes on; an environment that raises becomes an error observation (``tool_errors``). Turn t of
 trajectory k is seeded ``request_seed(seed, its sample index, t)``, so a rerun samples the same trajectories.
 """

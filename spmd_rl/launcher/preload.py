@@ -26,11 +26,11 @@ from its own in any variable but the ones torchrun and ``spmd-rl train`` set per
 (``RANK_VARIABLES``, ``SPMD_RL_*``, ``TORCHELASTIC_*``), and refuses those too where its
 imports looked one up (it records every lookup, misses included). ``OMP_NUM_THREADS`` is
 applied in the child (``torch.set_num_threads``). The server imports only libraries, never
-the program itself: the child runs the program's module-level code fresh. What a fresh interpreter runs at start with
-the
-rank's environment and argv, ``sitecustomize`` and ``usercustomize``, the child runs again with
-the request's (``sys.orig_argv`` included), after the server ran them with its own: they must
-bear running twice, as ``site`` does not guard them either. A refused or
+the program itself: the child runs the program's module-level code fresh. What a fresh
+interpreter runs at start with the rank's environment and argv, ``sitecustomize`` and
+``usercustomize``, the child runs again with the request's (``sys.orig_argv`` included), after
+the server ran them with its own: they must bear running twice, as ``site`` does not guard them
+either. A refused or
 unreachable server costs nothing but the time: ``delegate`` returns and the rank imports and
 runs by itself.
 

@@ -133,8 +133,7 @@ class Residency:
     def iteration_memory(self, phases: list[str]) -> dict[str, float]:
         """Metrics of this rank: the ledger total at each phase's entry (``mem_<phase>_bytes``),
         off CPU the device bytes in use then (``mem_<phase>_device_bytes``, from the driver: vLLM's
-        memory included), and the
-        reference's resident bytes at the last phase (0 when it went back to host)."""
+        memory included), and the reference's resident bytes at the last phase (0 when it went back to host)."""
         out = {}
         for p in phases:
             out[f"mem_{p}_bytes"] = float(self.ledger.total(p))

@@ -2,8 +2,7 @@
 
 ``<dir>/iter_000012/`` holds the actor's DCP shards (params, optimizer, LR schedule), PPO's
 critic in ``critic/`` (the same), and ``trainer_state.json`` (iteration, sampler position, RNG, base model path). Every
-rank writes
-its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 (separated placement: the
+rank writes its DCP shards into ``iter_000012.tmp/``; after a barrier rank 0 (separated placement: the
 training leader, ``distributed.sides``) writes the trainer state and renames the folder, so a folder without ``.tmp`` is
 always complete.
 

@@ -191,7 +191,6 @@ def build_model(  # noqa: PLR0913
     folder = SafetensorsFolder(path)
     per = s.experts // ep
     own = {to_global(n, s.layers, pp, stage, s.tied, per, ep_rank): p for n, p in model.named_parameters()}
-    # noqa: E731
     mine = lambda n: stage_of(n, s.layers, pp) == stage and (expert_of(n) is None or expert_of(n) // per == ep_rank)
     expected = [n for n in mcore_names(s, cfg.add_qkv_bias, cfg.qk_layernorm) if mine(n)]
     if pp > 1 and s.tied and stage == pp - 1:
