@@ -109,14 +109,13 @@ def test_a_users_policy_loss_has_the_on_policy_gradient_of_the_clipped_surrogate
     """tests/helpers/algorithms.py's plain_pg (-A log pi): on policy (old = new log-probs) its
     gradient is the clipped surrogate's (-A d ratio = -A d log pi at ratio 1), its value is not."""
     from spmd_rl.algos.policy_loss import ClipConfig, get_policy_loss
-    from spmd_rl.algos.specs import user_function
 
     torch.manual_seed(0)
     logp = (-torch.rand(3, 5, dtype=torch.float64)).requires_grad_()
     adv, mask = torch.randn(3, dtype=torch.float64), torch.ones(3, 5)
     mask[1, 3:] = 0
     clip = ClipConfig(0.2, 0.2, None, "token-mean")
-    user = user_function("tests.helpers.algorithms:plain_pg")(logp, logp.detach(), adv, mask, clip)
+    user = get_policy_loss("tests.helpers.algorithms:plain_pg")(logp, logp.detach(), adv, mask, clip)
     vanilla = get_policy_loss("vanilla")(logp, logp.detach(), adv, mask, clip)
     (g_user,) = torch.autograd.grad(user.loss, logp)
     (g_vanilla,) = torch.autograd.grad(vanilla.loss, logp)

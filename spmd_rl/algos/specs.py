@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.algos.registry import Registry, findable
 
 AdvantageKind = Literal["sequence", "token", "gae", "preference"]
 
@@ -120,22 +119,3 @@ def check_policy_loss(name: str) -> str:
         module, _, attr = name.partition(":")
         raise ValueError(f"policy loss {name!r}: module {module!r} not found or {attr!r} not a name")
     return name
-
-
-def findable(path: str) -> bool:
-    """``module:attribute`` whose module can be found on the path, without importing it (the
-    torch-free config check of a user's function: the ranks import it)."""
-    module, sep, attr = path.partition(":")
-    try:
-        return bool(sep and module) and attr.isidentifier() and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def user_function(path: str):
-    """A user's ``module:function``, imported."""
-    module, _, attr = path.partition(":")
-    fn = getattr(importlib.import_module(module), attr, None)
-    if not callable(fn):
-        raise ValueError(f"{path!r}: {module} has no function {attr!r}")
-    return fn

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from spmd_rl.algos.specs import findable
+from spmd_rl.algos.registry import findable
 from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
 from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment

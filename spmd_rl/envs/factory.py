@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from spmd_rl.envs import calculator, python_tool  # noqa: F401  (the built-ins register themselves)
 from spmd_rl.envs.base import ENVIRONMENTS, EnvironmentFactory
 
@@ -14,10 +12,4 @@ def environment_factory(name: str, unsafe_python_without_jail: bool = False) -> 
     (``rollout.unsafe_python_without_jail``)."""
     if name == "python":
         return python_tool.factory(jail=not unsafe_python_without_jail)
-    if ":" not in name:
-        return ENVIRONMENTS.lookup(name)
-    module, _, attr = name.partition(":")
-    fn = getattr(importlib.import_module(module), attr, None)
-    if not callable(fn):
-        raise ValueError(f"environment {name!r}: {module} has no function {attr!r}")
-    return fn
+    return ENVIRONMENTS.lookup(name)

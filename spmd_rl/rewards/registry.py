@@ -13,9 +13,10 @@ from it) but wrong, else 0. A user function's score is used as it is.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from fractions import Fraction
+
+from spmd_rl.algos.registry import user_function
 
 RewardFn = Callable[[str, str], float]
 
@@ -74,8 +75,4 @@ def get_reward(rule: str, format_score: float = 0.0) -> RewardFn:
             return format_score if formed(response) else 0.0
 
         return scored
-    module, _, name = rule.partition(":")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.rule={rule!r}: {module} has no function {name!r}")
-    return fn
+    return user_function(rule, f"reward.rule={rule!r}")

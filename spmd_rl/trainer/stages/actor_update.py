@@ -12,7 +12,6 @@ import torch.distributed as dist
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.core import kl_estimate
 from spmd_rl.algos.policy_loss import ClipConfig, aggregate, get_policy_loss, tis_weight
-from spmd_rl.algos.specs import user_function
 from spmd_rl.algos.rollout_correction import icepop_weight, mis_mask
 from spmd_rl.config.stages import advantage_column, separated
 from spmd_rl.distributed.sides import side_group
@@ -91,7 +90,7 @@ def actor_update(call: StageCall) -> StageResult:  # noqa: PLR0915
     order = length_order(cfg, lay.dp, seqs.attention_mask.sum(1))  # metrics are sums: no need to undo it
     seqs, adv, rollout = seqs[order], adv[order], rollout[order]
     ref, old = (None if t is None else t[order] for t in (ref, old))
-    objective = user_function(a.policy_loss) if ":" in a.policy_loss else get_policy_loss(a.policy_loss)
+    objective = get_policy_loss(a.policy_loss)
 
     def correction(old_lp, roll, mask, sums):
         """The rollout-correction weight of each token (``algos.rollout_correction``), None when

@@ -23,7 +23,6 @@ import torch
 
 from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
 from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
-from spmd_rl.algos.specs import user_function
 from spmd_rl.config.stages import algorithm
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -63,8 +62,7 @@ def advantage(call: StageCall) -> StageResult:
         kl, mask = _kl(call, width)
         rewards = rewards - run.cfg.algorithm.kl_coef * kl.sum(-1)
         sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
-    estimator = user_function(spec.estimator) if ":" in spec.estimator else SEQ_ESTIMATORS.lookup(spec.estimator)
-    adv = estimator(rewards, n, run.cfg.algorithm.norm_adv_by_std)
+    adv = SEQ_ESTIMATORS.lookup(spec.estimator)(rewards, n, run.cfg.algorithm.norm_adv_by_std)
     sums["adv_zero_groups"] = float((adv.reshape(-1, n) == 0).all(dim=1).sum())
     return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
 
