@@ -95,8 +95,8 @@ def test_tool_model_step_loss_is_the_one_padded_batch_loss_with_less_padding():
     sys.path.insert(0, str(REPO / "tools"))
     import random
 
-    from make_tool_model import batch, conversation, make_task, pad, sft_loss
-    from make_tiny_model import build_model, build_tokenizer
+    from make_tiny_model import build_model, build_tokenizer, pad
+    from make_tool_model import batch, conversation, make_task, sft_loss
 
     tok = build_tokenizer()
     model = build_model(tok, 0)

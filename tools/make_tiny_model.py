@@ -123,23 +123,25 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     )
 
 
+def pad(tokenizer, seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, attention mask, labels) of (ids, labels) sequences; labels -100 past each."""
+    width = max(len(i) for i, _ in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    lab = torch.full((len(seqs), width), -100)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for k, (i, l) in enumerate(seqs):
+        ids[k, : len(i)], lab[k, : len(l)], mask[k, : len(i)] = torch.tensor(i), torch.tensor(l), 1
+    return ids, mask, lab
+
+
 def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, attention mask, labels); the loss covers the answer and <|im_end|> only."""
-    seqs, labels = [], []
+    seqs = []
     for r in rows:
         p = prompt_ids(tokenizer, r["prompt"])
         a = tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(map(len, seqs))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    lab = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(l)] = torch.tensor(l)
-        mask[i, : len(s)] = 1
-    return ids, mask, lab
+        seqs.append((p + a, [-100] * len(p) + a))
+    return pad(tokenizer, seqs)
 
 
 @torch.no_grad()

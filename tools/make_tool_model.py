@@ -31,7 +31,7 @@ import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_tiny_model import build_model, build_tokenizer, prompt_ids  # noqa: E402  (tools/ is the script's folder)
+from make_tiny_model import build_model, build_tokenizer, pad, prompt_ids  # noqa: E402  (tools/ is the script's folder)
 
 
 def make_task(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
@@ -71,17 +71,6 @@ def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
             labels += [-100] * len(new)
         ids += new
     return ids, labels
-
-
-def pad(tok, convs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (ids, attention mask, labels) of conversations."""
-    width = max(len(i) for i, _ in convs)
-    ids = torch.full((len(convs), width), tok.pad_token_id)
-    lab = torch.full((len(convs), width), -100)
-    att = torch.zeros((len(convs), width), dtype=torch.long)
-    for k, (i, l) in enumerate(convs):
-        ids[k, : len(i)], lab[k, : len(l)], att[k, : len(i)] = torch.tensor(i), torch.tensor(l), 1
-    return ids, att, lab
 
 
 def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float) -> list[tuple[torch.Tensor, ...]]:
