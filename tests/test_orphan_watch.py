@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+from spmd_rl.engines.orphan_watch import POLL_S
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import wait_for
 
@@ -24,7 +26,14 @@ os.ftruncate(fd, 32)
 sem = mmap.mmap(fd, 32)
 os.link(tmp, sys.argv[1] + ".sem")
 os.unlink(tmp)
+fd = os.open(sys.argv[1] + ".closed", os.O_CREAT | os.O_RDWR, 0o600)  # what vLLM's queue does: close, then unlink
+os.ftruncate(fd, 1 << 16)
+closed = mmap.mmap(fd, 1 << 16)
+os.close(fd)
 print(os.getpid(), flush=True)
+sys.stdin.readline()
+closed.close()  # unmapped, never unlinked: the kill comes first
+print("closed", flush=True)
 time.sleep(600)
 """
 RANK = """
@@ -32,15 +41,30 @@ import subprocess, sys, time
 from spmd_rl.engines.orphan_watch import OrphanWatch, children
 before = children()
 ENGINE = ("import subprocess, sys, time; "
-          "w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True); "
-          "print(w.stdout.readline().strip(), flush=True); time.sleep(600)")
-engine = subprocess.Popen([sys.executable, "-c", ENGINE, *sys.argv[1:]], stdout=subprocess.PIPE, text=True)
+          "w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdin=subprocess.PIPE, "
+          "stdout=subprocess.PIPE, text=True); "
+          "print(w.stdout.readline().strip(), flush=True); sys.stdin.readline(); w.stdin.write('close\\\\n'); "
+          "w.stdin.flush(); print(w.stdout.readline().strip(), flush=True); time.sleep(600)")
+PIPES = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+engine = subprocess.Popen([sys.executable, "-c", ENGINE, *sys.argv[1:]], **PIPES)
 worker = int(engine.stdout.readline())
 watch = OrphanWatch()
 watch.watch(children() - before - {watch.proc.pid})
 print(engine.pid, worker, watch.proc.pid, flush=True)
+sys.stdin.readline()  # the test's go: the worker unmaps its third segment
+engine.stdin.write("close\\n")
+engine.stdin.flush()
+print(engine.stdout.readline().strip(), flush=True)
 time.sleep(600)
 """
+
+
+def mapped_inodes(pid: int) -> set[int]:
+    return {
+        int(f[4])
+        for f in (line.split(None, 5) for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+        if len(f) == 6
+    }
 
 
 def alive(pid: int) -> bool:
@@ -53,8 +77,10 @@ def alive(pid: int) -> bool:
 
 def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
     segment = Path(f"/dev/shm/spmd-rl-test-{uuid.uuid4().hex}")
+    closed = Path(f"{segment}.closed")
     rank = subprocess.Popen(
         [sys.executable, "-c", RANK, WORKER, str(segment)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -64,6 +90,11 @@ def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
         engine, worker, watcher = map(int, rank.stdout.readline().split())
         assert alive(engine) and alive(worker) and alive(watcher)
         assert segment.exists() and Path(f"{segment}.sem").exists()
+        time.sleep(3 * POLL_S)  # the watcher has seen the third segment mapped ...
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline().strip() == "closed"  # ... and now nothing maps it
+        assert closed.exists() and closed.stat().st_ino not in mapped_inodes(worker)
         rank.kill()
         rank.wait()
         wait_for(
@@ -73,10 +104,11 @@ def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
         )
         # the worker's segment and semaphore: their creator was killed before it could unlink them
         assert not segment.exists() and not Path(f"{segment}.sem").exists()
+        assert not closed.exists()  # unmapped before the kill, seen while mapped
     finally:
         rank.kill()
-        segment.unlink(missing_ok=True)
-        Path(f"{segment}.sem").unlink(missing_ok=True)
+        for path in (segment, Path(f"{segment}.sem"), closed):
+            path.unlink(missing_ok=True)
 
 
 def test_a_pid_with_another_start_time_is_not_killed():

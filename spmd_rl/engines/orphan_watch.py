@@ -20,7 +20,11 @@ process group) unlink them. So the watcher also unlinks every ``/dev/shm`` name 
 the processes it kills have mapped. It matches inodes, not names, because a semaphore's
 creator maps the temporary file that ``sem_open`` then linked to the name. The segments are the
 engine's own (nothing outside its process tree opens them), and the memory goes when the last
-mapping does.
+mapping does. The watcher notes the mapped inodes every ``POLL_S`` while the rank lives, not only
+at its death: a segment can be unmapped and still named when the kill comes (vLLM's
+``ShmRingBuffer.__del__`` closes before it unlinks; an engine core that exits without running it
+leaves the unlink to the resource tracker, which the watcher kills with the rest). Found in CI:
+one ``psm_*`` segment outlived a clean separated-placement run.
 
 Invariant (tested with real processes): SIGKILL the rank and its watched children are gone
 within seconds, and so are the names of the shared memory they had mapped; a clean exit of the
@@ -34,8 +38,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+POLL_S = 1.0
+"""Seconds between the watcher's notes of what the watched processes map."""
+
 WATCHER = r"""
-import os, signal, sys
+import os, select, signal, sys
+
+POLL_S = float(sys.argv[1])
 
 def stat(pid):
     try:
@@ -52,14 +61,26 @@ def shm_inodes(pid):  # by inode: a semaphore maps under the temporary name sem_
         return set()
     return {int(f[4]) for f in (line.split(None, 5) for line in lines) if len(f) == 6 and f[5].startswith("/dev/shm/")}
 
-watched = [tuple(line.split()) for line in sys.stdin]  # blocks until the rank's write end closes
-targets = {int(pid) for pid, start in watched if (stat(int(pid)) or (0, None))[1] == start}
-while True:  # and their descendants
-    more = {int(p) for p in os.listdir("/proc") if p.isdigit() and (stat(int(p)) or (0, 0))[0] in targets} - targets
-    if not more:
-        break
-    targets |= more
-inodes = set().union(*(shm_inodes(pid) for pid in targets))
+def tree(roots):  # the live ones among roots and all their descendants
+    found = {pid for pid, start in roots if (stat(pid) or (0, None))[1] == start}
+    while True:
+        more = {int(p) for p in os.listdir("/proc") if p.isdigit() and (stat(int(p)) or (0, 0))[0] in found} - found
+        if not more:
+            return found
+        found |= more
+
+watched, inodes, pending = [], set(), b""
+while True:  # until the rank's write end closes; every POLL_S, note what the tree maps
+    if select.select([0], [], [], POLL_S)[0]:
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        watched += [(int(pid), start.decode()) for pid, start in (line.split() for line in lines if line.strip())]
+    if watched:
+        inodes |= set().union(*map(shm_inodes, tree(watched)))
+targets = tree(watched)
+inodes |= set().union(*(shm_inodes(pid) for pid in targets))
 for pid in targets:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -101,7 +122,7 @@ class OrphanWatch:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WATCHER],
+            [sys.executable, "-c", WATCHER, str(POLL_S)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
