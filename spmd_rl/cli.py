@@ -216,12 +216,14 @@ def evaluate(  # noqa: PLR0913
     reference: Optional[Path] = typer.Option(
         None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."
     ),
+    engine: str = typer.Option("vllm", "--engine", help="The rollout engine that generates (as rollout.engine)."),
 ) -> None:
-    """Greedy accuracy through in-process vLLM, or with --pairs the preference margin of the
-    model against its reference (HF forwards); prints one JSON line."""
+    """Greedy accuracy through a rollout engine (in-process vLLM by default), or with --pairs
+    the preference margin of the model against its reference (HF forwards); prints one JSON line."""
     import json
     import tempfile
 
+    from spmd_rl.config.schema import check_rollout_engine
     from spmd_rl.trainer.export import export as export_ckpt, greedy_accuracy, is_checkpoint
 
     if not data.is_file():
@@ -255,8 +257,13 @@ def evaluate(  # noqa: PLR0913
                 raise typer.Exit(code=2)
             result = preference_eval(model_dir, ref, data, limit)
         else:
+            try:
+                check_rollout_engine(engine)
+            except ValueError as exc:
+                typer.echo(f"INVALID --engine={engine}: {exc}", err=True)
+                raise typer.Exit(code=2) from None
             result = greedy_accuracy(
-                model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns
+                model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns, engine=engine
             )
     typer.echo(json.dumps(result | {"model": str(model)}))
 

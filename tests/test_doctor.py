@@ -98,7 +98,7 @@ def test_leftover_lora_adapter_folders_are_counted_in_the_dev_shm_check(monkeypa
 
 
 def test_a_restarted_rank_removes_the_adapter_folder_a_killed_one_left(monkeypatch):
-    from spmd_rl.engines.adapter_sync import AdapterSync, adapter_root
+    from spmd_rl.engines.vllm.adapter_sync import AdapterSync, adapter_root
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run-lora-leak")

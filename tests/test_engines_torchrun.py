@@ -43,7 +43,7 @@ def test_reshard_swap_rollout(request, tmp_path, model, train_dp, train_tp, gen_
             log_dir=tmp_path,
             timeout_s=600,
         )
-    assert not shm.named_cpushm()  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm_shm)
+    assert not shm.named_cpushm()  # vLLM's CPU TP segments: unlinked once mapped (engines.vllm.shm)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # before and after three weight updates: vLLM greedy == HF greedy on the training weights

@@ -21,7 +21,7 @@ from spmd_rl.config.rules import check
 from spmd_rl.config.stages import PARTIAL_COLUMNS, stages_for
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.engines.rollout import Sample
+from spmd_rl.engines.base import Sample
 from spmd_rl.trainer.carry import CarriedGroup, Piece
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, run_helper

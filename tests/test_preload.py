@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV
+from spmd_rl.engines.vllm.logs import QUIET_ENV
 from spmd_rl.launcher import preload
 from tests.conftest import REPO, subprocess_env
 from tests.preload_servers import COPY_MARK

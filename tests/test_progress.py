@@ -71,7 +71,7 @@ def test_a_log_line_during_the_bar_gets_a_line_of_its_own(monkeypatch):
     root = logging.getLogger()
     plain = logging.StreamHandler(sys.stderr)
     plain.setFormatter(logging.Formatter("[rank0] %(message)s"))
-    plain.addFilter(lambda record: "chatter" not in record.getMessage())  # as engines.vllm_logs' terminal filter
+    plain.addFilter(lambda record: "chatter" not in record.getMessage())  # as engines.vllm.logs' terminal filter
     monkeypatch.setattr(root, "handlers", [plain])
     out = io.StringIO()
     bar = LiveProgress(total=10, start=0, console=Console(file=out, force_terminal=True, width=200))

@@ -59,7 +59,8 @@ class TinyEngine(Engine):
 
 class FakeRollout:
     weights_current = True
-    adapters = None  # full-weight sync (LoRA adapter sync: engines.adapter_sync)
+    serves_adapters = False  # full-weight sync (LoRA adapter sync: engines.vllm.adapter_sync)
+    adapters_stale = False
 
     def __init__(self, calls: list, train_params):
         self.calls, self.params = calls, train_params

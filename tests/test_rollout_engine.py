@@ -1,4 +1,4 @@
-"""The project's RolloutEngine on a real vLLM (``tests/helpers/vllm_engine_probe.py``, one engine
+"""The project's VllmRollout on a real vLLM (``tests/helpers/vllm_engine_probe.py``, one engine
 for every test here):
 
 - a colocated engine starts from dummy weights and refuses to generate until its first weight
@@ -6,7 +6,7 @@ for every test here):
   costs nothing but the checkpoint read it skips);
 - building it leaves the process's float32 matmul precision as it was (vLLM's worker sets
   "highest" process-wide, which would turn TF32 off for the trainer);
-- what the terminal filter (``engines.vllm_logs``) hides is true: vLLM logs the reload misses
+- what the terminal filter (``engines.vllm.logs``) hides is true: vLLM logs the reload misses
   for exactly the tied LM head and the rotary embedding, the head is the embedding's storage
   holding the new weights, and the rotary embedding has no parameters;
 - with ``rollout.enforce_eager`` (the default) generating compiles nothing: vLLM's sampler

@@ -1,5 +1,5 @@
 """The rollout engine reads its RolloutConfig fields, device-only ones included: the options
-it hands to vLLM are built by pure functions (``engines.vllm_options``), checked here on CPU
+it hands to vLLM are built by pure functions (``engines.vllm.options``), checked here on CPU
 for every device kind."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from spmd_rl.config.schema import RolloutConfig
 import pytest
 
-from spmd_rl.engines.vllm_options import (
+from spmd_rl.engines.vllm.options import (
     TESTED_VLLM,
     check_version,
     child_device_env,
@@ -55,12 +55,13 @@ def test_a_separated_generator_child_sees_only_its_own_device():
 
 
 def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_restored(monkeypatch):
-    """Through RolloutEngine's construction, with vLLM's LLM replaced by a recorder of the
+    """Through VllmRollout's construction, with vLLM's LLM replaced by a recorder of the
     environment it was built in (the engine-core child inherits that environment)."""
     import vllm
 
     from spmd_rl.distributed.accelerator import Accelerator
-    from spmd_rl.engines import orphan_watch, rollout, vllm_shm
+    from spmd_rl.engines import orphan_watch
+    from spmd_rl.engines.vllm import engine as rollout, shm as vllm_shm
 
     seen = {}
 
@@ -86,12 +87,12 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
     ):
         monkeypatch.setenv(name, "")  # recorded, so what configure_vllm_env sets is undone after the test
         monkeypatch.delenv(name)  # (a bare delenv of an absent name records nothing: "spawn" leaked into later tests)
-    rollout.RolloutEngine(
+    rollout.VllmRollout.build(
         "m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True
     )
     assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
     # rollout.enforce_eager (the default): the child, which runs only vLLM, compiles nothing
-    # (vLLM's sampler helpers; engines.vllm_options), and this process's compile stays on
+    # (vLLM's sampler helpers; engines.vllm.options), and this process's compile stays on
     assert seen["compile_off"] == "1" and "TORCH_COMPILE_DISABLE" not in os.environ
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
 

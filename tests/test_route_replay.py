@@ -16,7 +16,7 @@ from spmd_rl.config.loader import load_config
 from spmd_rl.config.stages import stages_for
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.logprobs import build_batch
-from spmd_rl.engines.rollout import Sample
+from spmd_rl.engines.base import Sample
 from spmd_rl.trainer.carry import Piece
 from tests.conftest import REPO
 
@@ -154,7 +154,7 @@ def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_
 
 def test_engine_options_record_routes_per_device_kind():
     from spmd_rl.config.schema import RolloutConfig
-    from spmd_rl.engines.vllm_options import engine_options
+    from spmd_rl.engines.vllm.options import engine_options
 
     cfg = RolloutConfig(n=1, max_response_length=4)
     cpu, cuda = (
@@ -174,9 +174,9 @@ def test_device_routes_are_checked_against_the_sequence():
     import numpy as np
 
     from spmd_rl.distributed.accelerator import Accelerator
-    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.engines.vllm.engine import VllmRollout
 
-    engine = RolloutEngine.__new__(RolloutEngine)
+    engine = VllmRollout.__new__(VllmRollout)
     engine.acc = Accelerator("cuda", 0)
     done = type("C", (), {"index": 0, "token_ids": [5, 6, 7], "routed_experts": np.ones((4 + 3 - 1, 2, 2), np.uint8)})()
     (got,) = engine._routes([1, 2, 3, 4], [done], "0-x", 1)

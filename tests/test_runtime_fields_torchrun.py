@@ -93,7 +93,7 @@ def test_dock_port_heartbeat_ttl_and_progress_act(fields_a, tmp_path, etcd):
 
 @pytest.mark.slow
 def test_a_run_terminal_shows_no_vllm_chatter(fields_a):
-    """The terminal filter (``engines.vllm_logs``, unit-tested in test_vllm_logs.py) on a real
+    """The terminal filter (``engines.vllm.logs``, unit-tested in test_vllm_logs.py) on a real
     run: no vLLM chatter on stderr, one unwrapped progress line per iteration, and vLLM's own log
     kept per rank in the run folder."""
     _, err, _, run = fields_a

@@ -1,4 +1,4 @@
-"""The terminal filter of vLLM's chatter (``engines.vllm_logs``) drops exactly what it names,
+"""The terminal filter of vLLM's chatter (``engines.vllm.logs``) drops exactly what it names,
 and what it names is true of a real engine (``test_rollout_engine``). That a real run's terminal
 shows no vLLM chatter and one line per iteration is checked on the run of
 ``test_runtime_fields_torchrun.py`` (``test_a_run_terminal_shows_no_vllm_chatter``)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from spmd_rl.engines.vllm_logs import EXPECTED, RELOAD_LOGGER, RELOAD_MISS, TerminalFilter
+from spmd_rl.engines.vllm.logs import EXPECTED, RELOAD_LOGGER, RELOAD_MISS, TerminalFilter
 
 
 def _record(name: str, level: int, msg: str, *args) -> logging.LogRecord:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spmd_rl.engines import vllm_shm
+from spmd_rl.engines.vllm import shm as vllm_shm
 
 JOB_A = {
     "SPMD_RL_JOB_TOKEN": "a" * 32,

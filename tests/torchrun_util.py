@@ -237,6 +237,6 @@ class OwnShm:
 
     def named_cpushm(self) -> set[str]:
         """vLLM CPU TP segments this session's processes mapped that still have a name in
-        /dev/shm (engines.vllm_shm unlinks each once every rank mapped it). Only this
+        /dev/shm (engines.vllm.shm unlinks each once every rank mapped it). Only this
         session's: another pytest worker's job may hold its own for a while."""
         return {n for n in self.seen if "cpushm" in n and os.path.exists(f"/dev/shm/{n}")}

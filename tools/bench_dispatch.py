@@ -160,6 +160,13 @@ def netns_down(nodes: int) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
+def python_path() -> str:
+    """The caller's PYTHONPATH with the repository on it (unchanged when it is: a preload server
+    forks a worker only when its environment is the server's, ``launcher.preload``)."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.environ["PYTHONPATH"] if str(REPO) in entries else os.pathsep.join(filter(None, [str(REPO), *entries]))
+
+
 def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: Path, tag: int) -> dict:
     from spmd_rl.dock.etcd_server import free_port
 
@@ -187,7 +194,10 @@ def run_mode(mode: str, args, etcd_endpoint: str, addrs: list[str] | None, tmp: 
     procs = []
     for k in range(args.nodes):
         env = dict(
-            os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1"
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=python_path(),
+            BENCH_INTERFACE=addrs[k] if addrs else "127.0.0.1",
         )
         cmd = [
             sys.executable,
@@ -328,6 +338,10 @@ def main() -> None:  # noqa: PLR0915
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        from spmd_rl.engines.vllm.logs import QUIET_ENV
+        from spmd_rl.launcher.preload import delegate
+
+        delegate(sets=QUIET_ENV)  # with a preload server (the test suite's): forked past the imports
         from spmd_rl.distributed.teardown import exit_after
 
         exit_after(lambda: worker(json.loads(sys.argv[2])))

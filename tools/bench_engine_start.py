@@ -31,8 +31,8 @@ def child(model: str, kv_gib: float, eager: bool, freeze: bool) -> dict:
     import spmd_rl.train  # noqa: F401  (a rank's imports: the heap the collector walks)
     from spmd_rl.config.schema import RolloutConfig
     from spmd_rl.distributed.accelerator import detect
-    from spmd_rl.engines import rollout
-    from spmd_rl.engines.vllm_logs import quiet_vllm
+    from spmd_rl.engines.vllm import engine as rollout
+    from spmd_rl.engines.vllm.logs import quiet_vllm
 
     quiet_vllm(None, 0)
     if not eager:  # the baseline: vLLM's torch.compile of its sampler helpers runs
@@ -40,7 +40,7 @@ def child(model: str, kv_gib: float, eager: bool, freeze: bool) -> dict:
     if not freeze:
         rollout._freeze_import_heap = lambda: None
     t0, c0 = time.perf_counter(), time.process_time()
-    engine = rollout.RolloutEngine(
+    engine = rollout.VllmRollout.build(
         model,
         detect("cpu"),
         RolloutConfig(n=8, max_response_length=8, kv_cache_gib=kv_gib),

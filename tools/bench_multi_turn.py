@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.vllm_logs import quiet_vllm
+from spmd_rl.engines.vllm.engine import VllmRollout
+from spmd_rl.engines.vllm.logs import quiet_vllm
 from spmd_rl.envs.calculator import Calculator
 from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 
@@ -67,7 +67,7 @@ def main() -> None:
         )
         for r in rows
     ]
-    engine = RolloutEngine(
+    engine = VllmRollout.build(
         args.model,
         detect("cpu"),
         RolloutConfig(n=1, max_response_length=args.max_tokens),

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV
+from spmd_rl.engines.vllm.logs import QUIET_ENV
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "tensordict", "vllm.entrypoints.llm"]
 

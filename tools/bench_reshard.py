@@ -140,7 +140,7 @@ def main() -> None:  # noqa: PLR0915
     from spmd_rl.distributed.accelerator import detect
     from spmd_rl.distributed.mesh import train_mesh
     from spmd_rl.engines.logprobs import build_batch
-    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.engines.vllm.engine import VllmRollout
     from spmd_rl.engines.train import TrainEngine
     from spmd_rl.reshard.allgather_swap import Resharder
 
@@ -156,7 +156,7 @@ def main() -> None:  # noqa: PLR0915
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         n_params = build_model(folder, args)
-        rollout = RolloutEngine(
+        rollout = VllmRollout.build(
             folder,
             acc,
             RolloutConfig(n=1, max_response_length=4),

@@ -19,7 +19,7 @@ Two patches make TRL's colocate mode run on vLLM CPU (neither speeds it up): TRL
 by ``model.load_weights`` into linear weights that vLLM CPU has repacked (``'Parameter' object
 has no attribute 'weight_loader'``), so the sync goes through vLLM's ``reload_weights`` (which
 re-runs the repacking) and resets the prefix cache; and a tied LM head is re-packed from the
-reloaded embedding (vLLM CPU keeps a stale packed copy otherwise, as ``engines.weight_receiver``
+reloaded embedding (vLLM CPU keeps a stale packed copy otherwise, as ``engines.vllm.weight_receiver``
 does for spmd-rl). A third matches the work: TRL builds vLLM with dtype "auto", which runs a
 float32 model in bf16; the benchmark passes ``model.dtype``. ``--check-sync`` perturbs the weights after training,
 syncs, and reports the largest difference between vLLM's prompt log-probs and HF's (it must be float rounding).

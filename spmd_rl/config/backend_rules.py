@@ -231,7 +231,7 @@ def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation
 
 def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
     """``actor.router_replay`` needs a MoE model whose expert ids fit the routes column's uint8,
-    and the in-process rollout engine whose routers ``engines.route_capture`` hooks; the router
+    and the in-process rollout engine whose routers ``engines.vllm.route_capture`` hooks; the router
     losses need a MoE model whose routers ``engines.route_replay`` patches (not compiled), the
     load-balancing one the rollout's routes."""
     a = cfg.actor

@@ -19,8 +19,9 @@ from spmd_rl.config.env_rules import check_environment
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
+from spmd_rl.config.rollout_engines import CAPABILITIES, missing
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import algorithm, fused_stages, stages_for
+from spmd_rl.config.stages import algorithm, fused_stages, records_routes, separated, stages_for
 from spmd_rl.config.stream_rules import check_partial, check_separated
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
@@ -632,6 +633,24 @@ def _check_tls(cfg: Config) -> list[Violation]:
     return out
 
 
+def _check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
+    """A built-in engine must have every capability the run needs (``config.rollout_engines``);
+    a user's ``module:Class`` is checked by the rank that builds it."""
+    caps = CAPABILITIES.get(cfg.rollout.engine)
+    if caps is None:
+        return []
+    needs = {
+        "adapters": cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter",
+        "routes": records_routes(cfg),
+        "own_process": separated(cfg),
+        "tensor_parallel": lay.gen.tp > 1,
+    }
+    return [
+        Violation("rollout.engine", cfg.rollout.engine, f"the engine lacks {name}, which this run needs", note)
+        for name, note in missing(caps, needs)
+    ]
+
+
 def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
     """All cross-field violations of ``cfg`` for the given world size (default: the config's)."""
     lay, out = resolve_layouts(cfg, world, nproc_per_node)
@@ -644,6 +663,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_runtime(cfg)
     out += _check_relay(cfg, lay)
     out += _check_tls(cfg)
+    out += _check_rollout_engine(cfg, lay)
     out += check_partial(cfg)
     out += check_separated(cfg)
     arch = _arch(cfg)

@@ -22,7 +22,9 @@ from spmd_rl.config.runtime_schema import (
     StreamConfig,
     TrainerConfig,
 )
+from spmd_rl.config.rollout_engines import ROLLOUT_ENGINES
 from spmd_rl.config.section import Section
+from spmd_rl.algos.registry import findable
 from spmd_rl.algos.specs import check_policy_loss, spec_named
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -60,9 +62,22 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded by `trainer.seed`).")
 
 
+def check_rollout_engine(name: str) -> str:
+    """A registered engine, or a user's findable ``module:Class``."""
+    if name not in ROLLOUT_ENGINES and not findable(name):
+        raise ValueError(
+            f"unknown rollout engine {name!r}; registered: {', '.join(ROLLOUT_ENGINES)}; or a user's module:Class "
+            "(a subclass of spmd_rl.engines.base.Rollout, docs/extending.md)"
+        )
+    return name
+
+
 class RolloutConfig(Section):
-    engine: Literal["vllm"] = Field(
-        "vllm", description="Generation engine: in-process vLLM (the only one in this version)."
+    engine: Annotated[str, AfterValidator(check_rollout_engine)] = Field(
+        "vllm",
+        description="Generation engine: `vllm` (in-process vLLM, or its own process under separated placement), "
+        "`hf` (transformers' own model and KV cache, where vLLM is not built: gen.tp 1, no LoRA adapter sync, no "
+        "route recording), or a user's `module:Class` (a `spmd_rl.engines.base.Rollout`).",
     )
     n: int = Field(gt=0, description="N: responses sampled per prompt.")
     max_response_length: int = Field(gt=0, description="SL: maximum generated tokens per response.")

@@ -73,7 +73,7 @@ def check_partial(cfg: Config) -> list[Violation]:
 
 def check_separated(cfg: Config) -> list[Violation]:
     """Separated placement: the generators run one whole vLLM engine each (its own process,
-    ``engines.rollout``), the trainers everything else; samples may be up to
+    ``engines.vllm.engine``), the trainers everything else; samples may be up to
     ``stream.max_policy_lag`` updates old, which the TIS weight corrects."""
     if cfg.parallel.placement != "separated":
         return []

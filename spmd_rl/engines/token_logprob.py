@@ -49,7 +49,7 @@ class SamplingPolicy:
 
     @classmethod
     def of(cls, rollout) -> "SamplingPolicy":
-        """From ``RolloutConfig`` (vLLM gets top-k / top-p only when T > 0: ``engines.rollout``)."""
+        """From ``RolloutConfig`` (vLLM gets top-k / top-p only when T > 0: ``engines.vllm.engine``)."""
         if rollout.temperature <= 0:
             return cls()
         return cls(rollout.temperature, rollout.top_k, rollout.top_p)

@@ -1,5 +1,5 @@
 """A safetensors file written one tensor at a time (how a generator hands published weights to
-its vLLM engine process, ``engines.rollout``).
+its vLLM engine process, ``engines.vllm.engine``).
 
 ``safetensors.torch.save_file`` needs every tensor in memory at once: for a 32B model that is
 the whole model on the generator's host. The header only needs each tensor's name, dtype and

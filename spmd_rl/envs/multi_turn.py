@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from spmd_rl.data.sampling import SamplingSpec
 from spmd_rl.envs.base import EnvironmentFactory, Step, Turn
 from spmd_rl.envs.trajectory import Trajectory
 from spmd_rl.envs.turn_sync import END, GO, PAUSE, share
@@ -123,13 +124,14 @@ class MultiTurnRollout:
         return left if self._segment is None else min(left, self._segment - self._spent[t.key])
 
     def _submit(self, trajs: list[Trajectory], seed: int | None, temperature: float | None) -> None:
-        params = [
-            self.engine.sampling_params(
-                self._left(t), temperature, None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])
+        temp = self.engine.temperature if temperature is None else temperature
+        specs = [
+            SamplingSpec(
+                self._left(t), temp, None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])
             )
             for t in trajs
         ]
-        self.engine.submit([(t.key, t.context) for t in trajs], params)
+        self.engine.submit([(t.key, t.context) for t in trajs], specs)
 
     def _sampled(self, t: Trajectory, sample, pool: ThreadPoolExecutor, tools: dict) -> None:
         text = t.add_sampled(sample.token_ids, sample.logprobs, sample.stopped, self.tokenizer)

@@ -40,7 +40,7 @@ SHM_NEED = {"cpu": 64 * 2**20, "cuda": 1 * 2**30, "npu": 1 * 2**30}
 CPU TP segments are a few MiB each."""
 SHM_DIR = Path("/dev/shm")
 ADAPTER_PREFIX = "spmd-rl-lora-"
-"""``engines.adapter_sync.ROOT_PREFIX`` (not imported: doctor stays free of torch)."""
+"""``engines.vllm.adapter_sync.ROOT_PREFIX`` (not imported: doctor stays free of torch)."""
 
 
 @dataclass

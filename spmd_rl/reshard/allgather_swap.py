@@ -20,16 +20,13 @@ from collections.abc import Iterator
 
 import torch
 from spmd_rl.config.schema import ReshardConfig
-from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.base import DTYPES, Engine
+from spmd_rl.engines.base import DTYPES, Engine, Rollout
 from spmd_rl.reshard.ledger import Ledger
 from spmd_rl.reshard.swap import HostSwap, resident_bytes
 
 
 class Resharder:
-    def __init__(
-        self, train: Engine | None, rollout: RolloutEngine | None, cfg: ReshardConfig, gen_dtype: str, acc=None
-    ):
+    def __init__(self, train: Engine | None, rollout: Rollout | None, cfg: ReshardConfig, gen_dtype: str, acc=None):
         """Separated placement has one side per rank: the trainers no rollout engine (their
         gather is broadcast, ``reshard.broadcast``), the generators no actor."""
         self.train = train
@@ -87,12 +84,12 @@ class Resharder:
     # -- steps (the residency manager composes them per stage) ------------------------------
     def load_rollout(self) -> None:
         """Wake the rollout weights and load the actor's current ones, bucket by bucket. An
-        engine serving LoRA adapters (``engines.adapter_sync``) loads the base weights only when
+        engine serving LoRA adapters (``engines.vllm.adapter_sync``) loads the base weights only when
         it holds none (its first load, or after a level-2 sleep), then the adapters alone."""
         self.rollout.wake_weights()
-        if self.rollout.adapters is None or not self.rollout.weights_current:
+        if not self.rollout.serves_adapters or not self.rollout.weights_current:
             self.rollout.update_weights(self.full_weights())
-        if self.rollout.adapters is not None:
+        if self.rollout.serves_adapters:
             self.rollout.update_adapters(self.train.adapter_tensors(self.gen_dtype))
 
     def offload_train(self) -> None:

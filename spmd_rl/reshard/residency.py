@@ -83,16 +83,14 @@ class Residency:
         if not want:  # host-only work: whatever is resident stays
             self.record(phase)
             return
-        adapters = (
-            self.rollout.adapters if self.rollout is not None else None
-        )  # LoRA adapter sync keeps the base across sleep
+        adapters = self.rollout is not None and self.rollout.serves_adapters  # LoRA adapter sync keeps the base
         stale = "rollout" in want and (
             self.rollout_version != self.actor_version
             or not self.rollout.weights_current
-            or (adapters is not None and adapters.stale)
+            or self.rollout.adapters_stale
         )
         if "rollout" not in want and self.rollout_awake:
-            self.rollout.sleep(discard_weights=self.colocated and adapters is None)
+            self.rollout.sleep(discard_weights=self.colocated and not adapters)
             self.rollout_awake = False
         for role in self.engines:
             if role not in want and not (stale and role == "actor"):

@@ -15,7 +15,7 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.base import Rollout
 from spmd_rl.config.stages import Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.envs.factory import environment_factory
@@ -35,7 +35,7 @@ class Run:
     """The stage graph of this config (``config.stages.stages_for``), built once; the one that runs."""
     roles: dict[str, Engine]
     """One engine per training-side role: actor, and ref / critic / reward_model when the graph has them."""
-    rollout: RolloutEngine | None
+    rollout: Rollout | None
     """None on a training rank of the separated placement."""
     residency: Residency
     tokenizer: Any

@@ -86,40 +86,46 @@ def greedy_accuracy(  # noqa: PLR0913
     answer_column: str = "answer",
     environment: str | None = None,
     max_turns: int = 4,
+    engine: str = "vllm",
 ) -> dict:
-    """Greedy accuracy on a prompt file through in-process vLLM (single process). With an
+    """Greedy accuracy on a prompt file through a rollout engine (``rollout.engine``, single process). With an
     ``environment`` each prompt is a greedy multi-turn trajectory of at most ``max_tokens``
     response tokens (``envs.multi_turn``), scored on its last sampled turn."""
     from spmd_rl.config.schema import RolloutConfig
     from spmd_rl.data.prompts import load_prompts
     from spmd_rl.distributed.accelerator import detect
-    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.engines.base import RolloutBuild
+    from spmd_rl.engines.rollouts import build_rollout_engine
     from spmd_rl.rewards import get_reward
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(data, tok, prompt_column, answer_column, max_prompt_length=10**6)
     ids, answers = prompts.prompt_ids[:limit], prompts.answers[:limit]
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    engine = RolloutEngine(
-        model_dir,
-        detect("auto"),
-        RolloutConfig(n=1, max_response_length=max_tokens),
-        tp=1,
-        dtype="float32",
-        max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096),
-        distributed=False,
+    rollout = build_rollout_engine(
+        RolloutBuild(
+            model_dir,
+            detect("auto"),
+            RolloutConfig(engine=engine, n=1, max_response_length=max_tokens),
+            tp=1,
+            dtype="float32",
+            max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096),
+            distributed=False,
+        )
     )
     if environment is not None:
         from spmd_rl.envs.factory import environment_factory
         from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 
-        turns = MultiTurnRollout(engine, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0))
+        turns = MultiTurnRollout(
+            rollout, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0)
+        )
         texts = [
             t.last_text
             for t in turns.run([(p, prompts.environment_row(i)) for i, p in enumerate(ids)], temperature=0.0)
         ]
     else:
-        samples = engine.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
+        samples = rollout.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
         texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     fn = get_reward(rule)
     correct = sum(fn(t, a) > 0.5 for t, a in zip(texts, answers))

@@ -78,7 +78,7 @@ class _ConsoleHandler(logging.Handler):
         super().__init__(like.level)
         self.console = console
         self.setFormatter(like.formatter)
-        self.filters = list(like.filters)  # the terminal's own filters (engines.vllm_logs hides vLLM's chatter)
+        self.filters = list(like.filters)  # the terminal's own filters (engines.vllm.logs hides vLLM's chatter)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

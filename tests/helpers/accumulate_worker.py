@@ -6,7 +6,7 @@ the step, which must reshard again.
 Env: MODEL, SPMD_RL_OUT. Writes accumulate-rank<k>.json.
 """
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV  # noqa: E402
+from spmd_rl.engines.vllm.logs import QUIET_ENV  # noqa: E402
 from spmd_rl.launcher.preload import delegate  # noqa: E402
 
 delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs (vLLM unused here)

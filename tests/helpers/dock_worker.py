@@ -7,7 +7,7 @@ first WRITERS ranks generate, as a separated placement's generation nodes do) an
 can check every byte it receives.
 """
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV  # noqa: E402
+from spmd_rl.engines.vllm.logs import QUIET_ENV  # noqa: E402
 from spmd_rl.launcher.preload import delegate  # noqa: E402
 
 delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs (vLLM unused here)

@@ -20,7 +20,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.logprobs import build_batch
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.logprobs import split
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.engines.base import local
@@ -71,7 +71,7 @@ def main():  # noqa: PLR0915
     actor_cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1.0)
     engine = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)
     twin = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)  # same steps, never swapped
-    rollout = RolloutEngine(
+    rollout = VllmRollout.build(
         MODEL, acc, RolloutConfig(n=1, max_response_length=6), tp=lay.gen.tp, dtype="float32", max_model_len=64
     )
     resharder = Resharder(engine, rollout, ReshardConfig(mode="allgather_swap", bucket_bytes=64 << 10), "float32")

@@ -13,6 +13,11 @@
 Env: MODEL, SPMD_RL_OUT, LORA_SYNC. Writes rank<k>.json.
 """
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import os
 import time
@@ -32,7 +37,7 @@ from spmd_rl.engines import lora
 from spmd_rl.engines.base import local
 from spmd_rl.engines.hf_weights import SafetensorsFolder
 from spmd_rl.engines.logprobs import build_batch, split
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.train import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder
 
@@ -124,7 +129,7 @@ def main():  # noqa: PLR0915
     report["adapted_layers"] = len(list(lora.lora_modules(engine.model)))
     report["decoder_layers"] = engine.model.config.num_hidden_layers
     # the sync, twice: vLLM samples from the trainer's policy after each
-    rollout = RolloutEngine(
+    rollout = VllmRollout.build(
         MODEL,
         acc,
         RolloutConfig(n=1, max_response_length=6),

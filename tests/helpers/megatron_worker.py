@@ -9,7 +9,7 @@ difference after the update (full HF tensors from each engine's ``full_weights``
 weight sync yields (names and shapes, against ``weight_shapes`` and the HF checkpoint).
 """
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV  # noqa: E402
+from spmd_rl.engines.vllm.logs import QUIET_ENV  # noqa: E402
 from spmd_rl.launcher.preload import delegate  # noqa: E402
 
 delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs (vLLM unused here)

@@ -4,7 +4,7 @@ greedy counts differ between the ranks, through ``micro_plan``'s one MAX all-red
 Env: SPMD_RL_OUT. Writes plan<rank>.json (greedy counts, the plan, the rows).
 """
 
-from spmd_rl.engines.vllm_logs import QUIET_ENV  # noqa: E402
+from spmd_rl.engines.vllm.logs import QUIET_ENV  # noqa: E402
 from spmd_rl.launcher.preload import delegate  # noqa: E402
 
 delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs (vLLM unused here)

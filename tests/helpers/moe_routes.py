@@ -1,8 +1,13 @@
 """Routing replay against vLLM on the tiny Qwen3-MoE (one process: vLLM, then HF). Samples with
-routes recorded (``RolloutEngine(record_routes=True)``), then scores the samples with an HF
+routes recorded (``VllmRollout.build(record_routes=True)``), then scores the samples with an HF
 float32 forward three ways: the model's own routing, the project's replay
 (``engines.route_replay``, padded and packed layouts), and an independent replay written here
 (each MoE block recomputed from the recorded experts). Prints one JSON line. Args: FOLDER DTYPE."""
+
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
 
 import json
 import sys
@@ -15,7 +20,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
 from spmd_rl.engines.packing import pack, packed_response_logprobs
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 
 
 def own_replay(model, batch, routes):
@@ -60,7 +65,7 @@ def own_replay(model, batch, routes):
 if __name__ == "__main__":
     folder, dtype = sys.argv[1], sys.argv[2]
     cfg = RolloutConfig(n=4, max_response_length=12, temperature=1.0)
-    engine = RolloutEngine(
+    engine = VllmRollout.build(
         folder, detect("cpu"), cfg, tp=1, dtype=dtype, max_model_len=64, seed=0, distributed=False, record_routes=True
     )
     prompts = [[5, 17, 30, 41, 9, 12], [7, 8, 100, 3], [60, 61, 62, 63, 64, 65, 66, 67]]

@@ -3,6 +3,11 @@ float32. Prints one JSON line of what each check observed; ``tests/test_multi_tu
 asserts on it. Args: FOLDER PORT (a loopback TCP server the test runs, which model-written
 code must not reach)."""
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import sys
 import time
@@ -14,8 +19,8 @@ from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, get_policy_loss
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, logit_window
-from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.vllm_logs import quiet_vllm
+from spmd_rl.engines.vllm.engine import VllmRollout
+from spmd_rl.engines.vllm.logs import quiet_vllm
 from spmd_rl.envs.base import Step, Turn
 from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
 from spmd_rl.envs.python_tool import PythonTool
@@ -118,7 +123,7 @@ def main():  # noqa: PLR0915
     folder, port = sys.argv[1], int(sys.argv[2])
     quiet_vllm(None, 0)
     tok = AutoTokenizer.from_pretrained(folder)
-    engine = RolloutEngine(
+    engine = VllmRollout.build(
         folder,
         detect("cpu"),
         RolloutConfig(n=1, max_response_length=96),

@@ -1,5 +1,5 @@
 """Greedy responses of a model folder (its first test prompts and one of random ids) through the project's
-RolloutEngine, generated at once
+VllmRollout, generated at once
 and continued in pieces of BUDGET tokens (partial rollout's primitive, no weight change in
 between); prints one JSON line. Run as a subprocess (vLLM changes process state).
 Args: FOLDER BUDGET MAX_TOKENS."""
@@ -12,11 +12,13 @@ from transformers import AutoTokenizer
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 
 folder, budget, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = RolloutConfig(n=1, max_response_length=limit, temperature=0.0)
-engine = RolloutEngine(folder, detect("cpu"), cfg, tp=1, dtype="float32", max_model_len=128, seed=0, distributed=False)
+engine = VllmRollout.build(
+    folder, detect("cpu"), cfg, tp=1, dtype="float32", max_model_len=128, seed=0, distributed=False
+)
 tok = AutoTokenizer.from_pretrained(folder)
 rows = [json.loads(line) for line in (Path(folder) / "test.jsonl").read_text().splitlines()[:6]]
 texts = [

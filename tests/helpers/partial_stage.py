@@ -1,4 +1,4 @@
-"""The partial-rollout stage function (``trainer.stages.rollout``) on a real RolloutEngine at
+"""The partial-rollout stage function (``trainer.stages.rollout``) on a real VllmRollout at
 temperature 0, two iterations without a weight update in between: prints one JSON line with,
 per sample, the response generated at once and the one carried from iteration 0 into
 iteration 1, with its per-token versions. Run as a subprocess. Args: FOLDER BUDGET LIMIT."""
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from spmd_rl.config.loader import load_config
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.dock.batch import DockBatch
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages import StageCall, stage_fn
 
@@ -30,7 +30,7 @@ cfg = load_config(
         "actor.tis_cap=2",
     ],
 )
-engine = RolloutEngine(
+engine = VllmRollout.build(
     folder, detect("cpu"), cfg.rollout, tp=1, dtype="float32", max_model_len=128, seed=0, distributed=False
 )
 tok = AutoTokenizer.from_pretrained(folder)

@@ -1,4 +1,4 @@
-"""Sample from a model folder through the project's RolloutEngine (single process) and print
+"""Sample from a model folder through the project's VllmRollout (single process) and print
 one JSON line: the prompt ids, and per sample the token ids and the rollout log-probs
 (run as a subprocess: vLLM changes process state). Args: FOLDER TEMPERATURE [published]
 [top_p=P] [top_k=K] [n=N].
@@ -7,6 +7,11 @@ one JSON line: the prompt ids, and per sample the token ids and the rollout log-
 placement) and samples after ``update_weights`` loaded ``perturbed(FOLDER)``, streamed
 through the weight file as the weight broadcast delivers it."""
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import sys
 
@@ -14,7 +19,7 @@ import torch
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.rollout import RolloutEngine
+from spmd_rl.engines.vllm.engine import VllmRollout
 
 PROMPT = "36+31="
 
@@ -39,7 +44,7 @@ if __name__ == "__main__":
         top_p=float(opts.get("top_p", 1.0)),
         top_k=int(opts.get("top_k", -1)),
     )
-    engine = RolloutEngine(
+    engine = VllmRollout.build(
         folder,
         detect("cpu"),
         cfg,

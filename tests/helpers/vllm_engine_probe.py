@@ -1,4 +1,4 @@
-"""The project's RolloutEngine (single process, float32) started as a colocated engine starts:
+"""The project's VllmRollout (single process, float32) started as a colocated engine starts:
 from dummy weights. Records whether it refuses to generate before its first weight load,
 whether building it left the process's float32 matmul precision alone, then over three weight
 updates: which layers vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's
@@ -7,6 +7,11 @@ equals HF's on the same perturbed weights; how many parameters the rotary embedd
 many frames torch.compile compiled while it generated (``rollout.enforce_eager``: none); and the
 bytes of KV cache it allocated for a budget of a sixteenth of a GiB.
 Prints one JSON line. Args: FOLDER."""
+
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
 
 import json
 import logging
@@ -17,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.rollout import RolloutEngine
-from spmd_rl.engines.vllm_logs import RELOAD_LOGGER, RELOAD_MISS, quiet_vllm
+from spmd_rl.engines.vllm.engine import VllmRollout
+from spmd_rl.engines.vllm.logs import RELOAD_LOGGER, RELOAD_MISS, quiet_vllm
 
 
 KV_GIB = 0.0625
@@ -42,7 +47,7 @@ if __name__ == "__main__":
     misses = Misses()
     logging.getLogger(RELOAD_LOGGER).addHandler(misses)
     torch.set_float32_matmul_precision("medium")  # vLLM's worker sets "highest" process-wide
-    engine = RolloutEngine(
+    engine = VllmRollout.build(
         folder,
         detect("cpu"),
         RolloutConfig(n=1, max_response_length=4, kv_cache_gib=KV_GIB),

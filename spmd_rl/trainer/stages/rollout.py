@@ -26,7 +26,7 @@ import torch
 
 from spmd_rl.config.stages import multi_turn, partial_rollout, versioned
 from spmd_rl.distributed import timeline
-from spmd_rl.engines.rollout import Sample
+from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register

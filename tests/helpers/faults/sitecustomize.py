@@ -143,10 +143,10 @@ def _dump_routes(folder: Path, rank: str) -> None:
     import torch
 
     from spmd_rl.engines import logprobs
-    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.engines.vllm.engine import VllmRollout
     from spmd_rl.trainer.stages import samples
 
-    taken, build, count = RolloutEngine._routes, logprobs.build_batch, [0, 0]
+    taken, build, count = VllmRollout._routes, logprobs.build_batch, [0, 0]
 
     def routes_saving(self, context, outputs, rid, n):
         got = taken(self, context, outputs, rid, n)
@@ -174,7 +174,7 @@ def _dump_routes(folder: Path, rank: str) -> None:
             count[1] += 1
         return build(prompts, responses, pad_id, routes, route_shape, sampled)
 
-    RolloutEngine._routes = routes_saving
+    VllmRollout._routes = routes_saving
     samples.build_batch = build_saving
 
 
@@ -196,7 +196,7 @@ def _desync(plan: dict) -> None:
 def _slow_generate(plan: dict) -> None:
     if os.environ.get("RANK") != str(plan["rank"]):
         return
-    from spmd_rl.engines.rollout import RolloutEngine
+    from spmd_rl.engines.vllm.engine import VllmRollout
 
     def slowed(original):
         def call(*args, **kwargs):
@@ -205,8 +205,8 @@ def _slow_generate(plan: dict) -> None:
 
         return call
 
-    RolloutEngine.generate = slowed(RolloutEngine.generate)
-    RolloutEngine.continue_samples = slowed(RolloutEngine.continue_samples)
+    VllmRollout.generate = slowed(VllmRollout.generate)
+    VllmRollout.continue_samples = slowed(VllmRollout.continue_samples)
 
 
 def _stop_warehouse(plan: dict) -> None:

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from spmd_rl.engines.route_capture import RouteCapture
-from spmd_rl.engines.weight_receiver import WeightReceiver
+from spmd_rl.engines.vllm.route_capture import RouteCapture
+from spmd_rl.engines.vllm.weight_receiver import WeightReceiver
 
 
 class RolloutWorker(WeightReceiver, RouteCapture):

@@ -39,7 +39,7 @@ EXPECTED: tuple[tuple[str, str, str], ...] = (
         "vllm.engine.arg_utils",
         "This model does not officially support disabling chunked prefill",
         "CPU engines prefill whole prompts: CPU generators cannot rewind a chunked prefill's seeded sample "
-        "(engines.vllm_options)",
+        "(engines.vllm.options)",
     ),
     ("vllm.config.vllm", "Enforce eager set", "rollout.enforce_eager (the default) says so"),
     ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.enforce_eager"),

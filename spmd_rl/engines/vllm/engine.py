@@ -1,4 +1,4 @@
-"""The rollout engine: vLLM built in-process after the process group exists.
+"""The vLLM rollout engine (``rollout.engine: vllm``), built in-process after the process group exists.
 
 Under torchrun it uses ``distributed_executor_backend="external_launcher"`` so every rank hosts
 its own engine and TP ranks of a generation group cooperate through torch.distributed.
@@ -9,7 +9,7 @@ this rank's TP slice. On CPU vLLM repacks linear weights after loading, so updat
 Under separated placement (``own_process=True``) only the generators host an engine, so it
 cannot share the torch world (vLLM would form its groups over every rank): it runs in its own
 engine-core process with a one-rank world of its own, and new weights reach it as a file
-(``engines.weight_receiver``).
+(``engines.vllm.weight_receiver``).
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.schema import RolloutConfig
-from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines import orphan_watch, vllm_shm, weight_file
-from spmd_rl.engines.adapter_sync import AdapterSync
-from spmd_rl.engines.vllm_options import (
+from spmd_rl.config.rollout_engines import CAPABILITIES
+from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
+from spmd_rl.engines import orphan_watch, weight_file
+from spmd_rl.engines.vllm import shm as vllm_shm
+from spmd_rl.engines.vllm.adapter_sync import AdapterSync
+from spmd_rl.engines.vllm.options import (
     check_version,
     child_device_env,
     configure_vllm_env,
@@ -41,27 +40,6 @@ from spmd_rl.engines.vllm_options import (
 )
 
 log = logging.getLogger("spmd_rl")
-
-
-@dataclass
-class Sample:
-    """One generated response: token ids and the sampler's log-prob of each: vLLM's processed
-    log-probs, i.e. of softmax(logits / T) (renormalised over the top-k / top-p set when those
-    are on), the distribution the token was drawn from."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    stopped: bool = False
-    """Ended on a stop token (EOS), not on the token limit of its request."""
-    routes: torch.Tensor | None = None
-    """With ``record_routes``: the experts vLLM chose at every position of prompt + response but
-    the last, flattened [(P + R - 1) x layers x top_k] uint8 (``engines.route_capture``)."""
-    mask: list[int] | None = None
-    """A multi-turn trajectory's ``response_mask``: 1 where sampled, 0 where inserted (``envs``)."""
-    env_reward: float = 0.0
-    """A multi-turn trajectory's summed environment reward."""
-    stats: dict[str, int] | None = None
-    """A multi-turn trajectory's turn and tool counts (``envs.trajectory.STATS``)."""
 
 
 @contextlib.contextmanager
@@ -100,34 +78,17 @@ def _freeze_import_heap() -> None:
     gc.freeze()
 
 
-class RolloutEngine:
-    def __init__(  # noqa: PLR0913
-        self,
-        path: str | Path,
-        acc: Accelerator,
-        cfg: RolloutConfig,
-        tp: int,
-        dtype: str,
-        max_model_len: int,
-        seed: int = 0,
-        distributed: bool = True,
-        own_process: bool = False,
-        dummy_weights: bool = False,
-        record_routes: bool = False,
-        expert_parallel: bool = False,
-        lora=None,
-    ):
-        """``dummy_weights``: the engine's first weights come from the actor's gather (colocated),
-        so vLLM initialises them randomly instead of reading the checkpoint; generating before
-        the first ``update_weights`` is refused. ``record_routes``: every sample carries the
-        experts its tokens were routed to (in-process engines; prefix caching off, since a
-        cached prompt block is never computed and so never routed). ``expert_parallel``: vLLM's
-        expert parallelism over the engine's TP ranks (devices only). ``lora`` (``actor.lora`` with
-        ``sync: adapter``): every request carries the adapters ``update_adapters`` published
-        (``engines.adapter_sync``). Build this engine before any training role
+class VllmRollout(Rollout):
+    capabilities = CAPABILITIES["vllm"]
+
+    def __init__(self, build: RolloutBuild):
+        """See ``RolloutBuild``. With ``record_routes`` prefix caching is off (a cached prompt block
+        is never computed and so never routed); ``expert_parallel`` is vLLM's expert parallelism
+        over the engine's TP ranks (devices only); ``lora`` serves the adapters through vLLM's
+        LoRA requests (``engines.vllm.adapter_sync``). Build this engine before any training role
         takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
-        if record_routes and own_process:
-            raise ValueError("routes are recorded in-process only (engines.route_capture)")
+        path, acc, cfg, tp, own_process = build.path, build.acc, build.cfg, build.tp, build.own_process
+        dummy_weights, record_routes = build.dummy_weights, build.record_routes
         configure_vllm_env(cfg, own_process)
         import vllm
         from vllm import LLM
@@ -151,27 +112,28 @@ class RolloutEngine:
         ):
             self.llm = LLM(
                 model=str(path),
-                dtype=dtype,
+                dtype=build.dtype,
                 tensor_parallel_size=tp,
-                max_model_len=max_model_len,
-                seed=seed,
+                max_model_len=build.max_model_len,
+                seed=build.seed,
                 **engine_options(
                     acc.kind,
                     cfg,
-                    distributed,
+                    build.distributed,
                     own_process,
                     dummy_weights,
                     record_routes,
-                    expert_parallel,
-                    None if lora is None else lora.rank,
+                    build.expert_parallel,
+                    None if build.lora is None else build.lora.rank,
                 ),
             )
+        lora = build.lora
         self.adapters = None if lora is None else AdapterSync(path, lora.rank, lora.alpha, lora.target_modules)
         torch.set_float32_matmul_precision(precision)
         self.record_routes = record_routes
         self._open: dict[str, tuple[object, list[int], str, int]] = {}
         """Unfinished requests: vLLM's external id -> (key, context, internal id, n)."""
-        if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm_options)
+        if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm.options)
             self.llm.collective_rpc("start_routes")
         if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
             self._watch = orphan_watch.OrphanWatch()
@@ -184,17 +146,9 @@ class RolloutEngine:
         """vLLM's module on this rank (its TP slice of the weights); in-process engines only."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
-        """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
-        done = dict(g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed) for g in step)
-        return [s for p in range(len(prompts)) for s in done[p]]
+    @property
+    def temperature(self) -> float:
+        return self.cfg.temperature
 
     def generate_stream(
         self,
@@ -204,41 +158,27 @@ class RolloutEngine:
         temperature: float | None = None,
         seed: int | None = None,
     ) -> Iterator[list[tuple[int, list[Sample]]]]:
-        """As each prompt group finishes: [(prompt index, its n samples)].
-        The samples are the ones ``generate`` returns (same requests, same per-request seeds
-        seed + k)."""
-        self._require_weights()
-        temp = self.cfg.temperature if temperature is None else temperature
-        per_request = 1 if temp == 0 else n  # vLLM's greedy mode takes n=1: repeat the prompts instead
-        owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
-        params = [
-            self.sampling_params(max_tokens, temp, None if seed is None else seed + k, per_request)
-            for k in range(len(owners))
-        ]
-        groups: dict[int, list[tuple[int, list[Sample]]]] = {}
-        for k, samples in self._run([prompts[p] for p in owners], params):
-            p = owners[k]
-            got = groups.setdefault(p, [])
-            got.append((k, samples))
-            if len(got) * per_request == n:
-                yield [(p, [s for _, samples in sorted(got) for s in samples])]
+        self._drop_routes()
+        yield from super().generate_stream(prompts, n, max_tokens, temperature, seed)
 
-    def _run(self, contexts: list[list[int]], params: list) -> Iterator[tuple[int, list[Sample]]]:
-        """(request k, its samples by output index) as each request finishes, with their routes
-        when recorded."""
+    def continue_samples(
+        self, requests: list[tuple[list[int], int]], temperature: float | None = None, seed: int | None = None
+    ) -> list[Sample]:
+        self._drop_routes()
+        return super().continue_samples(requests, temperature, seed)
+
+    def _drop_routes(self) -> None:
+        """The CPU worker's capture keeps routes until taken: a new batch starts from none."""
         if self.record_routes and self.acc.kind == "cpu":
             self.llm.collective_rpc("drop_routes")
-        self.submit(list(enumerate(contexts)), params)
-        while self.busy():
-            yield from self.step()
 
-    def submit(self, requests: list[tuple[object, list[int]]], params: list) -> None:
-        """Queue (key, context) requests with their sampling params; ``step`` returns each one's
-        samples under its key once it finishes. Requests may be added while others run (vLLM
-        schedules them continuously): multi-turn rollouts submit a trajectory's next turn as
-        soon as its tool returns. vLLM names requests internally "<external>-<random>" (outputs
-        carry the external id) and the i-th sample of an n > 1 request "<i>_<internal>"."""
+    def submit(self, requests: list[tuple[object, list[int]]], specs: list[SamplingSpec]) -> None:
+        """Requests may be added while others run (vLLM schedules them continuously): multi-turn
+        rollouts submit a trajectory's next turn as soon as its tool returns. vLLM names requests
+        internally "<external>-<random>" (outputs carry the external id) and the i-th sample of an
+        n > 1 request "<i>_<internal>"."""
         self._require_weights()
+        params = [self._params(spec) for spec in specs]
         ids = self.llm.enqueue(
             [{"prompt_token_ids": c} for _, c in requests],
             params,
@@ -250,11 +190,10 @@ class RolloutEngine:
         )
 
     def busy(self) -> bool:
-        """Whether a submitted request is still unfinished."""
         return self.llm.llm_engine.has_unfinished_requests()
 
     def step(self) -> list[tuple[object, list[Sample]]]:
-        """One engine step: (key, samples by output index) of the requests it finished."""
+        """One vLLM engine step."""
         done = []
         with eager_sampler(self.cfg):
             outs = self.llm.llm_engine.step()
@@ -267,12 +206,11 @@ class RolloutEngine:
             done.append((key, [_sample(c, r) for c, r in zip(outputs, routes)]))
         return done
 
-    def sampling_params(self, max_tokens: int, temperature: float | None = None, seed: int | None = None, n: int = 1):
-        """vLLM sampling params of one request under the rollout config."""
+    def _params(self, spec: SamplingSpec):
+        """vLLM's sampling params of one request under the rollout config."""
         from vllm import SamplingParams
 
-        temp = self.cfg.temperature if temperature is None else temperature
-        return SamplingParams(**sampling_options(self.cfg, temp, n, max_tokens, seed))
+        return SamplingParams(**sampling_options(self.cfg, spec.temperature, spec.n, spec.max_tokens, spec.seed))
 
     def _routes(self, context: list[int], outputs: list, rid: str, n: int) -> list[torch.Tensor]:
         """The recorded routes of a finished request's samples, checked to cover every position
@@ -297,21 +235,6 @@ class RolloutEngine:
                 )
             out.append(torch.from_numpy(table.astype("uint8", copy=False)).flatten())
         return out
-
-    def continue_samples(
-        self, requests: list[tuple[list[int], int]], temperature: float | None = None, seed: int | None = None
-    ) -> list[Sample]:
-        """One sample per (context, max_tokens): at most max_tokens tokens continuing
-        ``context`` (the prompt followed by the response so far); request k is seeded seed + k.
-        Partial rollout's primitive: at temperature 0 a response continued in pieces equals the
-        one generated at once (tested)."""
-        self._require_weights()
-        params = [
-            self.sampling_params(m, temperature, None if seed is None else seed + k)
-            for k, (_, m) in enumerate(requests)
-        ]
-        done = dict(self._run([c for c, _ in requests], params))
-        return [done[k][0] for k in range(len(requests))]
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], meta: list[tuple[str, torch.dtype, list[int]]] | None = None
@@ -340,8 +263,16 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.weights_current = True
 
+    @property
+    def serves_adapters(self) -> bool:
+        return self.adapters is not None
+
+    @property
+    def adapters_stale(self) -> bool:
+        return self.adapters is not None and self.adapters.stale
+
     def update_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
-        """Serve these LoRA adapters over the loaded base weights (``engines.adapter_sync``)."""
+        """Through vLLM's LoRA requests (``engines.vllm.adapter_sync``)."""
         self.adapters.publish(adapters, self.llm)
         self.llm.reset_prefix_cache()
 

@@ -7,7 +7,7 @@ directory in host memory (``/dev/shm`` when present, mode 0700, one per rank, so
 one node never share a file; named per job so an elastic restart removes a killed rank's). The engine then gets a new
 ``LoRARequest``, a fresh id per
 version, and the previous one is removed from vLLM. Every request the engine enqueues carries
-the current request (``RolloutEngine.submit``).
+the current request (``VllmRollout.submit``).
 
 Invariants:
 
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from spmd_rl.engines import lora, vllm_shm
+from spmd_rl.engines import lora
+from spmd_rl.engines.vllm import shm as vllm_shm
 
 
 ROOT_PREFIX = "spmd-rl-lora-"

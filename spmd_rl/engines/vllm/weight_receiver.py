@@ -1,6 +1,6 @@
 """Methods added to vLLM's worker (``worker_extension_cls``), called through
 ``LLM.collective_rpc``. Under separated placement the engine runs in its own process
-(``engines.rollout``), so new weights reach it as a safetensors file the generator wrote
+(``engines.vllm.engine``), so new weights reach it as a safetensors file the generator wrote
 itself into a private folder (no pickle, no network bytes), loaded here and deleted by the
 caller."""
 

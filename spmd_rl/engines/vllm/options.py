@@ -10,7 +10,7 @@ Device-only choices and why (vLLM 0.32's CUDA worker; verl's vLLM rollout makes 
   legacy ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only (0.25 became 1) and would override the
   option, so ``configure_vllm_env`` removes it. The CPU worker zeroes the whole cache at start
   (1.5 s for 1 GiB here), so a small model's config asks for what it needs.
-- ``enable_sleep_mode``: the KV cache (and the weights, ``RolloutEngine.sleep``) leave the device
+- ``enable_sleep_mode``: the KV cache (and the weights, ``VllmRollout.sleep``) leave the device
   between rollouts.
 - ``disable_custom_all_reduce``: custom all-reduce registers IPC handles of buffers that sleep
   mode's allocator releases and re-maps; with CUDA graphs (``enforce_eager: false``) and TP > 1
@@ -22,7 +22,7 @@ Both kinds: prefix caching on (the N samples of one prompt share its KV blocks; 
 reset after every weight load) unless routes are recorded (a cached block is never routed),
 no detokenization (the trainer decodes the ids it needs). Routes on a device come from vLLM's
 ``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
-on the CPU from ``engines.route_capture``'s hooks on the V1 runner.
+on the CPU from ``engines.vllm.route_capture``'s hooks on the V1 runner.
 
 ``rollout.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``): vLLM
 0.32 wraps two of them in ``torch.compile`` whatever the compilation mode, and their first call
@@ -75,7 +75,7 @@ def engine_options(
     lora_rank: int | None = None,
 ) -> dict:
     """vLLM ``LLM(...)`` options from the config (module docstring). ``lora_rank``: serve one
-    LoRA adapter of at most this rank (``engines.adapter_sync``)."""
+    LoRA adapter of at most this rank (``engines.vllm.adapter_sync``)."""
     if expert_parallel and acc_kind == "cpu":
         raise ValueError(
             "parallel.gen.expert_parallel: vllm-cpu's fused MoE crashes with enable_expert_parallel; set it false on "
@@ -85,7 +85,7 @@ def engine_options(
         "enforce_eager": cfg.enforce_eager,
         "enable_prefix_caching": not record_routes,
         "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": "spmd_rl.engines.vllm_worker.RolloutWorker",
+        "worker_extension_cls": "spmd_rl.engines.vllm.worker.RolloutWorker",
         "use_tqdm_on_load": False,
         "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30),
     }
@@ -105,9 +105,8 @@ def engine_options(
             "enable_sleep_mode": True,
             "disable_custom_all_reduce": True,
         }
-        if (
-            record_routes
-        ):  # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.route_capture)
+        # vLLM's own capture (Model Runner V2, CUDA-graph safe); CPU's V1 runner has none (engines.vllm.route_capture)
+        if record_routes:
             kw["enable_return_routed_experts"] = True
         if expert_parallel:
             kw["enable_expert_parallel"] = True

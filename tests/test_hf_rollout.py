@@ -1,0 +1,162 @@
+"""``rollout.engine: hf`` (engines.hf.rollout) on the tiny model, against independent references:
+its log-probs are the trainer's of the same tokens under the same policy (temperature, top-k,
+top-p: an HF float32 forward through ``engines.logprobs``), its greedy tokens are transformers'
+own ``generate``, a seeded request samples the same tokens alone or in a batch, and new weights
+reach the next sample. The registry and the config agree on the engines; a build asking for what
+the engine lacks is refused before it is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from spmd_rl.config.rollout_engines import ROLLOUT_ENGINES
+from spmd_rl.config.schema import RolloutConfig
+from spmd_rl.distributed.accelerator import detect
+from spmd_rl.engines.base import RolloutBuild, SamplingSpec
+from spmd_rl.engines.hf.rollout import HfRollout, truncate
+from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.rollouts import ROLLOUTS, build_rollout_engine, rollout_class
+from spmd_rl.engines.token_logprob import SamplingPolicy
+from tests.conftest import REPO, subprocess_env
+
+T, TOP_K, TOP_P = 0.8, 20, 0.9
+
+
+def build(model, **kw) -> RolloutBuild:
+    cfg = RolloutConfig(engine="hf", n=4, max_response_length=8, temperature=T, top_k=TOP_K, top_p=TOP_P)
+    return RolloutBuild(model, detect("cpu"), cfg, 1, "float32", 64, distributed=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return [tok(text).input_ids for text in ("12+30=", "7+5=", "100+250=")]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> HfRollout:
+    return build_rollout_engine(build(tiny_model))
+
+
+def trainer_logprobs(model, prompt: list[int], responses: list[list[int]], policy: SamplingPolicy) -> list:
+    batch = build_batch([torch.tensor(prompt)] * len(responses), [torch.tensor(r) for r in responses], 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = response_logprobs(logits, batch, policy=policy)[0]
+    return [lp[k, : len(r)] for k, r in enumerate(responses)]
+
+
+def test_sampled_logprobs_are_the_trainers_under_temperature_top_k_and_top_p(tiny_model, engine, prompts):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    samples = engine.generate(prompts, n=4, max_tokens=8, seed=11)
+    assert len(samples) == 12 and all(s.token_ids for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) >= 3  # it sampled, not 12 copies of one answer
+    for p, prompt in enumerate(prompts):
+        group = samples[4 * p : 4 * p + 4]
+        want = trainer_logprobs(model, prompt, [s.token_ids for s in group], SamplingPolicy(T, TOP_K, TOP_P))
+        for s, lp in zip(group, want):
+            assert len(s.logprobs) == len(s.token_ids)
+            assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
+    # and not those of the untruncated policy: the check can tell top-k / top-p apart
+    plain = trainer_logprobs(model, prompts[0], [s.token_ids for s in samples[:4]], SamplingPolicy(T))
+    assert max(float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples[:4], plain)) > 1e-3
+
+
+def test_greedy_tokens_are_transformers_generate(tiny_model, engine, prompts):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    got = engine.generate(prompts, n=2, max_tokens=8, temperature=0.0)
+    for p, prompt in enumerate(prompts):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+        assert got[2 * p].token_ids == got[2 * p + 1].token_ids == out[:cut]
+        assert got[2 * p].stopped == (cut < len(out) or out[-1] in eos)
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engine, prompts):
+    alone = engine.continue_samples([(prompts[1], 8)], seed=5)[0]
+    engine.submit([("a", prompts[0]), ("b", prompts[1]), ("c", prompts[2])], [SamplingSpec(8, T, s) for s in (9, 5, 3)])
+    batched = dict(engine.step())
+    assert not engine.busy()
+    (got,) = batched["b"]
+    assert got.token_ids == alone.token_ids and got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    again = engine.continue_samples([(prompts[1], 8)], seed=6)[0]
+    other = engine.continue_samples([(prompts[1], 8)], seed=5)[0]
+    assert other.token_ids == alone.token_ids and (
+        again.token_ids != alone.token_ids or again.logprobs != alone.logprobs
+    )
+
+
+def test_truncation_keeps_the_top_k_then_the_top_p_mass():
+    x = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.isfinite(truncate(x, 3, 1.0)).tolist() == [[True, True, True, False, False]]
+    # top-p 0.8 drops the smallest tokens whose mass from below is <= 0.2: 0.05 + 0.1 (0.15), not 0.15 more
+    assert torch.isfinite(truncate(x, -1, 0.8)).tolist() == [[True, True, True, False, False]]
+    assert torch.isfinite(truncate(x, -1, 0.01)).tolist() == [[True, False, False, False, False]]
+
+
+def test_a_dummy_start_refuses_to_generate_and_loads_every_weight(tiny_model, prompts):
+    dummy = HfRollout(build(tiny_model, dummy_weights=True))
+    with pytest.raises(RuntimeError, match="no policy weights"):
+        dummy.generate(prompts, n=1, max_tokens=4)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    weights = list(model.state_dict().items())
+    with pytest.raises(ValueError, match=r"left \['model.norm.weight'\] unset"):
+        dummy.update_weights([(n, t) for n, t in weights if n != "model.norm.weight"])
+    with torch.no_grad():
+        for _, t in weights:
+            t.add_(0.01 * torch.randn_like(t))  # weights the checkpoint never held
+    dummy.update_weights(weights)
+    got = dummy.generate(prompts[:1], n=1, max_tokens=8, temperature=0.0)[0]
+    out = model.generate(torch.tensor(prompts[:1]), max_new_tokens=8, do_sample=False)[0, len(prompts[0]) :].tolist()
+    assert got.token_ids == out[: len(got.token_ids)] and len(got.token_ids) >= 1
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        dummy.update_weights([("nope", torch.zeros(1))])
+
+
+def test_the_registry_and_the_config_name_the_same_engines_and_refuse_what_an_engine_lacks(tiny_model):
+    assert sorted(ROLLOUTS) == sorted(ROLLOUT_ENGINES)
+    assert (
+        rollout_class("hf") is HfRollout
+        and rollout_class("tests.helpers.rollouts:EchoRollout").__name__ == "EchoRollout"
+    )
+    with pytest.raises(ValueError, match="unknown rollout engine 'nope'; registered: vllm, hf"):
+        RolloutConfig(engine="nope", n=1, max_response_length=1)
+    with pytest.raises(
+        ValueError, match=r"rollout.engine='hf' cannot serve this run: tensor_parallel: .*parallel.gen.tp=1"
+    ):
+        build_rollout_engine(
+            RolloutBuild(
+                tiny_model, detect("cpu"), RolloutConfig(engine="hf", n=1, max_response_length=1), 2, "float32", 64
+            )
+        )
+
+
+@pytest.mark.slow
+def test_spmd_rl_eval_scores_the_same_with_either_engine(tiny_model):
+    """``spmd-rl eval --engine``: greedy accuracy on 64 held-out prompts through vLLM and through
+    the hf engine, each in a fresh process, agree but for greedy near-ties (float32 both)."""
+    got = {}
+    for engine in ("vllm", "hf"):
+        res = subprocess.run(
+            [sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl"),
+             "--limit", "64", "--engine", engine],
+            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        got[engine] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["vllm"]["prompts"] == got["hf"]["prompts"] == 64
+    assert abs(got["vllm"]["accuracy"] - got["hf"]["accuracy"]) <= 2 / 64, got
+    res = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl"),
+         "--engine", "nope"],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 2 and "INVALID --engine=nope: unknown rollout engine 'nope'" in res.stderr
