@@ -27,12 +27,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from spmd_rl.algos.registry import user_function
 from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.config.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rules import check
 from spmd_rl.config.stages import algorithm, multi_turn, needs_reference, pinned_roles, records_routes, stages_for
+from spmd_rl.config.train_backends import train_backend
 from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
@@ -242,25 +244,9 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
     training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the
     actor's or its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
     needed = {r for s in graph for r in s.roles}
-    policy = SamplingPolicy.of(cfg.rollout)
     dtype = cfg.model.dtype
-    if cfg.actor.backend == "megatron":  # the actor and the reference only (config.backend_rules)
-        from spmd_rl.engines.megatron.engine import MegatronEngine
-
-        lm = partial(
-            MegatronEngine,
-            cfg.model.path,
-            acc,
-            cfg.actor,
-            dtype,
-            cfg.parallel.train.tp,
-            cfg.parallel.train.sequence_parallel,
-            policy=policy,
-            pp=cfg.parallel.train.pp,
-            ep=cfg.parallel.train.ep,
-        )
-    else:
-        lm = partial(TrainEngine, cfg.model.path, acc, mesh, cfg.actor, dtype, policy=policy, seed=cfg.trainer.seed)
+    engine = user_function(train_backend(cfg).engine, "actor.backend")  # the actor and the reference
+    lm = partial(engine.from_config, cfg, acc, mesh, SamplingPolicy.of(cfg.rollout))
     roles = {"actor": lm(total_steps=_total_steps(cfg))}
     if cfg.actor.lora is not None:
         adapted = len(list(lora_modules(roles["actor"].model)))

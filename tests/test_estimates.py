@@ -129,7 +129,7 @@ def test_inventory_matches_hf_model(cls_name, cfg):
 
 
 def test_memory_estimate_swap_saves_training_state(in_repo, tiny_model):
-    from spmd_rl.config.estimates import rank_memory
+    from spmd_rl.config.train_backends import rank_memory
     from spmd_rl.config.rules import check
 
     cfg = load_config("configs/quickstart.yaml")
@@ -147,7 +147,8 @@ def test_memory_estimate_swap_saves_training_state(in_repo, tiny_model):
 def test_separated_plan_gives_each_side_only_its_own_state(in_repo, tiny_model):
     """Under the separated placement the generators hold the rollout engine alone and the
     trainers every other role: no rank is charged the other side's state, nothing is swapped."""
-    from spmd_rl.config.estimates import GB, rank_memory
+    from spmd_rl.config.estimates import GB
+    from spmd_rl.config.train_backends import rank_memory
     from spmd_rl.config.plan import stage_memory
     from spmd_rl.config.rules import check
 
@@ -181,7 +182,8 @@ def test_frozen_roles_and_unsharded_accumulation_in_their_real_dtypes(in_repo, t
     """A bf16 run's reference holds bf16 weights (no fp32 master copy), the actor its fp32 master
     and AdamW states; accumulate_unsharded adds the full bf16 params and full fp32 grads less the
     rank's own share, and ``plan`` prints it."""
-    from spmd_rl.config.estimates import role_bytes, unsharded_accumulation_bytes
+    from spmd_rl.config.estimates import unsharded_accumulation_bytes
+    from spmd_rl.config.train_backends import role_bytes
     from spmd_rl.config.rules import check
 
     cfg = load_config("configs/quickstart.yaml", ["model.dtype=bfloat16", "algorithm.kl_coef=0.1"])

@@ -121,7 +121,8 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
 def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
     """The plan's LoRA training state: the frozen base in model.dtype plus adapters with two AdamW
     states, against full fine-tuning's float32 masters and states (rank 16 on every projection)."""
-    from spmd_rl.config.estimates import lora_numels, rank_memory
+    from spmd_rl.config.estimates import lora_numels
+    from spmd_rl.config.train_backends import rank_memory
     from spmd_rl.config.layout import Layout, Layouts
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.model_arch import ModelArch

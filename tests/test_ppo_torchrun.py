@@ -23,7 +23,7 @@ from transformers import AutoModelForTokenClassification
 
 from spmd_rl.config.layout import resolve_layouts
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.estimates import role_bytes
+from spmd_rl.config.train_backends import role_bytes
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.stages import resident_roles, stages_for
 from spmd_rl.engines.safe_dcp import read_full_state

@@ -96,7 +96,7 @@ def run(name: str, args: argparse.Namespace, out: Path, *overrides: str) -> list
 
 def train_state_bytes(args: argparse.Namespace, n: int) -> int:
     """The actor's per-rank params + AdamW states as ``spmd-rl plan`` predicts them."""
-    from spmd_rl.config.estimates import rank_memory
+    from spmd_rl.config.train_backends import rank_memory
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.model_arch import ModelArch
     from spmd_rl.config.rules import check

@@ -12,7 +12,56 @@ from spmd_rl.config.schema import Config
 MEGATRON_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
-def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
+def fsdp_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
+    """What the FSDP backend refuses: the megatron-only parallelisms, TP over MoE experts."""
+    sp, pp, ep, train_tp = (
+        cfg.parallel.train.sequence_parallel,
+        cfg.parallel.train.pp,
+        cfg.parallel.train.ep,
+        train.tp,
+    )
+    out = []
+    if ep > 1:
+        out.append(
+            Violation(
+                "parallel.train.ep",
+                ep,
+                "expert parallelism is the megatron backend's (FSDP shards the experts over dp_shard)",
+                "set actor.backend: megatron, or ep: 1",
+            )
+        )
+    if sp:
+        out.append(
+            Violation(
+                "parallel.train.sequence_parallel",
+                True,
+                "sequence parallelism is the megatron backend's",
+                "set actor.backend: megatron, or sequence_parallel: false",
+            )
+        )
+    if pp > 1:
+        out.append(
+            Violation(
+                "parallel.train.pp",
+                pp,
+                "pipeline parallelism is the megatron backend's",
+                "set actor.backend: megatron, or pp: 1",
+            )
+        )
+    if arch is not None and arch.is_moe and train_tp > 1:
+        out.append(
+            Violation(
+                "parallel.train.tp",
+                train_tp,
+                "the FSDP backend has no tensor-parallel plan for MoE experts",
+                "use tp: 1 (FSDP shards every expert over dp_shard)",
+            )
+        )
+    return out + _check_lora(cfg, arch, train_tp)
+
+
+def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
+    """What the megatron-core backend refuses in this version."""
     a, sp, pp, ep, train_tp = (
         cfg.actor,
         cfg.parallel.train.sequence_parallel,
@@ -20,45 +69,6 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
         cfg.parallel.train.ep,
         train.tp,
     )
-    if a.backend == "fsdp":
-        out = []
-        if ep > 1:
-            out.append(
-                Violation(
-                    "parallel.train.ep",
-                    ep,
-                    "expert parallelism is the megatron backend's (FSDP shards the experts over dp_shard)",
-                    "set actor.backend: megatron, or ep: 1",
-                )
-            )
-        if sp:
-            out.append(
-                Violation(
-                    "parallel.train.sequence_parallel",
-                    True,
-                    "sequence parallelism is the megatron backend's",
-                    "set actor.backend: megatron, or sequence_parallel: false",
-                )
-            )
-        if pp > 1:
-            out.append(
-                Violation(
-                    "parallel.train.pp",
-                    pp,
-                    "pipeline parallelism is the megatron backend's",
-                    "set actor.backend: megatron, or pp: 1",
-                )
-            )
-        if arch is not None and arch.is_moe and train_tp > 1:
-            out.append(
-                Violation(
-                    "parallel.train.tp",
-                    train_tp,
-                    "the FSDP backend has no tensor-parallel plan for MoE experts",
-                    "use tp: 1 (FSDP shards every expert over dp_shard)",
-                )
-            )
-        return out + _check_lora(cfg, arch, train_tp)
     field, out = "actor.backend", []
     if a.lora is not None:
         out.append(
@@ -135,6 +145,15 @@ def check_backend(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Vi
             )
         )
     out += _check_moe(arch, train, ep)
+    if arch is not None and arch.is_moe and a.moe_z_loss_coef and not arch.norm_topk_prob:
+        out.append(
+            Violation(
+                "actor.moe_z_loss_coef",
+                a.moe_z_loss_coef,
+                "without norm_topk_prob mcore's router hands over probabilities, not logits",
+                "use actor.backend: fsdp, or moe_z_loss_coef: 0",
+            )
+        )
     if arch is not None and arch.vocab_size % train_tp:
         out.append(
             Violation(
@@ -308,15 +327,6 @@ def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
                 a.moe_aux_loss_coef,
                 "the load fractions f are counted from the rollout's routes",
                 "set actor.router_replay: record (or rollout)",
-            )
-        )
-    if arch.is_moe and a.moe_z_loss_coef and a.backend == "megatron" and not arch.norm_topk_prob:
-        out.append(
-            Violation(
-                "actor.moe_z_loss_coef",
-                a.moe_z_loss_coef,
-                "without norm_topk_prob mcore's router hands over probabilities, not logits",
-                "use actor.backend: fsdp, or moe_z_loss_coef: 0",
             )
         )
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
+from spmd_rl.config.train_backends import train_backend
 
 _DPO_FIELDS = ("dpo_beta", "dpo_label_smoothing")
 _DPO_DATA_FIELDS = ("chosen_column", "rejected_column")
@@ -53,7 +54,11 @@ def check_dpo(cfg: Config) -> list[Violation]:
         "rollout.environment": (cfg.rollout.environment is not None, cfg.rollout.environment, generates),
         "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay, generates),
         "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef, "DPO's tie to the reference is algorithm.dpo_beta"),
-        "actor.backend": (cfg.actor.backend == "megatron", "megatron", "DPO runs on the FSDP backend in this version"),
+        "actor.backend": (
+            not train_backend(cfg).preference_pairs,
+            cfg.actor.backend,
+            "DPO runs on the FSDP backend in this version",
+        ),
         "rollout.temperature": (cfg.rollout.temperature != 1.0, cfg.rollout.temperature, plain),
         "rollout.top_k": (cfg.rollout.top_k != -1, cfg.rollout.top_k, plain),
         "rollout.top_p": (cfg.rollout.top_p != 1.0, cfg.rollout.top_p, plain),

@@ -67,8 +67,13 @@ class RankMemory:
         return self.gen_weights + self.kv_cache + self.temp_buffer + (0 if swap else self.train_state)
 
 
-def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
-    """Per-rank bytes. FSDP2 shards every training tensor over dp_shard after the training TP
+def gen_weight_numel(arch: ModelArch, lay: Layouts) -> int:
+    """Elements of one generation rank's weights: TP-split tensors over gen tp, the rest whole."""
+    return sum(t.numel // lay.gen.tp if t.tp_split else t.numel for t in arch.tensors())
+
+
+def fsdp_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
+    """Per-rank bytes under the FSDP backend. FSDP2 shards every training tensor over dp_shard after the training TP
     plan has split attention/MLP projections (embeddings and norms stay whole); AdamW keeps two
     states per parameter in the master dtype. vLLM keeps the TP slice of split tensors (its
     embedding is vocab-parallel) and a full copy of replicated ones. With ``actor.lora`` the
@@ -81,8 +86,6 @@ def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         local = t.numel // lay.train.tp if t.train_tp_split else t.numel
         train_numel += -(-local // lay.train.dp)
         gen_numel += t.numel // lay.gen.tp if t.tp_split else t.numel
-    if cfg.actor.backend == "megatron":
-        return _megatron_memory(cfg, arch, lay, gen_numel * gb)
     lora = cfg.actor.lora  # the base frozen in the compute dtype; grads and AdamW over the adapters only
     frozen, trained = (
         (train_numel, sum(-(-n // lay.train.dp) for n in lora_numels(arch, lora.rank, lora.target_modules)))
@@ -150,14 +153,15 @@ def megatron_local_numel(arch: ModelArch, tp: int, pp: int = 1, ep: int = 1, exp
     return max(stages)
 
 
-def _megatron_memory(cfg: Config, arch: ModelArch, lay: Layouts, gen_bytes: int) -> RankMemory:
-    """megatron-core with the distributed optimizer (``engines.megatron``): every DP rank holds
+def megatron_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
+    """Per-rank bytes under megatron-core with the distributed optimizer (``engines.megatron``): every DP rank holds
     its stage's TP-local parameters in the model's dtype (``model.dtype`` under mixed precision), their
     float32 gradient buffer (Megatron DDP reduces in float32 and keeps the buffer for the run),
     and 1/dp of the float32 AdamW moments, plus 1/dp of float32 main parameters when the model
     dtype is not ``actor.param_dtype``. The gather for vLLM holds one parameter's TP parts and
     the joined tensor at a time."""
     ep = cfg.parallel.train.ep
+    gen_bytes = gen_weight_numel(arch, lay) * DTYPE_BYTES[cfg.model.dtype]
     tp_local = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep)
     experts = megatron_local_numel(arch, lay.train.tp, lay.train.pp, ep, experts_only=True)
     mixed = cfg.model.dtype != cfg.actor.param_dtype
@@ -183,40 +187,6 @@ def unsharded_accumulation_bytes(arch: ModelArch, lay: Layouts, compute_dtype: s
     return int(tp_local * (DTYPE_BYTES[compute_dtype] + 4) * (1 - 1 / lay.train.dp))
 
 
-def _sharded_numel(tensors, lay: Layouts) -> int:
+def sharded_numel(tensors, lay: Layouts) -> int:
     """Local elements of ``tensors`` on one training rank (TP split, then FSDP over dp_shard)."""
     return sum(-(-(t.numel // lay.train.tp if t.train_tp_split else t.numel) // lay.train.dp) for t in tensors)
-
-
-def role_bytes(
-    cfg: Config,
-    arch: ModelArch,
-    lay: Layouts,
-    critic_arch: ModelArch | None = None,
-    reward_arch: ModelArch | None = None,
-) -> dict[str, int]:
-    """Per-rank bytes each role holds while resident, at a stage's entry: trainable roles their
-    params and two AdamW states in ``actor.param_dtype`` (gradients exist only inside a backward
-    pass and are freed after the step), frozen roles (reference, reward model) their params in
-    the compute dtype ``model.dtype`` (no master copy); the rollout engine its
-    weights and KV cache. The critic and the reward model are their trunk plus a one-output head
-    (``hidden`` weights, + 1 bias for the critic's token-classification head). A megatron actor
-    also keeps its float32 gradient buffer between steps (``_megatron_memory``)."""
-    pb = DTYPE_BYTES[cfg.actor.param_dtype]
-    mem = rank_memory(cfg, arch, lay)
-    cb = DTYPE_BYTES[cfg.model.dtype]
-    if cfg.actor.backend == "megatron":
-        ref = megatron_local_numel(arch, lay.train.tp, lay.train.pp, cfg.parallel.train.ep) * cb
-    else:  # a LoRA reference is the actor with adapters off: no memory of its own
-        ref = 0 if cfg.actor.lora is not None else mem.train_params // pb * cb
-    out = {
-        "actor": mem.train_params + mem.train_optim + (mem.train_grads if cfg.actor.backend == "megatron" else 0),
-        "ref": ref,
-        "rollout": mem.gen_weights + mem.kv_cache,
-    }
-    for role, a, head in (("critic", critic_arch, 1), ("reward_model", reward_arch, 0)):
-        if a is not None:
-            trunk = [t for t in a.tensors() if t.name != "lm_head.weight"]
-            numel = _sharded_numel(trunk, lay) + -(-a.hidden_size // lay.train.dp) + head
-            out[role] = numel * pb * 3 if role == "critic" else numel * cb
-    return out

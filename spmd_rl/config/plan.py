@@ -7,9 +7,7 @@ from spmd_rl.config.estimates import (
     GB,
     dispatch_seconds,
     lora_numels,
-    rank_memory,
     redundant_memory,
-    role_bytes,
     routes_bytes,
     tcv_centralized,
     tcv_per_warehouse,
@@ -18,6 +16,7 @@ from spmd_rl.config.estimates import (
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
+from spmd_rl.config.train_backends import TRAIN_BACKENDS, TrainBackend, rank_memory, role_bytes, train_backend
 from spmd_rl.config.stages import algorithm, flow_counts, records_routes, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
@@ -31,12 +30,8 @@ def _span(ranks: range) -> str:
     return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
-def layout_lines(lay: Layouts, backend: str = "fsdp") -> list[str]:
-    train = (
-        f"dp_shard={lay.train.dp} tp={lay.train.tp}"
-        if backend == "fsdp"
-        else f"megatron-core dp={lay.train.dp} pp={lay.train.pp} tp={lay.train.tp}"
-    )
+def layout_lines(lay: Layouts, backend: TrainBackend = TRAIN_BACKENDS["fsdp"]) -> list[str]:
+    train = backend.describe(lay)
     w = 13 if lay.train.pp == 1 else 15
     lines = [
         f"world {lay.world} = {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); "
@@ -101,12 +96,7 @@ def memory_lines(cfg: Config, arch: ModelArch, lay: Layouts) -> list[str]:
     head = [
         f"model {arch.model_type}: {arch.num_params() / 1e6:.2f} M parameters "
         f"({arch.split_numel() / 1e6:.2f} M TP-split = TW {_gib(tw).strip()} in {cfg.model.dtype})",
-        f"per-rank training state ({cfg.actor.param_dtype} master, AdamW"
-        + (
-            ", megatron distributed optimizer: float32 grad buffer, moments over dp)"
-            if cfg.actor.backend == "megatron"
-            else ")"
-        )
+        f"per-rank training state ({cfg.actor.param_dtype} master, {train_backend(cfg).state})"
         + (f", training ranks {_span(lay.train.ranks)}:" if lay.separated else ":"),
         f"  params {_gib(mem.train_params)}   grads {_gib(mem.train_grads)}   optimizer {_gib(mem.train_optim)}",
     ]
@@ -238,7 +228,7 @@ def _routes_lines(cfg: Config, stages: list) -> list[str]:
 
 def render(cfg: Config, arch: ModelArch, lay: Layouts, bandwidth_gb_s: float) -> str:
     sections = (
-        ("Layouts", layout_lines(lay, cfg.actor.backend)),
+        ("Layouts", layout_lines(lay, train_backend(cfg))),
         ("Memory", memory_lines(cfg, arch, lay)),
         ("Resident per stage (per rank, at the stage's entry)", residency_lines(cfg, arch, lay)),
         ("Sample flow", flow_lines(cfg, lay, bandwidth_gb_s)),

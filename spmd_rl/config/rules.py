@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from spmd_rl.algos.registry import findable
-from spmd_rl.config.backend_rules import check_backend, check_gen_experts, check_router_replay
+from spmd_rl.config.backend_rules import check_gen_experts, check_router_replay
 from spmd_rl.config.dpo_rules import check_dpo
 from spmd_rl.config.env_rules import check_environment
 from spmd_rl.config.errors import Violation
@@ -23,6 +23,7 @@ from spmd_rl.config.rollout_engines import CAPABILITIES, missing
 from spmd_rl.config.schema import Config
 from spmd_rl.config.stages import algorithm, fused_stages, records_routes, separated, stages_for
 from spmd_rl.config.stream_rules import check_partial, check_separated
+from spmd_rl.config.train_backends import train_backend
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
 REGISTERED_RULES = ("exact_match", "math_verify")
@@ -667,7 +668,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += check_partial(cfg)
     out += check_separated(cfg)
     arch = _arch(cfg)
-    out += check_backend(cfg, arch, lay.train)
+    out += train_backend(cfg).rules(cfg, arch, lay.train)
     out += check_router_replay(cfg, arch)
     out += check_gen_experts(cfg, arch, lay.gen)
     out += check_environment(cfg, lay.gen)

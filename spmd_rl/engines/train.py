@@ -63,6 +63,12 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 class TrainEngine(Engine):
     """The FSDP2 (+ DTensor TP) implementation of :class:`Engine` for causal LMs."""
 
+    @classmethod
+    def from_config(cls, cfg, acc: Accelerator, mesh: DeviceMesh, policy: SamplingPolicy, **role) -> "TrainEngine":
+        """The actor (or, with ``trainable=False``, the reference) of the run ``cfg`` describes
+        (``config.train_backends``: every backend's engine offers this signature)."""
+        return cls(cfg.model.path, acc, mesh, cfg.actor, cfg.model.dtype, policy=policy, seed=cfg.trainer.seed, **role)
+
     def __init__(  # noqa: PLR0913
         self,
         path: str | Path,

@@ -66,6 +66,24 @@ def _mindspeed_adaptor() -> None:
 
 
 class MegatronEngine(Engine):
+    @classmethod
+    def from_config(cls, cfg, acc: Accelerator, mesh, policy: SamplingPolicy, **role) -> "MegatronEngine":
+        """The actor (or, with ``trainable=False``, the reference) of the run ``cfg`` describes; megatron
+        builds its own process groups (``mesh`` is unused: ``config.train_backends``'s one signature)."""
+        t = cfg.parallel.train
+        return cls(
+            cfg.model.path,
+            acc,
+            cfg.actor,
+            cfg.model.dtype,
+            t.tp,
+            t.sequence_parallel,
+            policy=policy,
+            pp=t.pp,
+            ep=t.ep,
+            **role,
+        )
+
     def __init__(  # noqa: PLR0913
         self,
         path: str | Path,

@@ -1,0 +1,58 @@
+"""``config.train_backends``: the schema offers exactly the registered backends, each names an
+engine class with the one ``from_config`` signature, and what ``validate`` and ``plan`` say
+about a backend comes from its object: a backend registered here with its own rules, memory
+model and description is what they print, with no other edit."""
+
+from __future__ import annotations
+
+import inspect
+from typing import get_args
+
+from spmd_rl.algos.registry import user_function
+from spmd_rl.config.errors import Violation
+from spmd_rl.config.estimates import RankMemory
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.plan import render
+from spmd_rl.config.rules import check
+from spmd_rl.config.schema import ActorConfig
+from spmd_rl.config.train_backends import TRAIN_BACKENDS, TrainBackend, role_bytes
+from tests.conftest import REPO
+
+
+def test_the_schema_offers_the_registered_backends_and_each_engine_has_one_constructor():
+    assert sorted(get_args(ActorConfig.model_fields["backend"].annotation)) == sorted(TRAIN_BACKENDS)
+    signatures = set()
+    for backend in TRAIN_BACKENDS.values():
+        engine = user_function(backend.engine, f"backend {backend.name}")
+        signatures.add(tuple(inspect.signature(engine.from_config).parameters))
+    assert signatures == {("cfg", "acc", "mesh", "policy", "role")}
+
+
+def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
+    toy = TrainBackend(
+        "toy",
+        "tests.test_train_backends:ToyEngine",
+        memory=lambda cfg, arch, lay: RankMemory(
+            train_params=3 * 2**30, train_grads=0, train_optim=6 * 2**30, gen_weights=2**30, kv_cache=0, temp_buffer=0
+        ),
+        reference_numel=lambda cfg, arch, lay: 7,
+        keeps_grads=False,
+        rules=lambda cfg, arch, train: [Violation("actor.backend", "toy", "a toy refuses", "use a real one")],
+        describe=lambda lay: f"toy dp={lay.train.dp}",
+        state="no optimizer at all",
+        preference_pairs=False,
+    )
+    monkeypatch.setitem(TRAIN_BACKENDS, "toy", toy)
+    base = load_config(REPO / "configs/quickstart.yaml")
+    cfg = base.model_copy(update={"actor": base.actor.model_copy(update={"backend": "toy"})})
+    lay, problems = check(cfg)
+    assert [str(v) for v in problems] == ["actor.backend='toy': a toy refuses -> use a real one"]
+    arch = ModelArch.from_folder(tiny_model)
+    text = render(cfg, arch, lay, 10.0)
+    assert "train toy dp=2" in text and "(float32 master, no optimizer at all)" in text
+    assert "params      3.000 GiB" in text and "optimizer      6.000 GiB" in text
+    roles = role_bytes(cfg, arch, lay)
+    assert roles["actor"] == 9 * 2**30 and roles["ref"] == 7 * 4 and roles["rollout"] == 2**30
+    dpo = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"name": "dpo"})})
+    assert any(v.field == "actor.backend" and "DPO runs on" in v.problem for v in check(dpo)[1])
