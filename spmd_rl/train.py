@@ -53,7 +53,7 @@ from spmd_rl.engines.lora import lora_modules
 from spmd_rl.engines.base import Rollout, RolloutBuild
 from spmd_rl.engines.rollouts import build_rollout_engine
 from spmd_rl.engines.token_logprob import SamplingPolicy
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.engines.vllm.logs import quiet_vllm
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency

@@ -9,7 +9,7 @@ import ast
 import inspect
 
 from spmd_rl.engines.base import Engine
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 from tests.conftest import REPO
 
 CONSUMERS = ["spmd_rl/reshard", "spmd_rl/trainer"]
@@ -31,7 +31,7 @@ def test_consumers_depend_on_the_interface_not_the_fsdp_class():
         str(p.relative_to(REPO))
         for d in CONSUMERS
         for p in (REPO / d).glob("*.py")
-        if "spmd_rl.engines.train" in imported_modules(p)
+        if "spmd_rl.engines.fsdp.engine" in imported_modules(p)
     }
     assert not offenders, f"import engines.base instead of the FSDP engine in {sorted(offenders)}"
 

@@ -23,7 +23,7 @@ from spmd_rl.engines.base import local
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split
 from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
 from spmd_rl.engines.token_logprob import SamplingPolicy
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.logprobs import build_batch, split
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.engines.base import local
 
 
@@ -75,7 +75,7 @@ def test_bf16_compute_runs_the_lm_head_in_bf16_and_stays_near_float64(tiny_model
     from transformers import AutoModelForCausalLM
 
     from spmd_rl.engines.logprobs import lm_response_logprobs
-    from spmd_rl.engines.parallelize import decoder_layers
+    from spmd_rl.engines.fsdp.parallelize import decoder_layers
 
     e = _engine(tiny_model, compute="bfloat16")
     seen = {}
@@ -131,7 +131,7 @@ def test_compile_compiles_every_layer_and_changes_no_result(tiny_model):
     compile), and its log-probs, each step's loss and grad norm, and the log-probs after the
     steps equal the eager engine's (Adam turns gradient rounding on untouched rows into lr-sized
     steps, so weights are compared through the model's outputs)."""
-    from spmd_rl.engines.parallelize import decoder_layers
+    from spmd_rl.engines.fsdp.parallelize import decoder_layers
 
     eager, compiled = _engine(tiny_model), _engine(tiny_model, compile=True)
     assert all(getattr(l, "_compiled_call_impl", None) is not None for l in decoder_layers(compiled.model))

@@ -141,7 +141,7 @@ def main() -> None:  # noqa: PLR0915
     from spmd_rl.distributed.mesh import train_mesh
     from spmd_rl.engines.logprobs import build_batch
     from spmd_rl.engines.vllm.engine import VllmRollout
-    from spmd_rl.engines.train import TrainEngine
+    from spmd_rl.engines.fsdp.engine import TrainEngine
     from spmd_rl.reshard.allgather_swap import Resharder
 
     acc = detect("auto", 0)

@@ -30,7 +30,7 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
-from spmd_rl.engines.parallelize import parallelize
+from spmd_rl.engines.fsdp.parallelize import parallelize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_probe import status_kib  # noqa: E402

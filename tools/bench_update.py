@@ -127,7 +127,7 @@ def one(backend: str, folder: Path, args) -> dict:  # noqa: PLR0915
         engine = MegatronEngine(folder, acc, cfg, args.dtype, tp=1)
     else:
         from spmd_rl.distributed.mesh import train_mesh
-        from spmd_rl.engines.train import TrainEngine
+        from spmd_rl.engines.fsdp.engine import TrainEngine
 
         engine = TrainEngine(folder, acc, train_mesh(acc, Layout(1, 1)), cfg, args.dtype)
     build_s = time.perf_counter() - t0

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 from spmd_rl.config.loader import load_config  # noqa: E402
 from spmd_rl.data.prompts import load_tokenizer, prompts_for  # noqa: E402
 from spmd_rl.engines.base import DTYPES  # noqa: E402
-from spmd_rl.engines.parallelize import apply_compile  # noqa: E402
+from spmd_rl.engines.fsdp.parallelize import apply_compile  # noqa: E402
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs  # noqa: E402
 from spmd_rl.engines.packing import packed_response_logprobs  # noqa: E402
 from spmd_rl.engines.token_logprob import SamplingPolicy  # noqa: E402

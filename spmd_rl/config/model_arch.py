@@ -25,7 +25,7 @@ class Tensor:
     tp_split: bool
     """Split by tensor parallelism in the generation engine (vLLM: vocab-parallel embedding too)."""
     train_tp_split: bool = True
-    """Split by the training engine's TP plan (engines/parallelize.py replicates embeddings)."""
+    """Split by the training engine's TP plan (engines/fsdp/parallelize.py replicates embeddings)."""
     expert: bool = False
     """One expert's weight of an MoE layer: expert parallelism places it on one rank of E."""
 

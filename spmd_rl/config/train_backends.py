@@ -58,7 +58,7 @@ TRAIN_BACKENDS: Registry[TrainBackend] = Registry("training backend")
 for backend in (
     TrainBackend(
         "fsdp",
-        "spmd_rl.engines.train:TrainEngine",
+        "spmd_rl.engines.fsdp.engine:TrainEngine",
         fsdp_memory,
         _fsdp_reference,
         keeps_grads=False,

@@ -22,7 +22,7 @@ from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.logprobs import split
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.engines.base import local
 from spmd_rl.reshard.allgather_swap import Resharder
 

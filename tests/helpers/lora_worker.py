@@ -38,7 +38,7 @@ from spmd_rl.engines.base import local
 from spmd_rl.engines.hf_weights import SafetensorsFolder
 from spmd_rl.engines.logprobs import build_batch, split
 from spmd_rl.engines.vllm.engine import VllmRollout
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder
 
 MODEL = os.environ["MODEL"]

@@ -30,7 +30,7 @@ from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.engines.hf_weights import SafetensorsFolder
 from spmd_rl.engines.logprobs import build_batch, split
 from spmd_rl.engines.megatron.engine import MegatronEngine
-from spmd_rl.engines.train import TrainEngine
+from spmd_rl.engines.fsdp.engine import TrainEngine
 
 
 def batch_of(n: int, seed: int):

@@ -2,7 +2,7 @@
 
 - ``reward.kind: rule``: r = rule(decoded response, reference answer);
 - ``reward.kind: model``: r = RM(prompt ++ response) + ``rule_weight`` x rule(...), the reward
-  model's score taken at the last real token (``engines.train``, head ``score``);
+  model's score taken at the last real token (``engines.fsdp.engine``, head ``score``);
 - DAPO's soft overlong penalty is added in both cases;
 - multi-turn rollouts (``response_mask`` present): the rule scores the policy's last sampled
   turn (not the tool output inserted before it), and the environment's ``env_reward`` is added.

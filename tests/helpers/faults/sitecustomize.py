@@ -51,7 +51,7 @@ def _pause(plan: dict) -> None:
     import spmd_rl.trainer.loop as loop
     from spmd_rl.dock.client import TransferDock
     from spmd_rl.trainer.stages import REGISTRY
-    from spmd_rl.engines.train import TrainEngine
+    from spmd_rl.engines.fsdp.engine import TrainEngine
 
     folder, points = Path(plan["dir"]), plan["points"]
 

@@ -34,7 +34,7 @@ from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
 from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
 from spmd_rl.engines.packing import packed_for, packed_response_logprobs, packed_scores, packed_values
-from spmd_rl.engines.parallelize import parallelize
+from spmd_rl.engines.fsdp.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.reshard import bucket_gather
