@@ -126,8 +126,9 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
         f"worst {max(t for _, t in recovery.values()):.1f} s"
     )
     assert sorted({r["iteration"] for r in rows()}) == list(range(ITERS))  # nothing skipped
-    worlds = [r["world"] for r in rows()]
-    assert worlds[0] == 2 and worlds[-1] == 2 and 1 in worlds, worlds
+    # world 1's iterations were redone by the grown world (a resume rewrites the log from its
+    # checkpoint); that it trained is the per-kill check above
+    assert {r["world"] for r in rows()} == {2}
     assert (tmp_path / "a.log").read_text().count("resumed from") >= len(POINTS)  # never from scratch
     assert complete_checkpoints(tmp_path / "ckpt")[-1].name == f"iter_{ITERS:06d}"
     assert model_weights(tmp_path / "ckpt" / f"iter_{ITERS:06d}")

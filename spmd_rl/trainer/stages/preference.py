@@ -14,7 +14,7 @@ import torch
 
 from spmd_rl.algos.preference import get_preference_loss
 from spmd_rl.config.stages import algorithm
-from spmd_rl.trainer.stages.actor_update import on_host
+from spmd_rl.trainer.stages.policy_objective import on_host
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import seq_batch
