@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rewrite launch/requirements-cpu.lock: every package of spmd-rl[cpu,test] for Python 3.11 on
 # x86_64 Linux, pinned, as uv resolves pyproject.toml today. Run it after changing a dependency
-# in pyproject.toml (tests/test_cpu_lock.py fails until the lock satisfies it).
+# in pyproject.toml (tests/unit/test_cpu_lock.py fails until the lock satisfies it).
 #
 # Left out on purpose (launch/setup.sh installs the lock with --no-deps):
 #   torch                                   setup installs the CPU build (/opt/wheels) first;

@@ -9,7 +9,7 @@ builds a random ~100M-parameter Qwen2 (fp32) unless the folder exists, shards it
 /proc/self/clear_refs), with the ratios new / old, and for the new path the peak live tensor
 bytes (``tools/memory_probe``; it cannot see inside a DTensor op, so it is not used for the old
 path) against ``bucket_gather.in_flight``. Under torchrun (RANK set) this file is the
-worker, also used by tests/test_bucket_gather.py; worker env: MODEL, TRAIN_DP, TRAIN_TP, DTYPE,
+worker, also used by tests/integration/test_bucket_gather.py; worker env: MODEL, TRAIN_DP, TRAIN_TP, DTYPE,
 BUCKET_BYTES, ROUNDS, SPMD_RL_OUT. Every gathered tensor's digest is compared with
 ``full_tensor()`` cast to the generation dtype.
 """

@@ -6,7 +6,7 @@ TrainEngine uses) vs whole (the old path: from_pretrained on every rank, then sh
 builds a random ~100M-parameter Qwen2 (fp32) unless the folder exists, runs both builds under
 torchrun on one node with FSDP over every rank, and prints each rank's peak RSS growth and the
 ratio sharded / whole. Under torchrun (RANK set) this file is the worker, also used by
-tests/test_sharded_load.py: it builds the model, records the peak RSS growth of the build and
+tests/integration/test_sharded_load.py: it builds the model, records the peak RSS growth of the build and
 whether every parameter equals the checkpoint's tensor. Worker env: MODEL, TRAIN_DP, TRAIN_TP,
 SPMD_RL_OUT, MODE.
 """

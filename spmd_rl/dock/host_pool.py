@@ -15,7 +15,7 @@ any file system, which a same-node warehouse opens through ``/proc/<pid>/fd/<fd>
 write it (``dock.shm``); the fd closes, and the memory goes, with the last view of the buffer,
 so a killed rank leaves nothing behind in ``/dev/shm``.
 
-Invariants (``tests/test_host_pool.py``): a buffer is never handed out while a tensor of it
+Invariants (``tests/integration/test_host_pool.py``): a buffer is never handed out while a tensor of it
 is alive; a freed buffer of the same size class is reused (no new page faults); the idle
 bytes the pool keeps never exceed ``max_idle_bytes`` (0: nothing is kept, every buffer is
 fresh); blocks under ``min_bytes`` come from torch's allocator as before (never for a memfd pool).

@@ -6,7 +6,7 @@ and reads 1/S of its inputs from it. Over the wire each such byte is copied into
 tensor, MAC'd, sent through a socket, received, MAC'd again and copied out; here it is copied
 once each way, and nothing crosses a trust boundary, so there is nothing to authenticate.
 
-Invariants (``tests/test_dock_local.py``): a put and a get give the same stored data, the same
+Invariants (``tests/integration/test_dock_local.py``): a put and a get give the same stored data, the same
 byte counts (Eq. (4)) and the same refusals as the wire path; a caller that writes to a tensor
 after ``put``, or to a tensor ``get`` returned, changes nothing stored; once the server thread
 has stopped, this path fails as the wire path would (``DockUnavailable``), so a rank does not

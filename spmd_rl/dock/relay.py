@@ -19,7 +19,7 @@ the names agree too. Only a blocking ``get`` relays: a streamed wave (``dock.str
 fetched by each rank itself, because stage fusion polls between generation steps, where a TP
 peer may be inside a collective with the polling rank and a wait for the leader could deadlock.
 
-Invariants (``tests/test_dock_relay.py``): the samples each TP rank receives are the ones it
+Invariants (``tests/integration/test_dock_relay.py``): the samples each TP rank receives are the ones it
 would fetch itself, bit for bit; each remote byte of the share leaves its warehouse once per
 DP group instead of once per TP rank; a TP rank waiting for a leader whose heartbeat expired
 fails at once (``DockUnavailable``) instead of waiting ``dock.get_timeout_s``; a poll never

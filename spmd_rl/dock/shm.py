@@ -16,7 +16,7 @@ Request fields (``shm``: ``{pid, fd, ino}``, the buffer as the rank's own fd):
   big); otherwise every column is written at a ``ALIGN``-aligned offset and the answer is
   ``{placed: {name: {ragged, lengths?, dtype, shape, offset}}}``.
 
-Invariants (``tests/test_dock_same_node.py``): the same data, byte counts (Eq. (4)) and
+Invariants (``tests/unit/test_dock_same_node.py``): the same data, byte counts (Eq. (4)) and
 refusals as the wire. No request makes the warehouse touch other memory or stop: it opens the
 file through ``/proc/<pid>/fd/<fd>`` and proceeds only when the file it opened is a memfd named
 for this job's key (``memfd_name``), owned by this uid, of inode ``ino`` (a reused fd number is

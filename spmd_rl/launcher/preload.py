@@ -35,7 +35,7 @@ unreachable server costs nothing but the time: ``delegate`` returns and the rank
 runs by itself.
 
 Only the server's own user may connect (``SO_PEERCRED``; the socket's folder is 0700): the
-socket runs programs. Frames are JSON, never pickle. Tested on CPU (tests/test_preload.py); a
+socket runs programs. Frames are JSON, never pickle. Tested on CPU (tests/integration/test_preload.py); a
 server must never initialise CUDA before it forks, and importing torch does not.
 """
 

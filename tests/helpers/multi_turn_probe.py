@@ -1,5 +1,5 @@
 """Multi-turn rollouts (``envs.multi_turn``) on a real in-process vLLM and the tiny model,
-float32. Prints one JSON line of what each check observed; ``tests/test_multi_turn.py``
+float32. Prints one JSON line of what each check observed; ``tests/integration/test_multi_turn.py``
 asserts on it. Args: FOLDER PORT (a loopback TCP server the test runs, which model-written
 code must not reach)."""
 

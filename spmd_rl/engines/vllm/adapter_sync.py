@@ -12,7 +12,7 @@ the current request (``VllmRollout.submit``).
 Invariants:
 
 - the engine's policy is the base weights + (alpha / r) B A of the latest published adapters,
-  the trainer's (vLLM's log-probs equal the trainer's: ``tests/test_lora.py``);
+  the trainer's (vLLM's log-probs equal the trainer's: ``tests/integration/test_lora.py``);
 - a published version is never overwritten: a new version has a new id and a new folder, so
   vLLM's cache cannot serve stale adapters under a reused id;
 - a sleep makes the adapters stale (``stale``): vLLM may lose its LoRA buffers across sleep and

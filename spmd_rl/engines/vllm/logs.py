@@ -12,7 +12,7 @@ imported), so its records reach the rank's root handler, where ``TerminalFilter`
   weight is the embedding's storage (refreshed with the embedding; no tensor of its own
   arrives), and the rotary embedding, which has no weights (a cos/sin cache computed from the
   config). Any other layer that loads nothing stays on the terminal.
-  ``tests/test_vllm_logs.py`` and the engine worker check both reasons on a real engine.
+  ``tests/unit/test_vllm_logs.py`` and the engine worker check both reasons on a real engine.
 
 Any other vLLM warning stays on the terminal. Python warnings that third-party code raises
 at every start (``EXPECTED_PY_WARNINGS``) are ignored the same way.

@@ -31,7 +31,7 @@ from spmd_rl.reshard.ledger import ROLE_CATEGORIES
 from spmd_rl.trainer.checkpoint import role_folder
 from tests.conftest import REPO
 from tests.dock_dump import columns, dump_env, ledger
-from tests.test_restart_torchrun import ITERS, command, env
+from tests.integration.test_restart_torchrun import ITERS, command, env
 from tests.torchrun_util import kill_tree, wait_for, workers_of
 from tests.trainer_util import N, train
 

@@ -32,7 +32,7 @@ def test_the_schema_offers_the_registered_backends_and_each_engine_has_one_const
 def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
     toy = TrainBackend(
         "toy",
-        "tests.test_train_backends:ToyEngine",
+        "tests.unit.test_train_backends:ToyEngine",
         memory=lambda cfg, arch, lay: RankMemory(
             train_params=3 * 2**30, train_grads=0, train_optim=6 * 2**30, gen_weights=2**30, kv_cache=0, temp_buffer=0
         ),

@@ -21,7 +21,7 @@ import pytest
 from spmd_rl.envs.jail import jail_problem
 from spmd_rl.envs.sandbox import Limits, run_python
 from spmd_rl.envs.seccomp import DENIED, NUMBERS, program
-from tests.test_sandbox import reached
+from tests.unit.test_sandbox import reached
 
 
 def test_a_jail_can_be_had_here():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p for d in ("tools", "launch", "tests/helpers") for p in (REPO / d).glob("*.py"))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_stage_fields import B, PROMPTS, FakeDock, _cfg, _run, rows_of, run_named
+from tests.unit.test_stage_fields import B, PROMPTS, FakeDock, _cfg, _run, rows_of, run_named
 
 D = torch.float64
 pytestmark = pytest.mark.usefixtures("world_of_one")

@@ -115,7 +115,7 @@ def test_imports_follow_the_layers_docs_design_states():
 
 
 def test_the_layer_check_finds_an_upward_import(monkeypatch):
-    import tests.test_import_graph as me
+    import tests.unit.test_import_graph as me
 
     monkeypatch.setattr(me, "_graph", lambda: {"spmd_rl.algos.x": {"spmd_rl.trainer.y"}, "spmd_rl.trainer.y": set()})
     try:

