@@ -10,8 +10,8 @@ import typer
 from spmd_rl.config.errors import ConfigError
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.plan import render
-from spmd_rl.config.rules import check
+from spmd_rl.recipe.plan import render
+from spmd_rl.recipe.rules import check
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="SPMD RL post-training: validate, plan, train, eval."

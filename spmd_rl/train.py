@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from spmd_rl.algos.registry import user_function
 from spmd_rl.config.errors import ConfigError, Violation
-from spmd_rl.config.estimates import unsharded_accumulation_bytes
+from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.rules import check
-from spmd_rl.config.stages import algorithm, multi_turn, needs_reference, pinned_roles, records_routes, stages_for
-from spmd_rl.config.train_backends import train_backend
+from spmd_rl.recipe.rules import check
+from spmd_rl.recipe.graph import algorithm, multi_turn, needs_reference, pinned_roles, records_routes, stages_for
+from spmd_rl.recipe.train_backends import train_backend
 from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import SamplerState, sampler_for
@@ -217,7 +217,7 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> Rollout | None:
 
 def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
     """On a device, refuse ``actor.accumulate_unsharded`` when its unsharded parameters and
-    float32 gradients (``config.estimates.unsharded_accumulation_bytes``) exceed what the update
+    float32 gradients (``recipe.estimates.unsharded_accumulation_bytes``) exceed what the update
     will have free: the free device memory now plus the roles that leave for host before it."""
     if not cfg.actor.accumulate_unsharded or "actor" not in roles or (free := acc.device_free_bytes()) is None:
         return

@@ -288,7 +288,7 @@ def main() -> None:  # noqa: PLR0915
     if args.nproc_per_node % args.train_tp:
         raise SystemExit("--train-tp must divide --nproc-per-node (a TP group stays within a node)")
 
-    from spmd_rl.config.estimates import tcv_centralized, tcv_per_warehouse
+    from spmd_rl.recipe.estimates import tcv_centralized, tcv_per_warehouse
     from spmd_rl.dock.etcd_server import EmbeddedEtcd
 
     addrs = netns_up(args.nodes, args.rate_mbs) if args.netns else None

@@ -96,10 +96,10 @@ def run(name: str, args: argparse.Namespace, out: Path, *overrides: str) -> list
 
 def train_state_bytes(args: argparse.Namespace, n: int) -> int:
     """The actor's per-rank params + AdamW states as ``spmd-rl plan`` predicts them."""
-    from spmd_rl.config.train_backends import rank_memory
+    from spmd_rl.recipe.train_backends import rank_memory
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.model_arch import ModelArch
-    from spmd_rl.config.rules import check
+    from spmd_rl.recipe.rules import check
 
     cfg = load_config(str(REPO / "configs/quickstart.yaml"), [*BASE, *layout(n, False), *args.overrides])
     lay, _ = check(cfg, n, n)

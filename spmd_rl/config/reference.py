@@ -20,7 +20,7 @@ Generated from `spmd_rl/config/schema.py` by `spmd-rl config-reference > docs/co
 `tests/unit/test_config_reference.py` fails when this file is out of date. A config is a YAML file
 of these sections; any field can be overridden on the command line as `section.field=value`.
 Unknown fields are errors; `spmd-rl validate` also checks the rules that relate fields to each
-other, to the world size and to files on disk (`spmd_rl/config/rules.py`).
+other, to the world size and to files on disk (`spmd_rl/recipe/rules.py`).
 """
 
 

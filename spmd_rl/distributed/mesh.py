@@ -17,7 +17,7 @@ from spmd_rl.distributed.accelerator import Accelerator
 
 def train_mesh(acc: Accelerator, train: Layout) -> DeviceMesh | None:
     """None with pipeline stages: megatron forms its own groups there, and the FSDP engines
-    refuse pp > 1 (``config.backend_rules``)."""
+    refuse pp > 1 (``recipe.backend_rules``)."""
     if train.pp > 1:
         return None
     ranks = torch.arange(train.first, train.first + train.dp * train.tp).view(train.dp, train.tp)

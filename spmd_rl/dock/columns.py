@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, PREFIX_EXTRA, Stage
+from spmd_rl.recipe.graph import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, PREFIX_EXTRA, Stage
 from spmd_rl.dock.errors import DockRequestError
 
 

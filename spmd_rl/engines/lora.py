@@ -180,7 +180,7 @@ def write_peft_folder(
 class BaseModelView(Engine):
     """The reference policy of a LoRA actor: the actor's own engine with every adapter off. It
     owns no memory (its tensors are the actor's; the stage graph makes the actor resident for
-    the reference pass, ``config.stages``) and has nothing to train, sync or save."""
+    the reference pass, ``recipe.graph``) and has nothing to train, sync or save."""
 
     trainable = False
 

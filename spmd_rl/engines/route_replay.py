@@ -278,7 +278,7 @@ def patch_mcore(model: torch.nn.Module) -> int:
 
 def _mcore_topk(layer: int, pre_softmax: bool):
     """mcore hands the router's logits (its softmax under ``moe_router_pre_softmax``, when the
-    z-loss has no logits: refused by ``config.backend_rules``)."""
+    z-loss has no logits: refused by ``recipe.backend_rules``)."""
 
     def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)

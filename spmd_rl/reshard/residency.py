@@ -1,6 +1,6 @@
 """The residency manager: the one owner of every memory move of a run.
 
-Each stage of the graph declares the roles it needs (``config.stages.Stage.roles``). A stage that
+Each stage of the graph declares the roles it needs (``recipe.graph.Stage.roles``). A stage that
 needs none (rule rewards, advantages: host-only work) moves nothing. Entering any other stage,
 the manager
 

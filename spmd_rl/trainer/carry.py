@@ -12,7 +12,7 @@ import torch
 class Piece:
     """One sample's response so far: tokens, their behaviour log-probs, the policy version
     that generated each, whether the response is finished, and (routes recorded) the rollout
-    routes of its positions, flattened (``config.stages.COLUMNS``: rows of layers x top_k).
+    routes of its positions, flattened (``recipe.graph.COLUMNS``: rows of layers x top_k).
 
     Routes across segments: a continuation recomputes the whole context under the new policy,
     but the routes kept for positions already held are the ones of the segment that sampled

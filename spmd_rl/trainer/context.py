@@ -16,7 +16,7 @@ from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
 from spmd_rl.engines.base import Rollout
-from spmd_rl.config.stages import Stage, fused_stages
+from spmd_rl.recipe.graph import Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.envs.factory import environment_factory
 from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
@@ -32,7 +32,7 @@ class Run:
     acc: Accelerator
     dock: TransferDock
     graph: list[Stage]
-    """The stage graph of this config (``config.stages.stages_for``), built once; the one that runs."""
+    """The stage graph of this config (``recipe.graph.stages_for``), built once; the one that runs."""
     roles: dict[str, Engine]
     """One engine per training-side role: actor, and ref / critic / reward_model when the graph has them."""
     rollout: Rollout | None
@@ -59,7 +59,7 @@ class Run:
 
     @cached_property
     def fused(self) -> list[Stage]:
-        """The stages that run inside the rollout (``stream.fuse``; ``config.stages.fused_stages``),
+        """The stages that run inside the rollout (``stream.fuse``; ``recipe.graph.fused_stages``),
         derived once from the graph."""
         return fused_stages(self.cfg, self.graph)
 

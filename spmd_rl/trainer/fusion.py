@@ -4,7 +4,7 @@ the prompt groups that already finished.
 
 - The rollout streams: each prompt group is put into the dock as soon as the engine finishes
   it, so etcd records the arrival order (``dock.stream``).
-- Each fused stage (``config.stages.fused_stages``) reads through a streaming get and is polled
+- Each fused stage (``recipe.graph.fused_stages``) reads through a streaming get and is polled
   between the groups the engine returns; every wave complete by then runs there and then.
 - After this rank's last group, the fused stages drain their remaining waves (each timed as its
   own stage: what is left is the part generation did not hide). The metrics
@@ -18,7 +18,7 @@ the time moves.
 
 from __future__ import annotations
 
-from spmd_rl.config.stages import Stage
+from spmd_rl.recipe.graph import Stage
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import compute, group_size, is_writer, publish, stage_layout

@@ -1,11 +1,11 @@
 """The SPMD iteration (paper Figure 1), identical on every rank: for each stage of the declared
-graph (``config.stages``), make its roles resident and run it (``runner.run_stage``).
+graph (``recipe.graph``), make its roles resident and run it (``runner.run_stage``).
 
     [eval] -> (prompts -> actor_rollout -> reward) x rounds -> [ref_logprob] -> [actor_logprob]
            -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit
            -> [final eval, after the last iteration] -> [checkpoint]
 
-With ``stream.fuse`` the fused stages (``config.stages.fused_stages``) run inside the rollout
+With ``stream.fuse`` the fused stages (``recipe.graph.fused_stages``) run inside the rollout
 on the groups already generated (``trainer.fusion``) and are not run again after it. With
 ``stream.partial_tokens`` the round is ``trainer.partial``'s: only the groups that finished are
 rewarded and trained.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
-from spmd_rl.config.stages import dynamic_sampling, generation_rounds, partial_rollout
+from spmd_rl.recipe.graph import dynamic_sampling, generation_rounds, partial_rollout
 from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.trainer import async_loop, checkpoint

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.config.stages import partial_columns
+from spmd_rl.recipe.graph import partial_columns
 from spmd_rl.trainer.carry import CarriedGroup
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.iteration_metrics import IterationMetrics

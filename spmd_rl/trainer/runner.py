@@ -1,6 +1,6 @@
 """The one stage runner: resident roles -> get -> compute -> put.
 
-For a stage of the graph (``config.stages.Stage``):
+For a stage of the graph (``recipe.graph.Stage``):
 
 1. the residency manager makes exactly the stage's roles resident;
 2. the dock delivers the stage's declared inputs in the stage's layout, whole prompt groups
@@ -13,7 +13,7 @@ For a stage of the graph (``config.stages.Stage``):
 
 from __future__ import annotations
 
-from spmd_rl.config.stages import Stage
+from spmd_rl.recipe.graph import Stage
 from spmd_rl.distributed import timeline
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
-from spmd_rl.config.stages import Stage
+from spmd_rl.recipe.graph import Stage
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer

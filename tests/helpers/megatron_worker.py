@@ -151,7 +151,7 @@ def checkpoint_round_trip(mega, fresh, step, dp: int, folder: Path, rank: int) -
 def ledger_against_plan(mega, acc, tp: int, pp: int, dtype: str, model: str, ep: int = 1) -> dict:
     """The memory ledger of the megatron actor after an update, and while generating under
     allgather-swap (its state swapped to host), against ``spmd-rl plan``'s estimate."""
-    from spmd_rl.config.train_backends import rank_memory
+    from spmd_rl.recipe.train_backends import rank_memory
     from spmd_rl.config.layout import Layouts
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.model_arch import ModelArch

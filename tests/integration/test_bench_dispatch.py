@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from spmd_rl.config.estimates import tcv_centralized, tcv_per_warehouse
+from spmd_rl.recipe.estimates import tcv_centralized, tcv_per_warehouse
 from tests.conftest import REPO, subprocess_env
 
 

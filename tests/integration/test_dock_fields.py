@@ -8,7 +8,7 @@ import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
-from spmd_rl.config.stages import Stage
+from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from spmd_rl.config.train_backends import rank_memory
+from spmd_rl.recipe.train_backends import rank_memory
 from spmd_rl.config.layout import Layout, Layouts
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch

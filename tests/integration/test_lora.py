@@ -121,12 +121,12 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
 def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
     """The plan's LoRA training state: the frozen base in model.dtype plus adapters with two AdamW
     states, against full fine-tuning's float32 masters and states (rank 16 on every projection)."""
-    from spmd_rl.config.estimates import lora_numels
-    from spmd_rl.config.train_backends import rank_memory
+    from spmd_rl.recipe.estimates import lora_numels
+    from spmd_rl.recipe.train_backends import rank_memory
     from spmd_rl.config.layout import Layout, Layouts
     from spmd_rl.config.loader import load_config
     from spmd_rl.config.model_arch import ModelArch
-    from spmd_rl.config.plan import memory_lines
+    from spmd_rl.recipe.plan import memory_lines
 
     cfg = load_config(
         REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=16", "model.dtype=bfloat16"]
@@ -157,7 +157,7 @@ def test_plan_counts_the_adapters_and_the_state_lora_saves(tiny_model):
 )
 def test_adapter_sync_is_refused_where_it_does_not_run_and_merged_is_not(tiny_model, tiny_moe, overrides, why):
     from spmd_rl.config.loader import load_config
-    from spmd_rl.config.rules import check
+    from spmd_rl.recipe.rules import check
 
     cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "actor.lora.rank=8", *overrides])
     _, violations = check(cfg, 2, 2)

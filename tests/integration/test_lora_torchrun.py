@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from spmd_rl.config.estimates import lora_numels
+from spmd_rl.recipe.estimates import lora_numels
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.engines.safe_dcp import verify
 from tests.conftest import REPO, subprocess_env

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rules import check
+from spmd_rl.recipe.rules import check
 from spmd_rl.trainer.stages.micro import micro_plan, run_cost, split_to, token_runs
 from tests.conftest import REPO
 from tests.torchrun_util import run_nodes

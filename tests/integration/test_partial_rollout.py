@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rules import check
-from spmd_rl.config.stages import PARTIAL_COLUMNS, stages_for
+from spmd_rl.recipe.rules import check
+from spmd_rl.recipe.graph import PARTIAL_COLUMNS, stages_for
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.base import Sample

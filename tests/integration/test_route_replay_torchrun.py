@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_rl.config.estimates import routes_bytes
+from spmd_rl.recipe.estimates import routes_bytes
 from tests.dock_dump import dump_env
 from tests.trainer_util import train
 

@@ -10,8 +10,8 @@ import torch
 
 from spmd_rl.algos.specs import ALGORITHMS, AlgorithmSpec, spec_named
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rules import check
-from spmd_rl.config.stages import advantage_column, stages_for
+from spmd_rl.recipe.rules import check
+from spmd_rl.recipe.graph import advantage_column, stages_for
 from tests.conftest import REPO
 
 USER = "tests.helpers.algorithms:MEDIAN"

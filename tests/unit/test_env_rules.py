@@ -1,5 +1,5 @@
 """The multi-turn fields through ``spmd-rl validate``: what runs is valid, and each combination
-this version refuses exits 2 naming the field and the fix (``config/env_rules.py``)."""
+this version refuses exits 2 naming the field and the fix (``recipe/env_rules.py``)."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ import torch
 from typer.testing import CliRunner
 
 from spmd_rl.cli import app
-from spmd_rl.config.estimates import dispatch_seconds, redundant_memory, tcv_centralized, tcv_per_warehouse
+from spmd_rl.recipe.estimates import dispatch_seconds, redundant_memory, tcv_centralized, tcv_per_warehouse
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.stages import flow_counts, stages_for
+from spmd_rl.recipe.graph import flow_counts, stages_for
 
 K = 1024
 # Table 1 as printed: G, N, PL, n, SL, M (K = 1024 for these), then TCV (GB), T100 (s), T1K (s)
@@ -129,8 +129,8 @@ def test_inventory_matches_hf_model(cls_name, cfg):
 
 
 def test_memory_estimate_swap_saves_training_state(in_repo, tiny_model):
-    from spmd_rl.config.train_backends import rank_memory
-    from spmd_rl.config.rules import check
+    from spmd_rl.recipe.train_backends import rank_memory
+    from spmd_rl.recipe.rules import check
 
     cfg = load_config("configs/quickstart.yaml")
     lay, violations = check(cfg)
@@ -147,10 +147,10 @@ def test_memory_estimate_swap_saves_training_state(in_repo, tiny_model):
 def test_separated_plan_gives_each_side_only_its_own_state(in_repo, tiny_model):
     """Under the separated placement the generators hold the rollout engine alone and the
     trainers every other role: no rank is charged the other side's state, nothing is swapped."""
-    from spmd_rl.config.estimates import GB
-    from spmd_rl.config.train_backends import rank_memory
-    from spmd_rl.config.plan import stage_memory
-    from spmd_rl.config.rules import check
+    from spmd_rl.recipe.estimates import GB
+    from spmd_rl.recipe.train_backends import rank_memory
+    from spmd_rl.recipe.plan import stage_memory
+    from spmd_rl.recipe.rules import check
 
     sep = [
         "parallel.placement=separated",
@@ -182,9 +182,9 @@ def test_frozen_roles_and_unsharded_accumulation_in_their_real_dtypes(in_repo, t
     """A bf16 run's reference holds bf16 weights (no fp32 master copy), the actor its fp32 master
     and AdamW states; accumulate_unsharded adds the full bf16 params and full fp32 grads less the
     rank's own share, and ``plan`` prints it."""
-    from spmd_rl.config.estimates import unsharded_accumulation_bytes
-    from spmd_rl.config.train_backends import role_bytes
-    from spmd_rl.config.rules import check
+    from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
+    from spmd_rl.recipe.train_backends import role_bytes
+    from spmd_rl.recipe.rules import check
 
     cfg = load_config("configs/quickstart.yaml", ["model.dtype=bfloat16", "algorithm.kl_coef=0.1"])
     lay, violations = check(cfg)

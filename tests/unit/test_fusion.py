@@ -1,4 +1,4 @@
-"""Stage fusion's logic (``config.stages.fused_stages``, ``trainer.fusion``): which stages may
+"""Stage fusion's logic (``recipe.graph.fused_stages``, ``trainer.fusion``): which stages may
 run during generation for each algorithm, how big a streamed wave is, how wave results merge,
 and the config rule that refuses a fusion with nothing to fuse. The end-to-end invariant (the
 same weights bit for bit with and without fusion) is in test_trainer_torchrun."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rules import check
-from spmd_rl.config.stages import fused_stages, stages_for
+from spmd_rl.recipe.rules import check
+from spmd_rl.recipe.graph import fused_stages, stages_for
 from spmd_rl.trainer.fusion import _waves_per_group, merge
 from spmd_rl.trainer.stages import StageResult
 from tests.conftest import REPO

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.recipe.graph import ref_micro_batch_size
 from spmd_rl.launcher.local import torchrun_command
 from spmd_rl.trainer.metrics import MetricsLog
 from tests.conftest import REPO

@@ -11,8 +11,8 @@ import torch
 
 from spmd_rl.algos.preference import dpo, get_preference_loss
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rules import check
-from spmd_rl.config.stages import stages_for
+from spmd_rl.recipe.rules import check
+from spmd_rl.recipe.graph import stages_for
 from spmd_rl.data.preferences import load_preferences
 from spmd_rl.trainer.stages.preference import pair_order
 from tests.conftest import REPO

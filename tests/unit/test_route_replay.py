@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from spmd_rl.cli import app
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.stages import stages_for
+from spmd_rl.recipe.graph import stages_for
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.logprobs import build_batch
 from spmd_rl.engines.base import Sample

@@ -17,7 +17,7 @@ import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.stages import stages_for
+from spmd_rl.recipe.graph import stages_for
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import run_stage

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.stages import COLUMNS, DATA_COLUMNS, ROLES, advantage_column, data_columns, stages_for
+from spmd_rl.recipe.graph import COLUMNS, DATA_COLUMNS, ROLES, advantage_column, data_columns, stages_for
 from spmd_rl.trainer.stages import REGISTRY
 from tests.conftest import REPO
 

@@ -1,4 +1,4 @@
-"""``config.train_backends``: the schema offers exactly the registered backends, each names an
+"""``recipe.train_backends``: the schema offers exactly the registered backends, each names an
 engine class with the one ``from_config`` signature, and what ``validate`` and ``plan`` say
 about a backend comes from its object: a backend registered here with its own rules, memory
 model and description is what they print, with no other edit."""
@@ -10,13 +10,13 @@ from typing import get_args
 
 from spmd_rl.algos.registry import user_function
 from spmd_rl.config.errors import Violation
-from spmd_rl.config.estimates import RankMemory
+from spmd_rl.recipe.estimates import RankMemory
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.plan import render
-from spmd_rl.config.rules import check
+from spmd_rl.recipe.plan import render
+from spmd_rl.recipe.rules import check
 from spmd_rl.config.schema import ActorConfig
-from spmd_rl.config.train_backends import TRAIN_BACKENDS, TrainBackend, role_bytes
+from spmd_rl.recipe.train_backends import TRAIN_BACKENDS, TrainBackend, role_bytes
 from tests.conftest import REPO
 
 

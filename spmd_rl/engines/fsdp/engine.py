@@ -66,7 +66,7 @@ class TrainEngine(Engine):
     @classmethod
     def from_config(cls, cfg, acc: Accelerator, mesh: DeviceMesh, policy: SamplingPolicy, **role) -> "TrainEngine":
         """The actor (or, with ``trainable=False``, the reference) of the run ``cfg`` describes
-        (``config.train_backends``: every backend's engine offers this signature)."""
+        (``recipe.train_backends``: every backend's engine offers this signature)."""
         return cls(cfg.model.path, acc, mesh, cfg.actor, cfg.model.dtype, policy=policy, seed=cfg.trainer.seed, **role)
 
     def __init__(  # noqa: PLR0913

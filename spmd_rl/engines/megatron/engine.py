@@ -69,7 +69,7 @@ class MegatronEngine(Engine):
     @classmethod
     def from_config(cls, cfg, acc: Accelerator, mesh, policy: SamplingPolicy, **role) -> "MegatronEngine":
         """The actor (or, with ``trainable=False``, the reference) of the run ``cfg`` describes; megatron
-        builds its own process groups (``mesh`` is unused: ``config.train_backends``'s one signature)."""
+        builds its own process groups (``mesh`` is unused: ``recipe.train_backends``'s one signature)."""
         t = cfg.parallel.train
         return cls(
             cfg.model.path,

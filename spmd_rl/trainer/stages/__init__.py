@@ -1,4 +1,4 @@
-"""One module per stage of ``config.stages``; importing the package registers them all."""
+"""One module per stage of ``recipe.graph``; importing the package registers them all."""
 
 from spmd_rl.trainer.stages import actor_update, advantage, critic_update, forward, preference, reward, rollout  # noqa: F401
 from spmd_rl.trainer.stages.registry import REGISTRY, StageCall, StageResult, register, stage_fn  # noqa: F401

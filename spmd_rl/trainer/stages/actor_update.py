@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.policy_loss import get_policy_loss
-from spmd_rl.config.stages import advantage_column, separated
+from spmd_rl.recipe.graph import advantage_column, separated
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
 from spmd_rl.trainer.metrics import global_max

@@ -23,7 +23,7 @@ import torch
 
 from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
 from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
-from spmd_rl.config.stages import algorithm
+from spmd_rl.recipe.graph import algorithm
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd_rl.config.stages import ref_micro_batch_size
+from spmd_rl.recipe.graph import ref_micro_batch_size
 from spmd_rl.trainer.stages.micro import micro_plan
 from spmd_rl.trainer.stages.minibatch import length_order, mini_batches
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register

@@ -1,4 +1,4 @@
-"""The DPO graph's own stages (``config.stages.dpo_stages``): ``preference_pairs`` writes each
+"""The DPO graph's own stages (``recipe.graph.dpo_stages``): ``preference_pairs`` writes each
 pair's responses from the dataset (sample 2q is prompt q's chosen response, 2q + 1 its rejected
 one), ``dpo_update`` trains the registered preference loss (``algos.preference``) over whole
 pairs.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algos.preference import get_preference_loss
-from spmd_rl.config.stages import algorithm
+from spmd_rl.recipe.graph import algorithm
 from spmd_rl.trainer.stages.policy_objective import on_host
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register

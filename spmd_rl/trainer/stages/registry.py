@@ -1,4 +1,4 @@
-"""The stage registry: one compute function per stage name of ``config.stages``.
+"""The stage registry: one compute function per stage name of ``recipe.graph``.
 
 A stage function receives its batch (exactly the stage's declared input columns, in the
 stage's layout, whole prompt groups when the stage is group-granular) and returns a
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from spmd_rl.algos.registry import Registry
-from spmd_rl.config.stages import Stage
+from spmd_rl.recipe.graph import Stage
 from spmd_rl.trainer.context import Run
 
 

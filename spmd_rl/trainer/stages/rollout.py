@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from spmd_rl.config.stages import multi_turn, partial_rollout, versioned
+from spmd_rl.recipe.graph import multi_turn, partial_rollout, versioned
 from spmd_rl.distributed import timeline
 from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory

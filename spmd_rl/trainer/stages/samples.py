@@ -1,5 +1,5 @@
 """Sample helpers the stages share: the data loader's put of the prompts (the ``data`` writer of
-``config.stages.DATA_COLUMNS``), text as a column, ragged columns and sequence batches."""
+``recipe.graph.DATA_COLUMNS``), text as a column, ragged columns and sequence batches."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spmd_rl.config.estimates import (
+from spmd_rl.recipe.estimates import (
     DTYPE_BYTES,
     GB,
     dispatch_seconds,
@@ -16,8 +16,8 @@ from spmd_rl.config.estimates import (
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
-from spmd_rl.config.train_backends import TRAIN_BACKENDS, TrainBackend, rank_memory, role_bytes, train_backend
-from spmd_rl.config.stages import algorithm, flow_counts, records_routes, resident_roles, stages_for, written_columns
+from spmd_rl.recipe.train_backends import TRAIN_BACKENDS, TrainBackend, rank_memory, role_bytes, train_backend
+from spmd_rl.recipe.graph import algorithm, flow_counts, records_routes, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
 

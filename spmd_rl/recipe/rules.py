@@ -13,17 +13,17 @@ import re
 from pathlib import Path
 
 from spmd_rl.algos.registry import findable
-from spmd_rl.config.backend_rules import check_gen_experts, check_router_replay
-from spmd_rl.config.dpo_rules import check_dpo
-from spmd_rl.config.env_rules import check_environment
+from spmd_rl.recipe.backend_rules import check_gen_experts, check_router_replay
+from spmd_rl.recipe.dpo_rules import check_dpo
+from spmd_rl.recipe.env_rules import check_environment
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.rollout_engines import CAPABILITIES, missing
 from spmd_rl.config.schema import Config
-from spmd_rl.config.stages import algorithm, fused_stages, records_routes, separated, stages_for
-from spmd_rl.config.stream_rules import check_partial, check_separated
-from spmd_rl.config.train_backends import train_backend
+from spmd_rl.recipe.graph import algorithm, fused_stages, records_routes, separated, stages_for
+from spmd_rl.recipe.stream_rules import check_partial, check_separated
+from spmd_rl.recipe.train_backends import train_backend
 from spmd_rl.data.files import check_safetensors, sniff_dataset
 
 REGISTERED_RULES = ("exact_match", "math_verify")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
-from spmd_rl.config.train_backends import train_backend
+from spmd_rl.recipe.train_backends import train_backend
 
 _DPO_FIELDS = ("dpo_beta", "dpo_label_smoothing")
 _DPO_DATA_FIELDS = ("chosen_column", "rejected_column")

@@ -2,7 +2,7 @@
 one object (torchtitan's ``ModelSpec``, verl's engine registry): the engine class the ranks
 build (``engine``, a ``module:Class`` imported only by the ranks), its per-rank memory model
 (``memory``, for ``plan`` and the residency estimates), and its refusals (``rules``, for
-``validate``). ``train.py``, ``config/estimates.py``, ``config/plan.py`` and the rules read the
+``validate``). ``train.py``, ``recipe/estimates.py``, ``recipe/plan.py`` and the rules read the
 object, never the backend's name. Adding a backend is one engine folder and one entry here.
 
 The engine class offers ``from_config(cfg, acc, mesh, policy, *, trainable=True,
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spmd_rl.algos.registry import Registry
-from spmd_rl.config.backend_rules import fsdp_rules, megatron_rules
+from spmd_rl.recipe.backend_rules import fsdp_rules, megatron_rules
 from spmd_rl.config.errors import Violation
-from spmd_rl.config.estimates import (
+from spmd_rl.recipe.estimates import (
     DTYPE_BYTES,
     RankMemory,
     fsdp_memory,
