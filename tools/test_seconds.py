@@ -21,16 +21,18 @@ RECORD = REPO / "tests" / "file_seconds.json"
 
 
 def file_seconds(report: Path) -> dict[str, float]:
-    """{tests/<module>.py: seconds} from the testcases' classname (tests.<module>[.<Class>])."""
+    """{tests/[<folder>/]<module>.py: seconds} from the testcases' classname
+    (tests.[<folder>.]<module>[.<Class>], the module being the first part named test_*)."""
     seconds: Counter[str] = Counter()
     for case in ET.parse(report).getroot().iter("testcase"):
         parts = case.get("classname", "").split(".")
-        if len(parts) < 2 or parts[0] != "tests":
+        module = next((k for k, part in enumerate(parts) if part.startswith("test_")), None)
+        if len(parts) < 2 or parts[0] != "tests" or module is None:
             raise SystemExit(
-                f"{report}: testcase classname {case.get('classname')!r} is not tests.<module>: run pytest from the "
-                f"repository root"
+                f"{report}: testcase classname {case.get('classname')!r} is not tests.[<folder>.]<module>: run pytest "
+                f"from the repository root"
             )
-        seconds[f"tests/{parts[1]}.py"] += float(case.get("time", 0))
+        seconds["/".join(parts[: module + 1]) + ".py"] += float(case.get("time", 0))
     return {f: round(s, 1) for f, s in seconds.most_common()}
 
 
