@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from spmd_rl.algos.registry import findable
+from spmd_rl.algos.specs import AlgorithmSpec
 from spmd_rl.recipe.backend_rules import check_gen_experts, check_router_replay
 from spmd_rl.recipe.dpo_rules import check_dpo
 from spmd_rl.recipe.env_rules import check_environment
@@ -351,7 +352,20 @@ def _check_reward(cfg: Config) -> list[Violation]:
 
 
 def _check_algorithm(cfg: Config) -> list[Violation]:
-    a, spec, out = cfg.algorithm, algorithm(cfg), []
+    """The algorithm's spec against the fields it reads: group size, critic, objective terms,
+    rollout correction."""
+    spec = algorithm(cfg)
+    return (
+        _check_groups(cfg, spec)
+        + _check_critic_fields(cfg, spec)
+        + _check_objective_terms(cfg, spec)
+        + _check_correction(cfg, spec)
+    )
+
+
+def _check_groups(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
+    """A group-relative estimator needs N >= 2 distinct responses per prompt."""
+    a, out = cfg.algorithm, []
     if spec.needs_group_of_two:
         if cfg.rollout.n < 2:
             out.append(
@@ -371,6 +385,12 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                     "set a temperature > 0, e.g. 1.0",
                 )
             )
+    return out
+
+
+def _check_critic_fields(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
+    """Critic fields only with a critic; a critic's own model folder must exist."""
+    a, out = cfg.algorithm, []
     if not spec.critic:
         critic_only = {"lam", "value_clip", "critic_lr"} | (set() if spec.discounted else {"gamma"})
         for field in sorted(critic_only & a.model_fields_set):
@@ -400,6 +420,12 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                 "point it at a local HF folder or leave it out (the actor's weights)",
             )
         )
+    return out
+
+
+def _check_objective_terms(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
+    """KL loss, DAPO's overlong buffer and dynamic sampling, Dr. GRPO's undivided advantages."""
+    a, out = cfg.algorithm, []
     if "use_kl_loss" in a.model_fields_set and a.kl_coef == 0:
         out.append(
             Violation(
@@ -436,6 +462,12 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
                 "remove it",
             )
         )
+    return out
+
+
+def _check_correction(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
+    """Rollout correction (TIS, IcePop, MIS bands) and DAPO's clip-higher."""
+    out = []
     if cfg.actor.icepop_band is not None and cfg.actor.tis_cap is not None:
         out.append(
             Violation(
@@ -469,6 +501,11 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
 
 
 def _check_runtime(cfg: Config) -> list[Violation]:
+    """Logging, launch and rendezvous, the dock's wire, evaluation, fusion and resume."""
+    return _check_logging(cfg) + _check_launch(cfg) + _check_services(cfg)
+
+
+def _check_logging(cfg: Config) -> list[Violation]:
     out: list[Violation] = []
     if (
         cfg.logging.wandb is not None
@@ -483,6 +520,12 @@ def _check_runtime(cfg: Config) -> list[Violation]:
                 "pip install 'spmd-rl[wandb]' (or wandb), or set logging.wandb.mode: disabled",
             )
         )
+    return out
+
+
+def _check_launch(cfg: Config) -> list[Violation]:
+    """The elastic node range and the rendezvous endpoint."""
+    out: list[Violation] = []
     e = cfg.elastic
     if e.min_nodes > e.max_nodes:
         out.append(
@@ -520,6 +563,12 @@ def _check_runtime(cfg: Config) -> list[Violation]:
                 "set elastic.rdzv_endpoint (or use rdzv_backend: etcd-v2, which survives losing any node)",
             )
         )
+    return out
+
+
+def _check_services(cfg: Config) -> list[Violation]:
+    """Metadata endpoints, the dock's message size and token, evaluation, fusion and resume."""
+    out: list[Violation] = []
     for i, ep in enumerate(cfg.metadata.endpoints):
         if not _ENDPOINT.match(ep):
             out.append(Violation(f"metadata.endpoints.{i}", ep, "not host:port", "write endpoints like 10.0.0.1:2379"))
