@@ -61,14 +61,9 @@ def fsdp_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Viola
 
 
 def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
-    """What the megatron-core backend refuses in this version."""
-    a, sp, pp, ep, train_tp = (
-        cfg.actor,
-        cfg.parallel.train.sequence_parallel,
-        cfg.parallel.train.pp,
-        cfg.parallel.train.ep,
-        train.tp,
-    )
+    """What the megatron-core backend refuses in this version: run features it lacks, then what
+    it cannot map or split of the model."""
+    a, sp, train_tp = cfg.actor, cfg.parallel.train.sequence_parallel, train.tp
     field, out = "actor.backend", []
     if a.lora is not None:
         out.append(
@@ -126,6 +121,13 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
                     f"set actor.{name}: false",
                 )
             )
+    return out + _megatron_model_rules(cfg, arch, train)
+
+
+def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
+    """The model's type, layers, experts and vocabulary against megatron's mapping and splits."""
+    a, pp, ep, train_tp = cfg.actor, cfg.parallel.train.pp, cfg.parallel.train.ep, train.tp
+    field, fix_fsdp, out = "actor.backend", "or use actor.backend: fsdp", []
     if arch is not None and arch.model_type not in MEGATRON_TYPES:
         out.append(
             Violation(
