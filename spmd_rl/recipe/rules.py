@@ -37,6 +37,8 @@ def _multiple(n: int, k: int) -> int:
 
 
 def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
+    """G prompts x N samples split evenly over both DP layouts (whole groups where the estimator
+    reads them), then the mini- and micro-batches (``_check_minibatches``)."""
     out: list[Violation] = []
     g, n = cfg.data.global_batch_size, cfg.rollout.n
     tdp, gdp = lay.train.dp, lay.gen.dp
@@ -71,6 +73,14 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
                 f"parallel.train.dp_shard",
             )
         )
+    return out + _check_minibatches(cfg, lay)
+
+
+def _check_minibatches(cfg: Config, lay: Layouts) -> list[Violation]:
+    """Mini-batches divide G (whole pairs per DP group for DPO) and split over training DP;
+    micro-batches divide a rank's share; a token budget holds one full-length sample."""
+    out: list[Violation] = []
+    g, n, tdp, spec = cfg.data.global_batch_size, cfg.rollout.n, lay.train.dp, algorithm(cfg)
     mb = cfg.actor.mini_batch_size
     if g % mb:
         out.append(
@@ -129,6 +139,8 @@ def _check_batches(cfg: Config, lay: Layouts) -> list[Violation]:
 
 
 def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
+    """The model folder reads as a supported architecture that both TP sizes split, with room
+    for the longest sample, intact weights and the tokenizer it names."""
     folder = Path(cfg.model.path)
     cfg_json = folder / "config.json"
     if not cfg_json.is_file():
@@ -152,6 +164,10 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
                 "use a Qwen2/Qwen3/Llama/Qwen3-MoE config.json",
             )
         ]
+    return _check_model_shape(cfg, lay, arch) + _check_model_files(cfg, arch)
+
+
+def _check_model_shape(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Violation]:
     out: list[Violation] = []
     if arch.model_type not in SUPPORTED_TYPES:
         out.append(
@@ -178,6 +194,12 @@ def _check_model(cfg: Config, lay: Layouts) -> list[Violation]:
                         f"use a TP size dividing {count}",
                     )
                 )
+    return out
+
+
+def _check_model_files(cfg: Config, arch: ModelArch) -> list[Violation]:
+    out: list[Violation] = []
+    folder = Path(cfg.model.path)
     total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if arch.max_positions and total > arch.max_positions:
         out.append(
