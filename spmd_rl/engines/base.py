@@ -133,6 +133,8 @@ class Rollout(ABC):
     the finished ones by key, so multi-turn rollouts add a trajectory's next turn while others run."""
 
     capabilities: RolloutCapabilities
+    cfg: RolloutConfig
+    """Its temperature is a request's default; its top-p / top-k apply to every sampled request."""
     weights_current: bool
     """False while the engine holds no policy weights (dummy start, or a level-2 sleep)."""
 
@@ -170,6 +172,7 @@ class Rollout(ABC):
         """As each prompt group finishes: [(prompt index, its n samples)]. Prompt p is one request
         of n samples seeded seed + p; at temperature 0 (greedy: one sample per request) it is n
         requests of one, seeded seed + k for the k-th request of the batch."""
+        self._begin_batch()
         temp = self.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
@@ -203,6 +206,7 @@ class Rollout(ABC):
         """One sample per (context, max_tokens): at most max_tokens tokens continuing ``context``
         (the prompt and the response so far), request k seeded seed + k. Partial rollout's
         primitive: at temperature 0 a response continued in pieces equals the one generated at once."""
+        self._begin_batch()
         temp = self.temperature if temperature is None else temperature
         specs = [SamplingSpec(m, temp, None if seed is None else seed + k) for k, (_, m) in enumerate(requests)]
         self.submit([(k, c) for k, (c, _) in enumerate(requests)], specs)
@@ -212,9 +216,25 @@ class Rollout(ABC):
         return [done[k][0] for k in range(len(requests))]
 
     @property
-    @abstractmethod
     def temperature(self) -> float:
         """The rollout config's sampling temperature (a request's default)."""
+        return self.cfg.temperature
+
+    def _begin_batch(self) -> None:
+        """Before ``generate_stream`` / ``continue_samples`` queue a batch (none by default)."""
+
+    @property
+    def holds_policy(self) -> bool:
+        """Whether the engine can generate from the policy now (``_require_weights``)."""
+        return self.weights_current
+
+    def _require_weights(self) -> None:
+        """Refuse to generate while the engine holds no policy weights (module docstring)."""
+        if not self.holds_policy:
+            raise RuntimeError(
+                "the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
+                "load them with update_weights before generating"
+            )
 
     # -- weights --------------------------------------------------------------------------
     @abstractmethod

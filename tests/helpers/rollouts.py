@@ -15,10 +15,6 @@ class EchoRollout(Rollout):
         self.weights_current = True
         self.queue: list[tuple[object, list[int], SamplingSpec]] = []
 
-    @property
-    def temperature(self) -> float:
-        return self.cfg.temperature
-
     def submit(self, requests, specs) -> None:
         self.queue += [(key, context, spec) for (key, context), spec in zip(requests, specs)]
 

@@ -94,17 +94,9 @@ class HfRollout(Rollout):
         self._asleep = False
         self._shapes = {id(p): p.shape for p in self.model.parameters()}
 
-    @property
-    def temperature(self) -> float:
-        return self.cfg.temperature
-
     # -- generation -----------------------------------------------------------------------
     def submit(self, requests: list[tuple[object, list[int]]], specs: list[SamplingSpec]) -> None:
-        if not self.weights_current:
-            raise RuntimeError(
-                "the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
-                "load them with update_weights before generating"
-            )
+        self._require_weights()
         for (key, context), spec in zip(requests, specs, strict=True):
             if len(context) + spec.max_tokens > self.max_model_len:
                 raise ValueError(

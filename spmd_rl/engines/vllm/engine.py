@@ -19,7 +19,7 @@ import gc
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -146,29 +146,8 @@ class VllmRollout(Rollout):
         """vLLM's module on this rank (its TP slice of the weights); in-process engines only."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    @property
-    def temperature(self) -> float:
-        return self.cfg.temperature
-
-    def generate_stream(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> Iterator[list[tuple[int, list[Sample]]]]:
-        self._drop_routes()
-        yield from super().generate_stream(prompts, n, max_tokens, temperature, seed)
-
-    def continue_samples(
-        self, requests: list[tuple[list[int], int]], temperature: float | None = None, seed: int | None = None
-    ) -> list[Sample]:
-        self._drop_routes()
-        return super().continue_samples(requests, temperature, seed)
-
-    def _drop_routes(self) -> None:
-        """The CPU worker's capture keeps routes until taken: a new batch starts from none."""
+    def _begin_batch(self) -> None:
+        """The CPU worker's route capture keeps routes until taken: a new batch starts from none."""
         if self.record_routes and self.acc.kind == "cpu":
             self.llm.collective_rpc("drop_routes")
 
@@ -290,12 +269,10 @@ class VllmRollout(Rollout):
         """Bytes of the KV cache the engine actually allocated on this rank, not the configured budget."""
         return self.llm.collective_rpc("kv_cache_bytes")[0]
 
-    def _require_weights(self) -> None:
-        if not self.weights_current or (self.adapters is not None and self.adapters.request is None):
-            raise RuntimeError(
-                "the rollout engine holds no policy weights (dummy start or a level-2 sleep): "
-                "load them with update_weights before generating"
-            )
+    @property
+    def holds_policy(self) -> bool:
+        """The weights, and with LoRA adapter sync the published adapters."""
+        return self.weights_current and (self.adapters is None or self.adapters.request is not None)
 
     def sleep(self, discard_weights: bool = False) -> None:
         """Release the device: vLLM sleep level 1 (weights backed up to host, KV cache dropped),
