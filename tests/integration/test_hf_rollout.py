@@ -52,14 +52,17 @@ def trainer_logprobs(model, prompt: list[int], responses: list[list[int]], polic
     return [lp[k, : len(r)] for k, r in enumerate(responses)]
 
 
-def test_sampled_logprobs_are_the_trainers_under_temperature_top_k_and_top_p(tiny_model, engine, prompts):
+@pytest.mark.parametrize("top_k, top_p", [(TOP_K, TOP_P), (3, 1.0)])  # the second: top-k alone decides the set
+def test_sampled_logprobs_are_the_trainers_under_temperature_top_k_and_top_p(tiny_model, prompts, top_k, top_p):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    cfg = RolloutConfig(engine="hf", n=4, max_response_length=8, temperature=T, top_k=top_k, top_p=top_p)
+    engine = build_rollout_engine(RolloutBuild(tiny_model, detect("cpu"), cfg, 1, "float32", 64, distributed=False))
     samples = engine.generate(prompts, n=4, max_tokens=8, seed=11)
     assert len(samples) == 12 and all(s.token_ids for s in samples)
     assert len({tuple(s.token_ids) for s in samples}) >= 3  # it sampled, not 12 copies of one answer
     for p, prompt in enumerate(prompts):
         group = samples[4 * p : 4 * p + 4]
-        want = trainer_logprobs(model, prompt, [s.token_ids for s in group], SamplingPolicy(T, TOP_K, TOP_P))
+        want = trainer_logprobs(model, prompt, [s.token_ids for s in group], SamplingPolicy(T, top_k, top_p))
         for s, lp in zip(group, want):
             assert len(s.logprobs) == len(s.token_ids)
             assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
