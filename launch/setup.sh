@@ -10,7 +10,7 @@ PY=${PYTHON:-python3.11}
 VENV=${VENV:-.venv}
 UV_VERSION=0.13.9
 
-step() { printf '\n[setup] %s\n' "$*"; }
+step() { printf '\n[setup] %s (at %d s)\n' "$*" "$SECONDS"; }
 
 if [ ! -x "$VENV/bin/python" ]; then
     step "creating $VENV with $PY"
@@ -73,19 +73,20 @@ PYEOF
 # An asset counts as built when the file its builder writes last exists (warmstart.json,
 # train_report.json), so an interrupted build is built again.
 have() { [ -f "$1" ] && printf '[setup] present: %s (%s)\n' "$2" "$(tr -d '\n ' < "$1")"; }
+built() { local t=$SECONDS; "$VENV/bin/python" "$@" && printf '[setup] %s: %d s\n' "$1" $((SECONDS - t)); }
 quiet() { grep --line-buffered -v "Loading weights\|Writing model shards" || true; }  # transformers' per-file bars
 step "building what is missing of the tiny models and data under assets/ (about 5 minutes on 2 cores)"
 {
     have assets/tiny-qwen2/warmstart.json assets/tiny-qwen2 \
-        || "$VENV/bin/python" tools/make_tiny_model.py --out assets/tiny-qwen2 --no-reward-model
+        || built tools/make_tiny_model.py --out assets/tiny-qwen2 --no-reward-model
     have assets/tiny-qwen2/reward_model/train_report.json assets/tiny-qwen2/reward_model \
-        || "$VENV/bin/python" tools/make_tiny_reward_model.py --model assets/tiny-qwen2
+        || built tools/make_tiny_reward_model.py --model assets/tiny-qwen2
     [ -f assets/tiny-qwen2/preferences_test.jsonl ] \
-        || "$VENV/bin/python" tools/make_preference_data.py --model assets/tiny-qwen2
+        || built tools/make_preference_data.py --model assets/tiny-qwen2
     have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
-        || "$VENV/bin/python" tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
+        || built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
     have assets/tiny-tools/warmstart.json assets/tiny-tools \
-        || "$VENV/bin/python" tools/make_tool_model.py --out assets/tiny-tools
+        || built tools/make_tool_model.py --out assets/tiny-tools
 } 2>&1 | quiet
 
 step "done: activate with 'source $VENV/bin/activate'"
