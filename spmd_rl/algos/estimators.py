@@ -12,10 +12,12 @@ Token-level (REINFORCE++, Hu 2025), per-token rewards r_t = -beta kl_t + [t = L 
 the KL in the reward when ``algorithm.use_kl_loss`` is false (``core.token_rewards``):
 
 - ``reinforce_pp``: s = the reward; returns G_t = sum_{k >= t} gamma^(k - t) r_k over the
-  sampled tokens (inserted tool tokens skipped, as GAE does);
-- ``reinforce_pp_baseline``: s = the reward minus its prompt group's mean;
+  sampled tokens (inserted tool tokens skipped, as GAE does; ``TOKEN_ESTIMATORS["returns"]``);
+- ``reinforce_pp_baseline``: s = the reward minus its prompt group's mean (the spec's
+  ``centre_scores``), then the same returns;
 
-then A = (G - mean) / std with the mean and variance of *every* token of the iteration's batch
+a user's token estimator (``module:function``, ``TokenEstimator``'s signature) replaces the
+returns; then A = (G - mean) / std with the mean and variance of *every* token of the iteration's batch
 (global batch normalisation: moments summed over the data-parallel ranks, ``core.whiten``).
 """
 
@@ -29,7 +31,12 @@ from spmd_rl.algos.core import grpo_advantages
 from spmd_rl.algos.registry import Registry
 
 SeqEstimator = Callable[[torch.Tensor, int, bool], torch.Tensor]
+"""(rewards [B] float64, group size N, norm_adv_by_std) -> advantages [B]."""
 SEQ_ESTIMATORS: Registry[SeqEstimator] = Registry("sequence advantage estimator")
+TokenEstimator = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(token rewards [B, T] float64, mask [B, T] bool of the sampled tokens, algorithm.gamma) ->
+per-token advantages [B, T] before the batch whitening, 0 where the mask is 0."""
+TOKEN_ESTIMATORS: Registry[TokenEstimator] = Registry("token advantage estimator")
 
 
 @SEQ_ESTIMATORS.register("grpo", "dapo")
@@ -51,6 +58,7 @@ def group_centred(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
 
 
+@TOKEN_ESTIMATORS.register("returns")
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma G_t' over the positions where ``mask`` is 1 (t' the next one; the
     others are skipped, not ends), 0 where it is 0."""

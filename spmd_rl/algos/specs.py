@@ -6,9 +6,10 @@ the launcher read it.
 A user's algorithm needs no edit to the package: ``algorithm.name: my_pkg.algos:SPEC`` names
 an ``AlgorithmSpec`` in the user's module, imported when the config is checked (keep that
 module light: it is imported by ``validate``), and its ``estimator`` names a function in
-``module:function`` form: for ``advantage="sequence"`` a function
+``module:function`` form, imported by the advantage stage: for ``advantage="sequence"``
 ``(rewards [B] float64, N, norm_adv_by_std) -> advantages [B]`` over contiguous groups of N
-samples (``algos.estimators``), imported by the advantage stage.
+samples; for ``advantage="token"`` ``(token rewards [B, T] float64, mask [B, T], gamma) ->
+[B, T]``, whitened over the batch after it (``algos.estimators``).
 
 Invariant: a spec's ``name`` is the ``algorithm.name`` that selects it (built-ins register
 under their name, a user's spec is named by its ``module:attribute`` path).
@@ -31,7 +32,8 @@ class AlgorithmSpec:
     name: str
     advantage: AdvantageKind
     """sequence: one scalar per sample from ``estimator`` (the ``seq_advantage`` column);
-    token: REINFORCE++'s per-token discounted returns whitened over the batch (``advantages``);
+    token: per-token advantages from ``estimator`` (REINFORCE++'s discounted returns), whitened
+    over the batch (``advantages``);
     gae: a critic and GAE (``advantages``, ``returns``; the critic stages); preference:
     offline (chosen, rejected) pairs, no rollout (DPO's graph, ``estimator`` its loss)."""
     estimator: str = ""
@@ -74,8 +76,8 @@ for _spec in (
     AlgorithmSpec("grpo", "sequence", "grpo", group_relative=True, std_normalised=True),
     AlgorithmSpec("dapo", "sequence", "grpo", group_relative=True, std_normalised=True, dapo=True),
     AlgorithmSpec("rloo", "sequence", "rloo", group_relative=True),
-    AlgorithmSpec("reinforce_pp", "token"),
-    AlgorithmSpec("reinforce_pp_baseline", "token", group_relative=True, centre_scores=True),
+    AlgorithmSpec("reinforce_pp", "token", "returns"),
+    AlgorithmSpec("reinforce_pp_baseline", "token", "returns", group_relative=True, centre_scores=True),
     AlgorithmSpec("ppo", "gae"),
     AlgorithmSpec("dpo", "preference", "dpo", group_relative=True),
 ):
@@ -97,6 +99,11 @@ def spec_named(name: str) -> AlgorithmSpec:
         raise ValueError(f"algorithm {name!r}: {module}.{attr} is not an AlgorithmSpec")
     if spec.name != name:
         raise ValueError(f"algorithm {name!r}: the spec is named {spec.name!r}; name it by its path, {name!r}")
+    if ":" in spec.estimator and not findable(spec.estimator):
+        raise ValueError(
+            f"algorithm {name!r}: its estimator {spec.estimator!r} cannot be found (module not on the path, or not "
+            "module:function)"
+        )
     return spec
 
 

@@ -1,4 +1,5 @@
-"""A user's algorithm (``algorithm.name: tests.helpers.algorithms:MEDIAN``) and policy loss
+"""A user's algorithms (``algorithm.name: tests.helpers.algorithms:MEDIAN``, a sequence
+estimator; ``tests.helpers.algorithms:TOTAL``, a token estimator) and policy loss
 (``actor.policy_loss: tests.helpers.algorithms:plain_pg``), defined the way a user defines them
 in their own module, with no edit to the package: a spec naming its estimator as
 ``module:function``, and a loss with the registered losses' signature."""
@@ -18,6 +19,15 @@ def median_baseline(rewards, group_size: int, norm_by_std: bool):
 MEDIAN = AlgorithmSpec(
     "tests.helpers.algorithms:MEDIAN", "sequence", "tests.helpers.algorithms:median_baseline", group_relative=True
 )
+
+
+def total_reward(rewards, mask, gamma: float):
+    """A_t = the sequence's total token reward, on every sampled token (no discount: ``gamma``
+    is not read); the advantage stage then whitens it over the batch."""
+    return rewards.sum(dim=1, keepdim=True) * mask
+
+
+TOTAL = AlgorithmSpec("tests.helpers.algorithms:TOTAL", "token", "tests.helpers.algorithms:total_reward")
 
 
 def plain_pg(logp, old_logp, advantages, mask, clip, norm=None, weight=None):

@@ -5,6 +5,8 @@ end-to-end run is ``test_algorithms_torchrun.py``'s."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,6 +85,48 @@ def test_the_advantage_stage_runs_the_users_estimator(world_of_one):
     out = advantage(SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("reward",))))
     want = [1.0 - 0.25, 0.0 - 0.25, 0.5 - 0.25, 0.0, 1.0, 1.0, -1.0, 0.0]  # lower middles: 0.25 and 1.0
     assert out.columns["seq_advantage"].tolist() == want
+
+
+def test_the_advantage_stage_runs_the_users_token_estimator(world_of_one):
+    """``tests.helpers.algorithms:TOTAL`` through the stage on one rank, with KL in the reward:
+    token rewards r_t = -beta kl_t + [t = L - 1] s, A_t = sum_t r_t on each sampled token, then
+    (A - mean) / sqrt(unbiased var + 1e-8) over every sampled token of the batch, computed here
+    in float64 from the formula (the built-in discounted returns give other values)."""
+    from types import SimpleNamespace
+
+    from spmd_rl.trainer.stages.advantage import advantage
+
+    lengths, scores, beta = [3, 1, 2, 4], [1.0, 0.0, 2.0, 0.5], 0.1
+    old = [torch.linspace(-1.0, -0.2, n) for n in lengths]
+    ref = [o - 0.05 * (k + 1) for k, o in enumerate(old)]
+    cols = {
+        "reward": [torch.tensor(r) for r in scores],
+        "response_length": [torch.tensor(n) for n in lengths],
+        "old_log_prob": old,
+        "ref_log_prob": ref,
+    }
+    batch = type("Batch", (), {"columns": cols, "__len__": lambda self: 4})()
+    algorithm = SimpleNamespace(
+        name="tests.helpers.algorithms:TOTAL", kl_coef=beta, kl_estimator="k1", gamma=0.5, norm_adv_by_std=True
+    )
+    cfg = SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=2))
+    run = SimpleNamespace(cfg=cfg, lay=SimpleNamespace(train=SimpleNamespace(group=1)))
+    out = advantage(SimpleNamespace(run=run, batch=batch))
+    total = [s - beta * float((o.double() - r.double()).sum()) for s, o, r in zip(scores, old, ref)]
+    flat = [t for t, n in zip(total, lengths) for _ in range(n)]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1) + 1e-8)
+    for got, t, n in zip(out.columns["advantages"], total, lengths):
+        assert got.tolist() == pytest.approx([(t - mean) / std] * n, rel=1e-5)
+
+
+def test_a_spec_whose_estimator_cannot_be_found_is_refused(monkeypatch):
+    import tests.helpers.algorithms as module
+
+    spec = AlgorithmSpec("tests.helpers.algorithms:LOST", "token", "tests.helpers.no_such:fn")
+    monkeypatch.setattr(module, "LOST", spec, raising=False)
+    with pytest.raises(ValueError, match="estimator 'tests.helpers.no_such:fn' cannot be found"):
+        spec_named("tests.helpers.algorithms:LOST")
 
 
 def test_the_torch_free_policy_loss_names_are_the_registered_ones():

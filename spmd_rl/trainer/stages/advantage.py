@@ -4,9 +4,10 @@ one is the algorithm's spec (``algos.specs``: ``advantage``, ``estimator``, ``ce
 - GRPO/DAPO/RLOO (group-granular): the sequence score s = r - beta sum_t kl_t when KL is in the
   reward (else s = r), then A = the registered sequence estimator of s
   (``algos.estimators.SEQ_ESTIMATORS``), one scalar per sample.
-- REINFORCE++ (-baseline): per-token discounted returns of the token rewards
-  (``algos.estimators``), whitened with the moments of every sampled token of the iteration's
-  batch (summed over the DP ranks, as PPO's whitening).
+- REINFORCE++ (-baseline), or a user's token estimator: the spec's token estimator of the
+  token rewards (discounted returns, ``algos.estimators.TOKEN_ESTIMATORS``), whitened with the
+  moments of every sampled token of the iteration's batch (summed over the DP ranks, as PPO's
+  whitening).
 - PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
   in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before
   whitening), then A whitened with the mean and variance
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from spmd_rl.algos.specs import AlgorithmSpec
 from spmd_rl.algos.core import gae, kl_estimate, masked_moments, token_rewards, whiten
-from spmd_rl.algos.estimators import SEQ_ESTIMATORS, discounted_returns, group_centred
+from spmd_rl.algos.estimators import SEQ_ESTIMATORS, TOKEN_ESTIMATORS, group_centred
 from spmd_rl.recipe.graph import algorithm
 from spmd_rl.trainer.stages.minibatch import dp_sums
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -55,7 +57,7 @@ def advantage(call: StageCall) -> StageResult:
     if spec.advantage == "gae":
         return _gae(call, rewards)
     if spec.advantage == "token":
-        return _reinforce(call, rewards, spec.centre_scores)
+        return _reinforce(call, rewards, spec)
     n, sums = run.cfg.rollout.n, {}
     if "ref_log_prob" in batch.columns:
         width = int(torch.stack(batch.columns["response_length"]).max())
@@ -100,14 +102,15 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     )
 
 
-def _reinforce(call: StageCall, scores: torch.Tensor, centre: bool) -> StageResult:
+def _reinforce(call: StageCall, scores: torch.Tensor, spec: AlgorithmSpec) -> StageResult:
     run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
     lengths = torch.stack(cols["response_length"]).long()
     width = max(1, int(lengths.max()))
-    if centre:
+    if spec.centre_scores:
         scores = group_centred(scores, run.cfg.rollout.n)
     kl, mask = _kl(call, width)
-    returns = discounted_returns(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma)
+    estimate = TOKEN_ESTIMATORS.lookup(spec.estimator)
+    returns = estimate(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma) * mask
     g = dp_sums(
         dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group
     )  # a replica's ranks hold the same samples
