@@ -224,38 +224,17 @@ def evaluate(  # noqa: PLR0913
     import tempfile
 
     from spmd_rl.config.schema import check_rollout_engine
-    from spmd_rl.trainer.export import export as export_ckpt, greedy_accuracy, is_checkpoint
+    from spmd_rl.trainer.export import greedy_accuracy
 
     if not data.is_file():
         typer.echo(f"INVALID --data={data}: file not found", err=True)
         raise typer.Exit(code=2)
-    from spmd_rl.engines.safe_dcp import BadCheckpoint
-
     with tempfile.TemporaryDirectory() as tmp:
-        if is_checkpoint(model):
-            try:
-                model_dir = export_ckpt(model, Path(tmp) / "hf", merged=True)
-            except BadCheckpoint as exc:
-                typer.echo(f"INVALID {exc}", err=True)
-                raise typer.Exit(code=2) from None
-        elif (model / "config.json").is_file():
-            model_dir = model
-        else:
-            typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
-            raise typer.Exit(code=2)
+        model_dir = _hf_folder(model, Path(tmp))
         if pairs:
-            from spmd_rl.trainer.checkpoint import read_state
             from spmd_rl.trainer.pair_eval import preference_eval
 
-            ref = reference or (Path(read_state(model)["model_path"]) if is_checkpoint(model) else None)
-            if ref is None or not (ref / "config.json").is_file():
-                typer.echo(
-                    f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base "
-                    f"model)",
-                    err=True,
-                )
-                raise typer.Exit(code=2)
-            result = preference_eval(model_dir, ref, data, limit)
+            result = preference_eval(model_dir, _pairs_reference(model, reference), data, limit)
         else:
             try:
                 check_rollout_engine(engine)
@@ -266,6 +245,40 @@ def evaluate(  # noqa: PLR0913
                 model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns, engine=engine
             )
     typer.echo(json.dumps(result | {"model": str(model)}))
+
+
+def _hf_folder(model: Path, tmp: Path) -> Path:
+    """``model`` itself when it is an HF folder; a checkpoint exported (merged) under ``tmp``;
+    else exit 2 naming it."""
+    from spmd_rl.engines.safe_dcp import BadCheckpoint
+    from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
+
+    if is_checkpoint(model):
+        try:
+            return export_ckpt(model, tmp / "hf", merged=True)
+        except BadCheckpoint as exc:
+            typer.echo(f"INVALID {exc}", err=True)
+            raise typer.Exit(code=2) from None
+    if (model / "config.json").is_file():
+        return model
+    typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
+    raise typer.Exit(code=2)
+
+
+def _pairs_reference(model: Path, reference: Path | None) -> Path:
+    """The reference of ``eval --pairs``: ``--reference``, else the base model a checkpoint names;
+    exit 2 when neither is an HF folder."""
+    from spmd_rl.trainer.checkpoint import read_state
+    from spmd_rl.trainer.export import is_checkpoint
+
+    ref = reference or (Path(read_state(model)["model_path"]) if is_checkpoint(model) else None)
+    if ref is None or not (ref / "config.json").is_file():
+        typer.echo(
+            f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base model)",
+            err=True,
+        )
+        raise typer.Exit(code=2)
+    return ref
 
 
 @app.command(name="config-reference")

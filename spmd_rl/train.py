@@ -19,8 +19,8 @@ MASTER_PORT_HOLD = hold_master_port()
 """Rank 0 reserves torchrun's MASTER_PORT before the seconds of imports below (master_port.py)."""
 
 import datetime  # noqa: E402  (after the port is held)
-import logging
 from functools import partial
+import logging
 import os
 import sys
 
@@ -60,8 +60,7 @@ from spmd_rl.reshard.residency import Residency
 from spmd_rl.reshard.swap import resident_bytes
 from spmd_rl.rewards import get_reward
 from spmd_rl.trainer import checkpoint
-from spmd_rl.trainer.context import Run
-from spmd_rl.trainer.evaluate import eval_accuracy
+from spmd_rl.trainer.context import HeldOut, Run
 from spmd_rl.trainer.loop import train
 from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.partial import restore_carry
@@ -88,7 +87,69 @@ def _required(value: str | None, env: str, field: str, fix: str) -> str:
     return got
 
 
-def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
+def build(cfg, peer: Peer) -> tuple[Run, int]:
+    """Every rank: check the config, join the process group and the job's etcd and dock, build
+    the rollout engine and the training roles, resume from the last checkpoint; returns the run
+    and the first iteration to do."""
+    lay, acc = _start(cfg, peer)
+    endpoints, meta, token = _metadata(cfg, peer)
+    graph = stages_for(cfg)
+    dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
+    # separated placement: "gen" hosts only vLLM, "train" only the training roles
+    side = init_sides(lay, peer.rank).side
+    tok = load_tokenizer(cfg)
+    prompts = (preferences_for if algorithm(cfg).advantage == "preference" else prompts_for)(
+        cfg, tok, cfg.data.train_path
+    )
+    generates = any("rollout" in s.roles for s in graph)  # DPO generates nothing
+    rollout = build_rollout(cfg, acc, lay, peer, side) if generates else None
+    roles = build_roles(cfg, acc, train_mesh(acc, lay.train), graph) if side != "gen" else {}
+    check_accumulation_fits(cfg, acc, lay, roles)
+    sampler = sampler_for(cfg, len(prompts))
+    state, start = _resume(cfg, peer, roles, sampler)
+    run = Run(
+        cfg=cfg,
+        lay=lay,
+        peer=peer,
+        acc=acc,
+        dock=dock,
+        graph=graph,
+        roles=roles,
+        rollout=rollout,
+        residency=Residency(
+            Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg)
+        ),
+        tokenizer=tok,
+        prompts=prompts,
+        sampler=sampler,
+        reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score),
+        lineage=checkpoint.lineage_id(state, cfg.checkpoint.resume),
+        held_out=(
+            HeldOut(prompts_for(cfg, tok, cfg.data.test_path), get_reward(cfg.reward.rule))
+            if cfg.trainer.eval_interval and rollout is not None
+            else None
+        ),
+        ledger=PromptLedger(
+            MetadataStore(endpoints, f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
+        ),
+        # the TP ranks of a generation group run each multi-turn rollout together
+        gen_tp_group=replica_group(lay.gen, peer.rank) if multi_turn(cfg) and lay.gen.tp > 1 else None,
+    )
+    if state is not None and "carry_rows" in state:
+        restore_carry(run, state["carry_rows"])
+    if peer.rank == 0:
+        run.ledger.restart_at(start)  # the iterations from `start` on are (re)done from here
+    dist.barrier()  # every rank has loaded and resumed: from here on, the steady-state timeout
+    set_collective_timeout(cfg.elastic.collective_timeout_s)
+    dock.watch_peers(_peer_lost)
+    if peer.rank == 0:
+        log.info("training from iteration %d with world %d", start, peer.world)
+    return run, start
+
+
+def _start(cfg, peer: Peer):
+    """The checked layouts (exit 2 on a violation), this rank's accelerator, the process group
+    (with the start-up timeout) and the seeds; returns (layouts, accelerator)."""
     lay, violations = check(cfg, peer.world, peer.nproc_per_node)
     if violations:
         raise ConfigError(violations)
@@ -100,6 +161,12 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    return lay, acc
+
+
+def _metadata(cfg, peer: Peer) -> tuple[list[str], MetadataStore, str]:
+    """(etcd endpoints, the job's metadata store, the job token). Rank 0 first discards the
+    metadata of an unfinished iteration (restarts are iteration-atomic); every rank waits for it."""
     endpoint = _required(
         ",".join(cfg.metadata.endpoints),
         "SPMD_RL_ETCD",
@@ -109,79 +176,30 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:  # noqa: PLR0915
     token = _required(
         cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token"
     )
-    meta = MetadataStore(endpoint.split(","), cfg.metadata.job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
-    if peer.rank == 0:  # iteration-atomic restarts: metadata of an unfinished iteration is discarded
+    endpoints = endpoint.split(",")
+    meta = MetadataStore(endpoints, cfg.metadata.job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
+    if peer.rank == 0:
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
-    graph = stages_for(cfg)
-    dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
-    side = init_sides(
-        lay, peer.rank
-    ).side  # separated placement: "gen" hosts only vLLM, "train" only the training roles
-    mesh = train_mesh(acc, lay.train)
-    tok = load_tokenizer(cfg)
-    prompts = (
-        preferences_for(cfg, tok, cfg.data.train_path)
-        if algorithm(cfg).advantage == "preference"
-        else prompts_for(cfg, tok, cfg.data.train_path)
-    )
-    rollout = (
-        build_rollout(cfg, acc, lay, peer, side) if any("rollout" in s.roles for s in graph) else None
-    )  # DPO generates nothing
-    roles = build_roles(cfg, acc, mesh, graph) if side != "gen" else {}
-    check_accumulation_fits(cfg, acc, lay, roles)
-    residency = Residency(
-        Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc), roles, pinned_roles(cfg)
-    )
-    sampler = sampler_for(cfg, len(prompts))
-    start = 0
+    return endpoints, meta, token
+
+
+def _resume(cfg, peer: Peer, roles: dict, sampler) -> tuple[dict | None, int]:
+    """Load the last complete checkpoint (``checkpoint.resume``) into the roles, the sampler and
+    the RNGs; returns (its trainer state, its iteration), or (None, 0) for a fresh start."""
     folder = checkpoint.resume_folder(cfg.checkpoint.dir, cfg.checkpoint.resume)
-    if folder is not None:
-        state = checkpoint.read_state(folder)
-        for role in checkpoint.SAVED_ROLES:
-            if role in roles:
-                roles[role].load(checkpoint.role_folder(folder, role))
-        sampler.state = SamplerState(**state["sampler"])
-        checkpoint.set_rng_state(state["rng"])
-        start = int(state["iteration"])
-        if peer.rank == 0:
-            log.info("resumed from %s at iteration %d", folder, start)
-    run = Run(
-        cfg,
-        lay,
-        peer,
-        acc,
-        dock,
-        graph,
-        roles,
-        rollout,
-        residency,
-        tok,
-        prompts,
-        sampler,
-        get_reward(cfg.reward.rule, cfg.reward.format_score),
-        lineage=checkpoint.lineage_id(state if folder is not None else None, cfg.checkpoint.resume),
-    )
-    if multi_turn(cfg) and lay.gen.tp > 1:  # the TP ranks of a generation group run each multi-turn rollout together
-        run.gen_tp_group = replica_group(lay.gen, peer.rank)
-    if folder is not None and "carry_rows" in state:
-        restore_carry(run, state["carry_rows"])
-    run.ledger = PromptLedger(
-        MetadataStore(
-            endpoint.split(","), f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata)
-        )
-    )
+    if folder is None:
+        return None, 0
+    state = checkpoint.read_state(folder)
+    for role in checkpoint.SAVED_ROLES:
+        if role in roles:
+            roles[role].load(checkpoint.role_folder(folder, role))
+    sampler.state = SamplerState(**state["sampler"])
+    checkpoint.set_rng_state(state["rng"])
+    start = int(state["iteration"])
     if peer.rank == 0:
-        run.ledger.restart_at(start)  # the iterations from `start` on are (re)done from here
-    if cfg.trainer.eval_interval and rollout is not None:
-        test = prompts_for(cfg, tok, cfg.data.test_path)
-        run.evaluator = partial(eval_accuracy, run, test, get_reward(cfg.reward.rule))
-    dist.barrier()  # every rank has loaded and resumed: from here on, the steady-state timeout
-    set_collective_timeout(cfg.elastic.collective_timeout_s)
-    dock.watch_peers(_peer_lost)
-    if peer.rank == 0:
-        log.info("training from iteration %d with world %d", start, peer.world)
-    return run, start
+        log.info("resumed from %s at iteration %d", folder, start)
+    return state, start
 
 
 def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> Rollout | None:

@@ -108,59 +108,11 @@ class Outcome:
 def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     """Run ``code`` under ``limits`` (module docstring) and return what happened."""
     t0 = time.monotonic()
-    drop = NOBODY if limits.jail and os.geteuid() == 0 else 0
-    nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
-    boot = [
-        str(v)
-        for v in (
-            limits.cpu_s,
-            limits.memory_bytes,
-            int(limits.network),
-            nproc,
-            limits.file_bytes,
-            limits.open_files,
-            drop,
-            int(limits.jail),
-        )
-    ]
-    cmd, fds = [sys.executable, "-I", "-S", "-c", _BOOT, *boot], ()
-    if limits.jail:
-        if (problem := jail_problem()) is not None:
-            raise RuntimeError(
-                f"the python environment needs a jail for model-written code: {problem}; "
-                "or set rollout.unsafe_python_without_jail: true where none can be had"
-            )
-        cmd, read = jailed_python(["-c", _BOOT, *boot], limits.file_bytes, limits.network)
-        fds = (read,)
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            pass_fds=fds,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"},
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
+    proc = _start(*_command(limits))
     chunks: list[bytes] = []
     over = threading.Event()
-
-    def read() -> None:
-        got = 0
-        while chunk := proc.stdout.read1(65536):
-            take = chunk[: max(0, limits.output_bytes + 64 - got)]  # + room for the isolation tag
-            chunks.append(take)
-            got += len(chunk)
-            if got > limits.output_bytes + 64:
-                over.set()
-                _kill(proc)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    reader = threading.Thread(target=_read, args=(proc, limits.output_bytes + 64, chunks, over), daemon=True)
+    reader.start()  # + 64: room for the isolation tag
     try:
         proc.stdin.write(code.encode("utf-8"))
         proc.stdin.close()
@@ -174,26 +126,80 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     _kill(proc)  # every time: whatever the code left running goes with its jail (module docstring)
     proc.wait()
     reader.join(timeout=5)
-    raw = b"".join(chunks).decode("utf-8", errors="replace")
-    isolation, text = _split_tag(raw)
-    text = text[: limits.output_bytes]
+    isolation, text = _split_tag(b"".join(chunks).decode("utf-8", errors="replace"))
     code_ = proc.returncode
-    if (
-        limits.jail and code_ is not None and code_ > 128 and not timed_out
-    ):  # bubblewrap reports a signal as 128 + its number
-        code_ = -(code_ - 128)
-    status = (
-        "output_limit"
-        if over.is_set()
-        else "timeout"
-        if timed_out
-        else "ok"
-        if code_ == 0
-        else "killed"
-        if code_ is not None and code_ < 0
-        else "error"
+    if limits.jail and code_ is not None and code_ > 128 and not timed_out:
+        code_ = -(code_ - 128)  # bubblewrap reports a signal as 128 + its number
+    status = _status(over.is_set(), timed_out, code_)
+    return Outcome(text[: limits.output_bytes], status, code_, time.monotonic() - t0, isolation)
+
+
+def _command(limits: Limits) -> tuple[list[str], tuple[int, ...]]:
+    """The child's command line (the boot script and its limits, inside the jail unless
+    ``limits.jail`` is off) and the descriptors it inherits."""
+    drop = NOBODY if limits.jail and os.geteuid() == 0 else 0
+    nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
+    values = (
+        limits.cpu_s,
+        limits.memory_bytes,
+        int(limits.network),
+        nproc,
+        limits.file_bytes,
+        limits.open_files,
+        drop,
+        int(limits.jail),
     )
-    return Outcome(text, status, code_, time.monotonic() - t0, isolation)
+    boot = [str(v) for v in values]
+    if not limits.jail:
+        return [sys.executable, "-I", "-S", "-c", _BOOT, *boot], ()
+    if (problem := jail_problem()) is not None:
+        raise RuntimeError(
+            f"the python environment needs a jail for model-written code: {problem}; "
+            "or set rollout.unsafe_python_without_jail: true where none can be had"
+        )
+    cmd, read = jailed_python(["-c", _BOOT, *boot], limits.file_bytes, limits.network)
+    return cmd, (read,)
+
+
+def _start(cmd: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
+    """The child in a session of its own, with an environment of PATH alone; ``fds`` are closed
+    here once it holds them."""
+    try:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=fds,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"},
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _read(proc: subprocess.Popen, cap: int, chunks: list[bytes], over: threading.Event) -> None:
+    """Collect the child's output up to ``cap`` bytes; past it, set ``over`` and kill the child."""
+    got = 0
+    while chunk := proc.stdout.read1(65536):
+        chunks.append(chunk[: max(0, cap - got)])
+        got += len(chunk)
+        if got > cap:
+            over.set()
+            _kill(proc)
+            return
+
+
+def _status(over: bool, timed_out: bool, code: int | None) -> str:
+    """``Outcome.status``: output_limit, timeout, ok, killed (a signal) or error, first match."""
+    if over:
+        return "output_limit"
+    if timed_out:
+        return "timeout"
+    if code == 0:
+        return "ok"
+    return "killed" if code is not None and code < 0 else "error"
 
 
 def _tasks_of(uid: int) -> int:

@@ -93,6 +93,13 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
                 f"use parallel.placement: colocated, {fix_fsdp}",
             )
         )
+    return out + _fsdp_only_rules(cfg) + _megatron_model_rules(cfg, arch, train)
+
+
+def _fsdp_only_rules(cfg: Config) -> list[Violation]:
+    """Roles and engine settings that only the FSDP backend has: a critic, a reward model,
+    ``actor.accumulate_unsharded`` and ``actor.compile``."""
+    a, field, fix_fsdp, out = cfg.actor, "actor.backend", "or use actor.backend: fsdp", []
     if spec_named(cfg.algorithm.name).critic:
         out.append(
             Violation(
@@ -121,7 +128,7 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
                     f"set actor.{name}: false",
                 )
             )
-    return out + _megatron_model_rules(cfg, arch, train)
+    return out
 
 
 def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:

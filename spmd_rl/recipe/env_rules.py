@@ -6,12 +6,14 @@ from __future__ import annotations
 from spmd_rl.algos.registry import findable
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
-from spmd_rl.config.schema import Config
+from spmd_rl.config.schema import Config, RolloutConfig
 
 _TURN_FIELDS = ("max_turns", "tool_timeout_s", "unsafe_python_without_jail")
 
 
 def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
+    """Turn fields set without an environment; else the environment's name and jail, and what
+    tool turns need of the chat template, route replay and partial rollouts."""
     r = cfg.rollout
     if r.environment is None:
         return [
@@ -24,26 +26,7 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
             for f in _TURN_FIELDS
             if f in r.model_fields_set
         ]
-    out = _check_name(r.environment)
-    if r.environment == "python" and not r.unsafe_python_without_jail:
-        from spmd_rl.envs.jail import jail_problem
-
-        if (problem := jail_problem()) is not None:
-            out.append(
-                Violation(
-                    "rollout.environment",
-                    "python",
-                    f"model-written code runs in a jail, and none can be had here: {problem}",
-                    "install bubblewrap (launch/setup.sh does) where user namespaces are allowed, or accept what "
-                    "rollout.unsafe_python_without_jail: true costs",
-                )
-            )
-    elif r.unsafe_python_without_jail and r.environment != "python":
-        out.append(
-            Violation(
-                "rollout.unsafe_python_without_jail", True, "only read with rollout.environment: python", "remove it"
-            )
-        )
+    out = _check_name(r.environment) + _check_jail(r)
     if not cfg.data.apply_chat_template:
         out.append(
             Violation(
@@ -70,6 +53,32 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
                 "under partial rollout each TP rank rebuilds the carried trajectories itself, and they must agree",
                 "set parallel.gen.tp: 1 with rollout.environment and stream.partial_tokens (raise parallel.gen.dp "
                 "instead)",
+            )
+        )
+    return out
+
+
+def _check_jail(r: RolloutConfig) -> list[Violation]:
+    """The python environment runs model-written code in a jail, unless the user accepted the
+    unsafe path; the unsafe switch means nothing for another environment."""
+    out = []
+    if r.environment == "python" and not r.unsafe_python_without_jail:
+        from spmd_rl.envs.jail import jail_problem
+
+        if (problem := jail_problem()) is not None:
+            out.append(
+                Violation(
+                    "rollout.environment",
+                    "python",
+                    f"model-written code runs in a jail, and none can be had here: {problem}",
+                    "install bubblewrap (launch/setup.sh does) where user namespaces are allowed, or accept what "
+                    "rollout.unsafe_python_without_jail: true costs",
+                )
+            )
+    elif r.unsafe_python_without_jail and r.environment != "python":
+        out.append(
+            Violation(
+                "rollout.unsafe_python_without_jail", True, "only read with rollout.environment: python", "remove it"
             )
         )
     return out

@@ -187,11 +187,33 @@ def stages_for(cfg: Config) -> list[Stage]:
         return dpo_stages(cfg)
     turns: tuple[str, ...] = ("response_mask",) if multi_turn(cfg) else ()
     seq = ("prompt_ids", "response_ids") + turns
+    routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
+    out = _sampling_stages(cfg, turns, routes)
+    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
+    kl_cols: tuple[str, ...] = ()
+    if needs_reference(cfg):
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)))
+        if kl_in_reward(cfg):
+            kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
+        else:
+            update_extra += ("ref_log_prob",)
+    if needs_old_log_prob(cfg):
+        replayed = routes if cfg.actor.router_replay == "rollout" else ()
+        out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
+        if off_policy(cfg):
+            update_extra += ("old_log_prob",)
+    out += _advantage_stages(spec, seq, kl_cols, turns)
+    out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
+    return out
+
+
+def _sampling_stages(cfg: Config, turns: tuple[str, ...], routes: tuple[str, ...]) -> list[Stage]:
+    """Rollout (with the carried columns of partial rollouts, the versions, the recorded routes
+    and the tool turns) and reward (a rule's, an environment's, or a reward model's)."""
     model_reward = cfg.reward.kind == "model"
     partial = partial_rollout(cfg)
-    routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
     rows: tuple[str, ...] = ("prompt_row",) if partial or turns else ()  # the environment starts from the dataset row
-    out = [
+    return [
         Stage(
             "actor_rollout",
             ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
@@ -214,19 +236,14 @@ def stages_for(cfg: Config) -> list[Stage]:
             per_round=True,
         ),
     ]
-    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
-    kl_cols: tuple[str, ...] = ()
-    if needs_reference(cfg):
-        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)))
-        if kl_in_reward(cfg):
-            kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
-        else:
-            update_extra += ("ref_log_prob",)
-    if needs_old_log_prob(cfg):
-        replayed = routes if cfg.actor.router_replay == "rollout" else ()
-        out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
-        if off_policy(cfg):
-            update_extra += ("old_log_prob",)
+
+
+def _advantage_stages(
+    spec: AlgorithmSpec, seq: tuple[str, ...], kl_cols: tuple[str, ...], turns: tuple[str, ...]
+) -> list[Stage]:
+    """The advantage: GAE from a critic (with its value and update stages), per-token returns
+    (REINFORCE++), or a sequence advantage over each group."""
+    out: list[Stage] = []
     if spec.critic:
         out.append(Stage("critic_value", seq, ("values",), ("critic",)))
         adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
@@ -249,7 +266,6 @@ def stages_for(cfg: Config) -> list[Stage]:
                 "advantage", ("reward",) + kl_cols + (turns if kl_cols else ()), ("seq_advantage",), group_granular=True
             )
         )
-    out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
 
 

@@ -17,7 +17,8 @@ i + 1 .. i + k runs while iteration i trains. Both sides derive the same publish
 trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides
 share no other collective until the final barrier; each iteration's generator metrics (held-out accuracy,
 generation time, version) reach the training leader through etcd next to the iteration's
-put-records.
+put-records. The trainers' iteration runs in ``trainer.driver``'s loop, as the colocated one does
+(one place logs, checkpoints and flushes traces).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch.distributed as dist
 
@@ -33,10 +36,11 @@ from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.driver import drive
+from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.iteration_metrics import IterationMetrics, turn_metrics
 from spmd_rl.trainer.ledger import StepRecord
-from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, global_sums, throughput
-from spmd_rl.trainer.progress import progress_for
+from spmd_rl.trainer.metrics import StageTimer, global_maxes, global_sums, throughput
 from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.observed import trained_groups
 from spmd_rl.trainer.stages.samples import put_prompts
@@ -88,13 +92,15 @@ def receive(run: Run) -> None:
         version, meta, weights = broadcast.receive(
             run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device
         )
-        if version <= run.policy_version:
-            raise RuntimeError(f"received policy version {version} after {run.policy_version}: versions must increase")
+        if version <= run.progress.policy_version:
+            raise RuntimeError(
+                f"received policy version {version} after {run.progress.policy_version}: versions must increase"
+            )
         h = hashlib.sha256()
         run.rollout.update_weights(broadcast.hashed(weights, h), meta)
     if run.peer.rank == s.leader and run.ledger is not None:
         run.ledger.record_weights(version, f"received-{run.peer.rank}", h.hexdigest())
-    run.policy_version = version
+    run.progress.policy_version = version
 
 
 def _generator_key(run: Run, it: int) -> str:
@@ -105,18 +111,18 @@ def generate(run: Run, start: int) -> None:
     """The generators' loop (module docstring)."""
     cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
     G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
-    run.policy_version = -1  # nothing received yet: the engine holds the base model, not version `start`
+    run.progress.policy_version = -1  # nothing received yet: the engine holds the base model, not version `start`
     receive(run)
     for it in range(start, cfg.trainer.iterations):
         t0 = timeline.now_us()
         with timeline.span("receive_weights", "stage"):
-            while run.policy_version < generation_version(it, start, k):
+            while run.progress.policy_version < generation_version(it, start, k):
                 receive(run)
-        timer, out = StageTimer(), {"gen_version": float(run.policy_version)}
+        timer, out = StageTimer(), {"gen_version": float(run.progress.policy_version)}
         run.dock.begin_iteration(it, G * N)
-        if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
+        if run.held_out is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"), generation_phase(cfg):  # its sum waits for the slowest generator
-                out["eval_accuracy"] = run.evaluator(it)
+                out["eval_accuracy"] = eval_accuracy(run, it)
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
@@ -127,10 +133,10 @@ def generate(run: Run, start: int) -> None:
                 report = out | {f"time_{n}": v for n, v in timer.times.items()} | {"put_rows": put}
                 run.dock.meta.put(_generator_key(run, it), json.dumps(report).encode())
         timeline.flush(cfg.logging.dir, run.peer.rank, it, t0)
-    if run.evaluator is not None:  # the final policy (module docstring)
+    if run.held_out is not None:  # the final policy (module docstring)
         receive(run)
         with generation_phase(cfg):
-            final = {"final_eval_accuracy": run.evaluator(cfg.trainer.iterations)}
+            final = {"final_eval_accuracy": eval_accuracy(run, cfg.trainer.iterations)}
         if leader:
             run.dock.meta.put(
                 _generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode()
@@ -152,74 +158,51 @@ def _generator_report(run: Run, it: int) -> tuple[dict[str, float], list[int]]:
     return {k: float(v) for k, v in report.items()}, put
 
 
-def train_side(run: Run, start: int, save_checkpoint) -> None:
+def train_side(run: Run, start: int) -> None:
     """The trainers' loop (module docstring): every stage after the rollout, over the training layout."""
-    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
-    G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
-    metrics = MetricsLog(
-        cfg.logging.dir,
-        cfg.logging.jsonl,
-        cfg.logging.tensorboard,
-        enabled=leader,
-        start_iteration=start,
-        wandb=cfg.logging.wandb,
-        job=cfg.metadata.job,
-        lineage=run.lineage,
-        config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}),
-    )
-    bar = progress_for(leader and cfg.logging.progress, cfg.trainer.iterations, start)
     publish(run, start)
-    for it in range(start, cfg.trainer.iterations):
-        t0, timer, m, start_us = time.perf_counter(), StageTimer(bar.stage), IterationMetrics(), timeline.now_us()
-        run.dock.begin_iteration(it, G * N)
-        rows = run.sampler.next_batch(G)  # what the generators should have drawn: the same sampler, the same order
-        consumed: list[tuple[int, int]] = []
-        for stage in run.graph[1:]:
-            res = run_stage(run, it, stage, list(range(G * N)), timer)
-            m.add(res)
-            consumed += res.consumed or []
-        trained, read = trained_groups(consumed, G * N, N)  # observed in the dock (trainer.observed)
-        with timeline.span("commit", "stage"):
-            out = m.finish()
-            dist.barrier(group=sides.side_group())
-            gen, put = _generator_report(run, it) if leader else ({}, [])
-            if leader:
-                run.dock.commit(it, alone=True)
-                if run.ledger is not None:
-                    run.ledger.record(
-                        StepRecord(
-                            it,
-                            rows,
-                            trained,
-                            version=int(gen["gen_version"]),
-                            put=put,
-                            trained_samples=read,
-                            group_size=N,
-                        )
-                    )
-            else:
-                run.dock.release(it)
-        if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.trainer.eval_interval)):
-            with timer.stage("publish"):
-                publish(run, it + 1)
-        if it + 1 == cfg.trainer.iterations and cfg.trainer.eval_interval and leader:
-            gen |= _generator_report(run, it + 1)[0]  # the generators' final_eval_accuracy
-        seconds = time.perf_counter() - t0
-        out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
-        out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
-        out["throughput_eq5"] = throughput(
-            G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds
-        )
-        out |= {f"time_{n}": v for n, v in timer.times.items()}
-        with timeline.span("log", "stage"):
-            metrics.write(it, out)
-            bar.iteration_done(it, out)
-        if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or it + 1 == cfg.trainer.iterations:
-            bar.stage("checkpoint")
-            with timeline.span("checkpoint", "stage"):
-                save_checkpoint(run, it + 1)
-        timeline.flush(cfg.logging.dir, run.peer.rank, it, start_us)
-    bar.close()
-    metrics.close()
+    drive(run, start, run.peer.rank == sides.side_leader(), partial(_train_iteration, run, start))
     with _waiting(run):
         dist.barrier()
+
+
+def _train_iteration(run: Run, start: int, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:
+    """The trainers' half of iteration ``it``: the stages after the rollout on the groups the
+    generators put, the commit (with the generators' report), and the weights published."""
+    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
+    G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
+    t0, timer, m = time.perf_counter(), StageTimer(on_stage), IterationMetrics()
+    run.dock.begin_iteration(it, G * N)
+    rows = run.sampler.next_batch(G)  # what the generators should have drawn: the same sampler, the same order
+    consumed: list[tuple[int, int]] = []
+    for stage in run.graph[1:]:
+        res = run_stage(run, it, stage, list(range(G * N)), timer)
+        m.add(res)
+        consumed += res.consumed or []
+    trained, read = trained_groups(consumed, G * N, N)  # observed in the dock (trainer.observed)
+    with timeline.span("commit", "stage"):
+        out = m.finish()
+        dist.barrier(group=sides.side_group())
+        gen, put = _generator_report(run, it) if leader else ({}, [])
+        if leader:
+            run.dock.commit(it, alone=True)
+            if run.ledger is not None:
+                run.ledger.record(
+                    StepRecord(
+                        it, rows, trained, version=int(gen["gen_version"]), put=put, trained_samples=read, group_size=N
+                    )
+                )
+        else:
+            run.dock.release(it)
+    if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.trainer.eval_interval)):
+        with timer.stage("publish"):
+            publish(run, it + 1)
+    if it + 1 == cfg.trainer.iterations and cfg.trainer.eval_interval and leader:
+        gen |= _generator_report(run, it + 1)[0]  # the generators' final_eval_accuracy
+    seconds = time.perf_counter() - t0
+    out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
+    out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
+    out["throughput_eq5"] = throughput(
+        G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds
+    )
+    return out | {f"time_{n}": v for n, v in timer.times.items()}

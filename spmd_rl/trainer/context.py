@@ -25,7 +25,29 @@ from spmd_rl.trainer.ledger import PromptLedger
 
 
 @dataclass
+class Progress:
+    """What a run changes as it goes; everything else in ``Run`` is fixed once built."""
+
+    policy_version: int = 0
+    """Separated placement, on a generator: the updates behind the weights its engine holds."""
+    carry: list = field(default_factory=list)
+    """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out prompts of ``trainer.eval_interval`` (``data.test_path``) and the reward
+    rule that decides a greedy answer is right (``trainer.evaluate``)."""
+
+    prompts: PromptSet
+    correct: Callable[[str, str], float]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Run:
+    """Built once per process with keywords (``train.build``) and never reassigned; what changes
+    over the run lives in ``progress``."""
+
     cfg: Config
     lay: Layouts
     peer: Peer
@@ -45,17 +67,13 @@ class Run:
     lineage: str = ""
     """The id of the checkpoint lineage this run writes (``trainer.checkpoint.lineage_id``);
     the leader's names the W&B run."""
-    evaluator: Callable[[int], float] | None = None
-    """Held-out greedy accuracy of the current policy (``trainer.eval_interval``)."""
+    held_out: HeldOut | None = None
+    """What the periodic greedy evaluation scores (``trainer.eval_interval``), else None."""
     ledger: PromptLedger | None = None
     """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
-    policy_version: int = 0
-    """Separated placement, on a generator: the updates behind the weights its engine holds."""
-    carry: list = field(default_factory=list)
-    """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
-
     gen_tp_group: Any = None
     """Multi-turn with generation TP > 1: this rank's generation group (``envs.turn_sync``)."""
+    progress: Progress = field(default_factory=Progress)
 
     @cached_property
     def fused(self) -> list[Stage]:

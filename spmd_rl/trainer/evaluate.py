@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.data.prompts import PromptSet
 from spmd_rl.distributed import sides
 from spmd_rl.trainer.context import Run
 
 RECORD = "eval_prompts.jsonl"
 
 
-def eval_accuracy(run: Run, test: PromptSet, correct_fn, iteration: int) -> float:
-    """Collective over the side: the accuracy of the policy after ``iteration`` updates."""
+def eval_accuracy(run: Run, iteration: int) -> float:
+    """Collective over the side: the accuracy on ``run.held_out`` of the policy after
+    ``iteration`` updates."""
+    test, correct_fn = run.held_out.prompts, run.held_out.correct
     lay = run.lay.gen
     g, tp_rank = lay.coords(run.peer.rank)
     count = min(run.cfg.trainer.eval_limit or len(test), len(test))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -26,16 +27,17 @@ import torch.distributed as dist
 from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.recipe.graph import dynamic_sampling, generation_rounds, partial_rollout
 from spmd_rl.distributed import sides, timeline
-from spmd_rl.distributed.timeouts import generation_phase, long_phase
-from spmd_rl.trainer import async_loop, checkpoint
+from spmd_rl.distributed.timeouts import generation_phase
+from spmd_rl.trainer import async_loop
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.driver import drive
+from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.fusion import run_fused
-from spmd_rl.trainer.partial import carried_rows, partial_round
+from spmd_rl.trainer.partial import partial_round
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.observed import trained_groups
-from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput, truncate_from
-from spmd_rl.trainer.progress import progress_for
+from spmd_rl.trainer.metrics import StageTimer, global_maxes, throughput, truncate_from
 from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.stages.samples import put_prompts
 
@@ -103,10 +105,10 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     with timeline.span("begin", "stage"):
         run.dock.begin_iteration(it, generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n)
     with generation_phase(cfg):  # the collectives after generation wait for the slowest DP group
-        if run.evaluator is not None and it % cfg.trainer.eval_interval == 0:
+        if run.held_out is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"):
                 run.residency.enter("eval", ("rollout",))
-                m.final["eval_accuracy"] = run.evaluator(it)
+                m.final["eval_accuracy"] = eval_accuracy(run, it)
         train_idx, record = _rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
@@ -155,44 +157,25 @@ def _metrics(
 
 
 def train(run: Run, start_iteration: int) -> None:
+    """This rank's part of the run: the colocated iteration on every rank, or under the separated
+    placement the generators' loop or the trainers' (``trainer.async_loop``)."""
     # a resumed run redoes the iterations from start_iteration: each rank drops their spans, as
     # rank 0 drops their metrics lines (MetricsLog), so the trace shows each iteration once
     truncate_from(Path(run.cfg.logging.dir) / "trace" / f"rank{run.peer.rank}.jsonl", start_iteration)
     side = sides.current().side
-    if side != "both":  # separated placement: each side runs its half of the iteration (trainer.async_loop)
-        if side == "gen":
-            return async_loop.generate(run, start_iteration)
-        return async_loop.train_side(run, start_iteration, save_checkpoint)
-    cfg = run.cfg
-    rank0 = run.peer.rank == 0
-    metrics = MetricsLog(
-        cfg.logging.dir,
-        cfg.logging.jsonl,
-        cfg.logging.tensorboard,
-        enabled=rank0,
-        start_iteration=start_iteration,
-        wandb=cfg.logging.wandb,
-        job=cfg.metadata.job,
-        lineage=run.lineage,
-        config=cfg.model_dump(mode="json", exclude={"dock": {"token"}}),
-    )
-    bar = progress_for(rank0 and cfg.logging.progress, cfg.trainer.iterations, start_iteration)
-    for it in range(start_iteration, cfg.trainer.iterations):
-        start = timeline.now_us()
-        m = run_iteration(run, it, bar.stage)
-        last = it + 1 == cfg.trainer.iterations
-        if last and run.evaluator is not None:
-            m["final_eval_accuracy"] = final_eval(run, bar.stage)
-        with timeline.span("log", "stage"):
-            metrics.write(it, m)
-            bar.iteration_done(it, m)
-        if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or last:
-            bar.stage("checkpoint")
-            with timeline.span("checkpoint", "stage"):
-                save_checkpoint(run, it + 1)
-        timeline.flush(cfg.logging.dir, run.peer.rank, it, start)
-    bar.close()
-    metrics.close()
+    if side == "gen":
+        return async_loop.generate(run, start_iteration)
+    if side == "train":
+        return async_loop.train_side(run, start_iteration)
+    drive(run, start_iteration, run.peer.rank == 0, partial(_colocated_iteration, run))
+
+
+def _colocated_iteration(run: Run, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:
+    """One iteration on every rank, and after the last the final held-out evaluation."""
+    m = run_iteration(run, it, on_stage)
+    if it + 1 == run.cfg.trainer.iterations and run.held_out is not None:
+        m["final_eval_accuracy"] = final_eval(run, on_stage)
+    return m
 
 
 def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
@@ -201,28 +184,4 @@ def final_eval(run: Run, on_stage: Callable[[str], None]) -> float:
     on_stage("eval")
     with timeline.span("eval", "stage"), generation_phase(run.cfg):
         run.residency.enter("eval", ("rollout",))  # syncs the updated weights into the engine
-        return run.evaluator(run.cfg.trainer.iterations)
-
-
-def save_checkpoint(run: Run, iteration: int) -> None:
-    cfg = run.cfg
-    state = {
-        "iteration": iteration,
-        "origin": checkpoint.origin_of(cfg.checkpoint.resume),
-        "lineage": run.lineage,
-        "sampler": {"epoch": run.sampler.state.epoch, "offset": run.sampler.state.offset},
-        "rng": checkpoint.rng_state(),
-        "model_path": cfg.model.path,
-        "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path,
-    }
-    if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)
-        state["lora"] = cfg.actor.lora.model_dump()
-    if partial_rollout(cfg):
-        state["carry_rows"] = carried_rows(run)
-    run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)
-    with long_phase(
-        cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s
-    ):  # ranks' writes may be skewed by minutes
-        folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep)
-    if run.peer.rank == sides.side_leader():
-        log.info("saved checkpoint %s", folder)
+        return eval_accuracy(run, run.cfg.trainer.iterations)

@@ -39,7 +39,7 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
     lay, G, n = run.lay.gen, run.cfg.data.global_batch_size, run.cfg.rollout.n
     g, tp_rank = lay.coords(run.peer.rank)
     per = G // lay.dp
-    reused = min(len(run.carry), per)
+    reused = min(len(run.progress.carry), per)
     counts = torch.zeros(lay.dp, dtype=torch.int64)
     if tp_rank == 0:
         counts[g] = reused
@@ -47,8 +47,8 @@ def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
     fresh = [per - int(c) for c in counts]
     rows = run.sampler.next_batch(sum(fresh))
     start = sum(fresh[:g])
-    mine = run.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start : start + fresh[g]]]
-    del run.carry[:reused]
+    mine = run.progress.carry[:reused] + [CarriedGroup.fresh(r, n) for r in rows[start : start + fresh[g]]]
+    del run.progress.carry[:reused]
     slot_rows = torch.zeros(G, dtype=torch.int64)  # row + 1 of every slot, filled by its putter
     if tp_rank == 0:
         slot_rows[g * per : (g + 1) * per] = torch.tensor([grp.row + 1 for grp in mine])
@@ -86,7 +86,7 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
     groups: dict[int, list] = {}
     for i, p in sorted(res.pieces.items()):
         groups.setdefault(i // N, []).append(p)
-    run.carry += [CarriedGroup(ps[0].row, ps) for q, ps in sorted(groups.items()) if q not in keep]
+    run.progress.carry += [CarriedGroup(ps[0].row, ps) for q, ps in sorted(groups.items()) if q not in keep]
     train_idx = [q * N + k for q in sorted(keep) for k in range(N)]
     if train_idx:
         for stage in run.graph[1:]:
@@ -105,11 +105,11 @@ def carried_rows(run: Run) -> list[int]:
     """Collective: the dataset rows of every carried group, generation DP group by group."""
     lay = run.lay.gen
     g, tp_rank = lay.coords(run.peer.rank)
-    size = torch.tensor([len(run.carry)], dtype=torch.int64)
+    size = torch.tensor([len(run.progress.carry)], dtype=torch.int64)
     dist.all_reduce(size, op=dist.ReduceOp.MAX)
     buf = torch.zeros(lay.dp, int(size), dtype=torch.int64)  # row + 1; 0 = empty
-    if tp_rank == 0 and run.carry:
-        buf[g, : len(run.carry)] = torch.tensor([c.row + 1 for c in run.carry])
+    if tp_rank == 0 and run.progress.carry:
+        buf[g, : len(run.progress.carry)] = torch.tensor([c.row + 1 for c in run.progress.carry])
     dist.all_reduce(buf)
     return [int(r) - 1 for r in buf.flatten() if r > 0]
 
@@ -118,4 +118,4 @@ def restore_carry(run: Run, rows: list[int]) -> None:
     """A resumed run's carry: the checkpoint's carried rows dealt over the generation DP groups,
     each started again from its prompt."""
     g = run.lay.gen.coords(run.peer.rank)[0]
-    run.carry = [CarriedGroup.fresh(r, run.cfg.rollout.n) for r in rows[g :: run.lay.gen.dp]]
+    run.progress.carry = [CarriedGroup.fresh(r, run.cfg.rollout.n) for r in rows[g :: run.lay.gen.dp]]

@@ -65,6 +65,18 @@ def _mindspeed_adaptor() -> None:
         ) from None
 
 
+def _prepare_megatron(device: torch.device, tp: int, pp: int, ep: int) -> None:
+    """Quiet megatron's INFO and warnings, patch it for the CPU or NPU, and build its process
+    groups (``parallel_state``) for this TP x PP x EP layout."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    cpu_compat.apply(device)
+    cpu_compat.apply_without_te()
+    if device.type == "npu":
+        _mindspeed_adaptor()
+    init_groups(tp, pp, device, ep)
+
+
 class MegatronEngine(Engine):
     @classmethod
     def from_config(cls, cfg, acc: Accelerator, mesh, policy: SamplingPolicy, **role) -> "MegatronEngine":
@@ -100,13 +112,7 @@ class MegatronEngine(Engine):
     ):
         from megatron.core import parallel_state as ps
 
-        logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
-        warnings.filterwarnings("ignore", module=r"megatron\.")
-        cpu_compat.apply(acc.device)
-        cpu_compat.apply_without_te()
-        if acc.device.type == "npu":
-            _mindspeed_adaptor()
-        init_groups(tp, pp, acc.device, ep)
+        _prepare_megatron(acc.device, tp, pp, ep)
         self.acc, self.cfg, self.policy, self.trainable = acc, cfg, policy, trainable
         self.tp, self.sp, self.pp, self.stage = tp, sequence_parallel, pp, ps.get_pipeline_model_parallel_rank()
         self.ep, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
@@ -138,14 +144,18 @@ class MegatronEngine(Engine):
             self.model = model
             return
         self._build_trainable(model, self.mixed)
-        c = model.config
+        self._log_layout(model.config)
+
+    def _log_layout(self, c) -> None:
+        from megatron.core import parallel_state as ps
+
         logging.getLogger("spmd_rl").info(
             "actor: megatron-core GPTModel tp=%d sequence_parallel=%s pp=%d dp=%d%s, distributed optimizer, %s",
             c.tensor_model_parallel_size,
             c.sequence_parallel,
-            pp,
+            self.pp,
             ps.get_data_parallel_world_size(),
-            f" ep={ep} ({self.shape.experts} experts)" if self.shape.experts else "",
+            f" ep={self.ep} ({self.shape.experts} experts)" if self.shape.experts else "",
             "bf16 with float32 main params" if self.mixed else str(c.params_dtype).removeprefix("torch."),
         )
 

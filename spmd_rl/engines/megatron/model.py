@@ -147,6 +147,30 @@ def rope_base(hc) -> int:
     return int(params.get("rope_theta") or hc.rope_theta)
 
 
+def _gpt_model(hc, cfg, s: Shape, pp: int, stage: int, device: torch.device):
+    """An uninitialised mcore GPTModel of pipeline stage ``stage`` (local layer spec, RMSNorm,
+    default rotary embeddings, dense or MoE layers) for the HF config ``hc``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=s.experts or None, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"
+    )
+    # a tied last stage moves its embedding copy with .cuda() to sum it over stages
+    with cpu_compat.cuda_as_cpu(device):
+        return GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=hc.vocab_size,
+            max_sequence_length=hc.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=rope_base(hc),
+            share_embeddings_and_output_weights=s.tied,
+            pre_process=stage == 0,
+            post_process=stage == pp - 1,
+        )
+
+
 def build_model(  # noqa: PLR0913
     path: str | Path,
     params_dtype: torch.dtype,
@@ -165,29 +189,10 @@ def build_model(  # noqa: PLR0913
     checkpoint, and this EP rank's experts, in ``params_dtype``; its ``Shape``). Each full
     tensor is read, mapped (``hf_map.to_mcore``) and sliced one at a time, so the transient is
     one full tensor."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
     hc = AutoConfig.from_pretrained(path)
     cfg = transformer_config(hc, params_dtype, compute, tp, sequence_parallel, recompute, pp, ep)
     s = Shape.of(hc)
-    spec = get_gpt_layer_local_spec(
-        num_experts=s.experts or None, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"
-    )
-    with cpu_compat.cuda_as_cpu(
-        device
-    ):  # a tied last stage moves its embedding copy with .cuda() to sum it over stages
-        model = GPTModel(
-            config=cfg,
-            transformer_layer_spec=spec,
-            vocab_size=hc.vocab_size,
-            max_sequence_length=hc.max_position_embeddings,
-            position_embedding_type="rope",
-            rotary_base=rope_base(hc),
-            share_embeddings_and_output_weights=s.tied,
-            pre_process=stage == 0,
-            post_process=stage == pp - 1,
-        )
+    model = _gpt_model(hc, cfg, s, pp, stage, device)
     folder = SafetensorsFolder(path)
     per = s.experts // ep
     own = {to_global(n, s.layers, pp, stage, s.tied, per, ep_rank): p for n, p in model.named_parameters()}

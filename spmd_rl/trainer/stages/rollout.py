@@ -11,7 +11,7 @@ from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, re
 seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
 tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
 far). Under separated placement every token is tagged with the version of the weights the
-generator holds (``Run.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
+generator holds (``Run.progress.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
 
 With ``rollout.environment`` every sample is a multi-turn trajectory (``envs.multi_turn``:
 sampled turns with tool turns inserted between them, all of the share's trajectories through the
@@ -97,7 +97,7 @@ def _rollout(call: StageCall) -> StageResult:
     out = rollout_columns(samples)
     if versioned(call.run.cfg):  # separated placement: the version of the weights the engine holds
         out["response_version"] = [
-            torch.full((len(s.token_ids),), call.run.policy_version, dtype=torch.int32) for s in samples
+            torch.full((len(s.token_ids),), call.run.progress.policy_version, dtype=torch.int32) for s in samples
         ]
     return StageResult(columns=out, sums=turn_sums(call.run.cfg, samples))
 
