@@ -5,6 +5,9 @@
 # --max-restarts bounds the restarts after failures. LAST_CALL_S (default 3) is how long a
 # rendezvous waits for more nodes once MIN are there: it adds to every recovery after a node
 # loss, and nodes that start further apart than that join with one extra restart.
+# KEEP_ALIVE_S (default 5, torch's) is how often each agent renews its rendezvous heartbeat; a
+# node that missed three is dropped from the rendezvous, so a lost node's peers wait up to
+# 3 x KEEP_ALIVE_S before they re-form the group without it.
 #
 #   ETCD=10.0.0.1:2379 JOB=run1 NNODES=1:4 NPROC=8 INTERFACE=10.0.0.12 TOKEN=... \
 #       launch/multi_node.sh CONFIG [key=value ...]
@@ -26,7 +29,7 @@ RESTARTS=${RESTARTS:-3}
 INTERFACE=${INTERFACE:-127.0.0.1}
 CONFIG=$1
 shift
-RDZV_CONF="last_call_timeout=${LAST_CALL_S:-3},timeout=${RDZV_TIMEOUT_S:-300}"
+RDZV_CONF="last_call_timeout=${LAST_CALL_S:-3},timeout=${RDZV_TIMEOUT_S:-300},keep_alive_interval=${KEEP_ALIVE_S:-5}"
 TLS_ARGS=()
 if [ -n "${ETCD_CA:-}" ]; then
   : "${ETCD_CERT:?set ETCD_CERT and ETCD_KEY with ETCD_CA}" "${ETCD_KEY:?set ETCD_KEY}"

@@ -52,6 +52,7 @@ PER_TEST_VARIABLES = [
     "TOKEN",
     "LAST_CALL_S",
     "RDZV_TIMEOUT_S",
+    "KEEP_ALIVE_S",
     "CONFIG",
     "WANDB_SILENT",
     "BENCH_INTERFACE",
