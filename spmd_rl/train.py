@@ -19,8 +19,8 @@ MASTER_PORT_HOLD = hold_master_port()
 """Rank 0 reserves torchrun's MASTER_PORT before the seconds of imports below (master_port.py)."""
 
 import datetime  # noqa: E402  (after the port is held)
-from functools import partial
 import logging
+from functools import partial
 import os
 import sys
 

@@ -10,6 +10,8 @@ from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
 
 MEGATRON_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+_BACKEND, _OR_FSDP = "actor.backend", "or use actor.backend: fsdp"
+"""The field the megatron backend's refusals name, and the way out each one offers."""
 
 
 def fsdp_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
@@ -64,17 +66,16 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
     """What the megatron-core backend refuses in this version: run features it lacks, then what
     it cannot map or split of the model."""
     a, sp, train_tp = cfg.actor, cfg.parallel.train.sequence_parallel, train.tp
-    field, out = "actor.backend", []
+    out = []
     if a.lora is not None:
         out.append(
             Violation(
                 "actor.lora",
                 "set",
                 "LoRA runs on the FSDP backend in this version",
-                "remove actor.lora, or use actor.backend: fsdp",
+                f"remove actor.lora, {_OR_FSDP}",
             )
         )
-    fix_fsdp = "or use actor.backend: fsdp"
     if sp and train_tp == 1:
         out.append(
             Violation(
@@ -87,10 +88,10 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
     if cfg.parallel.placement == "separated":
         out.append(
             Violation(
-                field,
+                _BACKEND,
                 "megatron",
                 "the separated placement is not supported by the megatron backend yet",
-                f"use parallel.placement: colocated, {fix_fsdp}",
+                f"use parallel.placement: colocated, {_OR_FSDP}",
             )
         )
     return out + _fsdp_only_rules(cfg) + _megatron_model_rules(cfg, arch, train)
@@ -99,23 +100,23 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
 def _fsdp_only_rules(cfg: Config) -> list[Violation]:
     """Roles and engine settings that only the FSDP backend has: a critic, a reward model,
     ``actor.accumulate_unsharded`` and ``actor.compile``."""
-    a, field, fix_fsdp, out = cfg.actor, "actor.backend", "or use actor.backend: fsdp", []
+    a, out = cfg.actor, []
     if spec_named(cfg.algorithm.name).critic:
         out.append(
             Violation(
-                field,
+                _BACKEND,
                 "megatron",
                 f"{cfg.algorithm.name}'s critic (a value head) runs on the FSDP backend only",
-                f"use algorithm.name: grpo or dapo, {fix_fsdp}",
+                f"use algorithm.name: grpo or dapo, {_OR_FSDP}",
             )
         )
     if cfg.reward.kind == "model":
         out.append(
             Violation(
-                field,
+                _BACKEND,
                 "megatron",
                 "the reward model (a score head) runs on the FSDP backend only",
-                f"use reward.kind: rule, {fix_fsdp}",
+                f"use reward.kind: rule, {_OR_FSDP}",
             )
         )
     for name in ("accumulate_unsharded", "compile"):
@@ -134,14 +135,14 @@ def _fsdp_only_rules(cfg: Config) -> list[Violation]:
 def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[Violation]:
     """The model's type, layers, experts and vocabulary against megatron's mapping and splits."""
     a, pp, ep, train_tp = cfg.actor, cfg.parallel.train.pp, cfg.parallel.train.ep, train.tp
-    field, fix_fsdp, out = "actor.backend", "or use actor.backend: fsdp", []
+    out = []
     if arch is not None and arch.model_type not in MEGATRON_TYPES:
         out.append(
             Violation(
-                field,
+                _BACKEND,
                 "megatron",
                 f"no HF <-> megatron mapping for model_type {arch.model_type!r}",
-                f"use a {'/'.join(MEGATRON_TYPES)} model, {fix_fsdp}",
+                f"use a {'/'.join(MEGATRON_TYPES)} model, {_OR_FSDP}",
             )
         )
     if arch is not None and arch.num_layers % pp:
@@ -169,7 +170,7 @@ def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) ->
                 "parallel.train.tp",
                 train_tp,
                 f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
-                f"use a TP size dividing {arch.vocab_size}, {fix_fsdp}",
+                f"use a TP size dividing {arch.vocab_size}, {_OR_FSDP}",
             )
         )
     return out
