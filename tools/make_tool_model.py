@@ -21,6 +21,7 @@ tool conversation's copy is right, and the greedy accuracy without the tool.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -44,18 +45,26 @@ def make_task(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[di
 
 def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
     """(ids, labels) of one supervised conversation; labels -100 outside the assistant's turns."""
-    a, b = row["prompt"].rstrip("=").split("*")
-    user = {"role": "user", "content": row["prompt"]}
+    ids, labels = _conversation(tok, row["prompt"], row["answer"], tool)
+    return list(ids), list(labels)
+
+
+@functools.cache
+def _conversation(tok, prompt: str, answer: str, tool: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Cached: a tool conversation renders the chat template three times (about 0.9 ms), and the
+    600 steps of 64 draw each of the 4,000 training rows about ten times."""
+    a, b = prompt.rstrip("=").split("*")
+    user = {"role": "user", "content": prompt}
     turns = (
         [
             {"role": "assistant", "content": f"<calc>{a}*{b}</calc>"},
-            {"role": "tool", "content": row["answer"]},
-            {"role": "assistant", "content": row["answer"]},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": answer},
         ]
         if tool
-        else [{"role": "assistant", "content": row["answer"]}]
+        else [{"role": "assistant", "content": answer}]
     )
-    ids = prompt_ids(tok, row["prompt"])
+    ids = prompt_ids(tok, prompt)
     labels = [-100] * len(ids)
     messages = [user]
     for m in turns:
@@ -70,7 +79,7 @@ def conversation(tok, row: dict, tool: bool) -> tuple[list[int], list[int]]:
         else:
             labels += [-100] * len(new)
         ids += new
-    return ids, labels
+    return tuple(ids), tuple(labels)
 
 
 def batch(tok, rows: list[dict], rng: random.Random, tool_fraction: float) -> list[tuple[torch.Tensor, ...]]:
