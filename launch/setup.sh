@@ -72,7 +72,7 @@ PYEOF
 # (which starts from the policy's trunk) and preference data; the tool model, then the MoE
 # sibling. At these sizes two one-thread builders do more work than one two-thread builder; the
 # policy, reward and tool models come out byte-identical with one thread or two (checked on a
-# 2-core AMD EPYC), the MoE sibling does not (its expert dispatch sums in thread order), and a
+# 2-core AVX2-only AMD EPYC), the MoE sibling does not (its expert dispatch sums in thread order), and a
 # one-thread build of it changed what the MoE tests measure, so it keeps two threads. An asset
 # counts as built when the file its builder writes last exists (warmstart.json,
 # train_report.json), so an interrupted build is built again.
@@ -96,7 +96,7 @@ sibling_lane() {
     have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
         || THREADS=2 built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
 }
-step "building what is missing of the tiny models and data under assets/ (about 5-8 minutes on 2 cores)"
+step "building what is missing of the tiny models and data under assets/ (7.5-9 minutes on a 2-core AVX2-only AMD EPYC, less with AVX-512)"
 policy_lane > >(quiet) 2>&1 &
 POLICY=$!
 sibling_lane > >(quiet) 2>&1 &
