@@ -97,9 +97,10 @@ sibling_lane() {
         || THREADS=2 built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
 }
 step "building what is missing of the tiny models and data under assets/ (7.5-9 minutes on a 2-core AVX2-only AMD EPYC, less with AVX-512)"
-policy_lane > >(quiet) 2>&1 &
+# each lane a pipeline (pipefail: the lane's status), so waiting on it waits for its last line
+policy_lane 2>&1 | quiet &
 POLICY=$!
-sibling_lane > >(quiet) 2>&1 &
+sibling_lane 2>&1 | quiet &
 SIBLING=$!
 FAILED=()
 wait "$POLICY" || FAILED+=("tiny-qwen2 lane (tools/make_tiny_model.py, make_tiny_reward_model.py, make_preference_data.py)")
