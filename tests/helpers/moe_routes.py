@@ -2,7 +2,8 @@
 routes recorded (``VllmRollout.build(record_routes=True)``), then scores the samples with an HF
 float32 forward three ways: the model's own routing, the project's replay
 (``engines.route_replay``, padded and packed layouts), and an independent replay written here
-(each MoE block recomputed from the recorded experts). Prints one JSON line. Args: FOLDER DTYPE."""
+(each MoE block recomputed from the recorded experts). Prints one JSON line.
+Args: FOLDER DTYPE [near-tie] (near-tie: run on ``near_tie_copy`` of the model, below)."""
 
 from spmd_rl.engines.vllm.logs import QUIET_ENV
 from spmd_rl.launcher.preload import delegate
@@ -10,17 +11,42 @@ from spmd_rl.launcher.preload import delegate
 delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
 
 import json
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
+from safetensors.torch import load_file, save_file
+
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
 from spmd_rl.engines.packing import pack, packed_response_logprobs
 from spmd_rl.engines.vllm.engine import VllmRollout
+
+
+def near_tie_copy(folder: str) -> str:
+    """A copy of the model whose router rows 0 and 1 differ by a tiny random vector in every layer
+    (w1 = w0 + 1e-3 * rms(w0) * noise): experts 0 and 1 are always adjacent in the ranking and,
+    where they straddle the top-k boundary, the choice rests on a logit gap of about 1e-4 of the
+    logit, far above float32's rounding and below bfloat16's. A trained tiny model's own margins
+    depend on the CPU that built it (on an AVX2-only build no bf16 decision differed), so the
+    bf16 check makes its near-ties rather than hoping for them."""
+    out = Path(tempfile.mkdtemp(prefix="near-tie-"))
+    for f in Path(folder).iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    noise = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        if name.endswith("mlp.gate.weight"):
+            w[1] = w[0] + 1e-3 * w[0].pow(2).mean().sqrt() * torch.randn(w.shape[1], generator=noise)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
 
 
 def own_replay(model, batch, routes):
@@ -64,13 +90,17 @@ def own_replay(model, batch, routes):
 
 if __name__ == "__main__":
     folder, dtype = sys.argv[1], sys.argv[2]
+    if sys.argv[3:] == ["near-tie"]:
+        folder = near_tie_copy(folder)
     cfg = RolloutConfig(n=4, max_response_length=12, temperature=1.0)
     engine = VllmRollout.build(
         folder, detect("cpu"), cfg, tp=1, dtype=dtype, max_model_len=64, seed=0, distributed=False, record_routes=True
     )
     prompts = [[5, 17, 30, 41, 9, 12], [7, 8, 100, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
     samples = engine.generate(prompts, n=4, max_tokens=12, seed=3)
-    partial = engine.continue_samples([(prompts[0] + samples[0].token_ids[:3], 5)], seed=4)[0]
+    longest = max(samples[:4], key=lambda s: len(s.token_ids))  # a sample may end before 3 tokens
+    prefix = prompts[0] + longest.token_ids[:3]
+    partial = engine.continue_samples([(prefix, 5)], seed=4)[0]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -114,7 +144,7 @@ if __name__ == "__main__":
                 "layers": layers,
                 "expected": [len(prompts[i // 4]) + len(s.token_ids) - 1 for i, s in enumerate(samples)],
                 "partial_positions": int(partial.routes.numel() // (layers * k)),
-                "partial_expected": len(prompts[0]) + 3 + len(partial.token_ids) - 1,
+                "partial_expected": len(prefix) + len(partial.token_ids) - 1,
                 "same_prompt_routes": same_prompt,
                 "mismatch_own": diff(out["own"], rollout),
                 "mismatch_replay": diff(out["replay"], rollout),
@@ -126,3 +156,5 @@ if __name__ == "__main__":
             }
         )
     )
+    if folder != sys.argv[1]:
+        shutil.rmtree(folder)
