@@ -306,6 +306,43 @@ def test_the_copy_runs_sitecustomize_again_with_its_own_environment_and_argv(tmp
         s.stop()
 
 
+def test_a_program_whose_delegate_a_sitecustomize_wrapped_is_still_forked(tmp_path):
+    """The suite's fault plans (tests/helpers/faults/sitecustomize.py) wrap ``delegate`` so
+    their plan applies where it returns: the wrapper's own frame must not hide that the program
+    is ``__main__``. A check of the immediate caller's module failed here, and every worker
+    with a fault plan (each of the node-loss test's nine survivor starts) imported torch and
+    vLLM itself; the wrapper must still run its part once, in the copy only."""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import functools, os, sys
+            from spmd_rl.launcher import preload
+            if os.environ.get("SPMD_RL_WRAP_DELEGATE"):
+                inner = getattr(preload.delegate, "__wrapped__", preload.delegate)
+
+                @functools.wraps(inner)
+                def wrapped(*args, **kwargs):
+                    inner(*args, **kwargs)
+                    sys.applied_in = os.getpid()
+
+                preload.delegate = wrapped
+            """
+        )
+    )
+    env = base_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    s = Server(tmp_path / "srv", ["json"], env=env)
+    try:
+        prog = script(tmp_path, "print(json.dumps({'pid': os.getpid(), 'applied': sys.applied_in}), flush=True)\n")
+        p = stub(s, prog, env=env | {"SPMD_RL_WRAP_DELEGATE": "1"})
+        out, err = p.communicate(timeout=30)
+        report = json.loads(out)
+        assert report["pid"] != p.pid and report["applied"] == report["pid"], s.log()  # the copy ran it, and applied
+        assert s.log().count("forked") == 1
+    finally:
+        s.stop()
+
+
 def ask(path: str, request: object, raw: bytes | None = None) -> dict | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
