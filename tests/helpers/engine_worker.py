@@ -5,6 +5,11 @@ dense tiny model and its MoE sibling (fused experts in the trainer, one by one i
 Env: TRAIN_DP, TRAIN_TP, GEN_TP, MODEL, SPMD_RL_OUT. Writes rank<k>.json with the findings.
 """
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import os
 from pathlib import Path

@@ -4,6 +4,11 @@ and continued in pieces of BUDGET tokens (partial rollout's primitive, no weight
 between); prints one JSON line. Run as a subprocess (vLLM changes process state).
 Args: FOLDER BUDGET MAX_TOKENS."""
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import sys
 from pathlib import Path

@@ -3,6 +3,11 @@ temperature 0, two iterations without a weight update in between: prints one JSO
 per sample, the response generated at once and the one carried from iteration 0 into
 iteration 1, with its per-token versions. Run as a subprocess. Args: FOLDER BUDGET LIMIT."""
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import sys
 from pathlib import Path

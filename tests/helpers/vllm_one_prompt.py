@@ -1,6 +1,11 @@
 """Greedy one-prompt generation from a model folder through in-process vLLM and through HF;
 prints one JSON line with both token-id lists (run as a subprocess: vLLM changes process state)."""
 
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
+
+delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload server runs
+
 import json
 import os
 import sys
