@@ -33,7 +33,7 @@ from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.recipe.rules import check
-from spmd_rl.recipe.graph import algorithm, multi_turn, needs_reference, pinned_roles, records_routes, stages_for
+from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.recipe.train_backends import train_backend
 from spmd_rl.data.preferences import preferences_for
 from spmd_rl.data.prompts import load_tokenizer, prompts_for
@@ -93,17 +93,18 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     and the first iteration to do."""
     lay, acc = _start(cfg, peer)
     endpoints, meta, token = _metadata(cfg, peer)
+    modes = Modes.of(cfg)
     graph = stages_for(cfg)
     dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
     # separated placement: "gen" hosts only vLLM, "train" only the training roles
     side = init_sides(lay, peer.rank).side
     tok = load_tokenizer(cfg)
-    prompts = (preferences_for if algorithm(cfg).advantage == "preference" else prompts_for)(
+    prompts = (preferences_for if modes.algorithm.advantage == "preference" else prompts_for)(
         cfg, tok, cfg.data.train_path
     )
     generates = any("rollout" in s.roles for s in graph)  # DPO generates nothing
-    rollout = build_rollout(cfg, acc, lay, peer, side) if generates else None
-    roles = build_roles(cfg, acc, train_mesh(acc, lay.train), graph) if side != "gen" else {}
+    rollout = build_rollout(cfg, modes, acc, lay, peer, side) if generates else None
+    roles = build_roles(cfg, modes, acc, train_mesh(acc, lay.train), graph) if side != "gen" else {}
     check_accumulation_fits(cfg, acc, lay, roles)
     sampler = sampler_for(cfg, len(prompts))
     state, start = _resume(cfg, peer, roles, sampler)
@@ -113,6 +114,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         peer=peer,
         acc=acc,
         dock=dock,
+        modes=modes,
         graph=graph,
         roles=roles,
         rollout=rollout,
@@ -133,7 +135,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
             MetadataStore(endpoints, f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
         ),
         # the TP ranks of a generation group run each multi-turn rollout together
-        gen_tp_group=replica_group(lay.gen, peer.rank) if multi_turn(cfg) and lay.gen.tp > 1 else None,
+        gen_tp_group=replica_group(lay.gen, peer.rank) if modes.multi_turn and lay.gen.tp > 1 else None,
     )
     if state is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
@@ -202,7 +204,7 @@ def _resume(cfg, peer: Peer, roles: dict, sampler) -> tuple[dict | None, int]:
     return state, start
 
 
-def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> Rollout | None:
+def build_rollout(cfg, modes: Modes, acc, lay, peer: Peer, side: str) -> Rollout | None:
     """The rollout engine ``rollout.engine`` names, built before every training role (vLLM's
     start-up check wants ``rollout.gpu_memory_utilization`` of the device free). A colocated engine starts from dummy
     weights (the first gather overwrites them) and sleeps at once, dropping them, so the
@@ -223,7 +225,7 @@ def build_rollout(cfg, acc, lay, peer: Peer, side: str) -> Rollout | None:
             distributed=peer.world > 1 and colocated,
             own_process=side == "gen",
             dummy_weights=colocated,
-            record_routes=records_routes(cfg),
+            record_routes=modes.records_routes,
             expert_parallel=cfg.parallel.gen.expert_parallel,
             lora=cfg.actor.lora if cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter" else None,
         )
@@ -257,7 +259,7 @@ def check_accumulation_fits(cfg, acc, lay, roles: dict) -> None:
         )
 
 
-def build_roles(cfg, acc, mesh, graph) -> dict:
+def build_roles(cfg, modes: Modes, acc, mesh, graph) -> dict:
     """One engine per training-side role the graph uses (``Stage.roles``), FSDP2 over the
     training mesh or megatron-core (``actor.backend``): the actor always; the reference, PPO's critic (value head on the
     actor's or its own trunk, ``algorithm.critic_lr``) and the reward model when a stage needs them."""
@@ -281,9 +283,8 @@ def build_roles(cfg, acc, mesh, graph) -> dict:
             ", ".join(cfg.actor.lora.target_modules),
             sync,
         )
-    if cfg.actor.lora is not None and needs_reference(
-        cfg
-    ):  # the base model with adapters off (its stage makes the actor resident)
+    if cfg.actor.lora is not None and modes.needs_reference:
+        # the base model with adapters off (its stage makes the actor resident)
         roles["ref"] = roles["actor"].reference()
     elif "ref" in needed:
         roles["ref"] = lm(trainable=False)

@@ -8,6 +8,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
+from spmd_rl.recipe.graph import Modes
 
 MEGATRON_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 _BACKEND, _OR_FSDP = "actor.backend", "or use actor.backend: fsdp"
@@ -85,7 +86,7 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
                 "set parallel.train.tp > 1, or sequence_parallel: false",
             )
         )
-    if cfg.parallel.placement == "separated":
+    if Modes.of(cfg).separated:
         out.append(
             Violation(
                 _BACKEND,
@@ -197,7 +198,7 @@ def _check_lora(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Viol
     if lora.sync == "adapter":
         why = (
             "the generators load weights in their own processes, by broadcast"
-            if cfg.parallel.placement == "separated"
+            if Modes.of(cfg).separated
             else "vLLM's LoRA serves ranks up to 512"
             if lora.rank > 512
             else "adapter sync runs on dense models in this version"
@@ -281,7 +282,7 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
                 "set actor.router_replay: none",
             )
         )
-    if cfg.parallel.placement == "separated":
+    if Modes.of(cfg).separated:
         out.append(
             Violation(
                 field,

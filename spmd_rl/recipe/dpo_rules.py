@@ -8,6 +8,7 @@ from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.train_backends import train_backend
+from spmd_rl.recipe.graph import Modes
 
 _DPO_FIELDS = ("dpo_beta", "dpo_label_smoothing")
 _DPO_DATA_FIELDS = ("chosen_column", "rejected_column")
@@ -47,12 +48,13 @@ def check_dpo(cfg: Config) -> list[Violation]:
         "DPO scores its pairs under the model's plain softmax, as `eval --pairs` does; a sampling temperature or "
         "truncation would change the objective"
     )
+    m = Modes.of(cfg)
     refused = {  # field: (refused?, the value shown, why)
-        "parallel.placement": (cfg.parallel.placement == "separated", "separated", generates),
-        "stream.partial_tokens": (cfg.stream.partial_tokens > 0, cfg.stream.partial_tokens, generates),
+        "parallel.placement": (m.separated, "separated", generates),
+        "stream.partial_tokens": (m.partial_rollout, cfg.stream.partial_tokens, generates),
         "stream.fuse": (cfg.stream.fuse, True, generates),
-        "rollout.environment": (cfg.rollout.environment is not None, cfg.rollout.environment, generates),
-        "actor.router_replay": (cfg.actor.router_replay != "none", cfg.actor.router_replay, generates),
+        "rollout.environment": (m.multi_turn, cfg.rollout.environment, generates),
+        "actor.router_replay": (m.records_routes, cfg.actor.router_replay, generates),
         "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef, "DPO's tie to the reference is algorithm.dpo_beta"),
         "actor.backend": (
             not train_backend(cfg).preference_pairs,

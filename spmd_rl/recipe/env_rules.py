@@ -7,6 +7,7 @@ from spmd_rl.algos.registry import findable
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import Config, RolloutConfig
+from spmd_rl.recipe.graph import Modes
 
 _TURN_FIELDS = ("max_turns", "tool_timeout_s", "unsafe_python_without_jail")
 
@@ -14,8 +15,8 @@ _TURN_FIELDS = ("max_turns", "tool_timeout_s", "unsafe_python_without_jail")
 def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     """Turn fields set without an environment; else the environment's name and jail, and what
     tool turns need of the chat template, route replay and partial rollouts."""
-    r = cfg.rollout
-    if r.environment is None:
+    r, m = cfg.rollout, Modes.of(cfg)
+    if not m.multi_turn:
         return [
             Violation(
                 f"rollout.{f}",
@@ -36,7 +37,7 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
                 "set data.apply_chat_template: true",
             )
         )
-    if cfg.actor.router_replay != "none":
+    if m.records_routes:
         out.append(
             Violation(
                 "actor.router_replay",

@@ -102,8 +102,66 @@ def algorithm(cfg: Config) -> AlgorithmSpec:
     return spec_named(cfg.algorithm.name)
 
 
-def needs_reference(cfg: Config) -> bool:
-    return cfg.algorithm.kl_coef > 0 or algorithm(cfg).advantage == "preference"
+@dataclass(frozen=True)
+class Modes:
+    """What the run is: every mode a stage, a rule or the loop branches on, derived from the
+    config in one place (``Modes.of``) and built once per run (``trainer.context.Run.modes``).
+    A new mode is one field here and its formula in ``of``; callers never re-derive it from
+    config fields."""
+
+    algorithm: AlgorithmSpec
+    """The spec of ``algorithm.name`` (``algos.specs``)."""
+    needs_reference: bool
+    """A reference pass: ``algorithm.kl_coef > 0``, or a preference algorithm (DPO)."""
+    dynamic_sampling: bool
+    """DAPO's dynamic sampling: a DAPO spec and ``algorithm.dynamic_sampling``."""
+    partial_rollout: bool
+    """``stream.partial_tokens > 0``: responses continue across iterations (``trainer.partial``)."""
+    separated: bool
+    """``parallel.placement: separated``: generation on ranks of its own."""
+    records_routes: bool
+    """The rollout writes ``rollout_routes``: ``actor.router_replay`` record or rollout."""
+    multi_turn: bool
+    """Rollouts are multi-turn trajectories: ``rollout.environment`` is set (``envs.multi_turn``)."""
+    off_policy: bool
+    """The policy moves before the last mini-batch is consumed: ``actor.ppo_epochs > 1`` or
+    ``actor.mini_batch_size < data.global_batch_size``."""
+    kl_in_reward: bool
+    """``use_kl_loss: false`` with a reference: beta x KL(pi_old || ref) per token is subtracted
+    from the rewards."""
+    generation_rounds: int
+    """Most rounds of G prompts one iteration may generate: 1, plus dynamic sampling's
+    ``algorithm.max_extra_rounds``."""
+
+    @classmethod
+    def of(cls, cfg: Config) -> Modes:
+        spec = algorithm(cfg)
+        reference = cfg.algorithm.kl_coef > 0 or spec.advantage == "preference"
+        dynamic = spec.dapo and cfg.algorithm.dynamic_sampling
+        return cls(
+            algorithm=spec,
+            needs_reference=reference,
+            dynamic_sampling=dynamic,
+            partial_rollout=cfg.stream.partial_tokens > 0,
+            separated=cfg.parallel.placement == "separated",
+            records_routes=cfg.actor.router_replay != "none",
+            multi_turn=cfg.rollout.environment is not None,
+            off_policy=cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size,
+            kl_in_reward=reference and not cfg.algorithm.use_kl_loss,
+            generation_rounds=1 + (cfg.algorithm.max_extra_rounds if dynamic else 0),
+        )
+
+    @property
+    def versioned(self) -> bool:
+        """Samples may come from an older policy than the one trained (partial rollout, separated
+        placement): the rollout records each token's policy version (``response_version``)."""
+        return self.partial_rollout or self.separated
+
+    @property
+    def needs_old_log_prob(self) -> bool:
+        """The actor's own log-probs before the update: the off-policy ratio's denominator, or
+        the policy side of KL-in-reward."""
+        return self.off_policy or self.kl_in_reward
 
 
 def reference_roles(cfg: Config) -> tuple[str, ...]:
@@ -112,49 +170,16 @@ def reference_roles(cfg: Config) -> tuple[str, ...]:
     return ("actor",) if cfg.actor.lora else ("ref",)
 
 
-def dynamic_sampling(cfg: Config) -> bool:
-    return algorithm(cfg).dapo and cfg.algorithm.dynamic_sampling
-
-
-def partial_rollout(cfg: Config) -> bool:
-    return cfg.stream.partial_tokens > 0
-
-
-def separated(cfg: Config) -> bool:
-    return cfg.parallel.placement == "separated"
-
-
-def records_routes(cfg: Config) -> bool:
-    """The rollout writes ``rollout_routes`` (``actor.router_replay`` record or rollout)."""
-    return cfg.actor.router_replay != "none"
-
-
-def multi_turn(cfg: Config) -> bool:
-    """Rollouts are multi-turn trajectories with an environment (``envs.multi_turn``)."""
-    return cfg.rollout.environment is not None
-
-
-def versioned(cfg: Config) -> bool:
-    """Samples may come from an older policy than the one trained (partial rollout, separated
-    placement): the rollout records each token's policy version (``response_version``)."""
-    return partial_rollout(cfg) or separated(cfg)
-
-
 def partial_columns(cfg: Config) -> tuple[str, ...]:
     """The data loader's ``prefix_*`` columns of this config (none without partial rollout)."""
-    if not partial_rollout(cfg):
+    m = Modes.of(cfg)
+    if not m.partial_rollout:
         return ()
-    return PARTIAL_COLUMNS + (PREFIX_ROUTES if records_routes(cfg) else ()) + (PREFIX_TURNS if multi_turn(cfg) else ())
+    return PARTIAL_COLUMNS + (PREFIX_ROUTES if m.records_routes else ()) + (PREFIX_TURNS if m.multi_turn else ())
 
 
 def data_columns(cfg: Config) -> tuple[str, ...]:
     return DATA_COLUMNS + partial_columns(cfg)
-
-
-def generation_rounds(cfg: Config) -> int:
-    """Most rounds of G prompts one iteration may generate: 1, plus DAPO dynamic sampling's
-    ``algorithm.max_extra_rounds``."""
-    return 1 + (cfg.algorithm.max_extra_rounds if dynamic_sampling(cfg) else 0)
 
 
 def ref_micro_batch_size(cfg: Config) -> int:
@@ -162,63 +187,48 @@ def ref_micro_batch_size(cfg: Config) -> int:
     return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
 
 
-def off_policy(cfg: Config) -> bool:
-    """The policy moves before the last mini-batch is consumed (several epochs or mini-batches)."""
-    return cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size
-
-
-def kl_in_reward(cfg: Config) -> bool:
-    """``use_kl_loss: false``: beta x KL(pi_old || ref) per token is subtracted from the rewards."""
-    return needs_reference(cfg) and not cfg.algorithm.use_kl_loss
-
-
-def needs_old_log_prob(cfg: Config) -> bool:
-    """The actor's own log-probs before the update: the off-policy ratio's denominator, or the
-    policy side of KL-in-reward."""
-    return off_policy(cfg) or kl_in_reward(cfg)
-
-
 def stages_for(cfg: Config) -> list[Stage]:
     """The stage graph of one iteration, in execution order. Invariants (tested): each stage
     reads exactly its ``inputs`` from the dock, every column written is read by a later stage,
     and only the stage's ``roles`` are resident while it runs."""
-    spec = algorithm(cfg)
+    m = Modes.of(cfg)
+    spec = m.algorithm
     if spec.advantage == "preference":
         return dpo_stages(cfg)
-    turns: tuple[str, ...] = ("response_mask",) if multi_turn(cfg) else ()
+    turns: tuple[str, ...] = ("response_mask",) if m.multi_turn else ()
     seq = ("prompt_ids", "response_ids") + turns
-    routes: tuple[str, ...] = ("rollout_routes",) if records_routes(cfg) else ()
-    out = _sampling_stages(cfg, turns, routes)
-    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if versioned(cfg) else ()) + routes
+    routes: tuple[str, ...] = ("rollout_routes",) if m.records_routes else ()
+    out = _sampling_stages(cfg, m, turns, routes)
+    update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if m.versioned else ()) + routes
     kl_cols: tuple[str, ...] = ()
-    if needs_reference(cfg):
+    if m.needs_reference:
         out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)))
-        if kl_in_reward(cfg):
+        if m.kl_in_reward:
             kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
         else:
             update_extra += ("ref_log_prob",)
-    if needs_old_log_prob(cfg):
+    if m.needs_old_log_prob:
         replayed = routes if cfg.actor.router_replay == "rollout" else ()
         out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
-        if off_policy(cfg):
+        if m.off_policy:
             update_extra += ("old_log_prob",)
     out += _advantage_stages(spec, seq, kl_cols, turns)
     out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
     return out
 
 
-def _sampling_stages(cfg: Config, turns: tuple[str, ...], routes: tuple[str, ...]) -> list[Stage]:
+def _sampling_stages(cfg: Config, m: Modes, turns: tuple[str, ...], routes: tuple[str, ...]) -> list[Stage]:
     """Rollout (with the carried columns of partial rollouts, the versions, the recorded routes
     and the tool turns) and reward (a rule's, an environment's, or a reward model's)."""
     model_reward = cfg.reward.kind == "model"
-    partial = partial_rollout(cfg)
+    partial = m.partial_rollout
     rows: tuple[str, ...] = ("prompt_row",) if partial or turns else ()  # the environment starts from the dataset row
     return [
         Stage(
             "actor_rollout",
             ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
             ("response_ids", "rollout_log_prob", "response_length")
-            + (("response_version",) if versioned(cfg) else ())
+            + (("response_version",) if m.versioned else ())
             + routes
             + (turns + ("env_reward",) if turns else ()),
             ("rollout",),
@@ -291,9 +301,10 @@ def fused_stages(cfg: Config, graph: list[Stage]) -> list[Stage]:
     if not cfg.stream.fuse:
         return []
     ready = set(data_columns(cfg)) | set(graph[0].outputs)
+    dynamic = Modes.of(cfg).dynamic_sampling
     out = []
     for s in graph[1:]:
-        if not s.roles and not s.whole_batch and set(s.inputs) <= ready and (s.per_round or not dynamic_sampling(cfg)):
+        if not s.roles and not s.whole_batch and set(s.inputs) <= ready and (s.per_round or not dynamic):
             out.append(s)
             ready |= set(s.outputs)
     return out

@@ -17,7 +17,7 @@ from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.train_backends import TRAIN_BACKENDS, TrainBackend, rank_memory, role_bytes, train_backend
-from spmd_rl.recipe.graph import algorithm, flow_counts, records_routes, resident_roles, stages_for, written_columns
+from spmd_rl.recipe.graph import Modes, algorithm, flow_counts, resident_roles, stages_for, written_columns
 
 SCALAR_BYTES = 4  # the paper's B: int32 token ids / float32 values
 
@@ -207,7 +207,7 @@ def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
 
 def _routes_lines(cfg: Config, stages: list) -> list[str]:
     """``actor.router_replay``'s column, outside the paper's formulas (one byte per expert id)."""
-    if not records_routes(cfg):
+    if not Modes.of(cfg).records_routes:
         return []
     arch = ModelArch.from_folder(cfg.model.path)
     reads = sum("rollout_routes" in s.inputs for s in stages)

@@ -22,7 +22,7 @@ from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.rollout_engines import CAPABILITIES, missing
 from spmd_rl.config.schema import Config
-from spmd_rl.recipe.graph import algorithm, fused_stages, records_routes, separated, stages_for
+from spmd_rl.recipe.graph import Modes, algorithm, fused_stages, stages_for
 from spmd_rl.recipe.stream_rules import check_partial, check_separated
 from spmd_rl.recipe.train_backends import train_backend
 from spmd_rl.data.files import check_safetensors, sniff_dataset
@@ -711,10 +711,11 @@ def _check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
     caps = CAPABILITIES.get(cfg.rollout.engine)
     if caps is None:
         return []
+    m = Modes.of(cfg)
     needs = {
         "adapters": cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter",
-        "routes": records_routes(cfg),
-        "own_process": separated(cfg),
+        "routes": m.records_routes,
+        "own_process": m.separated,
         "tensor_parallel": lay.gen.tp > 1,
     }
     return [

@@ -6,9 +6,9 @@ recorded behaviour log-probs (``actor.tis_cap``).
 
 from __future__ import annotations
 
-from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.schema import Config
+from spmd_rl.recipe.graph import Modes
 
 
 def check_partial(cfg: Config) -> list[Violation]:
@@ -48,8 +48,9 @@ def check_partial(cfg: Config) -> list[Violation]:
                 f"set actor.mini_batch_size = data.global_batch_size ({cfg.data.global_batch_size})",
             )
         )
-    spec = spec_named(cfg.algorithm.name)
-    if spec.critic or (spec.dapo and cfg.algorithm.dynamic_sampling):
+    m = Modes.of(cfg)
+    spec = m.algorithm
+    if spec.critic or m.dynamic_sampling:
         out.append(
             Violation(
                 field,
@@ -75,7 +76,7 @@ def check_separated(cfg: Config) -> list[Violation]:
     """Separated placement: the generators run one whole vLLM engine each (its own process,
     ``engines.vllm.engine``), the trainers everything else; samples may be up to
     ``stream.max_policy_lag`` updates old, which the TIS weight corrects."""
-    if cfg.parallel.placement != "separated":
+    if not Modes.of(cfg).separated:
         return []
     field = "parallel.placement"
     out = []
@@ -98,10 +99,11 @@ def check_separated(cfg: Config) -> list[Violation]:
                 "behaviour log-probs",
             )
         )
+    m = Modes.of(cfg)
     modes = {
         "stream.fuse": cfg.stream.fuse,
-        "stream.partial_tokens": cfg.stream.partial_tokens > 0,
-        "algorithm.dynamic_sampling": spec_named(cfg.algorithm.name).dapo and cfg.algorithm.dynamic_sampling,
+        "stream.partial_tokens": m.partial_rollout,
+        "algorithm.dynamic_sampling": m.dynamic_sampling,
     }
     for name, on in modes.items():
         if on:

@@ -16,7 +16,7 @@ from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
 from spmd_rl.engines.base import Rollout
-from spmd_rl.recipe.graph import Stage, fused_stages
+from spmd_rl.recipe.graph import Modes, Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.envs.factory import environment_factory
 from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
@@ -53,6 +53,8 @@ class Run:
     peer: Peer
     acc: Accelerator
     dock: TransferDock
+    modes: Modes
+    """What the run is (``recipe.graph.Modes.of``), derived once from the config."""
     graph: list[Stage]
     """The stage graph of this config (``recipe.graph.stages_for``), built once; the one that runs."""
     roles: dict[str, Engine]
@@ -90,7 +92,7 @@ class Run:
     def turns(self) -> MultiTurnRollout | None:
         """Multi-turn rollouts through this rank's engine (``rollout.environment``), else None."""
         r = self.cfg.rollout
-        if r.environment is None or self.rollout is None:
+        if not self.modes.multi_turn or self.rollout is None:
             return None
         return MultiTurnRollout(
             self.rollout,

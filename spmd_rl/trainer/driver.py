@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import long_phase
-from spmd_rl.recipe.graph import partial_rollout
 from spmd_rl.trainer import checkpoint
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import MetricsLog
@@ -76,7 +75,7 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     }
     if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)
         state["lora"] = cfg.actor.lora.model_dump()
-    if partial_rollout(cfg):
+    if run.modes.partial_rollout:
         state["carry_rows"] = carried_rows(run)
     run.residency.enter("checkpoint", checkpoint.SAVED_ROLES)
     with long_phase(

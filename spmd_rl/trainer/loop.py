@@ -25,7 +25,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spmd_rl.algos.dynamic_sampling import GroupSelection
-from spmd_rl.recipe.graph import dynamic_sampling, generation_rounds, partial_rollout
 from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase
 from spmd_rl.trainer import async_loop
@@ -47,13 +46,13 @@ log = logging.getLogger("spmd_rl")
 def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[list[int], StepRecord]:
     """Round r's prompt p is group r * G + p, its samples (r * G + p) * N + k. Returns the
     sample indices the later stages train on, and the iteration's prompt accounting."""
-    if partial_rollout(run.cfg):
+    if run.modes.partial_rollout:
         return partial_round(run, it, timer, m)
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
-    select = GroupSelection(G) if dynamic_sampling(run.cfg) else None
+    select = GroupSelection(G) if run.modes.dynamic_sampling else None
     rows: list[int] = []  # dataset row of group q, as the sampler handed it out
     put: list[int] = []  # and as the putters wrote it
-    for r in range(generation_rounds(run.cfg)):
+    for r in range(run.modes.generation_rounds):
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
             rows += run.sampler.next_batch(G)
@@ -103,7 +102,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
     cfg, timer, m = run.cfg, StageTimer(on_stage), IterationMetrics()
     t0 = time.perf_counter()
     with timeline.span("begin", "stage"):
-        run.dock.begin_iteration(it, generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n)
+        run.dock.begin_iteration(it, run.modes.generation_rounds * cfg.data.global_batch_size * cfg.rollout.n)
     with generation_phase(cfg):  # the collectives after generation wait for the slowest DP group
         if run.held_out is not None and it % cfg.trainer.eval_interval == 0:
             with timer.stage("eval"):
@@ -119,7 +118,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             m.add(res)
             consumed += res.consumed or []
     # the ledger's "trained" is what the update read, not the selection above (trainer.observed)
-    size = generation_rounds(cfg) * cfg.data.global_batch_size * cfg.rollout.n
+    size = run.modes.generation_rounds * cfg.data.global_batch_size * cfg.rollout.n
     record.trained, record.trained_samples = trained_groups(consumed, size, cfg.rollout.n)
     record.group_size = cfg.rollout.n
     with timeline.span("commit", "stage"):

@@ -54,3 +54,56 @@ def test_stage_registry_refuses_unknown_and_duplicate_names():
         stage_fn("nope")
     with pytest.raises(ValueError, match="stage 'reward' registered twice"):
         register("reward")(lambda call: None)
+
+
+MODES = {  # config: the modes that are on (every other bool off), generation rounds
+    "grpo": (set(), 1),
+    "grpo-kl-offpolicy": ({"needs_reference", "off_policy", "needs_old_log_prob"}, 1),
+    "dapo": ({"dynamic_sampling"}, 1 + 2),  # algorithm.max_extra_rounds defaults to 2
+    "ppo": (set(), 1),
+    "ppo-kl-in-reward": ({"needs_reference", "kl_in_reward", "needs_old_log_prob"}, 1),
+    "partial-rollout": ({"partial_rollout", "versioned"}, 1),
+    "separated": (
+        {"separated", "versioned"},
+        1,
+        ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
+    ),
+    "routes": ({"records_routes"}, 1, ["actor.router_replay=record"]),
+    "multi-turn": ({"multi_turn"}, 1, ["rollout.environment=calculator"]),
+    "dpo": ({"needs_reference"}, 1, ["algorithm.name=dpo"]),
+}
+"""Written by hand from the fields' documentation, not from ``Modes.of``; quickstart's mini-batch
+is its global batch and it has one epoch, so GRPO alone is on-policy."""
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_modes_are_what_each_config_is(name):
+    from dataclasses import fields
+
+    from spmd_rl.recipe.graph import Modes
+
+    on, rounds, *extra = MODES[name]
+    cfg = load_config(REPO / "configs/quickstart.yaml", CONFIGS.get(name, extra[0] if extra else []))
+    m = Modes.of(cfg)
+    flags = [f.name for f in fields(Modes) if f.type == "bool"] + ["versioned", "needs_old_log_prob"]
+    assert {f for f in flags if getattr(m, f)} == on
+    assert m.generation_rounds == rounds and m.algorithm.name == cfg.algorithm.name
+
+
+def test_no_module_derives_a_mode_from_its_fields_but_the_graph():
+    """A mode is derived once (``recipe.graph.Modes.of``); a second derivation elsewhere is how a
+    rule written for one algorithm missed another."""
+    import re
+
+    raw = re.compile(
+        r'placement (==|!=) "separated"|partial_tokens > 0|router_replay != "none"|\.environment is (not )?None'
+        r"|\.dapo and [a-z_.]*dynamic_sampling"
+    )
+    found = [
+        f"{p.relative_to(REPO)}:{k}"
+        for p in (REPO / "spmd_rl").rglob("*.py")
+        if p.name != "graph.py"
+        for k, line in enumerate(p.read_text().splitlines(), 1)
+        if raw.search(line)
+    ]
+    assert not found, f"derive these from recipe.graph.Modes: {found}"

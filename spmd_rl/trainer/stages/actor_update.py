@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.policy_loss import get_policy_loss
-from spmd_rl.recipe.graph import advantage_column, separated
+from spmd_rl.recipe.graph import advantage_column
 from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
 from spmd_rl.trainer.metrics import global_max
@@ -129,7 +129,9 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
     if final:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag
-        if separated(cfg) and final["policy_lag_max"] > k:  # the schedule of trainer.async_loop rules this out
+        if (
+            call.run.modes.separated and final["policy_lag_max"] > k
+        ):  # the schedule of trainer.async_loop rules this out
             raise RuntimeError(
                 f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above "
                 f"stream.max_policy_lag={k}"

@@ -24,11 +24,11 @@ from collections.abc import Iterator
 
 import torch
 
-from spmd_rl.recipe.graph import multi_turn, partial_rollout, versioned
 from spmd_rl.distributed import timeline
 from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
+from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
 
@@ -87,25 +87,25 @@ def actor_rollout(call: StageCall) -> StageResult:
 
 
 def _rollout(call: StageCall) -> StageResult:
-    partial = partial_rollout(call.run.cfg)
+    partial = call.run.modes.partial_rollout
     if not len(call.batch):
-        return StageResult(pieces={} if partial else None, sums=turn_sums(call.run.cfg, []))
+        return StageResult(pieces={} if partial else None, sums=turn_sums(call.run, []))
     if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
     samples = [by_index[i] for i in call.batch.indices.tolist()]
     out = rollout_columns(samples)
-    if versioned(call.run.cfg):  # separated placement: the version of the weights the engine holds
+    if call.run.modes.versioned:  # separated placement: the version of the weights the engine holds
         out["response_version"] = [
             torch.full((len(s.token_ids),), call.run.progress.policy_version, dtype=torch.int32) for s in samples
         ]
-    return StageResult(columns=out, sums=turn_sums(call.run.cfg, samples))
+    return StageResult(columns=out, sums=turn_sums(call.run, samples))
 
 
-def turn_sums(cfg, samples: list[Sample]) -> dict[str, float]:
+def turn_sums(run: Run, samples: list[Sample]) -> dict[str, float]:
     """The multi-turn counts of these samples: every key on every rank under
     ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
-    if not multi_turn(cfg):
+    if not run.modes.multi_turn:
         return {}
     return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
 
@@ -192,6 +192,4 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
         )
     out = rollout_columns(samples)
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
-    return StageResult(
-        columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run.cfg, samples)
-    )
+    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run, samples))
