@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +48,16 @@ def near_tie_copy(folder: str) -> str:
             w[1] = w[0] + 1e-3 * w[0].pow(2).mean().sqrt() * torch.randn(w.shape[1], generator=noise)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
+
+
+def plant_stale_table(worker) -> None:
+    runner = worker.model_runner
+    runner._route_tables["stale"] = np.zeros((3, runner._route_layers, 2), np.uint8)
+    runner._route_lengths["stale"] = 3
+
+
+def table_names(worker) -> list[str]:
+    return sorted(worker.model_runner._route_tables)
 
 
 def own_replay(model, batch, routes):
@@ -101,6 +112,12 @@ if __name__ == "__main__":
     longest = max(samples[:4], key=lambda s: len(s.token_ids))  # a sample may end before 3 tokens
     prefix = prompts[0] + longest.token_ids[:3]
     partial = engine.continue_samples([(prefix, 5)], seed=4)[0]
+    # a batch starts from no route tables: one planted in the worker as an unfinished request's
+    # would be (``RouteCapture.drop_routes``, called by ``_begin_batch``) is gone after the next
+    engine.llm.collective_rpc(plant_stale_table)
+    planted = engine.llm.collective_rpc(table_names)[0]
+    engine.generate([prompts[1]], n=1, max_tokens=2, seed=9)
+    left_after_batch = engine.llm.collective_rpc(table_names)[0]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -146,6 +163,8 @@ if __name__ == "__main__":
                 "partial_positions": int(partial.routes.numel() // (layers * k)),
                 "partial_expected": len(prefix) + len(partial.token_ids) - 1,
                 "same_prompt_routes": same_prompt,
+                "tables_planted": planted,
+                "tables_after_batch": left_after_batch,
                 "mismatch_own": diff(out["own"], rollout),
                 "mismatch_replay": diff(out["replay"], rollout),
                 "replay_vs_reference_max": dmax(out["replay"], reference),

@@ -7,6 +7,8 @@ What a broken version would do and why it fails here:
   prompt + response - 1, the prompt rows of the N samples of one prompt (computed separately,
   prefix caching off) must agree, and the replayed forward must equal an independent replay
   written in the helper (each sparse block recomputed from the recorded experts);
+- tables that outlive their batch: one planted in vLLM's worker, as an unfinished request's would
+  stay, must be gone after the next batch (``_begin_batch`` drops them);
 - a layout bug in the packed path: packed replay must equal padded replay;
 - replay that does nothing: with vLLM in bf16 some decisions differ from the float32 trainer's,
   and replaying them must bring the trainer's log-probs closer to vLLM's. The bf16 run uses a
@@ -39,6 +41,8 @@ def test_vllm_records_a_route_for_every_computed_position(fp32):
     assert fp32["own_sums"]["decisions"] == sum(fp32["expected"]) * fp32["layers"]
     assert fp32["partial_positions"] == fp32["partial_expected"]  # a continuation routes its whole context
     assert fp32["same_prompt_routes"]
+    # each batch starts from no tables (an unfinished request's would pile up otherwise)
+    assert fp32["tables_planted"] == ["stale"] and fp32["tables_after_batch"] == []
 
 
 @pytest.mark.slow
