@@ -20,6 +20,7 @@ from spmd_rl.config.loader import load_config
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.engines.vllm.engine import VllmRollout
+from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages import StageCall, stage_fn
 
@@ -47,7 +48,7 @@ prompts = [
     )["input_ids"]
     for r in rows
 ]
-run = SimpleNamespace(cfg=cfg, rollout=engine, turns=None)  # single-turn: no environment
+run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None)  # single-turn: no environment
 
 
 def call(it, pieces):

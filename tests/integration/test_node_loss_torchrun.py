@@ -33,6 +33,7 @@ import pytest
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.train import PEER_LOST_EXIT
 from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
+from tests.conftest import _PRELOAD
 from tests.torchrun_util import kill_node, metric_rows, node_agent, wait_for
 
 ITERS = 16
@@ -101,6 +102,10 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
                     f"the survivor at {point}",
                 )
                 assert a.poll() is None, (tmp_path / "a.log").read_text()[-4000:]
+                # with the suite's preload servers, the paused survivor is a forked copy: its fault
+                # plan once kept it from asking, and each of its restarts imported for itself
+                forked = json.loads((faults / f"{point}.reached").read_text())["forked"]
+                assert forked or not _PRELOAD.sockets, f"the survivor at {point} imported by itself"
                 log_at = len((tmp_path / "a.log").read_text())
                 kill_node(b)
                 killed, killed_wall = time.monotonic(), time.time()

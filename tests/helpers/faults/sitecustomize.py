@@ -13,7 +13,8 @@ Plans (``dir`` is a folder the test and the workers share):
 
 - ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k}``: in a world of 2, at the
   first point (in order) without ``D/<point>.go``, from iteration k on: write
-  ``D/<point>.reached`` and wait for the test to kill the other node and write
+  ``D/<point>.reached`` (JSON: the iteration, and whether this worker is a preload server's
+  copy) and wait for the test to kill the other node and write
   ``D/<point>.go``, then carry on into that point. Points: ``generate`` (start of the generation
   stage), ``reward_fetch`` (the reward stage's fetch from the warehouses), ``update`` (start of
   the update), ``checkpoint`` (inside a checkpoint write, between its barriers). In a world of
@@ -64,7 +65,10 @@ def _pause(plan: dict) -> None:
             or iteration < plan["min_iteration"]
         ):
             return
-        (folder / f"{point}.reached").write_text(str(iteration))
+        # whether this worker is a preload server's copy: the test checks its plan did not keep it from forking
+        (folder / f"{point}.reached").write_text(
+            json.dumps({"iteration": iteration, "forked": preload._in_server_or_child})
+        )
         while not (folder / f"{point}.go").exists():
             time.sleep(0.05)
 
