@@ -76,7 +76,8 @@ def check_separated(cfg: Config) -> list[Violation]:
     """Separated placement: the generators run one whole vLLM engine each (its own process,
     ``engines.vllm.engine``), the trainers everything else; samples may be up to
     ``stream.max_policy_lag`` updates old, which the TIS weight corrects."""
-    if not Modes.of(cfg).separated:
+    m = Modes.of(cfg)
+    if not m.separated:
         return []
     field = "parallel.placement"
     out = []
@@ -99,7 +100,6 @@ def check_separated(cfg: Config) -> list[Violation]:
                 "behaviour log-probs",
             )
         )
-    m = Modes.of(cfg)
     modes = {
         "stream.fuse": cfg.stream.fuse,
         "stream.partial_tokens": m.partial_rollout,

@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from safetensors.torch import load_file, save_file
-
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
 from spmd_rl.engines.packing import pack, packed_response_logprobs

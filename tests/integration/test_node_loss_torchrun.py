@@ -34,7 +34,7 @@ from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.train import PEER_LOST_EXIT
 from spmd_rl.trainer.checkpoint import complete_checkpoints, model_weights
 from tests.conftest import _PRELOAD
-from tests.torchrun_util import kill_node, metric_rows, node_agent, wait_for
+from tests.torchrun_util import kill_node, metric_rows, node_agent, preloaded_copies, wait_for
 
 ITERS = 16
 POINTS = ["generate", "reward_fetch", "update", "checkpoint"]
@@ -102,9 +102,11 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
                     f"the survivor at {point}",
                 )
                 assert a.poll() is None, (tmp_path / "a.log").read_text()[-4000:]
-                # with the suite's preload servers, the paused survivor is a forked copy: its fault
-                # plan once kept it from asking, and each of its restarts imported for itself
-                forked = json.loads((faults / f"{point}.reached").read_text())["forked"]
+                # with the suite's preload servers, the paused survivor is a forked copy (seen in its
+                # /proc environ): its fault plan once kept it from asking, and each of its restarts
+                # imported for itself
+                pid = str(json.loads((faults / f"{point}.reached").read_text())["pid"])
+                forked = any(line.split()[0] == pid for line in preloaded_copies())
                 assert forked or not _PRELOAD.sockets, f"the survivor at {point} imported by itself"
                 log_at = len((tmp_path / "a.log").read_text())
                 kill_node(b)

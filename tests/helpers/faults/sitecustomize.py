@@ -13,13 +13,12 @@ Plans (``dir`` is a folder the test and the workers share):
 
 - ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k}``: in a world of 2, at the
   first point (in order) without ``D/<point>.go``, from iteration k on: write
-  ``D/<point>.reached`` (JSON: the iteration, and whether this worker is a preload server's
-  copy) and wait for the test to kill the other node and write
-  ``D/<point>.go``, then carry on into that point. Points: ``generate`` (start of the generation
-  stage), ``reward_fetch`` (the reward stage's fetch from the warehouses), ``update`` (start of
-  the update), ``checkpoint`` (inside a checkpoint write, between its barriers). In a world of
-  1 with ``D/hold`` present, every iteration after the worker's first waits (until the test
-  grows the world, which restarts this worker).
+  ``D/<point>.reached`` (JSON: the iteration and this worker's pid) and wait for the test to
+  kill the other node and write ``D/<point>.go``, then carry on into that point. Points:
+  ``generate`` (start of the generation stage), ``reward_fetch`` (the reward stage's fetch from
+  the warehouses), ``update`` (start of the update), ``checkpoint`` (inside a checkpoint write,
+  between its barriers). In a world of 1 with ``D/hold`` present, every iteration after the
+  worker's first waits (until the test grows the world, which restarts this worker).
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
   ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
@@ -65,10 +64,8 @@ def _pause(plan: dict) -> None:
             or iteration < plan["min_iteration"]
         ):
             return
-        # whether this worker is a preload server's copy: the test checks its plan did not keep it from forking
-        (folder / f"{point}.reached").write_text(
-            json.dumps({"iteration": iteration, "forked": preload._in_server_or_child})
-        )
+        # the pid: the test looks the paused worker up among the preload servers' copies
+        (folder / f"{point}.reached").write_text(json.dumps({"iteration": iteration, "pid": os.getpid()}))
         while not (folder / f"{point}.go").exists():
             time.sleep(0.05)
 
