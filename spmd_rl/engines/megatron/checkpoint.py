@@ -16,7 +16,15 @@ fc1's [gate_r; up_r] into the local gate and up rows), ``Replicate`` for norms. 
 write the same chunks, which DCP keeps once. The distributed optimizer holds a contiguous range
 of each parameter's flat elements per DP rank: ranges are assembled into the TP-local tensor
 by a sum over DP (each element has one owner) before saving, and sliced back after loading.
-The transient is the TP-local float32 master and two moments of every parameter at once.
+
+Streamed through host memory, one parameter at a time: the save assembles a parameter's
+float32 master and moments on the device, copies them to host tensors and drops the device
+ones before the next parameter, so the device transient is 3 x 4 bytes x the largest TP-local
+parameter, not x every parameter (about 49 GB per GPU for 32B at TP 8). The load reads into
+empty host tensors (no device memory, no collective) and copies each parameter's slices onto
+the device as it writes them. The host holds the TP-local states of every parameter (12 bytes
+per TP-local parameter element) between the assembly and DCP's write, as mcore's async save
+stages its state to the host.
 """
 
 from __future__ import annotations
@@ -87,21 +95,49 @@ def _pieces(name: str, local: torch.Tensor, s: Shape, tp: int, mesh: DeviceMesh)
         yield hf, DTensor.from_local(t.contiguous(), mesh, [placement], run_check=False)
 
 
-def state_dict(engine, mesh: DeviceMesh) -> dict:
-    """The DCP state dict of a trainable :class:`MegatronEngine` (module docstring)."""
-    optimizers = distributed_optimizers(engine.optimizer)
-    model, state = {}, {}
-    for name, p in engine.named_model_params():
-        t = tp_local_states(_optimizer_of(optimizers, p), p, engine.mixed, _dp_group(p))
-        model.update(_pieces(name, t["param"], engine.shape, engine.tp, mesh))
-        for key in MOMENTS:
-            for hf, d in _pieces(name, t[key], engine.shape, engine.tp, mesh):
-                state.setdefault(hf, {})[key] = d
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``; a copy on CPU too, so the device tensor it came from is free once
+    its caller drops it, whatever the device (module docstring)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
+
+
+def _layout(name: str, states: dict[str, torch.Tensor], engine, mesh: DeviceMesh, model: dict, state: dict) -> None:
+    """File one parameter's TP-local master and moments under their HF names."""
+    model.update(_pieces(name, states["param"], engine.shape, engine.tp, mesh))
+    for key in MOMENTS:
+        for hf, d in _pieces(name, states[key], engine.shape, engine.tp, mesh):
+            state.setdefault(hf, {})[key] = d
+
+
+def _wrap(engine, model: dict, state: dict) -> dict:
     return {
         "model": model,
         "optim": {"state": state, "step": torch.tensor(engine.step_count)},
         "steps": engine.step_count,
     }
+
+
+def state_dict(engine, mesh: DeviceMesh) -> dict:
+    """The DCP state dict of a trainable :class:`MegatronEngine`, in host tensors over ``mesh``
+    (a CPU mesh of the TP group), assembled one parameter at a time (module docstring)."""
+    optimizers = distributed_optimizers(engine.optimizer)
+    model, state = {}, {}
+    for name, p in engine.named_model_params():
+        device_states = tp_local_states(_optimizer_of(optimizers, p), p, engine.mixed, _dp_group(p))
+        host = {key: to_host(t) for key, t in device_states.items()}
+        del device_states  # the device holds one parameter's states at a time
+        _layout(name, host, engine, mesh, model, state)
+    return _wrap(engine, model, state)
+
+
+def empty_state_dict(engine, mesh: DeviceMesh) -> dict:
+    """The layout of :func:`state_dict` in empty host tensors: what ``dcp.load`` reads into.
+    Neither device memory nor a collective."""
+    model, state = {}, {}
+    for name, p in engine.named_model_params():
+        host = {key: torch.empty(p.shape, dtype=torch.float32) for key in ("param", *MOMENTS)}
+        _layout(name, host, engine, mesh, model, state)
+    return _wrap(engine, model, state)
 
 
 def _join(name: str, parts: dict[str, torch.Tensor], s: Shape, tp: int) -> torch.Tensor:
@@ -110,8 +146,9 @@ def _join(name: str, parts: dict[str, torch.Tensor], s: Shape, tp: int) -> torch
 
 
 def load_into(engine, loaded: dict) -> None:
-    """Write a loaded ``state_dict`` into the engine: model parameters, the distributed
-    optimizer's master ranges and moments, the step counters."""
+    """Write a loaded ``state_dict`` (host tensors) into the engine: model parameters, the
+    distributed optimizer's master ranges and moments, the step counters. Each parameter's
+    slices are copied onto the device as they are written."""
     optimizers = distributed_optimizers(engine.optimizer)
     for opt in optimizers:
         inner = opt.optimizer  # AdamW makes its moments lazily: give them storage to fill (``state`` is a

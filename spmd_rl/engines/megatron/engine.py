@@ -393,19 +393,22 @@ class MegatronEngine(Engine):
             t for t in out if t.untyped_storage().data_ptr() not in model
         ]  # float32 main params are views of the model's
 
-    def _tp_mesh(self) -> DeviceMesh:
+    def _host_tp_mesh(self) -> DeviceMesh:
+        """The TP group as a CPU mesh: the checkpoint's tensors live in host memory (the
+        world's backend serves host tensors on every device kind, ``accelerator.BACKENDS``)."""
         from megatron.core import parallel_state as ps
 
-        return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), self.acc.device.type)
+        return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), "cpu")
 
     def save(self, folder: str | Path) -> None:
-        """HF-named float32 masters and AdamW moments through DCP (``megatron.checkpoint``);
-        collective over this side's ranks."""
-        dcp.save(checkpoint.state_dict(self, self._tp_mesh()), checkpoint_id=str(folder), process_group=side_group())
+        """HF-named float32 masters and AdamW moments through DCP (``megatron.checkpoint``),
+        streamed to the host a parameter at a time; collective over this side's ranks."""
+        state = checkpoint.state_dict(self, self._host_tp_mesh())
+        dcp.save(state, checkpoint_id=str(folder), process_group=side_group())
 
     def load(self, folder: str | Path) -> None:
         """A checkpoint of any TP / DP layout; nothing but DCP metadata classes is unpickled."""
         verify(folder)
-        state = checkpoint.state_dict(self, self._tp_mesh())  # the layout to read into
+        state = checkpoint.empty_state_dict(self, self._host_tp_mesh())  # the layout to read into
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
         checkpoint.load_into(self, state)
