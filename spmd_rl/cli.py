@@ -25,6 +25,19 @@ WorldOpt = typer.Option(
 NprocOpt = typer.Option(None, "--nproc-per-node", help="Ranks per node (default: parallel.nproc_per_node).")
 
 
+def _past_the_imports() -> None:
+    """``eval`` and ``export`` import torch, transformers and vLLM (tens of CPU-seconds): with a
+    preload server named in ``$SPMD_RL_PRELOAD`` (``launcher.preload``), this process becomes the
+    stub of a forked copy that has them; without one, or refused, it goes on by itself. vLLM's
+    own log handler stays off in both (``QUIET_ENV``, as the server imported vLLM): its records
+    at WARNING and above reach stderr, the INFO chatter does not, and stdout is the result."""
+    from spmd_rl.engines.vllm.logs import QUIET_ENV, quiet_vllm
+    from spmd_rl.launcher.preload import delegate
+
+    delegate("spmd_rl.cli", sets=QUIET_ENV)
+    quiet_vllm(None, 0)
+
+
 def _fail(exc: ConfigError) -> None:
     typer.echo(f"INVALID {exc}", err=True)
     raise typer.Exit(code=exc.exit_code)
@@ -180,6 +193,7 @@ def export(
 ) -> None:
     """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer); a LoRA
     checkpoint as a PEFT adapter folder, or with --merged as the merged model."""
+    _past_the_imports()
     from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
 
     if not is_checkpoint(checkpoint_dir):
@@ -220,6 +234,7 @@ def evaluate(  # noqa: PLR0913
 ) -> None:
     """Greedy accuracy through a rollout engine (in-process vLLM by default), or with --pairs
     the preference margin of the model against its reference (HF forwards); prints one JSON line."""
+    _past_the_imports()
     import json
     import tempfile
 

@@ -121,6 +121,16 @@ class PreloadServers:
             while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
 
+    def forks(self, program: str) -> int:
+        """How many copies the servers have forked so far of a program whose argv begins with
+        ``program`` (the logged ``argv[0] argv[1]``, e.g. ``.../spmd_rl/cli.py eval``)."""
+        return sum(
+            line.split(": ", 1)[-1].startswith(program)
+            for path in self.sockets
+            for line in Path(path + ".log").read_text().splitlines()
+            if line.startswith("forked")
+        )
+
     def stop(self) -> str:
         """Stop the servers; one line: how many ranks they forked, which refusals they made."""
         if not self.procs:

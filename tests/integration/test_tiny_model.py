@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import _PRELOAD, REPO, subprocess_env
 
 
 def test_builder_writes_loadable_folder(tmp_path):
@@ -57,6 +57,8 @@ def test_warm_start_answers_some_but_not_most(tiny_model):
     greedy through ``spmd-rl eval`` and the exact_match rule, not the builder's HF loop), the
     model answers some held-out prompts but not most, and the report is what it measures."""
     report = json.loads((tiny_model / "warmstart.json").read_text())
+    cli_eval = f"{REPO / 'spmd_rl/cli.py'} eval"
+    forked_before = _PRELOAD.forks(cli_eval)
     res = subprocess.run(
         [sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl")],
         cwd=REPO,
@@ -70,6 +72,9 @@ def test_warm_start_answers_some_but_not_most(tiny_model):
     assert got["prompts"] == report["n_test"] == 500
     assert 0.1 <= got["accuracy"] <= 0.5, got
     assert abs(got["accuracy"] - report["test_accuracy"]) <= 0.03, (got, report)
+    if _PRELOAD.sockets:  # the CLI's eval ran as a copy past the imports, not importing by itself
+        assert _PRELOAD.forks(cli_eval) == forked_before + 1, "spmd-rl eval did not run as a preload copy"
+    assert "INFO" not in res.stderr, res.stderr[-2000:]  # vLLM's chatter stays off the terminal
 
 
 @pytest.mark.slow
