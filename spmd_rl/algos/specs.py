@@ -48,6 +48,18 @@ class AlgorithmSpec:
     """It divides by the group's reward std unless ``algorithm.norm_adv_by_std: false``."""
     dapo: bool = False
     """DAPO's extras apply: dynamic sampling, the overlong buffer, decoupled clip ratios."""
+    advantage_stage: str = ""
+    """A user's advantage stage in place of the built-in one (``advantage="sequence"`` only), as
+    ``module:function``: ``(trainer.stages.registry.StageCall) -> StageResult`` whose
+    ``columns={"seq_advantage": tensor [B]}`` holds one advantage per sample of ``call.batch``
+    (whole prompt groups of N, in order, when ``group_relative``; possibly none: return an empty
+    column). It reads ``call.batch.columns[c]`` for ``c`` in ``advantage_inputs``, runs on each
+    rank's share and must enter no collective (ranks' shares differ, empty ones included).
+    ``estimator`` is then unused. Where the estimator sees only the rewards, the stage sees any
+    column written before it (the response lengths, the rollout's log-probs)."""
+    advantage_inputs: tuple[str, ...] = ("reward",)
+    """The columns ``advantage_stage`` reads (``recipe.graph.COLUMNS``; ``validate`` refuses one
+    that no stage before it writes)."""
 
     @property
     def critic(self) -> bool:
@@ -103,6 +115,11 @@ def spec_named(name: str) -> AlgorithmSpec:
         raise ValueError(
             f"algorithm {name!r}: its estimator {spec.estimator!r} cannot be found (module not on the path, or not "
             "module:function)"
+        )
+    if spec.advantage_stage and (spec.advantage != "sequence" or not findable(spec.advantage_stage)):
+        raise ValueError(
+            f"algorithm {name!r}: its advantage_stage {spec.advantage_stage!r} must be a findable module:function of "
+            f"a sequence-advantage spec (this one's advantage is {spec.advantage!r})"
         )
     return spec
 

@@ -95,6 +95,10 @@ class Stage:
     whole_batch: bool = False
     """Computes statistics of the iteration's whole batch (REINFORCE++'s and PPO's whitening over
     every token): it cannot run per streamed wave, so it is never fused."""
+    fn: str = ""
+    """The compute function: empty for the stage registered under ``name``
+    (``trainer.stages.registry``), or a user's ``module:function`` (an algorithm spec's
+    ``advantage_stage``)."""
 
 
 def algorithm(cfg: Config) -> AlgorithmSpec:
@@ -268,6 +272,16 @@ def _advantage_stages(
                 ("advantages",),
                 group_granular=spec.group_relative,
                 whole_batch=True,
+            )
+        )
+    elif spec.advantage_stage:  # a user's stage: KL in the reward is refused with it (rules)
+        out.append(
+            Stage(
+                "advantage",
+                spec.advantage_inputs,
+                ("seq_advantage",),
+                group_granular=spec.group_relative,
+                fn=spec.advantage_stage,
             )
         )
     else:

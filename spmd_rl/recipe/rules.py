@@ -22,7 +22,7 @@ from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.rollout_engines import CAPABILITIES, missing
 from spmd_rl.config.schema import Config
-from spmd_rl.recipe.graph import Modes, algorithm, fused_stages, stages_for
+from spmd_rl.recipe.graph import Modes, algorithm, data_columns, fused_stages, stages_for
 from spmd_rl.recipe.stream_rules import check_partial, check_separated
 from spmd_rl.recipe.train_backends import train_backend
 from spmd_rl.data.files import check_safetensors, sniff_dataset
@@ -382,7 +382,40 @@ def _check_algorithm(cfg: Config) -> list[Violation]:
         + _check_critic_fields(cfg, spec)
         + _check_objective_terms(cfg, spec)
         + _check_correction(cfg, spec)
+        + _check_advantage_stage(cfg, spec)
     )
+
+
+def _check_advantage_stage(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
+    """A user's advantage stage reads only columns written before it, and the reward as the
+    reward stage wrote it (it is not handed the KL terms the built-in one subtracts)."""
+    if not spec.advantage_stage:
+        return []
+    out = []
+    graph = stages_for(cfg)
+    k = next(i for i, s in enumerate(graph) if s.name == "advantage")
+    written = set(data_columns(cfg)).union(*(s.outputs for s in graph[:k]))
+    unknown = [c for c in spec.advantage_inputs if c not in written]
+    if unknown:
+        out.append(
+            Violation(
+                "algorithm.name",
+                cfg.algorithm.name,
+                f"its advantage stage reads {', '.join(unknown)}, which no stage before it writes in this config",
+                f"read only columns written before it: {', '.join(sorted(written))}",
+            )
+        )
+    if Modes.of(cfg).kl_in_reward:
+        out.append(
+            Violation(
+                "algorithm.kl_coef",
+                cfg.algorithm.kl_coef,
+                f"{cfg.algorithm.name}'s advantage stage reads the reward as the reward stage wrote it, without the "
+                "KL-in-reward term",
+                "set algorithm.use_kl_loss: true (KL in the loss) or algorithm.kl_coef: 0",
+            )
+        )
+    return out
 
 
 def _check_groups(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:

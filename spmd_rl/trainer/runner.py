@@ -48,7 +48,12 @@ def compute(run: Run, it: int, stage: Stage, batch, expected: list[int]) -> Stag
     """Steps 3 and 4 for one batch of the stage (the whole share, or one streamed wave)."""
     writer = is_writer(run, stage)
     return publish(
-        run, it, stage, batch.indices, stage_fn(stage.name)(StageCall(run, it, stage, batch, writer, expected)), writer
+        run,
+        it,
+        stage,
+        batch.indices,
+        stage_fn(stage.fn or stage.name)(StageCall(run, it, stage, batch, writer, expected)),
+        writer,
     )
 
 

@@ -1,5 +1,6 @@
 """A user's algorithms (``algorithm.name: tests.helpers.algorithms:MEDIAN``, a sequence
-estimator; ``tests.helpers.algorithms:TOTAL``, a token estimator) and policy loss
+estimator; ``tests.helpers.algorithms:TOTAL``, a token estimator; ``...:SHORTER``, an advantage
+stage of its own that reads the response lengths) and policy loss
 (``actor.policy_loss: tests.helpers.algorithms:plain_pg``), defined the way a user defines them
 in their own module, with no edit to the package: a spec naming its estimator as
 ``module:function``, and a loss with the registered losses' signature."""
@@ -28,6 +29,35 @@ def total_reward(rewards, mask, gamma: float):
 
 
 TOTAL = AlgorithmSpec("tests.helpers.algorithms:TOTAL", "token", "tests.helpers.algorithms:total_reward")
+
+
+LENGTH_WEIGHT = 0.05
+
+
+def shorter_is_better(call):
+    """SHORTER's advantage stage: A_i = (r_i - mean of its group's r) - LENGTH_WEIGHT x L_i, L the
+    response length in tokens (each token costs LENGTH_WEIGHT): the estimator interface sees only
+    rewards, a stage sees any column written before it (``AlgorithmSpec.advantage_stage``)."""
+    import torch
+
+    from spmd_rl.trainer.stages.registry import StageResult
+
+    cols, n = call.batch.columns, call.run.cfg.rollout.n
+    if not len(call.batch):  # an empty share: nothing to write, no collective to enter
+        return StageResult()
+    r = torch.stack(cols["reward"]).double().reshape(-1, n)
+    length = torch.stack(cols["response_length"]).double().reshape(-1, n)
+    adv = (r - r.mean(1, keepdim=True)) - LENGTH_WEIGHT * length
+    return StageResult(columns={"seq_advantage": adv.reshape(-1).float()})
+
+
+SHORTER = AlgorithmSpec(
+    "tests.helpers.algorithms:SHORTER",
+    "sequence",
+    group_relative=True,
+    advantage_stage="tests.helpers.algorithms:shorter_is_better",
+    advantage_inputs=("reward", "response_length"),
+)
 
 
 def plain_pg(logp, old_logp, advantages, mask, clip, norm=None, weight=None):

@@ -9,7 +9,8 @@ torchrun with 2 ranks, etcd, vLLM), one iteration each:
   float32 trainer/vLLM mismatch leaves it), and the gradient changes accordingly.
 
 A user's algorithm, a spec and an estimator in the user's own module
-(``tests/helpers/algorithms.py``), trains with no edit to the package.
+(``tests/helpers/algorithms.py``), trains with no edit to the package; so does one whose graph
+has the user's own advantage stage.
 
 Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo-cispo and
 reinforce_pp-lora modes."""
@@ -118,3 +119,34 @@ def test_a_users_algorithm_from_its_own_module_trains(tiny_model, tmp_path, etcd
     surrogate = -sum(float(adv[i]) * lengths[i] for i in adv) / tokens
     assert abs(row["loss"] - want) < 1e-3 * abs(want) + 1e-4, (row["loss"], want, surrogate)
     assert abs(want - surrogate) > 10 * (1e-3 * abs(want) + 1e-4)  # the two objectives are told apart
+
+
+@pytest.mark.slow
+def test_a_users_advantage_stage_from_its_own_module_trains(tiny_model, tmp_path, etcd):
+    """``algorithm.name: tests.helpers.algorithms:SHORTER``: the graph's advantage stage is the
+    user's function, which reads the response lengths besides the rewards; every
+    ``seq_advantage`` in the dock is its formula recomputed here from the dock's rewards and
+    lengths (each token costs ``LENGTH_WEIGHT``), which the built-in group-mean estimator would
+    not give."""
+    from tests.helpers.algorithms import LENGTH_WEIGHT
+
+    dump = tmp_path / "dump"
+    row = train(
+        tmp_path,
+        "shorter",
+        etcd.endpoint,
+        *ONE,
+        *LAYOUTS["dp2-micro16"],
+        "algorithm.name=tests.helpers.algorithms:SHORTER",
+        extra_env=dump_env(dump),
+    )[0]
+    assert row["grad_norm"] > 0
+    cols = columns(dump)[0]
+    rewards, lengths, adv = cols["reward"], cols["response_length"], cols["seq_advantage"]
+    assert len(adv) == 8 * N
+    for i in adv:
+        group = range(i - i % N, i - i % N + N)
+        r_mean = sum(float(rewards[j]) for j in group) / N
+        want = float(rewards[i]) - r_mean - LENGTH_WEIGHT * float(lengths[i])
+        assert abs(float(adv[i]) - want) < 1e-6, (i, float(adv[i]), want)
+        assert abs(float(adv[i]) - (float(rewards[i]) - r_mean)) > 1e-3  # not the built-in group-mean advantage

@@ -166,3 +166,70 @@ def test_a_users_policy_loss_has_the_on_policy_gradient_of_the_clipped_surrogate
     assert torch.allclose(g_user, g_vanilla, atol=1e-12)
     want = -(adv[:, None] * logp.detach() * mask).sum() / mask.sum()
     assert torch.allclose(user.loss.detach(), want) and not torch.allclose(user.loss, vanilla.loss)
+
+
+SHORTER = "tests.helpers.algorithms:SHORTER"
+
+
+def test_a_users_advantage_stage_is_the_graphs_and_the_runner_calls_it(in_repo, monkeypatch):
+    """SHORTER's graph: the advantage stage reads what the spec declares and is computed by the
+    user's function, which the runner looks up by the stage's ``fn`` (not by its name)."""
+    from types import SimpleNamespace
+
+    from spmd_rl.trainer import runner
+
+    cfg = _cfg(f"algorithm.name={SHORTER}")
+    adv = next(s for s in stages_for(cfg) if s.name == "advantage")
+    assert (adv.inputs, adv.outputs, adv.group_granular) == (("reward", "response_length"), ("seq_advantage",), True)
+    assert adv.fn == "tests.helpers.algorithms:shorter_is_better" and check(cfg)[1] == []
+    called = []
+    monkeypatch.setattr(runner, "is_writer", lambda run, stage: True)
+    monkeypatch.setattr(runner, "publish", lambda run, it, stage, indices, result, writer: result)
+
+    class Batch(SimpleNamespace):
+        def __len__(self):
+            return len(self.indices)
+
+    batch = Batch(
+        indices=[0, 1, 2, 3],
+        columns={
+            "reward": [torch.tensor(x) for x in (1.0, 0.0, 1.0, 1.0)],
+            "response_length": [torch.tensor(x) for x in (4.0, 2.0, 3.0, 5.0)],
+        },
+    )
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2)))
+    called.append(runner.compute(run, 0, adv, batch, [0, 1, 2, 3]).columns["seq_advantage"].tolist())
+    # groups (1, 0 | lengths 4, 2) and (1, 1 | lengths 3, 5): r - mean(r) - 0.05 L
+    assert called == [pytest.approx([0.5 - 0.2, -0.5 - 0.1, -0.15, -0.25])]
+
+
+def test_a_users_advantage_stage_is_refused_where_it_cannot_run(in_repo, monkeypatch):
+    import tests.helpers.algorithms as module
+
+    # KL in the reward: the user's stage is not handed the KL terms
+    fields = {
+        v.field
+        for v in check(_cfg(f"algorithm.name={SHORTER}", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"))[1]
+    }
+    assert "algorithm.kl_coef" in fields
+    # a column no stage before it writes
+    bad = AlgorithmSpec(
+        "tests.helpers.algorithms:NEEDS_VALUES",
+        "sequence",
+        group_relative=True,
+        advantage_stage="tests.helpers.algorithms:shorter_is_better",
+        advantage_inputs=("reward", "values"),
+    )
+    monkeypatch.setattr(module, "NEEDS_VALUES", bad, raising=False)
+    spec_named.cache_clear()
+    problems = check(_cfg("algorithm.name=tests.helpers.algorithms:NEEDS_VALUES"))[1]
+    assert [v.field for v in problems] == ["algorithm.name"] and "reads values" in str(problems[0])
+    # a stage of a token or critic spec, or one that cannot be found
+    for kind, fn in (("token", "tests.helpers.algorithms:shorter_is_better"), ("sequence", "tests.helpers.nope:f")):
+        monkeypatch.setattr(
+            module, "ODD", AlgorithmSpec("tests.helpers.algorithms:ODD", kind, advantage_stage=fn), raising=False
+        )
+        spec_named.cache_clear()
+        with pytest.raises(ValueError, match="advantage_stage"):
+            spec_named("tests.helpers.algorithms:ODD")
+    spec_named.cache_clear()
