@@ -2,9 +2,9 @@
 torchrun with 2 ranks, etcd, vLLM), one iteration each:
 
 - split invariance end to end: the same samples trained with 2 FSDP ranks and 16-sample
-  micro-batches, or 2 TP ranks and 4-sample micro-batches, give the same objective and
-  gradient (RLOO's and REINFORCE++'s advantages, REINFORCE++'s batch whitening over the DP
-  ranks, CISPO's loss);
+  micro-batches, or 2 TP ranks and 4-sample micro-batches with the reward and group advantage
+  stages fused into generation, give the same objective and gradient (RLOO's and REINFORCE++'s
+  advantages, REINFORCE++'s batch whitening over the DP ranks, CISPO's loss);
 - the correction bands act: IcePop masks tokens, MIS rejects samples (a band so narrow that the
   float32 trainer/vLLM mismatch leaves it), and the gradient changes accordingly.
 
@@ -25,7 +25,15 @@ from tests.trainer_util import N, train
 ONE = ("trainer.iterations=1", "checkpoint.interval=0")
 LAYOUTS = {
     "dp2-micro16": ("parallel.train.dp_shard=2", "parallel.train.tp=1", "actor.micro_batch_size=16"),
-    "tp2-micro4": ("parallel.train.dp_shard=1", "parallel.train.tp=2", "actor.micro_batch_size=4"),
+    # and the stages that can run while generation runs, fused with it (stream.fuse): fusion moves
+    # work in time, never its result, for every estimator (a whole-batch advantage stays out)
+    "tp2-micro4-fused": (
+        "parallel.train.dp_shard=1",
+        "parallel.train.tp=2",
+        "actor.micro_batch_size=4",
+        "stream.fuse=true",
+        "stream.micro_batch_size=2",
+    ),
 }
 ALGOS = {
     "rloo": ("algorithm.name=rloo",),
@@ -60,6 +68,7 @@ def test_the_objective_does_not_depend_on_the_split(tiny_model, tmp_path, etcd, 
     assert abs(a["grad_norm"] - grpo["grad_norm"]) > 1e-4 * grpo["grad_norm"]  # and the algorithm acted
     assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
     assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
+    assert b["fused_waves_early"] + b["fused_waves_late"] > 0 and "fused_waves_early" not in a  # b was fused
     if (
         algo == "reinforce_pp"
     ):  # the KL-in-reward path ran (its value is 0 here: at iteration 0 the actor is the reference;

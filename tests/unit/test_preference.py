@@ -219,3 +219,30 @@ def test_sequence_logprobs_are_the_full_float64_log_softmax_at_the_response_toke
             full = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits.double(), -1)[0]
             want.append(sum(full[len(p) - 1 + i, t] for i, t in enumerate(r)))
     assert torch.allclose(got, torch.stack(want), rtol=0, atol=1e-9), (got, want)
+
+
+def test_sequence_logprobs_never_hold_a_float64_copy_of_the_batchs_logits(tiny_model):
+    """Observed through torch's dispatcher: the largest float64 tensor any op returns while
+    pair_eval scores a batch of three is one response's rows [len(r), V], not the batch's
+    [3, T, V] (the log-softmax the old code took, about 40 GB at a 152k vocabulary)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.trainer.pair_eval import sequence_logprobs
+
+    class LargestFloat64(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    LargestFloat64.largest = max(LargestFloat64.largest, t.numel())
+            return out
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompts, responses = [[5, 9, 13], [7, 8], [3, 4, 5, 6]], [[20, 21], [30, 31, 32], [40]]
+    vocab = model.config.vocab_size
+    with torch.no_grad(), LargestFloat64():
+        sequence_logprobs(model, prompts, responses, batch=3)
+    assert 0 < LargestFloat64.largest <= max(map(len, responses)) * vocab, (LargestFloat64.largest, vocab)
