@@ -21,7 +21,9 @@ def tcv_centralized(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int) ->
     return G * N * B * (2 * PL + 3 * n * SL + 8 * M) / GB
 
 
-def tcv_per_warehouse(G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, C: int, S: int) -> float:  # noqa: PLR0913
+def tcv_per_warehouse(  # noqa: PLR0913
+    G: int, N: int, B: int, PL: int, SL: int, n: int, M: int, C: int, S: int
+) -> float:
     """Paper Eq. (4): TCV = G x N x B x [2PL + 3n x SL + 8(C+1)M] / S / 1024^3  [GB] per warehouse,
     with C controllers and S warehouses."""
     return G * N * B * (2 * PL + 3 * n * SL + 8 * (C + 1) * M) / S / GB
