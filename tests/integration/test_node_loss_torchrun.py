@@ -66,6 +66,20 @@ def node(tmp: Path, etcd: str, name: str, faults: dict | None = None):
     return node_agent(tmp, etcd, name, args, env)
 
 
+def _paused_at(faults: Path, point: str) -> bool:
+    """A live worker paused at ``point``: its ``.reached`` names a running pid. An incarnation
+    released from the point before can reach the next one and write its ``.reached`` just
+    before the liveness path ends it; its successor rewrites the file when it gets there."""
+    try:
+        pid = json.loads((faults / f"{point}.reached").read_text())["pid"]
+    except (OSError, ValueError):  # not there yet, or being written
+        return False
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())  # empty for a zombie
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 # Eight restarts of the survivor (each kill, each regrow). When its fault plan kept it from the
 # preload servers, on a 2-core AMD EPYC with AVX2 only beside the learning tests, each took
@@ -96,11 +110,7 @@ def test_survivor_leaves_through_the_liveness_path_and_trains_again_wherever_the
         b = node(tmp_path, etcd.endpoint, "b0")
         try:
             for k, point in enumerate(POINTS):
-                wait_for(
-                    lambda: (faults / f"{point}.reached").exists() or a.poll() is not None,
-                    400,
-                    f"the survivor at {point}",
-                )
+                wait_for(lambda: _paused_at(faults, point) or a.poll() is not None, 400, f"the survivor at {point}")
                 assert a.poll() is None, (tmp_path / "a.log").read_text()[-4000:]
                 # with the suite's preload servers, the paused survivor is a forked copy (seen in its
                 # /proc environ): its fault plan once kept it from asking, and each of its restarts
