@@ -52,11 +52,12 @@ class AlgorithmSpec:
     """A user's advantage stage in place of the built-in one (``advantage="sequence"`` only), as
     ``module:function``: ``(trainer.stages.registry.StageCall) -> StageResult`` whose
     ``columns={"seq_advantage": tensor [B]}`` holds one advantage per sample of ``call.batch``
-    (whole prompt groups of N, in order, when ``group_relative``; possibly none: return an empty
-    column). It reads ``call.batch.columns[c]`` for ``c`` in ``advantage_inputs``, runs on each
-    rank's share and must enter no collective (ranks' shares differ, empty ones included).
-    ``estimator`` is then unused. Where the estimator sees only the rewards, the stage sees any
-    column written before it (the response lengths, the rollout's log-probs)."""
+    (whole prompt groups of N, in order, when ``group_relative``; possibly none: then return
+    ``StageResult()``, with no columns). It reads ``call.batch.columns[c]`` for ``c`` in
+    ``advantage_inputs``, runs on each rank's share and must enter no collective (ranks' shares
+    differ, empty ones included). ``estimator`` is then unused. Where the estimator sees only
+    the rewards, the stage sees any column written before it (the response lengths, the
+    rollout's log-probs)."""
     advantage_inputs: tuple[str, ...] = ("reward",)
     """The columns ``advantage_stage`` reads (``recipe.graph.COLUMNS``; ``validate`` refuses one
     that no stage before it writes)."""

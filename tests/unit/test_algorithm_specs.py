@@ -6,6 +6,7 @@ end-to-end run is ``test_algorithms_torchrun.py``'s."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,7 +183,6 @@ def test_a_users_advantage_stage_is_the_graphs_and_the_runner_calls_it(in_repo, 
     adv = next(s for s in stages_for(cfg) if s.name == "advantage")
     assert (adv.inputs, adv.outputs, adv.group_granular) == (("reward", "response_length"), ("seq_advantage",), True)
     assert adv.fn == "tests.helpers.algorithms:shorter_is_better" and check(cfg)[1] == []
-    called = []
     monkeypatch.setattr(runner, "is_writer", lambda run, stage: True)
     monkeypatch.setattr(runner, "publish", lambda run, it, stage, indices, result, writer: result)
 
@@ -198,9 +198,9 @@ def test_a_users_advantage_stage_is_the_graphs_and_the_runner_calls_it(in_repo, 
         },
     )
     run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2)))
-    called.append(runner.compute(run, 0, adv, batch, [0, 1, 2, 3]).columns["seq_advantage"].tolist())
+    got = runner.compute(run, 0, adv, batch, [0, 1, 2, 3]).columns["seq_advantage"].tolist()
     # groups (1, 0 | lengths 4, 2) and (1, 1 | lengths 3, 5): r - mean(r) - 0.05 L
-    assert called == [pytest.approx([0.5 - 0.2, -0.5 - 0.1, -0.15, -0.25])]
+    assert got == pytest.approx([0.5 - 0.2, -0.5 - 0.1, -0.15, -0.25])
 
 
 def test_a_users_advantage_stage_is_refused_where_it_cannot_run(in_repo, monkeypatch):
@@ -213,22 +213,15 @@ def test_a_users_advantage_stage_is_refused_where_it_cannot_run(in_repo, monkeyp
     }
     assert "algorithm.kl_coef" in fields
     # a column no stage before it writes
-    bad = AlgorithmSpec(
-        "tests.helpers.algorithms:NEEDS_VALUES",
-        "sequence",
-        group_relative=True,
-        advantage_stage="tests.helpers.algorithms:shorter_is_better",
-        advantage_inputs=("reward", "values"),
-    )
+    bad = replace(module.SHORTER, name="tests.helpers.algorithms:NEEDS_VALUES", advantage_inputs=("reward", "values"))
     monkeypatch.setattr(module, "NEEDS_VALUES", bad, raising=False)
     spec_named.cache_clear()
     problems = check(_cfg("algorithm.name=tests.helpers.algorithms:NEEDS_VALUES"))[1]
     assert [v.field for v in problems] == ["algorithm.name"] and "reads values" in str(problems[0])
     # a stage of a token or critic spec, or one that cannot be found
-    for kind, fn in (("token", "tests.helpers.algorithms:shorter_is_better"), ("sequence", "tests.helpers.nope:f")):
-        monkeypatch.setattr(
-            module, "ODD", AlgorithmSpec("tests.helpers.algorithms:ODD", kind, advantage_stage=fn), raising=False
-        )
+    for kind, fn in (("token", module.SHORTER.advantage_stage), ("sequence", "tests.helpers.nope:f")):
+        odd = replace(module.SHORTER, name="tests.helpers.algorithms:ODD", advantage=kind, advantage_stage=fn)
+        monkeypatch.setattr(module, "ODD", odd, raising=False)
         spec_named.cache_clear()
         with pytest.raises(ValueError, match="advantage_stage"):
             spec_named("tests.helpers.algorithms:ODD")
