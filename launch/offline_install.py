@@ -16,6 +16,7 @@ starts the install. The manifest (format 1)::
      "kept": {"torch": "2.11.0+cu130", ...},   # the node's own distributions the bundle relies on
      "replaced": {"numpy": ["2.5.2", "2.4.4"]}, # node's release, bundled one (offline_bundle --replace)
      "requested": ["spmd-rl[cuda] @ ...", ...],
+     "excluded": ["pynvvideocodec", ...],       # resolved, left out on purpose (offline_bundle --exclude)
      "files": [{"name": "vllm-0.26.0-...whl", "size": N, "sha256": H,
                 "chunks": [{"name": "vllm-...whl.000", "part": "part-001", "size": n, "sha256": h}, ...]}]}
 

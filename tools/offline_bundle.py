@@ -25,7 +25,13 @@ nothing the node has is bundled):
 - ``pip download --no-deps`` fetches exactly the resolved releases the node lacks, for every
   manylinux tag the node's glibc accepts (pip matches ``--platform`` exactly and does not widen
   ``manylinux_2_39`` to the older tags, so they are listed);
-- a file larger than a part is cut into chunks; chunks are packed into parts largest first.
+- ``--build NAME`` takes a package that has no wheel from its source release and builds the
+  wheel here; only a pure-Python result (``py3-none-any``) is accepted (python-etcd, which
+  torchrun's etcd-v2 rendezvous needs, is released as source only);
+- a file larger than a part is cut into chunks; chunks are packed into parts largest first;
+- ``--exclude PATTERN`` leaves out resolved packages the node's programs never import (vLLM
+  0.26.0 brings both CUDA 12 and CUDA 13 CUTLASS DSL libraries, 84 MiB each, and a video codec);
+  the manifest lists them, and the installer's ``--no-deps`` install does not miss them.
 
 The node's half, ``launch/offline_install.py``, and ``launch/install_offline.sh`` travel in every
 part; its docstring gives the manifest's format. ``--index-url``/``--extra-index-url``/
@@ -36,6 +42,7 @@ Needs ``uv`` (installed by ``launch/setup.sh``, or ``pip install uv``).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import re
@@ -167,6 +174,8 @@ def resolve(requirements: list[str], node: dict, args: argparse.Namespace, work:
     (work / "constraints.txt").write_text("\n".join(pins) + "\n")
     cmd = [find_uv(), "pip", "compile", "-q", "--no-header", "--no-annotate", "--only-binary", ":all:"]
     cmd += ["--python-version", node["python"], "--python-platform", uv_platform(node)]
+    for name in args.build:
+        cmd += ["--no-binary", name]
     cmd += ["-c", str(work / "constraints.txt"), str(work / "requirements.in")] + index_args(args)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
@@ -187,10 +196,31 @@ def resolve(requirements: list[str], node: dict, args: argparse.Namespace, work:
     return pinned
 
 
+def build_pure_wheels(pins: list[str], args: argparse.Namespace, dest: Path) -> None:
+    """Wheels of ``--build`` packages from their source releases, built here: only a pure-Python
+    one (tag ``py3-none-any``) fits another node's Python and platform, so any other is refused.
+    The build uses this environment's build backend (setuptools), not an isolated one."""
+    if not pins:
+        return
+    built = dest / "built"
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary=:all:", "--no-build-isolation"]
+    cmd += ["-w", str(built)]  # built with this environment's setuptools: no index needed for the backend
+    subprocess.run(cmd + index_args(args) + pins, check=True)
+    for wheel in built.glob("*.whl"):
+        tags = wheel.name[: -len(".whl")].split("-")[-3:]
+        if tags[1:] != ["none", "any"] or not tags[0].startswith("py"):
+            raise BundleError(f"--build {wheel.name}: not a pure-Python wheel; build it on a machine like the node")
+        wheel.replace(dest / wheel.name)
+    built.rmdir()
+
+
 def download(missing: list[tuple[str, str]], node: dict, args: argparse.Namespace, dest: Path) -> list[Path]:
-    """The wheels of ``missing``: index releases through pip, local files copied."""
+    """The wheels of ``missing``: index releases through pip (``--build`` ones built here from
+    source), local files copied."""
     dest.mkdir(parents=True, exist_ok=True)
-    pins = [f"{name}{spec}" for name, spec in missing if spec.startswith("==")]
+    source = {canonical(n) for n in args.build}
+    build_pure_wheels([f"{n}{spec}" for n, spec in missing if n in source and spec.startswith("==")], args, dest)
+    pins = [f"{name}{spec}" for name, spec in missing if spec.startswith("==") and name not in source]
     for name, spec in missing:
         if spec.startswith("@"):
             url = spec[1:]
@@ -300,6 +330,8 @@ def make_bundle(args: argparse.Namespace) -> dict:
             raise BundleError("nothing to bundle: give requirements (e.g. vllm==0.26.0) or --extra cuda")
         pinned = resolve(requirements, node, args, work)
         kept, replaced, missing = split_by_node(pinned, node["installed"])
+        excluded = sorted(name for name, _ in missing if any(fnmatch.fnmatch(name, canonical(x)) for x in args.exclude))
+        missing = [(name, spec) for name, spec in missing if name not in excluded]
         files = download(missing, node, args, work / "wheels")
         part_bytes = int(args.part_mib * 2**20)
         entries = write_parts(files, out, part_bytes)
@@ -308,7 +340,8 @@ def make_bundle(args: argparse.Namespace) -> dict:
         "node": {"python": node["python"], "machine": node["machine"], "glibc": node["glibc"]},
         "kept": {name: v for name, v in sorted(kept.items()) if v},
         "replaced": replaced,
-        "requested": requirements,
+        "excluded": excluded,
+        "requested": [r.split(" @ file://")[0] for r in requirements],  # the project's wheel is in files
         "files": entries,
     }
     sizes = finish_parts(out, manifest, part_bytes)
@@ -318,6 +351,8 @@ def make_bundle(args: argparse.Namespace) -> dict:
         f"[bundle] kept from the node ({len(kept)}): "
         + ", ".join(f"{k} {v or '(version unknown)'}" for k, v in sorted(kept.items()))
     )
+    if excluded:
+        print(f"[bundle] left out (--exclude; imports of them will fail): {', '.join(excluded)}")
     for name, (theirs, ours) in replaced.items():
         print(f"[bundle] replaced: {name} {theirs} -> {ours} (shadows the node's where the target comes first)")
     for name, size in sizes:
@@ -341,6 +376,20 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME",
         help="a package of the node the bundle may carry another release of (not torch)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out resolved packages the node will not import (fnmatch on the name); listed in the manifest",
+    )
+    p.add_argument(
+        "--build",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a pure-Python package released as source only (python-etcd): built into a wheel here",
     )
     p.add_argument("--part-mib", type=float, default=60.0, help="largest part, MiB (default 60)")
     p.add_argument("--index-url")

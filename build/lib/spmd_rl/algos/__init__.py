@@ -1,0 +1,2 @@
+"""Pure tensor functions of the RL algorithms (advantages, policy losses, KL estimators).
+Imports nothing of the project."""

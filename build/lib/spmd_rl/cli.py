@@ -1,0 +1,313 @@
+"""The ``spmd-rl`` command line (typer). User errors exit with code 2 and name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from spmd_rl.config.errors import ConfigError
+from spmd_rl.config.loader import load_config
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.recipe.plan import render
+from spmd_rl.recipe.rules import check
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="SPMD RL post-training: validate, plan, train, eval."
+)
+
+ConfigArg = typer.Argument(..., help="YAML config file.", show_default=False)
+OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. actor.lr=1e-5 rollout.n=8.", show_default=False)
+WorldOpt = typer.Option(
+    None, "--world-size", help="World size to validate for (default: parallel.nnodes x nproc_per_node)."
+)
+NprocOpt = typer.Option(None, "--nproc-per-node", help="Ranks per node (default: parallel.nproc_per_node).")
+
+
+def _past_the_imports() -> None:
+    """``eval`` and ``export`` import torch, transformers and vLLM (tens of CPU-seconds): with a
+    preload server named in ``$SPMD_RL_PRELOAD`` (``launcher.preload``), this process becomes the
+    stub of a forked copy that has them; without one, or refused, it goes on by itself. vLLM's
+    own log handler stays off in both (``QUIET_ENV``, as the server imported vLLM): its records
+    at WARNING and above reach stderr, the INFO chatter does not, and stdout is the result."""
+    from spmd_rl.engines.vllm.logs import QUIET_ENV, quiet_vllm
+    from spmd_rl.launcher.preload import delegate
+
+    delegate("spmd_rl.cli", sets=QUIET_ENV)
+    quiet_vllm(None, 0)
+
+
+def _fail(exc: ConfigError) -> None:
+    typer.echo(f"INVALID {exc}", err=True)
+    raise typer.Exit(code=exc.exit_code)
+
+
+def _checked(config: Path, overrides: list[str] | None, world: int | None, nproc: int | None):
+    try:
+        cfg = load_config(config, overrides or [])
+        lay, violations = check(cfg, world, nproc)
+        if violations:
+            raise ConfigError(violations, str(config))
+    except ConfigError as exc:
+        _fail(exc)
+    return cfg, lay
+
+
+@app.command()
+def validate(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    world_size: Optional[int] = WorldOpt,
+    nproc_per_node: Optional[int] = NprocOpt,
+) -> None:
+    """Check types and every cross-field rule; print each violation on one line. Exit 0 valid, 2 invalid."""
+    cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
+    typer.echo(
+        f"OK {config}: world {lay.world} ({lay.nnodes} node(s) x {lay.nproc_per_node}), "
+        f"train dp_shard={lay.train.dp} tp={lay.train.tp}{f' pp={lay.train.pp}' if lay.train.pp > 1 else ''}, gen "
+        f"dp={lay.gen.dp} tp={lay.gen.tp}, "
+        f"{cfg.algorithm.name} G={cfg.data.global_batch_size} N={cfg.rollout.n}"
+    )
+
+
+@app.command()
+def plan(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    world_size: Optional[int] = WorldOpt,
+    nproc_per_node: Optional[int] = NprocOpt,
+    bandwidth_gbps: float = typer.Option(
+        0.29296875,
+        "--bandwidth-gbps",
+        help="Inter-node link bandwidth in GB/s (1 GB = 1024^3 B); default 300 MB/s as in the paper.",
+    ),
+) -> None:
+    """Print both layouts rank by rank, per-rank memory, redundant memory R (Eq. 3) and TCV (Eqs. 2, 4)."""
+    if bandwidth_gbps <= 0:
+        typer.echo("INVALID --bandwidth-gbps must be > 0", err=True)
+        raise typer.Exit(code=2)
+    cfg, lay = _checked(config, overrides, world_size, nproc_per_node)
+    typer.echo(render(cfg, ModelArch.from_folder(cfg.model.path), lay, bandwidth_gbps))
+
+
+@app.command()
+def doctor(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+) -> None:
+    """Check this node for the config: package versions, devices, etcd, dock ports, host memory and
+    /dev/shm. One line per check; exit 0 when none failed, 2 with each fix otherwise."""
+    from spmd_rl.launcher.doctor import diagnose
+
+    cfg, lay = _checked(config, overrides, None, None)
+    checks = diagnose(cfg, lay, ModelArch.from_folder(cfg.model.path))
+    for c in checks:
+        typer.echo(c.line())
+    failed = [c.name for c in checks if not c.ok]
+    typer.echo(
+        f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    if failed:
+        raise typer.Exit(code=2)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run's logging folder (logging.dir, holding metrics.jsonl)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Where the PNGs and report.html go; default RUN_DIR/report."
+    ),
+    trace: bool = typer.Option(
+        False,
+        "--trace",
+        help="Also write trace.json: every rank's stage timeline as one Chrome/Perfetto trace (open it in "
+        "ui.perfetto.dev).",
+    ),
+) -> None:
+    """PNG plots of a run's metrics (reward, accuracy, lengths, KL, entropy, clip fraction, mismatch,
+    grad norm, time and memory per stage) and one self-contained HTML page with them and the config."""
+    import json
+
+    from rich.progress import Progress
+
+    from spmd_rl.report.page import render as render_page
+    from spmd_rl.report.plots import draw, read_rows
+
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        typer.echo(
+            f"INVALID {run_dir}: no metrics.jsonl there -> pass the run's logging.dir (e.g. runs/quickstart/logs)",
+            err=True,
+        )
+        raise typer.Exit(code=2)
+    out = out or run_dir / "report"
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"reading {metrics}", total=metrics.stat().st_size)
+        rows = read_rows(metrics, lambda n: bar.advance(task, n))
+    drawn, empty = draw(rows, out)
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else None
+    page = out / "report.html"
+    page.write_text(render_page(f"spmd-rl run {run_dir}", drawn, empty, config, len(rows)))
+    made = {"html": str(page), "figures": [str(p) for _, p in drawn], "no_data": [f.name for f in empty]}
+    if trace:
+        from spmd_rl.report.trace import chrome_trace, read_timelines
+
+        timelines = read_timelines(run_dir / "trace")
+        if not timelines:
+            typer.echo(
+                f"INVALID {run_dir}/trace: no rank timelines there (every run writes them from this version on)",
+                err=True,
+            )
+            raise typer.Exit(code=2)
+        (out / "trace.json").write_text(json.dumps(chrome_trace(timelines)))
+        made["trace"] = str(out / "trace.json")
+    typer.echo(json.dumps(made))
+
+
+@app.command()
+def train(
+    config: Path = ConfigArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    nproc_per_node: Optional[int] = NprocOpt,
+) -> None:
+    """Train on this node: validate, start the embedded etcd if no endpoints are configured,
+    run torchrun with `python -m spmd_rl.train`. Exit code is torchrun's (2: invalid config)."""
+    from spmd_rl.launcher.local import run_local
+
+    nproc = nproc_per_node or 0
+    cfg, lay = _checked(config, overrides, None if not nproc else nproc, nproc or None)
+    raise typer.Exit(code=run_local(config, list(overrides or []), cfg, lay.nproc_per_node))
+
+
+@app.command()
+def export(
+    checkpoint_dir: Path = typer.Argument(..., help="A checkpoint folder (iter_NNNNNN)."),
+    out: Path = typer.Option(..., "--out", help="Output HF folder."),
+    merged: bool = typer.Option(
+        False,
+        "--merged",
+        help="LoRA checkpoint: write the base model with the adapters merged instead of the adapter folder.",
+    ),
+) -> None:
+    """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer); a LoRA
+    checkpoint as a PEFT adapter folder, or with --merged as the merged model."""
+    _past_the_imports()
+    from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
+
+    if not is_checkpoint(checkpoint_dir):
+        typer.echo(f"INVALID {checkpoint_dir}: not a complete checkpoint (no trainer_state.json)", err=True)
+        raise typer.Exit(code=2)
+    from spmd_rl.engines.safe_dcp import BadCheckpoint
+
+    try:
+        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out, merged=merged)}")
+    except BadCheckpoint as exc:
+        typer.echo(f"INVALID {exc}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+@app.command(name="eval")
+def evaluate(  # noqa: PLR0913
+    model: Path = typer.Argument(..., help="HF model folder or checkpoint folder."),
+    data: Path = typer.Option(..., "--data", help="Prompt file (.jsonl/.parquet) with prompt and answer columns."),
+    rule: str = typer.Option("exact_match", "--rule", help="Reward rule deciding correctness."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts."),
+    max_tokens: int = typer.Option(
+        8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."
+    ),
+    environment: Optional[str] = typer.Option(
+        None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."
+    ),
+    max_turns: int = typer.Option(4, "--max-turns", help="With --environment: the most sampled turns per trajectory."),
+    pairs: bool = typer.Option(
+        False,
+        "--pairs",
+        help="--data is a preference file (prompt, chosen, rejected): print DPO's held-out margin and accuracy against "
+        "--reference instead.",
+    ),
+    reference: Optional[Path] = typer.Option(
+        None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."
+    ),
+    engine: str = typer.Option("vllm", "--engine", help="The rollout engine that generates (as rollout.engine)."),
+) -> None:
+    """Greedy accuracy through a rollout engine (in-process vLLM by default), or with --pairs
+    the preference margin of the model against its reference (HF forwards); prints one JSON line."""
+    _past_the_imports()
+    import json
+    import tempfile
+
+    from spmd_rl.config.schema import check_rollout_engine
+    from spmd_rl.trainer.export import greedy_accuracy
+
+    if not data.is_file():
+        typer.echo(f"INVALID --data={data}: file not found", err=True)
+        raise typer.Exit(code=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _hf_folder(model, Path(tmp))
+        if pairs:
+            from spmd_rl.trainer.pair_eval import preference_eval
+
+            result = preference_eval(model_dir, _pairs_reference(model, reference), data, limit)
+        else:
+            try:
+                check_rollout_engine(engine)
+            except ValueError as exc:
+                typer.echo(f"INVALID --engine={engine}: {exc}", err=True)
+                raise typer.Exit(code=2) from None
+            result = greedy_accuracy(
+                model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns, engine=engine
+            )
+    typer.echo(json.dumps(result | {"model": str(model)}))
+
+
+def _hf_folder(model: Path, tmp: Path) -> Path:
+    """``model`` itself when it is an HF folder; a checkpoint exported (merged) under ``tmp``;
+    else exit 2 naming it."""
+    from spmd_rl.engines.safe_dcp import BadCheckpoint
+    from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
+
+    if is_checkpoint(model):
+        try:
+            return export_ckpt(model, tmp / "hf", merged=True)
+        except BadCheckpoint as exc:
+            typer.echo(f"INVALID {exc}", err=True)
+            raise typer.Exit(code=2) from None
+    if (model / "config.json").is_file():
+        return model
+    typer.echo(f"INVALID {model}: neither an HF model folder nor a checkpoint", err=True)
+    raise typer.Exit(code=2)
+
+
+def _pairs_reference(model: Path, reference: Path | None) -> Path:
+    """The reference of ``eval --pairs``: ``--reference``, else the base model a checkpoint names;
+    exit 2 when neither is an HF folder."""
+    from spmd_rl.trainer.checkpoint import read_state
+    from spmd_rl.trainer.export import is_checkpoint
+
+    ref = reference or (Path(read_state(model)["model_path"]) if is_checkpoint(model) else None)
+    if ref is None or not (ref / "config.json").is_file():
+        typer.echo(
+            f"INVALID --reference={ref}: --pairs needs the reference HF folder (a checkpoint names its base model)",
+            err=True,
+        )
+        raise typer.Exit(code=2)
+    return ref
+
+
+@app.command(name="config-reference")
+def config_reference() -> None:
+    """Print the configuration reference (every field, type, default, range, description) as
+    Markdown; docs/config.md is this output."""
+    from spmd_rl.config.reference import render
+
+    typer.echo(render(), nl=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

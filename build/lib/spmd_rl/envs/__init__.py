@@ -1,0 +1,1 @@
+"""Multi-turn environments and the tools they call."""

@@ -1,0 +1,1 @@
+"""Resharding between the training and generation engines: allgather-swap, host swap, ledger."""

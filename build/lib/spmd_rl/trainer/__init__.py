@@ -1,0 +1,1 @@
+"""The SPMD stage loop, its metrics and checkpoints."""

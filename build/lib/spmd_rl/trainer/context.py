@@ -1,0 +1,107 @@
+"""Everything a stage needs, built once per process: layouts, dock, engines, data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from spmd_rl.config.layout import Layouts
+from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.schema import Config
+from spmd_rl.data.prompts import PromptSet
+from spmd_rl.data.sampler import PromptSampler
+from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.dock.client import TransferDock
+from spmd_rl.dock.fetch import Peer
+from spmd_rl.engines.base import Rollout
+from spmd_rl.recipe.graph import Modes, Stage, fused_stages
+from spmd_rl.engines.base import Engine
+from spmd_rl.envs.factory import environment_factory
+from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
+from spmd_rl.reshard.residency import Residency
+from spmd_rl.trainer.ledger import PromptLedger
+
+
+@dataclass
+class Progress:
+    """What a run changes as it goes; everything else in ``Run`` is fixed once built."""
+
+    policy_version: int = 0
+    """Separated placement, on a generator: the updates behind the weights its engine holds."""
+    carry: list = field(default_factory=list)
+    """Partial rollout: the ``trainer.carry.CarriedGroup`` s this generation DP group continues next."""
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out prompts of ``trainer.eval_interval`` (``data.test_path``) and the reward
+    rule that decides a greedy answer is right (``trainer.evaluate``)."""
+
+    prompts: PromptSet
+    correct: Callable[[str, str], float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """Built once per process with keywords (``train.build``) and never reassigned; what changes
+    over the run lives in ``progress``."""
+
+    cfg: Config
+    lay: Layouts
+    peer: Peer
+    acc: Accelerator
+    dock: TransferDock
+    modes: Modes
+    """What the run is (``recipe.graph.Modes.of``), derived once from the config."""
+    graph: list[Stage]
+    """The stage graph of this config (``recipe.graph.stages_for``), built once; the one that runs."""
+    roles: dict[str, Engine]
+    """One engine per training-side role: actor, and ref / critic / reward_model when the graph has them."""
+    rollout: Rollout | None
+    """None on a training rank of the separated placement."""
+    residency: Residency
+    tokenizer: Any
+    prompts: PromptSet
+    sampler: PromptSampler
+    reward_fn: Any
+    lineage: str = ""
+    """The id of the checkpoint lineage this run writes (``trainer.checkpoint.lineage_id``);
+    the leader's names the W&B run."""
+    held_out: HeldOut | None = None
+    """What the periodic greedy evaluation scores (``trainer.eval_interval``), else None."""
+    ledger: PromptLedger | None = None
+    """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
+    gen_tp_group: Any = None
+    """Multi-turn with generation TP > 1: this rank's generation group (``envs.turn_sync``)."""
+    progress: Progress = field(default_factory=Progress)
+
+    @cached_property
+    def fused(self) -> list[Stage]:
+        """The stages that run inside the rollout (``stream.fuse``; ``recipe.graph.fused_stages``),
+        derived once from the graph."""
+        return fused_stages(self.cfg, self.graph)
+
+    @cached_property
+    def arch(self) -> ModelArch:
+        """The policy's architecture (``model.path``'s config.json)."""
+        return ModelArch.from_folder(self.cfg.model.path)
+
+    @cached_property
+    def turns(self) -> MultiTurnRollout | None:
+        """Multi-turn rollouts through this rank's engine (``rollout.environment``), else None."""
+        r = self.cfg.rollout
+        if not self.modes.multi_turn or self.rollout is None:
+            return None
+        return MultiTurnRollout(
+            self.rollout,
+            self.tokenizer,
+            environment_factory(r.environment, r.unsafe_python_without_jail),
+            TurnLimits(r.max_turns, r.max_response_length, r.tool_timeout_s),
+            tp_group=self.gen_tp_group,
+        )
+
+    @property
+    def actor(self) -> Engine:
+        return self.roles["actor"]

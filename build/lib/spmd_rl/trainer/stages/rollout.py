@@ -1,0 +1,195 @@
+"""actor_rollout: N responses per prompt group from the rollout engine (generation layout,
+group-granular: a generation DP group receives whole prompt groups). Seeded per iteration and
+by the first sample index, so a rerun of the iteration samples the same responses.
+
+``rollout_groups`` yields each prompt group as the engine finishes it (stage fusion streams
+them into the dock); the stage function collects them all, so both paths write the same
+samples.
+
+Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is continued
+from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, request k seeded
+seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
+tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
+far). Under separated placement every token is tagged with the version of the weights the
+generator holds (``Run.progress.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
+
+With ``rollout.environment`` every sample is a multi-turn trajectory (``envs.multi_turn``:
+sampled turns with tool turns inserted between them, all of the share's trajectories through the
+engine at once); the stage also writes ``response_mask`` and ``env_reward`` and sums the
+trajectories' turn and tool counts (``envs.trajectory.STATS``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from spmd_rl.distributed import timeline
+from spmd_rl.engines.base import Sample
+from spmd_rl.envs.trajectory import STATS, Trajectory
+from spmd_rl.trainer.carry import Piece
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+
+
+def _seed(call: StageCall) -> int:
+    return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007 + int(call.batch.indices[0])
+
+
+def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
+    """(sample indices, samples) of the prompt groups of this share that each engine step
+    finished, in finishing order."""
+    run, batch = call.run, call.batch
+    n = run.cfg.rollout.n
+    idx = batch.indices.tolist()
+    if not idx:
+        return
+    if run.turns is not None:  # trajectories finish in any order; the groups are handed over together
+        yield idx, [_as_sample(t) for t in _trajectories(call)]
+        return
+    firsts = batch.columns["prompt_ids"][::n]
+    for step in run.rollout.generate_stream(
+        [f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)
+    ):
+        yield [i for p, _ in step for i in idx[p * n : (p + 1) * n]], [s for _, samples in step for s in samples]
+
+
+def rollout_columns(samples: list[Sample]) -> dict[str, object]:
+    """The rollout's columns; ``rollout_routes`` when the engine records routes."""
+    out: dict[str, object] = {
+        "response_ids": [torch.tensor(s.token_ids, dtype=torch.int32) for s in samples],
+        "rollout_log_prob": [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+        "response_length": torch.tensor([len(s.token_ids) for s in samples], dtype=torch.int32),
+    }
+    if samples and samples[0].routes is not None:
+        out["rollout_routes"] = [s.routes for s in samples]
+    if samples and samples[0].mask is not None:
+        out["response_mask"] = [torch.tensor(s.mask, dtype=torch.uint8) for s in samples]
+        out["env_reward"] = torch.tensor([s.env_reward for s in samples], dtype=torch.float32)
+    return out
+
+
+def _trajectories(call: StageCall) -> list[Trajectory]:
+    """One multi-turn trajectory per sample of the share, in index order."""
+    run, cols = call.run, call.batch.columns
+    items = [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
+    return run.turns.run(items, seed=_seed(call), seed_keys=call.batch.indices.tolist())
+
+
+def _as_sample(t: Trajectory) -> Sample:
+    return Sample(t.ids, t.logprobs, t.stopped, mask=t.mask, env_reward=t.reward, stats=dict(t.stats))
+
+
+@register("actor_rollout")
+def actor_rollout(call: StageCall) -> StageResult:
+    with timeline.span("generate"):
+        return _rollout(call)
+
+
+def _rollout(call: StageCall) -> StageResult:
+    partial = call.run.modes.partial_rollout
+    if not len(call.batch):
+        return StageResult(pieces={} if partial else None, sums=turn_sums(call.run, []))
+    if partial:
+        return _continue(call)
+    by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
+    samples = [by_index[i] for i in call.batch.indices.tolist()]
+    out = rollout_columns(samples)
+    if call.run.modes.versioned:  # separated placement: the version of the weights the engine holds
+        out["response_version"] = [
+            torch.full((len(s.token_ids),), call.run.progress.policy_version, dtype=torch.int32) for s in samples
+        ]
+    return StageResult(columns=out, sums=turn_sums(call.run, samples))
+
+
+def turn_sums(run: Run, samples: list[Sample]) -> dict[str, float]:
+    """The multi-turn counts of these samples: every key on every rank under
+    ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
+    if not run.modes.multi_turn:
+        return {}
+    return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
+
+
+def _continue(call: StageCall) -> StageResult:
+    cfg, cols = call.run.cfg, call.batch.columns
+    limit = cfg.rollout.max_response_length
+    routes = cols.get("prefix_routes", [None] * len(call.batch))
+    pieces = [
+        Piece.of(row, ids, lp, ver, done, r if r is None or r.numel() else None)
+        for row, ids, lp, ver, done, r in zip(
+            cols["prompt_row"],
+            cols["prefix_ids"],
+            cols["prefix_log_prob"],
+            cols["prefix_version"],
+            cols["prefix_done"],
+            routes,
+        )
+    ]
+    if call.run.turns is not None:
+        return _continue_turns(call, pieces)
+    todo = [k for k, p in enumerate(pieces) if not p.done]
+    got = call.run.rollout.continue_samples(
+        [
+            (
+                cols["prompt_ids"][k].tolist() + pieces[k].token_ids,
+                min(cfg.stream.partial_tokens, limit - len(pieces[k].token_ids)),
+            )
+            for k in todo
+        ],
+        seed=_seed(call),
+    )
+    for k, s in zip(todo, got):
+        pieces[k].extend(s, call.it, limit)
+    out = rollout_columns([Sample(p.token_ids, p.logprobs, routes=p.routes) for p in pieces])
+    out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
+    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)))
+
+
+def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
+    """Partial rollout of multi-turn trajectories: each unfinished sample is rebuilt from the
+    dock's tokens and mask (``Trajectory.replay``: a fresh environment, its turns fed again;
+    whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
+    A trajectory's counts are summed once, in the iteration it ends."""
+    run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
+    trajs = run.turns.start(
+        [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
+        seed_keys=call.batch.indices.tolist(),
+    )
+    todo = []
+    for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
+        p.mask, p.env_reward = m.tolist(), float(reward)
+        if not p.done and (
+            not p.token_ids
+            or t.replay(
+                p.token_ids,
+                p.logprobs,
+                p.mask,
+                run.tokenizer,
+                lim.max_tokens,
+                lim.max_turns,
+                p.env_reward,
+                lim.tool_timeout_s,
+            )
+        ):
+            todo.append(t)
+    run.turns.advance(todo, seed=_seed(call), segment=run.cfg.stream.partial_tokens)
+    samples, ended = [], []
+    for p, t in zip(pieces, trajs):
+        ended.append(not p.done and t.done)  # its counts are summed in the iteration it ends
+        if not p.done:
+            p.versions += [call.it] * (len(t.ids) - len(p.token_ids))
+            p.token_ids, p.logprobs, p.mask, p.done, p.env_reward = (
+                list(t.ids),
+                list(t.logprobs),
+                list(t.mask),
+                t.done,
+                t.reward,
+            )
+        samples.append(
+            Sample(
+                p.token_ids, p.logprobs, mask=p.mask, env_reward=p.env_reward, stats=dict(t.stats) if ended[-1] else {}
+            )
+        )
+    out = rollout_columns(samples)
+    out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
+    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run, samples))
