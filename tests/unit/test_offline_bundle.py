@@ -254,3 +254,13 @@ def test_freeze_lines():
     }
     with pytest.raises(offline_bundle.BundleError, match="pip freeze"):
         offline_bundle.parse_freeze("torch>=2\n")
+
+
+def test_the_acceptance_script_records_each_step_and_stops_without_an_install(tmp_path):
+    """tools/gpu_acceptance.sh (issue 49's device run): a bundle that is not there stops it at
+    the install step, recorded with the installer's exit status, before any device work."""
+    done = run("bash", REPO / "tools" / "gpu_acceptance.sh", tmp_path / "no-bundle", tmp_path / "out")
+    assert done.returncode == 1
+    (line,) = (tmp_path / "out" / "status.tsv").read_text().splitlines()
+    assert line.split("\t")[:2] == ["install", "2"]
+    assert "no manifest.json" in (tmp_path / "out" / "install.log").read_text()
