@@ -67,6 +67,27 @@ def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
     )
 
 
+def _vllm_options(build: RolloutBuild, version: str) -> dict:
+    """``LLM(...)``'s options for ``build`` on this vLLM release (``options.engine_options``, then
+    ``compat``), after the release's checks: a warning off the tested release, LoRA refused where
+    vLLM's base-weight reload crashes with it."""
+    if (warning := compat.check_version(version)) is not None:
+        log.warning(warning)
+    if build.lora is not None:
+        compat.check_lora(version)
+    options = engine_options(
+        build.acc.kind,
+        build.cfg,
+        build.distributed,
+        build.own_process,
+        build.dummy_weights,
+        build.record_routes,
+        build.expert_parallel,
+        None if build.lora is None else build.lora.rank,
+    )
+    return compat.adjust_engine_options(version, options)
+
+
 def _freeze_import_heap() -> None:
     """Move every object alive now (mostly the imports': about 650 k after torch, transformers
     and vLLM) to the collector's permanent generation, after one full collection (so no garbage
@@ -94,10 +115,7 @@ class VllmRollout(Rollout):
         import vllm
         from vllm import LLM
 
-        if (warning := compat.check_version(vllm.__version__)) is not None:
-            log.warning(warning)
-        if build.lora is not None:
-            compat.check_lora(vllm.__version__)
+        options = _vllm_options(build, vllm.__version__)
         self.cfg = cfg
         self.acc = acc
         self.tp = tp
@@ -119,19 +137,7 @@ class VllmRollout(Rollout):
                 tensor_parallel_size=tp,
                 max_model_len=build.max_model_len,
                 seed=build.seed,
-                **compat.adjust_engine_options(
-                    vllm.__version__,
-                    engine_options(
-                        acc.kind,
-                        cfg,
-                        build.distributed,
-                        own_process,
-                        dummy_weights,
-                        record_routes,
-                        build.expert_parallel,
-                        None if build.lora is None else build.lora.rank,
-                    ),
-                ),
+                **options,
             )
         lora = build.lora
         self.adapters = None if lora is None else AdapterSync(path, lora.rank, lora.alpha, lora.target_modules)
