@@ -50,12 +50,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_FILES = (REPO / "launch" / "offline_install.py", REPO / "launch" / "install_offline.sh")
 UV_MANYLINUX = (17, 40)
 """The manylinux_2_N range uv's ``--python-platform`` names (uv 0.13: x86_64-manylinux_2_17 ... _2_40)."""
+PROJECT_LEFT_OUT = (".git", ".venv", "assets", "runs", "build", "*.egg-info", "__pycache__")
+"""What ``--extra`` does not copy of the project before building its wheel (none of it is packaged)."""
 LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
 BUFFER = 1 << 20
 
@@ -152,15 +155,17 @@ def find_uv() -> str:
 
 
 def project_requirement(project: Path, extra: str, work: Path) -> str:
-    """Build the project's wheel and name it with the extra: ``spmd-rl[cuda] @ file://...``."""
-    meta = (project / "pyproject.toml").read_text()
-    extras = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[|\Z)", meta, re.S | re.M)
-    names = re.findall(r"^([A-Za-z0-9_-]+)\s*=", extras.group(1), re.M) if extras else []
+    """Build the project's wheel (from a copy) and name it with the extra: ``spmd-rl[cuda] @ file://...``."""
+    meta = tomllib.loads((project / "pyproject.toml").read_text())
+    names = sorted(meta["project"].get("optional-dependencies", {}))
     if extra not in names:
         raise BundleError(f"--extra {extra}: {project / 'pyproject.toml'} has no such extra (it has {names})")
+    # setuptools writes build/ and *.egg-info beside the sources: build a copy, never the user's tree
+    source = work / "source"
+    shutil.copytree(project, source, ignore=shutil.ignore_patterns(*PROJECT_LEFT_OUT))
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(work)]
-    subprocess.run(cmd + [str(project)], check=True, stdout=subprocess.DEVNULL)
-    wheel = max(work.glob("*.whl"), key=lambda p: p.stat().st_mtime)
+    subprocess.run(cmd + [str(source)], check=True, stdout=subprocess.DEVNULL)
+    (wheel,) = work.glob("*.whl")
     name = canonical(wheel.name.split("-")[0])
     return f"{name}[{extra}] @ {wheel.resolve().as_uri()}"
 

@@ -230,6 +230,7 @@ def test_the_project_bundles_with_its_extra(tmp_path):
     assert offline_bundle.main([*args, str(tmp_path / "b"), "--project", str(project), "--extra", "gpu"]) == 0
     names = sorted(f["name"] for f in manifest(tmp_path / "b")["files"])
     assert names == ["beta-1.0-py3-none-any.whl", "gamma-1.0-py3-none-any.whl", "my_proj-0.3-py3-none-any.whl"]
+    assert sorted(p.name for p in project.iterdir()) == ["my_proj.py", "pyproject.toml"]  # built from a copy
     assert offline_bundle.main([*args, str(tmp_path / "c"), "--project", str(project), "--extra", "cuda"]) == 2
 
 

@@ -1,1 +1,0 @@
-"""Prompt datasets and the resumable sampler."""

@@ -1,1 +1,0 @@
-"""Accelerator abstraction and device meshes; the only place that touches torch.cuda / torch_npu."""

@@ -1,1 +1,0 @@
-"""Multi-turn environments and the tools they call."""

@@ -1,1 +1,0 @@
-"""``spmd-rl report``: pictures of a finished (or running) run from its logging folder."""

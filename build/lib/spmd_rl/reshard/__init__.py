@@ -1,1 +1,0 @@
-"""Resharding between the training and generation engines: allgather-swap, host swap, ledger."""

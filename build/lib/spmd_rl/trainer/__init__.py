@@ -1,1 +1,0 @@
-"""The SPMD stage loop, its metrics and checkpoints."""
