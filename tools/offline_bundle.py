@@ -54,21 +54,16 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "launch"))
+# the node's half: the manifest's format, name normalisation and the user-error type are its own
+from offline_install import FORMAT, BundleError, canonical  # noqa: E402
+
 NODE_FILES = (REPO / "launch" / "offline_install.py", REPO / "launch" / "install_offline.sh")
 UV_MANYLINUX = (17, 40)
 """The manylinux_2_N range uv's ``--python-platform`` names (uv 0.13: x86_64-manylinux_2_17 ... _2_40)."""
 PROJECT_LEFT_OUT = (".git", ".venv", "assets", "runs", "build", "*.egg-info", "__pycache__")
 """What ``--extra`` does not copy of the project before building its wheel (none of it is packaged)."""
 LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-BUFFER = 1 << 20
-
-
-class BundleError(Exception):
-    """A user error, exit 2: the message names the input and the fix."""
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def parse_freeze(text: str) -> dict[str, str | None]:
@@ -260,10 +255,6 @@ def split_by_node(pinned: list[tuple[str, str]], have: dict) -> tuple[dict, dict
     return kept, replaced, carried
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def write_parts(files: list[Path], out: Path, part_bytes: int) -> list[dict]:
     """Cut files into chunks of at most one part's room, pack them largest first into parts
     (first fit), and write them; returns the manifest's ``files`` list."""
@@ -300,7 +291,9 @@ def write_parts(files: list[Path], out: Path, part_bytes: int) -> list[dict]:
                 name = f.name if len(ks) == 1 else f"{f.name}.{k:03d}"
                 (out / part).mkdir(parents=True, exist_ok=True)
                 (out / part / name).write_bytes(data)
-                entry["chunks"].append({"name": name, "part": part, "size": size, "sha256": sha256_bytes(data)})
+                entry["chunks"].append(
+                    {"name": name, "part": part, "size": size, "sha256": hashlib.sha256(data).hexdigest()}
+                )
         entry["sha256"] = whole.hexdigest()
         entries.append(entry)
     return entries
@@ -341,7 +334,7 @@ def make_bundle(args: argparse.Namespace) -> dict:
         part_bytes = int(args.part_mib * 2**20)
         entries = write_parts(files, out, part_bytes)
     manifest = {
-        "format": 1,
+        "format": FORMAT,
         "node": {"python": node["python"], "machine": node["machine"], "glibc": node["glibc"]},
         "kept": {name: v for name, v in sorted(kept.items()) if v},
         "replaced": replaced,
