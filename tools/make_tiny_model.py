@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -173,26 +175,35 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
 
-def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
+def sft_steps(model, tokenizer, train: list[dict], args) -> Iterator[float]:
+    """The warm start's supervised steps, endless, yielding each step's loss: ``--batch-size``
+    prompts drawn with ``random.Random(--seed)``, AdamW at ``--lr``, gradients clipped to norm 1
+    (the MoE sibling adds its load-balancing loss). Seeded, so every run takes the same steps:
+    ``tools/tiny_weights.py`` checks the committed weights' first losses against these."""
     rng = random.Random(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    probe = test[: args.eval_prompts]
-    acc, step = 0.0, 0
-    t0 = time.time()
-    for step in range(1, args.max_steps + 1):
+    moe = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
+    while True:
         ids, mask, lab = sft_batch(tokenizer, rng.sample(train, args.batch_size))
-        moe = (
-            {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
-        )  # + the load-balancing loss
         loss = model(input_ids=ids, attention_mask=mask, labels=lab, **moe).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        yield loss.item()
+
+
+def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
+    """``sft_steps`` until greedy accuracy on the first ``--eval-prompts`` test prompts, measured
+    every ``--eval-every`` steps, reaches ``--target-accuracy`` (or ``--max-steps``)."""
+    probe = test[: args.eval_prompts]
+    acc, step = 0.0, 0
+    t0 = time.time()
+    for step, loss in zip(range(1, args.max_steps + 1), sft_steps(model, tokenizer, train, args)):
         if step % args.eval_every == 0:
             acc = greedy_accuracy(model, tokenizer, probe)
             print(
-                f"[make_tiny_model {args.arch}] step {step:5d} loss {loss.item():.4f} test acc {acc:.3f} "
+                f"[make_tiny_model {args.arch}] step {step:5d} loss {loss:.4f} test acc {acc:.3f} "
                 f"({time.time() - t0:.0f}s)",
                 flush=True,
             )
@@ -201,7 +212,7 @@ def warm_start(model, tokenizer, train, test, args) -> tuple[int, float]:
     return step, acc
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="Output folder (model + tokenizer + data).")
     ap.add_argument(
@@ -218,12 +229,57 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument(
+        "--weights",
+        type=Path,
+        help="Take the warm-started weights from this file (tools/tiny_weights/, written by tools/tiny_weights.py "
+        "pack) instead of training them; everything else is built as without it.",
+    )
+    ap.add_argument(
         "--no-reward-model",
         dest="reward_model",
         action="store_false",
         help="Skip the tiny reward model (<out>/reward_model, tools/make_tiny_reward_model.py).",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def load_weights(model, path: Path):
+    """``(model, report)``: a model of ``model``'s class and config holding the committed weights
+    (stored in float16, ``tools/tiny_weights.py``) in the config's dtype, loaded through
+    transformers (which maps a checkpoint's per-expert tensors onto the fused MoE layers), every
+    tensor accounted for; and the report the builder wrote when it trained them. Torch's random
+    state is left as it was, so what the builder samples next is what it sampled after training."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, "pt") as f:
+        state = {k: f.get_tensor(k).to(torch.float32) for k in f.keys()}
+        report = json.loads((f.metadata() or {}).get("report", "{}"))
+    rng = torch.get_rng_state()
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        save_file(state, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        loaded, info = type(model).from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    torch.set_rng_state(rng)
+    if not report or any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        raise SystemExit(
+            f"{path} does not hold this builder's model ({ {k: list(v)[:3] for k, v in info.items() if v} }, "
+            f"report {report}): run tools/tiny_weights.py rebuild"
+        )
+    loaded.train(model.training)
+    return loaded, report
+
+
+def weights_origin(path: Path | None) -> dict:
+    """The report's record of committed weights: their file's sha256 (``tools/tiny_weights.py``
+    builds again a folder whose record differs from the file it has now)."""
+    return {"weights_sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path else {}
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer()
@@ -234,7 +290,11 @@ def main() -> None:
         f"{len(train)} train / {len(test)} test prompts",
         flush=True,
     )
-    steps, acc = warm_start(model, tokenizer, train, test, args) if args.max_steps else (0, 0.0)
+    if args.weights:
+        model, recorded = load_weights(model, args.weights)
+        steps = recorded["sft_steps"]
+    else:
+        steps, _ = warm_start(model, tokenizer, train, test, args) if args.max_steps else (0, 0.0)
     full_acc = greedy_accuracy(model, tokenizer, test)
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
@@ -246,6 +306,7 @@ def main() -> None:
         with open(args.out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     report = {"seed": args.seed, "sft_steps": steps, "test_accuracy": full_acc, "n_test": len(test)}
+    report |= weights_origin(args.weights)
     (args.out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
     print(
         f"[make_tiny_model {args.arch}] wrote {args.out}: greedy accuracy on all {len(test)} test prompts = "

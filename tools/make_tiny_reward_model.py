@@ -20,10 +20,11 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from make_tiny_model import prompt_ids  # tools/ is the script's folder
+from make_tiny_model import load_weights, prompt_ids, weights_origin  # tools/ is the script's folder
 from transformers import AutoTokenizer, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 
@@ -65,29 +66,60 @@ def last_token_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return model.score(hidden[torch.arange(len(ids)), last]).squeeze(-1)
 
 
-def build(model_dir: Path, out: Path, seed: int = 0, steps: int = 600, batch_size: int = 32, lr: float = 5e-4) -> dict:
+def initial_model(model_dir: Path, seed: int):
+    """(tokenizer, the classifier before training): the policy's trunk and a seeded score head."""
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = policy.config
     cfg.num_labels, cfg.architectures = 1, ["Qwen2ForSequenceClassification"]
     model = Qwen2ForSequenceClassification(cfg)
     model.model.load_state_dict(policy.model.state_dict())
-    rows = [json.loads(line) for line in (model_dir / "train.jsonl").read_text().splitlines()]
-    test = [json.loads(line) for line in (model_dir / "test.jsonl").read_text().splitlines()][:200]
+    return tok, model
+
+
+def reward_steps(model, tok, rows: list[dict], seed: int, batch_size: int, lr: float) -> Iterator[float]:
+    """The training steps, endless, yielding each step's loss: binary cross-entropy of the last
+    token's logit on ``batch_size`` prompts drawn with ``random.Random(seed)``, each once right and
+    once wrong; AdamW, gradients clipped to norm 1. Seeded: ``tools/tiny_weights.py`` checks the
+    committed weights' first losses against these."""
+    rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    t0 = time.time()
     model.train()
-    for step in range(1, steps + 1):
+    while True:
         ids, mask, y = batch(tok, rng.sample(rows, batch_size), rng)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(last_token_logits(model, ids, mask), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 100 == 0:
-            print(f"[make_tiny_reward_model] step {step} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
+        yield loss.item()
+
+
+def build(
+    model_dir: Path,
+    out: Path,
+    seed: int = 0,
+    steps: int = 600,
+    batch_size: int = 32,
+    lr: float = 5e-4,
+    weights: Path | None = None,
+) -> dict:
+    """Train (or, with ``weights``, load) the classifier, measure it on 200 held-out prompts and
+    write the folder; ``train_report.json`` last."""
+    tok, model = initial_model(model_dir, seed)
+    rows = [json.loads(line) for line in (model_dir / "train.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (model_dir / "test.jsonl").read_text().splitlines()][:200]
+    if weights:
+        model, recorded = load_weights(model, weights)
+        steps, final_loss = recorded["steps"], recorded["final_loss"]
+    else:
+        t0 = time.time()
+        for step, final_loss in zip(range(1, steps + 1), reward_steps(model, tok, rows, seed, batch_size, lr)):
+            if step % 100 == 0:
+                print(
+                    f"[make_tiny_reward_model] step {step} loss {final_loss:.4f} ({time.time() - t0:.0f}s)", flush=True
+                )
     model.eval()
     with torch.no_grad():
         ids, mask, y = batch(tok, test, random.Random(seed + 1))
@@ -96,13 +128,15 @@ def build(model_dir: Path, out: Path, seed: int = 0, steps: int = 600, batch_siz
     model.config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    report = {"seed": seed, "steps": steps, "held_out_accuracy": acc, "final_loss": float(loss.detach())}
+    report = {"seed": seed, "steps": steps, "held_out_accuracy": acc, "final_loss": final_loss} | weights_origin(
+        weights
+    )
     (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"[make_tiny_reward_model] wrote {out}: held-out right/wrong accuracy {acc:.3f}", flush=True)
     return report
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--model", type=Path, required=True, help="The tiny policy folder (tools/make_tiny_model.py --out)."
@@ -110,8 +144,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="Output folder; default <model>/reward_model.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=600)
-    args = ap.parse_args()
-    build(args.model, args.out or args.model / "reward_model", args.seed, args.steps)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument(
+        "--weights",
+        type=Path,
+        help="Take the trained weights from this file (tools/tiny_weights/) instead of training.",
+    )
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+    build(
+        args.model,
+        args.out or args.model / "reward_model",
+        args.seed,
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.weights,
+    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_tiny_model import build_model, build_tokenizer, pad, prompt_ids  # noqa: E402  (tools/ is the script's folder)
+from make_tiny_model import build_model, build_tokenizer, load_weights, pad, prompt_ids, weights_origin  # noqa: E402  (tools/ is the script's folder)
 
 
 def make_task(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
@@ -135,7 +136,23 @@ def measure(model, tok, rows: list[dict]) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def sft_steps(model, tok, train: list[dict], args) -> Iterator[float]:
+    """The warm start's supervised steps, endless, yielding each step's loss: ``--batch-size``
+    rows drawn with ``random.Random(--seed)`` (which also picks each row's kind), AdamW at
+    ``--lr``, gradients clipped to norm 1. Seeded: ``tools/tiny_weights.py`` checks the committed
+    weights' first losses against these."""
+    rng = random.Random(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    while True:
+        loss = sft_loss(model, batch(tok, rng.sample(train, args.batch_size), rng, args.tool_fraction))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss.item()
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -145,26 +162,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--weights",
+        type=Path,
+        help="Take the warm-started weights from this file (tools/tiny_weights/) instead of training.",
+    )
+    return ap
 
+
+def main() -> None:
+    args = parser().parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = build_tokenizer()
     model = build_model(tok, args.seed)
     train, test = make_task(args.seed, args.n_train, args.n_test)
-    rng = random.Random(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    t0 = time.time()
-    for step in range(1, args.steps + 1):
-        loss = sft_loss(model, batch(tok, rng.sample(train, args.batch_size), rng, args.tool_fraction))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 100 == 0:
-            print(f"[make_tool_model] step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
-    report = {"seed": args.seed, "sft_steps": args.steps, "tool_fraction": args.tool_fraction} | measure(
+    steps, t0 = args.steps, time.time()
+    if args.weights:
+        model, recorded = load_weights(model, args.weights)
+        steps = recorded["sft_steps"]
+    else:
+        for step, loss in zip(range(1, args.steps + 1), sft_steps(model, tok, train, args)):
+            if step % 100 == 0:
+                print(f"[make_tool_model] step {step:5d} loss {loss:.4f} ({time.time() - t0:.0f}s)", flush=True)
+    report = {"seed": args.seed, "sft_steps": steps, "tool_fraction": args.tool_fraction} | measure(
         model, tok, test[:200]
     )
+    report |= weights_origin(args.weights)
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id
