@@ -12,7 +12,7 @@ A user's algorithm, a spec and an estimator in the user's own module
 (``tests/helpers/algorithms.py``), trains with no edit to the package; so does one whose graph
 has the user's own advantage stage.
 
-Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo-cispo and
+Learning on the quickstart task is ``test_learning_torchrun.py``'s rloo-cispo-hf and
 reinforce_pp-lora modes."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import live_with_environ, preloaded_copies, OwnShm, kill_tree, wait_for, workers_of
 
-ITERS = 6
+ITERS = 5
 RUNS = int(os.environ.get("SPMD_RL_CRASH_RUNS", "1"))
 
 
