@@ -28,14 +28,15 @@ FIXTURE = {
 @pytest.mark.parametrize("name", list(tiny_weights.ASSETS))
 def test_each_committed_file_is_what_its_builder_trains(request, name):
     """The builder's arguments today are those that trained the file, and its first steps'
-    losses are the recorded ones (float32 on another CPU differs by ~1e-6: a changed model,
-    task, sampling order, loss or optimizer moves them by far more)."""
+    losses are the recorded ones within 1e-3 (float32 on another CPU or thread count differs by
+    about 1e-6; a 5 % change of the learning rate alone moves the fifth loss by 6e-3, a changed
+    model, task or sampling order moves the first)."""
     request.getfixturevalue(FIXTURE[name])  # the reward model's steps start from the committed policy
     asset = tiny_weights.ASSETS[name]
     record = tiny_weights.recorded(asset)
     assert record["args"] == tiny_weights.builder_args(asset, REPO / "assets"), "run tools/tiny_weights.py rebuild"
     got = tiny_weights.first_losses(asset, REPO / "assets")
-    assert got == pytest.approx(record["first_losses"], rel=1e-4), "run tools/tiny_weights.py rebuild"
+    assert got == pytest.approx(record["first_losses"], rel=1e-3), "run tools/tiny_weights.py rebuild"
     assert len(got) == tiny_weights.FIRST_STEPS and got[-1] < got[0]  # it trains
 
 
