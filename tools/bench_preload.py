@@ -21,7 +21,15 @@ from pathlib import Path
 
 from spmd_rl.engines.vllm.logs import QUIET_ENV
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "tensordict", "vllm.entrypoints.llm"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "transformers",
+    "tensordict",
+    "vllm.entrypoints.llm",
+    "spmd_rl.engines.vllm.cpu_kernels:register_once",
+]
 
 
 def cpu_model() -> str:

@@ -264,14 +264,19 @@ class _RecordedEnviron(os._Environ):  # type: ignore[name-defined]
 
 
 def preload(modules: list[str]) -> set[str]:
-    """Import ``modules`` and return the environment names they looked up."""
+    """Import ``modules`` and return the environment names they looked up. An entry
+    ``module:function`` also calls that function (no arguments) once imported: a warm-up every
+    child would otherwise repeat."""
     global _in_server_or_child
     _in_server_or_child = True
     cls = os.environ.__class__
     os.environ.__class__ = _RecordedEnviron
     try:
         for name in modules:
-            __import__(name)
+            module, _, call = name.partition(":")
+            __import__(module)
+            if call:
+                getattr(sys.modules[module], call)()
     finally:
         os.environ.__class__ = cls
     return {k for k in _RecordedEnviron.looked_up if isinstance(k, str)}
@@ -488,7 +493,11 @@ def main(argv: list[str]) -> None:
 
     ap = argparse.ArgumentParser(prog="python -u -m spmd_rl.launcher.preload", description=main.__doc__)
     ap.add_argument("socket", help="the socket's path, in a folder only this user can enter")
-    ap.add_argument("modules", nargs="+", help="what to import before forking (libraries, not the program)")
+    ap.add_argument(
+        "modules",
+        nargs="+",
+        help="what to import before forking (libraries, not the program); module:function also calls it",
+    )
     ap.add_argument(
         "--free",
         action="append",

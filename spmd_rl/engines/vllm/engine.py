@@ -29,7 +29,7 @@ from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
 from spmd_rl.engines import orphan_watch, weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
 from spmd_rl.engines.vllm.adapter_sync import AdapterSync
-from spmd_rl.engines.vllm import compat
+from spmd_rl.engines.vllm import compat, cpu_kernels
 from spmd_rl.engines.vllm.options import (
     child_device_env,
     configure_vllm_env,
@@ -128,6 +128,7 @@ class VllmRollout(Rollout):
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets it process-wide
         if not own_process:
             _freeze_import_heap()
+            cpu_kernels.register_once()  # in this process's worker: once, or already in a preload server
         with _child_env(
             child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg) if own_process else {}
         ):
