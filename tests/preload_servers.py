@@ -17,15 +17,6 @@ from pathlib import Path
 from spmd_rl.engines.vllm.logs import QUIET_ENV
 from spmd_rl.launcher import preload
 
-PRELOADED = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "transformers",
-    "tensordict",
-    "vllm.entrypoints.llm",
-    "spmd_rl.engines.vllm.cpu_kernels:register_once",  # vLLM's CPU kernel fallbacks, once for every rank
-]
 """What a rank imports before its own code runs."""
 PER_TEST_VARIABLES = [
     "PYTEST_CURRENT_TEST",
@@ -113,7 +104,7 @@ class PreloadServers:
                             "-m",
                             "spmd_rl.launcher.preload",
                             path,
-                            *PRELOADED,
+                            *preload.LIBRARIES,
                             *(f"--free={name}" for name in PER_TEST_VARIABLES),
                         ],
                         env=env,

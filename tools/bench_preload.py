@@ -20,16 +20,7 @@ import time
 from pathlib import Path
 
 from spmd_rl.engines.vllm.logs import QUIET_ENV
-
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "transformers",
-    "tensordict",
-    "vllm.entrypoints.llm",
-    "spmd_rl.engines.vllm.cpu_kernels:register_once",
-]
+from spmd_rl.launcher import preload
 
 
 def cpu_model() -> str:
@@ -87,7 +78,7 @@ def main() -> None:
     env.pop("SPMD_RL_PRELOAD", None)
     t0 = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-u", "-m", "spmd_rl.launcher.preload", socket_path, *PRELOAD],
+        [sys.executable, "-u", "-m", "spmd_rl.launcher.preload", socket_path, *preload.LIBRARIES],
         env=env | QUIET_ENV,
         stdin=subprocess.PIPE,
     )  # as a rank imports vLLM

@@ -50,6 +50,18 @@ import socket
 import struct
 import sys
 
+LIBRARIES = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "transformers",
+    "tensordict",
+    "vllm.entrypoints.llm",
+    "spmd_rl.engines.vllm.cpu_kernels:register_once",  # vLLM's CPU kernel fallbacks, once for every rank
+)
+"""What a server for this project's ranks imports (its ``modules`` arguments): the libraries a
+rank spends its start importing, and the one warm-up each rank would repeat."""
+
 ENV = "SPMD_RL_PRELOAD"
 """The preload server's socket path, or several joined with ``os.pathsep``: a rank asks the one
 at its ``LOCAL_RANK`` modulo their number. Unset: every rank imports for itself.
