@@ -4,8 +4,10 @@ whether building it left the process's float32 matmul precision alone, then over
 updates: which layers vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's
 LM head is the embedding's storage and holds the new weights, and whether greedy generation
 equals HF's on the same perturbed weights; how many parameters the rotary embedding has; and how
-many frames torch.compile compiled while it generated (``rollout.enforce_eager``: none); and the
-bytes of KV cache it allocated for a budget of a sixteenth of a GiB.
+many frames torch.compile compiled while it generated (``rollout.enforce_eager``: none); the
+bytes of KV cache it allocated for a budget of a sixteenth of a GiB; and, as the process ends
+through ``teardown.exit_after`` as a rank's does, whether vLLM's engine-core finalizer was found
+and detached (the exit frees what its shutdown would).
 Prints one JSON line. Args: FOLDER."""
 
 from spmd_rl.engines.vllm.logs import QUIET_ENV
@@ -22,6 +24,8 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
+from spmd_rl.distributed.teardown import exit_after
+from spmd_rl.engines.vllm import compat
 from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.vllm.logs import RELOAD_LOGGER, RELOAD_MISS, quiet_vllm
 
@@ -40,7 +44,7 @@ class Misses(logging.Handler):
             self.layers.append(record.args[0])
 
 
-if __name__ == "__main__":
+def main() -> None:
     folder = sys.argv[1]
     logging.basicConfig(level=logging.WARNING)
     quiet_vllm(None, 0)
@@ -66,6 +70,14 @@ if __name__ == "__main__":
         "kv_cache_bytes": engine.kv_cache_bytes(),
         "kv_cache_budget": int(KV_GIB * 2**30),
     }
+    finalizer = compat.core_finalizer(engine.llm)
+    out["core_finalizer_detached"] = None if finalizer is None else not finalizer.alive
+    measure(engine, folder, out)
+    out["misses"] = sorted(set(misses.layers))
+    print(json.dumps(out))
+
+
+def measure(engine: VllmRollout, folder: str, out: dict) -> None:
     prompt = [3, 17, 42, 5, 9]
     try:
         engine.generate([prompt], n=1, max_tokens=4, temperature=0.0)
@@ -95,5 +107,7 @@ if __name__ == "__main__":
     out["compiled_frames"] = sum(counters["frames"].values())  # rollout.enforce_eager: vLLM's sampler ran eagerly
     rotary = [m for m in vm.modules() if type(m).__name__ == "RotaryEmbedding"]
     out["rotary_parameters"] = sum(p.numel() for m in rotary for p in m.parameters()) if rotary else -1
-    out["misses"] = sorted(set(misses.layers))
-    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    exit_after(main)

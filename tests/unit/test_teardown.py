@@ -118,3 +118,49 @@ def test_every_script_that_joins_a_process_group_ends_through_exit_after():
         if rel not in _MP_TARGETS and "exit_after(" not in main_block:
             missing.append(rel)
     assert not missing, f"end these through spmd_rl.distributed.teardown.exit_after: {missing}"
+
+
+_KEEP_SCRIPT = textwrap.dedent("""
+    import sys, weakref
+    from spmd_rl.distributed import teardown
+
+    out = sys.argv[1]
+
+    class Engine:
+        pass
+
+    def shutdown(tag):
+        open(out + "." + tag, "w").write("ran")
+
+    def build(tag):
+        engine = Engine()
+        return engine, teardown.keep_until_exit(engine, weakref.finalize(engine, shutdown, tag))
+
+    engine, kept = build("outside")  # no exit_after yet: nothing changes
+    open(out + ".kept_outside", "w").write(str(kept))
+    del engine  # its finalizer runs now
+
+    def work():
+        engine, kept = build("inside")
+        open(out + ".kept_inside", "w").write(str(kept))
+        return 0  # the frame drops the engine: kept, its finalizer detached
+
+    teardown.exit_after(work)
+""")
+
+
+def test_what_a_process_ending_through_exit_after_keeps_is_never_finalized(tmp_path):
+    out = tmp_path / "k"
+    done = subprocess.run(
+        [sys.executable, "-c", _KEEP_SCRIPT, str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "k.kept_outside").read_text() == "False"
+    assert (tmp_path / "k.outside").read_text() == "ran"  # dropped outside: finalized as before
+    assert (tmp_path / "k.kept_inside").read_text() == "True"
+    assert not (tmp_path / "k.inside").exists()  # not on the drop, the collection or atexit

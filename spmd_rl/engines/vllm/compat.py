@@ -93,6 +93,13 @@ def adjust_engine_options(version: str, options: dict) -> dict:
     return options
 
 
+def core_finalizer(llm):
+    """The ``weakref.finalize`` that shuts an in-process engine's core down when ``LLM`` is
+    dropped (``InprocClient._finalizer``: its executor, model-parallel groups, two full
+    collections), or None in a release without one."""
+    return getattr(llm.llm_engine.engine_core, "_finalizer", None)
+
+
 def check_lora(version: str) -> None:
     """Refuse LoRA RL on a release whose base-weight reload crashes with LoRA on."""
     if release(version) < LORA_RELOAD_FIXED:

@@ -25,6 +25,7 @@ import torch
 
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.rollout_engines import CAPABILITIES
+from spmd_rl.distributed import teardown
 from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
 from spmd_rl.engines import orphan_watch, weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
@@ -153,6 +154,7 @@ class VllmRollout(Rollout):
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
         else:  # every rank has mapped its communicators' segments: their names must not outlive it
             vllm_shm.unlink_segment_names()
+            teardown.keep_until_exit(self.llm, compat.core_finalizer(self.llm))  # a rank's exit frees it
 
     @property
     def model(self) -> torch.nn.Module:
