@@ -1,0 +1,166 @@
+"""Which replicas train together: numbered generations of the cross-replica membership, agreed
+through etcd, with no coordinator process.
+
+Keys, under the job's prefix (``MetadataStore.key``):
+
+- ``elastic/members/<replica>``: ``{"address": "host:port", "pid": ...}`` under the replica's
+  lease (``lease_s``, kept alive by a thread): present while the replica lives or has not yet
+  been missed for ``lease_s``;
+- ``elastic/join/<k>/<replica>``: the replica asks to be in generation ``k`` (under its lease);
+- ``elastic/gen/<k>``: generation ``k``'s members, sorted, and their store addresses. Written
+  once (put-if-absent) and never changed: whoever reads it reads the same membership.
+
+Agreement (``Quorum.agree``): generation ``k`` is decided by the smallest live replica among
+those that asked for it, once every live member has asked (a node that stops answering drops
+out when its lease expires), or once ``join_window_s`` has passed since the first ask and at
+least ``min_replicas`` have asked (a SIGKILLed node's lease outlives it; its peers see the dead
+sockets at once and need not wait for the lease). Fewer than ``min_replicas`` after
+``timeout_s``: ``QuorumLost``, and the job falls back to the checkpoint restart.
+
+This is torchft's quorum (``torchft/manager.py``: ``Manager._async_quorum`` asking the
+Lighthouse, which answers with the members that joined within its join timeout, at least
+``min_replicas``) moved onto the etcd the job already runs: the Lighthouse is one more server to
+place and keep alive, and torchft's Manager cannot take another quorum source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from spmd_rl.dock.metadata import MetadataStore
+
+POLL_S = 0.02
+"""Seconds between reads while a generation is being decided."""
+
+
+class QuorumLost(RuntimeError):
+    """Fewer than ``min_replicas`` replicas could agree: restart from the checkpoint instead."""
+
+
+class NotAMember(RuntimeError):
+    """This replica is not in the generation its peers agreed on (it was missed): it must join
+    again, as a new replica, and heal from a peer."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    members: tuple[str, ...]
+    """Sorted replica names: a replica's rank in the cross-replica group is its index here."""
+    addresses: dict[str, str]
+    """Each member's store address (``host:port``)."""
+
+    def rank_of(self, replica: str) -> int:
+        return self.members.index(replica)
+
+    @property
+    def store_address(self) -> str:
+        """The store this generation's process group meets on: its first member's."""
+        return self.addresses[self.members[0]]
+
+
+class Quorum:
+    """One replica's side of the agreement (module docstring)."""
+
+    def __init__(
+        self,
+        store: MetadataStore,
+        replica: str,
+        address: str,
+        lease_s: float = 5.0,
+        join_window_s: float = 1.0,
+        min_replicas: int = 1,
+        timeout_s: float = 60.0,
+    ):
+        if "/" in replica or not replica:
+            raise ValueError(f"replica name {replica!r}: must be non-empty and hold no '/'")
+        self.store, self.replica, self.address = store, replica, address
+        self.lease_s, self.join_window_s = lease_s, join_window_s
+        self.min_replicas, self.timeout_s = min_replicas, timeout_s
+        self._lease = None
+        self._stop = threading.Event()
+
+    def _key(self, *parts: object) -> str:
+        return self.store.key("elastic", *parts)
+
+    def register(self) -> None:
+        """Take a lease, publish this replica under it and keep it alive until ``close``."""
+        self._lease = self.store.lease(max(1, round(self.lease_s)))
+        record = json.dumps({"address": self.address, "pid": os.getpid()}).encode()
+        self.store.put(self._key("members", self.replica), record, lease=self._lease)
+        threading.Thread(target=self._keep_alive, name="quorum-lease", daemon=True).start()
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self._lease.refresh()
+            except Exception:  # noqa: BLE001 - etcd away for a moment: the next refresh retries
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._lease is not None:
+            self._lease.revoke()
+
+    def members(self) -> dict[str, str]:
+        """Live replicas (lease not expired) -> store address."""
+        prefix = self._key("members") + "/"
+        return {k[len(prefix) :]: json.loads(v)["address"] for k, v in self.store.get_prefix(prefix)}
+
+    def latest(self) -> Generation | None:
+        """The newest decided generation, or None before the first."""
+        got = self.store.get_prefix(self._key("gen") + "/")
+        return _parse(got[-1][1]) if got else None
+
+    def asking(self, number: int) -> list[str]:
+        """Replicas that asked to be in generation ``number``."""
+        prefix = self._key("join", f"{number:08d}") + "/"
+        return [k[len(prefix) :] for k, _ in self.store.get_prefix(prefix)]
+
+    def agree(self, number: int, expected: int | None = None) -> Generation:
+        """Ask to be in generation ``number`` and return it once decided (module docstring).
+        ``expected``: for the first generation, wait for that many replicas instead of the
+        join window. Raises ``NotAMember`` when decided without this replica."""
+        self.store.put(self._key("join", f"{number:08d}", self.replica), b"", lease=self._lease)
+        start = time.monotonic()
+        first_seen = None
+        while True:
+            decided = self.store.get(self._key("gen", f"{number:08d}"))
+            if decided is not None:
+                gen = _parse(decided)
+                if self.replica not in gen.members:
+                    raise NotAMember(f"replica {self.replica} is not in generation {number}: {gen.members}")
+                return gen
+            asked, live = set(self.asking(number)), self.members()
+            first_seen = first_seen or time.monotonic()
+            ready = asked & set(live)
+            if ready and min(ready) == self.replica and self._decides(ready, set(live), first_seen, expected):
+                gen = Generation(number, tuple(sorted(ready)), {r: live[r] for r in ready})
+                self.store.create(self._key("gen", f"{number:08d}"), _dump(gen))
+                continue  # read back what was written first, by this replica or another
+            if time.monotonic() - start > self.timeout_s:
+                raise QuorumLost(
+                    f"generation {number}: {len(ready)} replica(s) {sorted(ready)} agreed within "
+                    f"{self.timeout_s:g}s, fewer than min_replicas={self.min_replicas}: restart from the checkpoint"
+                )
+            time.sleep(POLL_S)
+
+    def _decides(self, ready: set[str], live: set[str], first_seen: float, expected: int | None) -> bool:
+        if len(ready) < self.min_replicas:
+            return False
+        if expected is not None:
+            return len(ready) >= expected
+        return live <= ready or time.monotonic() - first_seen >= self.join_window_s
+
+
+def _dump(gen: Generation) -> bytes:
+    return json.dumps({"number": gen.number, "members": list(gen.members), "addresses": gen.addresses}).encode()
+
+
+def _parse(raw: bytes) -> Generation:
+    d = json.loads(raw)
+    return Generation(int(d["number"]), tuple(d["members"]), dict(d["addresses"]))
