@@ -89,10 +89,19 @@ class Quorum:
 
     def register(self) -> None:
         """Take a lease, publish this replica under it and keep it alive until ``close``."""
+        self._publish()
+        threading.Thread(target=self._keep_alive, name="quorum-lease", daemon=True).start()
+
+    def _publish(self) -> None:
         self._lease = self.store.lease(max(1, round(self.lease_s)))
         record = json.dumps({"address": self.address, "pid": os.getpid()}).encode()
         self.store.put(self._key("members", self.replica), record, lease=self._lease)
-        threading.Thread(target=self._keep_alive, name="quorum-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        """A replica that did not run for longer than its lease (SIGSTOP, a long pause) lost
+        the lease and its member record with it: publish again under a new one."""
+        if self._lease.refresh() <= 0:
+            self._publish()
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
@@ -125,6 +134,7 @@ class Quorum:
         """Ask to be in generation ``number`` and return it once decided (module docstring).
         ``expected``: for the first generation, wait for that many replicas instead of the
         join window. Raises ``NotAMember`` when decided without this replica."""
+        self._renew()
         self.store.put(self._key("join", f"{number:08d}", self.replica), b"", lease=self._lease)
         start = time.monotonic()
         first_seen = None

@@ -8,7 +8,9 @@ real processes (``tests/helpers/replica_worker.py``):
 - no step is taken on a partial gradient: each step's gradient is the batch mean whatever the
   split (integers, float64), so the final state equals the closed form on every replica;
 - a replica started later heals from a survivor over the new group (no checkpoint) and its
-  state at its first step is bit-identical to the survivors' at that step.
+  state at its first step is bit-identical to the survivors' at that step;
+- a replica that stops answering (SIGSTOP) drops out once the collective timeout passes; when it
+  runs again (SIGCONT) it finds itself left out, joins again and heals, in the same process.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.conftest import REPO, subprocess_env
 from tests.helpers.replica_worker import B
 from tests.torchrun_util import wait_for
 
-STEPS = 120
+STEPS = 160
 
 
 def _rows(path) -> list[dict]:
@@ -36,29 +38,39 @@ def _steps(path) -> list[dict]:
     return [r for r in _rows(path) if "step" in r]
 
 
+def _replica(etcd, tmp_path, name: str, *mode: str) -> subprocess.Popen:
+    args = [etcd.endpoint, "replicas", name, *mode, str(STEPS), str(tmp_path / f"{name}.jsonl")]
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests/helpers/replica_worker.py"), *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=open(tmp_path / f"{name}.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _lose_join_stop_resume(procs: dict, tmp_path) -> float:
+    """c SIGKILLed at step 20; d joins once a and b step without it; b SIGSTOPped 10 steps after
+    d's first, and SIGCONTed once a and d step without it. Returns the time of the SIGKILL."""
+    rows = {n: (lambda n=n: _steps(tmp_path / f"{n}.jsonl")) for n in "abcd"}
+    wait_for(lambda: all(len(rows[n]()) >= 20 for n in "abc"), 120, "three replicas at step 20")
+    procs["c"].send_signal(signal.SIGKILL)
+    killed = time.time()
+    wait_for(lambda: all(any(r["world"] == 2 for r in rows[n]()) for n in "ab"), 60, "two survivors stepping")
+    (tmp_path / "d.jsonl.go").touch()
+    wait_for(lambda: len(rows["d"]()) >= 10, 60, "the joiner stepping")
+    procs["b"].send_signal(signal.SIGSTOP)
+    stopped = time.time()
+    wait_for(lambda: any(r["world"] == 2 and r["t"] > stopped for r in rows["d"]()), 60, "a and d stepping")
+    procs["b"].send_signal(signal.SIGCONT)
+    return killed
+
+
 @pytest.mark.slow
 def test_survivors_keep_their_processes_redo_the_step_and_heal_a_joiner(etcd, tmp_path, record_property):
-    def replica(name: str, *mode: str) -> subprocess.Popen:
-        args = [etcd.endpoint, "replicas", name, *mode, str(STEPS), str(tmp_path / f"{name}.jsonl")]
-        log = open(tmp_path / f"{name}.log", "w")
-        return subprocess.Popen(
-            [sys.executable, str(REPO / "tests/helpers/replica_worker.py"), *args],
-            cwd=REPO,
-            env=subprocess_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-    procs = {n: replica(n, "start", "3") for n in "abc"} | {"d": replica("d", "join")}
+    procs = {n: _replica(etcd, tmp_path, n, "start", "3") for n in "abc"} | {"d": _replica(etcd, tmp_path, "d", "join")}
     try:
-        wait_for(
-            lambda: all(len(_steps(tmp_path / f"{n}.jsonl")) >= 20 for n in "abc"), 120, "three replicas at step 20"
-        )
-        procs["c"].send_signal(signal.SIGKILL)
-        killed = time.time()
-        survivors = [tmp_path / f"{n}.jsonl" for n in "ab"]
-        wait_for(lambda: all(any(r["world"] == 2 for r in _steps(p)) for p in survivors), 60, "two survivors stepping")
-        (tmp_path / "d.jsonl.go").touch()
+        killed = _lose_join_stop_resume(procs, tmp_path)
         for n in "abd":
             assert procs[n].wait(timeout=120) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
     finally:
@@ -66,18 +78,18 @@ def test_survivors_keep_their_processes_redo_the_step_and_heal_a_joiner(etcd, tm
             p.kill()
     a, b, d = (_steps(tmp_path / f"{n}.jsonl") for n in "abd")
     expected = [float(sum(s * B + (B - 1) / 2 for s in range(STEPS)))] * 4
-    for name, rows in (("a", a), ("b", b)):
+    assert [r["step"] for r in a] == list(range(STEPS))  # each step once, in order, none skipped
+    for name, rows in (("a", a), ("b", b), ("d", d)):
         assert {r["pid"] for r in rows} == {procs[name].pid}, name  # the same process throughout
-        assert [r["step"] for r in rows] == list(range(STEPS)), name  # each step once, in order
-        worlds = [r["world"] for r in rows]
-        assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [3, 2, 3], name
-        assert rows[-1]["state"] == expected, name
+        assert rows[-1]["state"] == expected, name  # no step on a partial gradient
+        steps = [r["step"] for r in rows]
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS - 1, name
+    assert any(r["world"] == 2 and r["t"] > killed for r in a) and a[-1]["world"] == 3
+    # d joined, b rejoined after its stop: each healed to the survivors' state, bit for bit
     first = d[0]["step"]
-    assert first > 0 and [r["step"] for r in d] == list(range(first, STEPS))
-    assert d[0]["state"] == a[first]["state"]  # healed: the survivors' state, bit for bit
-    assert d[-1]["state"] == expected
-    events = [r for r in _rows(tmp_path / "a.jsonl") if "event" in r]
-    assert [e["event"] for e in events] == ["lost", "recovered", "grew"], events
-    assert [e["world"] for e in events] == [3, 2, 3]
-    after_kill = [r["t"] for r in a if r["world"] == 2][0] - killed
-    record_property("seconds_from_sigkill_to_next_step", round(after_kill, 2))
+    assert first > 0 and [r["step"] for r in d] == list(range(first, STEPS)) and d[0]["state"] == a[first]["state"]
+    gap = next(k for k in range(1, len(b)) if b[k]["step"] != b[k - 1]["step"] + 1)
+    assert b[gap]["state"] == a[b[gap]["step"]]["state"] and b[gap]["world"] == 3
+    events = [r["event"] for r in _rows(tmp_path / "b.jsonl") if "event" in r]
+    assert "lost" in events and events[-1] == "recovered", events
+    record_property("seconds_from_sigkill_to_next_step", round([r["t"] for r in a if r["world"] == 2][0] - killed, 2))
