@@ -1,18 +1,17 @@
-"""One replica of a data-parallel job that survives its peers' loss (``spmd_rl.elastic``).
+"""One replica training a small float64 model with AdamW through ``elastic.replicated_step``:
+every step is the mean over a global batch of B samples, whichever replicas share it. A lost
+member makes the survivors recover and redo the step; a replica started with ``join`` heals the
+model, the optimizer state and the step counter from a member (after ``OUT.go`` exists).
 
-Each step trains on a global batch of B samples whose gradients are integers (sample i of step
-s: ``s * B + i``, the same on every replica), split over the generation's members by ``i % world
-== rank``: the summed all-reduce divided by B is the batch mean whatever the split, exactly (in
-float64), so the state after the last step is the same for any history of losses and joins
-(split invariance, as the objective's). A step is taken only when ``should_commit`` says every
-member got through it; a failed collective makes every survivor agree on the next generation
-and redo the step. A replica started with ``join`` heals from the first member (state and step
-counter) at the members' next step boundary, once the file OUT.go exists.
+Args: ETCD JOB NAME (start N | join) STEPS OUT. Writes one JSON line per committed step (its
+pid: this process, forked from the suite's preload server when one runs), ``"event"`` lines,
+and at the end ``{"final": [...]}`` with every parameter flattened (float64, exact as
+``float.hex``)."""
 
-Args: ETCD JOB NAME (start N | join) STEPS OUT. Writes one JSON line per committed step (and
-``"event"`` lines) to OUT."""
+from spmd_rl.engines.vllm.logs import QUIET_ENV
+from spmd_rl.launcher.preload import delegate
 
-from __future__ import annotations
+delegate(sets=QUIET_ENV)  # forked past torch's import when the suite's preload server runs
 
 import json
 import os
@@ -23,54 +22,67 @@ import torch
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
+from spmd_rl.elastic.replicated_step import materialize, replicated_step, state_tensors
 
 B = 12
-LEASE_S = 2.0
+DATA = 64
 PACE_S = 0.05
+LEASE_S = 2.0
+"""The liveness lease, and the collective timeout: a stopped replica is dropped after it."""
 
 
-def share_of_gradient(step: int, rank: int, world: int) -> torch.Tensor:
-    """Sum of the gradients of this replica's samples of the step (4 equal coordinates)."""
-    return torch.full((4,), float(sum(step * B + i for i in range(B) if i % world == rank)), dtype=torch.float64)
+def problem() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """The model, its optimizer and the data: the same on every replica (seeded)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    x = torch.randn(DATA, 4, dtype=torch.float64)
+    y = torch.sin(x.sum(1, keepdim=True))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01), x, y
+
+
+def share_loss(model, x, y, step: int, rank: int, world: int) -> torch.Tensor:
+    """Summed squared error of this replica's samples of the step's global batch."""
+    rows = [(step * B + i) % DATA for i in range(B) if i % world == rank]
+    return ((model(x[rows]) - y[rows]) ** 2).sum()
 
 
 def main() -> None:
     etcd, job, name, mode = sys.argv[1:5]
     steps, out = (int(sys.argv[6]), sys.argv[7]) if mode == "start" else (int(sys.argv[5]), sys.argv[6])
+    model, opt, x, y = problem()
     group = ReplicaGroup(MetadataStore([etcd], job), name, lease_s=LEASE_S, join_window_s=0.5, timeout_s=LEASE_S)
-    state, step = torch.zeros(4, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    step = torch.zeros(1, dtype=torch.float64)
     log = open(out, "a", buffering=1)
+    if mode == "start":
+        group.start(int(sys.argv[5]))
+    else:
+        materialize(model, opt)
+        while not os.path.exists(out + ".go"):
+            time.sleep(0.01)
+        group.join([step, *state_tensors(model, opt)])
 
     def event(kind: str) -> None:
         log.write(json.dumps({"event": kind, "gen": group.gen.number, "world": group.world, "t": time.time()}) + "\n")
 
-    if mode == "start":
-        group.start(int(sys.argv[5]))
-    else:
-        while not os.path.exists(out + ".go"):  # started ahead, past its imports: joins when told
-            time.sleep(0.01)
-        group.join([state, step])
-        event("healed")
     while int(step.item()) < steps:
+        s = int(step.item())
         try:
             if group.joiners_waiting():
-                group.recover([state, step])
+                group.recover([step, *state_tensors(model, opt)])
                 event("grew")
                 continue  # every member, the joiner too, is at the step boundary again
-            s = int(step.item())
-            total = group.allreduce(share_of_gradient(s, group.rank, group.world))
-            if not group.should_commit(True):
-                raise ReplicaLost("a member did not get through the step")
+            replicated_step(group, model, opt, lambda r, w: share_loss(model, x, y, s, r, w), B)
         except ReplicaLost:
             event("lost")
-            group.recover([state, step])
+            group.recover([step, *state_tensors(model, opt)])
             event("recovered")
             continue
-        state += total / B
         step += 1
-        row = {"step": s, "gen": group.gen.number, "world": group.world, "rank": group.rank, "pid": os.getpid()}
-        log.write(json.dumps(row | {"t": time.time(), "state": state.tolist()}) + "\n")
+        row = {"step": s, "gen": group.gen.number, "world": group.world, "pid": os.getpid(), "t": time.time()}
+        log.write(json.dumps(row) + "\n")
         time.sleep(PACE_S)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    log.write(json.dumps({"final": [v.hex() for v in flat]}) + "\n")
     group.close()
 
 

@@ -1,0 +1,71 @@
+"""One optimizer step of a model that every replica holds whole, whatever the replicas are now.
+
+The global batch stays the same when replicas come and go; only its split changes. Each replica
+computes the *sum* of its samples' gradients; one all-reduce (SUM) over the replicas and a
+division by the global batch size give the batch mean on every member, exactly as one replica
+holding the whole batch would compute it, up to the summation order (float round-off):
+
+    g = (1 / B) * sum_r sum_{i in share_r} grad l_i        (share_r = {i : i mod world = rank_r})
+
+The optimizer steps only when ``should_commit`` says every member got through the all-reduce
+(torchft's ``OptimizerWrapper``: no step on a partial gradient). A failure raises
+``ReplicaLost`` before any state changed, so the caller recovers (``ReplicaGroup.recover`` with
+``state_tensors``, which heals a joiner) and redoes the same step. Every member applies the same
+reduced bytes, so after a heal the replicas stay bit-identical.
+
+Inside a replica the model may be sharded (FSDP over the node's ranks): then each rank reduces
+its shard with the ranks holding the same shard in the other replicas (HSDP), which this module
+does not do yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
+
+
+def materialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` its per-parameter state (created at its first step) by one step on
+    zero gradients; for a replica about to be healed, which overwrites all of it."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a joiner must receive, in one order on every replica: each parameter, then its
+    optimizer state tensors by name. ``materialize`` first on a fresh optimizer."""
+    out = []
+    for p in model.parameters():
+        out.append(p.data)
+        state = optimizer.state.get(p, {})
+        out += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return out
+
+
+def replicated_step(
+    group: ReplicaGroup,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    share_loss: Callable[[int, int], torch.Tensor],
+    global_batch: int,
+) -> None:
+    """``share_loss(rank, world)``: the summed loss of this replica's share of the global
+    batch. Raises ``ReplicaLost`` (nothing stepped) when a member is lost (module docstring)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=False)
+    share_loss(group.rank, group.world).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    group.allreduce(flat)
+    if not group.should_commit(True):
+        raise ReplicaLost(f"generation {group.gen.number}: a member did not get through the step")
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p) / global_batch)
+        offset += n
+    optimizer.step()
