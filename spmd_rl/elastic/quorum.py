@@ -57,6 +57,14 @@ class Generation:
     def rank_of(self, replica: str) -> int:
         return self.members.index(replica)
 
+    def encode(self) -> bytes:
+        return json.dumps({"number": self.number, "members": list(self.members), "addresses": self.addresses}).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> "Generation":
+        d = json.loads(raw)
+        return Generation(int(d["number"]), tuple(d["members"]), dict(d["addresses"]))
+
     @property
     def store_address(self) -> str:
         """The store this generation's process group meets on: its first member's."""
@@ -123,7 +131,7 @@ class Quorum:
     def latest(self) -> Generation | None:
         """The newest decided generation, or None before the first."""
         got = self.store.get_prefix(self._key("gen") + "/")
-        return _parse(got[-1][1]) if got else None
+        return Generation.decode(got[-1][1]) if got else None
 
     def asking(self, number: int) -> list[str]:
         """Replicas that asked to be in generation ``number``."""
@@ -141,7 +149,7 @@ class Quorum:
         while True:
             decided = self.store.get(self._key("gen", f"{number:08d}"))
             if decided is not None:
-                gen = _parse(decided)
+                gen = Generation.decode(decided)
                 if self.replica not in gen.members:
                     raise NotAMember(f"replica {self.replica} is not in generation {number}: {gen.members}")
                 return gen
@@ -150,7 +158,7 @@ class Quorum:
             ready = asked & set(live)
             if ready and min(ready) == self.replica and self._decides(ready, set(live), first_seen, expected):
                 gen = Generation(number, tuple(sorted(ready)), {r: live[r] for r in ready})
-                self.store.create(self._key("gen", f"{number:08d}"), _dump(gen))
+                self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
             if time.monotonic() - start > self.timeout_s:
                 raise QuorumLost(
@@ -165,12 +173,3 @@ class Quorum:
         if expected is not None:
             return len(ready) >= expected
         return live <= ready or time.monotonic() - first_seen >= self.join_window_s
-
-
-def _dump(gen: Generation) -> bytes:
-    return json.dumps({"number": gen.number, "members": list(gen.members), "addresses": gen.addresses}).encode()
-
-
-def _parse(raw: bytes) -> Generation:
-    d = json.loads(raw)
-    return Generation(int(d["number"]), tuple(d["members"]), dict(d["addresses"]))

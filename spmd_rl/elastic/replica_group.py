@@ -19,6 +19,13 @@ Invariants:
 - ``should_commit``: an optimizer step is taken only when every member of the generation got
   through the step's collectives and says so (torchft's ``Manager.should_commit``: a MIN
   all-reduce of each member's flag); a failure in between is a "no" for everyone;
+- a replica of several ranks (``local_pg``: the replica's own group, torchrun's) is one member:
+  its local rank 0 alone holds the lease, the store and the quorum's side, and hands each
+  decided generation to its local ranks; local rank ``i`` joins the column group of the local
+  ranks ``i`` of all members (HSDP: each reduces the shard it holds), on the store prefix
+  ``<job>/gen<k>/col<i>``. After every cross-replica collective the local ranks vote (MIN over
+  ``local_pg``), so a failure seen by one column is a failure for the whole replica and all its
+  ranks recover together;
 - a generation with new members starts with ``heal``, which copies the state tensors from its
   first member (a survivor) to all: a replica that joins gets a survivor's state over the new
   group, with no checkpoint read. Members and joiners call it at the same point: members in
@@ -29,9 +36,11 @@ Invariants:
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from spmd_rl.dock.metadata import MetadataStore
@@ -52,12 +61,16 @@ class ReplicaGroup:
         join_window_s: float = 1.0,
         min_replicas: int = 1,
         timeout_s: float = 5.0,
+        local_pg: dist.ProcessGroup | None = None,
     ):
-        from torchft.process_group import ProcessGroupGloo  # 3 s of imports: only where replicas are elastic
+        from torchft.process_group import ProcessGroupGloo  # 0.6 s of imports: only where replicas are elastic
 
-        self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-        self.replica, self.job = replica, store.job
-        self.quorum = Quorum(store, replica, f"{host}:{self.tcp.port}", lease_s, join_window_s, min_replicas)
+        self.replica, self.job, self.local_pg = replica, store.job, local_pg
+        self.local_rank = 0 if local_pg is None else local_pg.rank()
+        self.quorum = None
+        if self.local_rank == 0:  # the replica's lead: its lease, its store, its side of the quorum
+            self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            self.quorum = Quorum(store, replica, f"{host}:{self.tcp.port}", lease_s, join_window_s, min_replicas)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
 
@@ -71,21 +84,23 @@ class ReplicaGroup:
 
     def start(self, expected: int) -> Generation:
         """Register and agree on the first generation with ``expected`` replicas."""
-        self.quorum.register()
-        return self._configure(self.quorum.agree(0, expected=expected))
+        gen = self._decided(lambda q: (q.register(), q.agree(0, expected=expected))[1])
+        return self._configure(gen)
 
     def join(self, state: list[torch.Tensor]) -> Generation:
         """A replica arriving at a running job: register, ask for the next generation (the
         members agree on it at their next step boundary, ``joiners_waiting``) and overwrite
         ``state`` with the first member's."""
-        self.quorum.register()
+        if self.quorum is not None:
+            self.quorum.register()
         return self._rejoin(state)
 
     def joiners_waiting(self) -> bool:
         """Whether a replica asked for the next generation: every member checks at the same
         step boundary and, when one did, all call ``recover`` there (so all enter it)."""
-        flag = torch.tensor([1.0 if self.quorum.asking(self.gen.number + 1) else 0.0])
-        return self.allreduce(flag, torch.distributed.ReduceOp.MAX).item() > 0
+        asked = self.quorum is not None and bool(self.quorum.asking(self.gen.number + 1))
+        flag = self._from_lead(torch.tensor([1.0 if asked else 0.0]))
+        return self.allreduce(flag, dist.ReduceOp.MAX).item() > 0
 
     def recover(self, state: list[torch.Tensor]) -> Generation:
         """Agree on the next generation with whoever is here (survivors, and joiners that asked
@@ -96,7 +111,7 @@ class ReplicaGroup:
         before = set(self.gen.members)
         while True:
             try:
-                gen = self.quorum.agree(self.gen.number + 1)
+                gen = self._decided(lambda q: q.agree(self.gen.number + 1))
             except NotAMember:
                 return self._rejoin(state)
             try:
@@ -108,51 +123,86 @@ class ReplicaGroup:
                 continue
 
     def _rejoin(self, state: list[torch.Tensor]) -> Generation:
-        latest = self.quorum.latest()
-        gen = self._configure(self.quorum.agree(latest.number + 1))
+        gen = self._configure(self._decided(lambda q: q.agree(q.latest().number + 1)))
         self.heal(state)
         return gen
 
-    def _configure(self, gen: Generation) -> Generation:
-        self.gen = gen
-        address = f"{gen.store_address}/{self.job}/gen{gen.number}"
-        try:
-            self.pg.configure(address, self.replica, gen.rank_of(self.replica), len(gen.members))
-        except (RuntimeError, socket.error) as exc:
-            raise self._lost(f"forming generation {gen.number} {list(gen.members)}: {exc}") from exc
-        return gen
+    def _decided(self, agree: Callable[[Quorum], Generation]) -> Generation:
+        """``agree`` run by the lead, its answer handed to the replica's other ranks (JSON bytes
+        over ``local_pg``, never pickle); ``NotAMember`` on all of them when it was left out."""
+        payload = b""
+        if self.quorum is not None:
+            try:
+                payload = agree(self.quorum).encode()
+            except NotAMember:
+                payload = b""
+        payload = self._bytes_from_lead(payload)
+        if not payload:
+            raise NotAMember(f"replica {self.replica} was left out of the generation its peers agreed on")
+        return Generation.decode(payload)
 
-    def allreduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        """In place over this generation's members; ``ReplicaLost`` when a member is gone."""
-        opts = torch.distributed.AllreduceOptions()
-        opts.reduceOp = op
-        try:
-            self.pg.allreduce([tensor], opts).wait()
-        except (RuntimeError, socket.error) as exc:
-            raise self._lost(f"generation {self.gen.number} {list(self.gen.members)}: {exc}") from exc
+    def _bytes_from_lead(self, payload: bytes) -> bytes:
+        if self.local_pg is None:
+            return payload
+        size = self._from_lead(torch.tensor([len(payload)], dtype=torch.int64))
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        buf = self._from_lead(buf if self.local_rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8))
+        return buf.numpy().tobytes()
+
+    def _from_lead(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.local_pg is not None:
+            dist.broadcast(tensor, group=self.local_pg, group_src=0)
         return tensor
 
-    def _lost(self, what: str) -> ReplicaLost:
-        """Close this generation's group at once: a member blocked on this one (not on the dead
-        one) sees its sockets close now, not when this one has agreed on the next generation."""
-        self.pg.abort()
-        return ReplicaLost(what)
+    def _configure(self, gen: Generation) -> Generation:
+        self.gen = gen
+        column = "" if self.local_pg is None else f"/col{self.local_rank}"
+        address = f"{gen.store_address}/{self.job}/gen{gen.number}{column}"
+        self._voted(
+            lambda: self.pg.configure(address, self.replica, gen.rank_of(self.replica), len(gen.members)),
+            f"forming generation {gen.number} {list(gen.members)}",
+        )
+        return gen
+
+    def _voted(self, collective: Callable[[], None], what: str) -> None:
+        """Run a cross-replica collective; every rank of this replica learns whether all of
+        theirs succeeded (MIN over ``local_pg``), and on a failure all raise ``ReplicaLost``
+        with this generation's group closed at once: a member blocked on this one (not on the
+        dead one) sees its sockets close now, not when this one has agreed again."""
+        error = None
+        try:
+            collective()
+        except (RuntimeError, socket.error) as exc:
+            error = exc
+        ok = error is None
+        if self.local_pg is not None:
+            vote = torch.tensor([1.0 if ok else 0.0])
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.local_pg)
+            ok = vote.item() > 0
+        if not ok:
+            self.pg.abort()
+            raise ReplicaLost(f"{what}: {error or 'another rank of this replica failed'}") from error
+
+    def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place over this generation's members; ``ReplicaLost`` when a member is gone."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._voted(lambda: self.pg.allreduce([tensor], opts).wait(), f"generation {self.gen.number}")
+        return tensor
 
     def should_commit(self, ok: bool = True) -> bool:
         """True on every member only when every member says ``ok``; False on a failure."""
         try:
-            return self.allreduce(torch.tensor([1.0 if ok else 0.0]), torch.distributed.ReduceOp.MIN).item() > 0
+            return self.allreduce(torch.tensor([1.0 if ok else 0.0]), dist.ReduceOp.MIN).item() > 0
         except ReplicaLost:
             return False
 
     def heal(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite ``tensors`` on every member with the first member's (a joiner's state)."""
         for t in tensors:
-            try:
-                self.pg.broadcast_one(t, 0).wait()
-            except RuntimeError as exc:
-                raise self._lost(f"healing in generation {self.gen.number}: {exc}") from exc
+            self._voted(lambda t=t: self.pg.broadcast_one(t, 0).wait(), f"healing in generation {self.gen.number}")
 
     def close(self) -> None:
-        self.quorum.close()
+        if self.quorum is not None:
+            self.quorum.close()
         self.pg.shutdown()

@@ -13,9 +13,10 @@ The optimizer steps only when ``should_commit`` says every member got through th
 ``state_tensors``, which heals a joiner) and redoes the same step. Every member applies the same
 reduced bytes, so after a heal the replicas stay bit-identical.
 
-Inside a replica the model may be sharded (FSDP over the node's ranks): then each rank reduces
-its shard with the ranks holding the same shard in the other replicas (HSDP), which this module
-does not do yet.
+Inside a replica the model may be sharded (FSDP2 over the replica's ranks, gradients summed
+inside it: ``set_gradient_divide_factor(1.0)``): each rank then reduces the shard it holds with
+the ranks holding the same shard in the other replicas (HSDP, ``ReplicaGroup``'s column
+groups), and heals that shard the same way.
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard, which aliases it)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def materialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -41,9 +48,9 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     optimizer state tensors by name. ``materialize`` first on a fresh optimizer."""
     out = []
     for p in model.parameters():
-        out.append(p.data)
+        out.append(_local(p.data))
         state = optimizer.state.get(p, {})
-        out += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        out += [_local(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
     return out
 
 
@@ -59,13 +66,13 @@ def replicated_step(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=False)
     share_loss(group.rank, group.world).backward()
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([_local(p.grad).reshape(-1) for p in params])
     group.allreduce(flat)
     if not group.should_commit(True):
         raise ReplicaLost(f"generation {group.gen.number}: a member did not get through the step")
     offset = 0
     for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p) / global_batch)
-        offset += n
+        grad = _local(p.grad)
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad) / global_batch)
+        offset += grad.numel()
     optimizer.step()
