@@ -10,7 +10,10 @@ float64 model with AdamW, each step the mean over the same global batch whatever
 - a replica that stops answering (SIGSTOP) is dropped once the collective timeout passes; run
   again (SIGCONT), it finds itself left out, joins again and heals, in the same process;
 - every replica ends with the same bytes, and those are the uninterrupted run's within float64
-  round-off: no step was taken on a partial gradient or twice.
+  round-off: no step was taken on a partial gradient or twice;
+- the same with replicas of two ranks each (one torchrun per replica, FSDP2 inside it, each
+  shard reduced and healed with the same shard of the other replicas: HSDP), a whole replica
+  SIGKILLed (``tests/helpers/hsdp_replica_worker.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from tests.conftest import REPO, subprocess_env
 from tests.helpers.replica_worker import B, problem, share_loss
-from tests.torchrun_util import wait_for
+from tests.torchrun_util import kill_node, wait_for
 
 STEPS = 60
 
@@ -69,10 +72,10 @@ def _lose_join_stop_resume(tmp_path) -> float:
     return killed
 
 
-def _reference_final() -> torch.Tensor:
+def _reference_final(steps: int = STEPS) -> torch.Tensor:
     """The uninterrupted run: one replica holding the whole global batch at every step."""
     model, opt, x, y = problem()
-    for s in range(STEPS):
+    for s in range(steps):
         opt.zero_grad()
         share_loss(model, x, y, s, 0, 1).backward()
         for p in model.parameters():
@@ -109,3 +112,44 @@ def test_survivors_keep_their_processes_and_end_with_the_uninterrupted_weights(e
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (got - want).abs().max()
     assert (got - torch.cat([p.detach().reshape(-1) for p in problem()[0].parameters()])).abs().max() > 1e-3
     record_property("seconds_from_sigkill_to_next_step", round([r["t"] for r in a if r["world"] == 2][0] - killed, 2))
+
+
+HSDP_STEPS = 30
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_lose_a_node_and_heal_a_new_one(etcd, tmp_path):
+    def node(name: str, *mode: str) -> subprocess.Popen:
+        args = [etcd.endpoint, "hsdp", name, *mode, str(HSDP_STEPS), str(tmp_path / f"{name}.jsonl")]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        return subprocess.Popen(
+            [*torchrun, str(REPO / "tests/helpers/hsdp_replica_worker.py"), *args],
+            cwd=REPO,
+            env=subprocess_env() | {"OMP_NUM_THREADS": "1"},
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    nodes = {n: node(n, "start", "2") for n in "ab"} | {"c": node("c", "join")}
+    rows = {n: (lambda n=n: _steps(tmp_path / f"{n}.jsonl")) for n in "abc"}
+    try:
+        wait_for(lambda: all(len(rows[n]()) >= 8 for n in "ab"), 180, "two replicas at step 8")
+        kill_node(nodes["b"])  # the whole node: its agent and both ranks
+        wait_for(lambda: any(r["world"] == 1 for r in rows["a"]()), 60, "the survivor stepping alone")
+        (tmp_path / "c.jsonl.go").touch()
+        for n in "ac":
+            assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
+    finally:
+        for p in nodes.values():
+            if p.poll() is None:
+                kill_node(p)
+    a, c = rows["a"](), rows["c"]()
+    assert [r["step"] for r in a] == list(range(HSDP_STEPS)) and len({r["pid"] for r in a}) == 1
+    assert [r["world"] for r in a][0] == 2 and 1 in {r["world"] for r in a} and a[-1]["world"] == 2
+    assert c[0]["step"] > 8 and [r["step"] for r in c] == list(range(c[0]["step"], HSDP_STEPS))
+    finals = {n: [r for r in _rows(tmp_path / f"{n}.jsonl") if "final" in r][0]["final"] for n in "ac"}
+    assert finals["a"] == finals["c"]
+    got = torch.tensor([float.fromhex(v) for v in finals["a"]], dtype=torch.float64)
+    want = _reference_final(HSDP_STEPS)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (got - want).abs().max()
