@@ -1,6 +1,7 @@
 """How long survivors take to step again after a replica is lost (``spmd_rl.elastic``): three
-replicas (``tests/helpers/replica_worker.py``: a small model, AdamW, ``replicated_step``) against one embedded etcd; one is SIGKILLed (its
-sockets close) or SIGSTOPped (it stops answering, its sockets stay open) mid-run; the time is
+replicas (``tests/helpers/replica_worker.py``: a small model, AdamW, ``replicated_step``)
+against one embedded etcd; one is SIGKILLed (its sockets close) or SIGSTOPped (it stops
+answering, its sockets stay open) mid-run; the time is
 from the signal to the survivors' first committed step in the generation without it. Median of
 ``--runs`` per kind; printed against the liveness lease, the bound a stopped node cannot beat
 (its peers wait for the collective timeout, set to the lease). The processes are never restarted.
