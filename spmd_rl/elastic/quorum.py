@@ -12,7 +12,7 @@ Keys, under the job's prefix (``MetadataStore.key``):
 
 Agreement (``Quorum.agree``): generation ``k`` is decided by the smallest live replica among
 those that asked for it, once every live member has asked (a node that stops answering drops
-out when its lease expires), or once ``join_window_s`` has passed since the first ask and at
+out when its lease expires), or once ``join_window_s`` has passed since it asked itself and at
 least ``min_replicas`` have asked (a SIGKILLed node's lease outlives it; its peers see the dead
 sockets at once and need not wait for the lease). Fewer than ``min_replicas`` after
 ``timeout_s``: ``QuorumLost``, and the job falls back to the checkpoint restart.
@@ -144,8 +144,7 @@ class Quorum:
         join window. Raises ``NotAMember`` when decided without this replica."""
         self._renew()
         self.store.put(self._key("join", f"{number:08d}", self.replica), b"", lease=self._lease)
-        start = time.monotonic()
-        first_seen = None
+        asked_at = time.monotonic()
         while True:
             decided = self.store.get(self._key("gen", f"{number:08d}"))
             if decided is not None:
@@ -154,22 +153,21 @@ class Quorum:
                     raise NotAMember(f"replica {self.replica} is not in generation {number}: {gen.members}")
                 return gen
             asked, live = set(self.asking(number)), self.members()
-            first_seen = first_seen or time.monotonic()
             ready = asked & set(live)
-            if ready and min(ready) == self.replica and self._decides(ready, set(live), first_seen, expected):
+            if ready and min(ready) == self.replica and self._decides(ready, set(live), asked_at, expected):
                 gen = Generation(number, tuple(sorted(ready)), {r: live[r] for r in ready})
                 self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
-            if time.monotonic() - start > self.timeout_s:
+            if time.monotonic() - asked_at > self.timeout_s:
                 raise QuorumLost(
                     f"generation {number}: {len(ready)} replica(s) {sorted(ready)} agreed within "
                     f"{self.timeout_s:g}s, fewer than min_replicas={self.min_replicas}: restart from the checkpoint"
                 )
             time.sleep(POLL_S)
 
-    def _decides(self, ready: set[str], live: set[str], first_seen: float, expected: int | None) -> bool:
+    def _decides(self, ready: set[str], live: set[str], asked_at: float, expected: int | None) -> bool:
         if len(ready) < self.min_replicas:
             return False
         if expected is not None:
             return len(ready) >= expected
-        return live <= ready or time.monotonic() - first_seen >= self.join_window_s
+        return live <= ready or time.monotonic() - asked_at >= self.join_window_s

@@ -21,7 +21,7 @@ groups), and heals that shard the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -76,3 +76,39 @@ def replicated_step(
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad) / global_batch)
         offset += grad.numel()
     optimizer.step()
+
+
+def committed_steps(
+    group: ReplicaGroup,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    share_loss: Callable[[int, int, int], torch.Tensor],
+    global_batch: int,
+    counter: torch.Tensor,
+    steps: int,
+    event: Callable[[str], None] = lambda kind: None,
+) -> Iterator[int]:
+    """Yield each step ``s < steps`` once it is committed, every replica at the same boundary.
+    ``share_loss(s, rank, world)``: step ``s``'s summed loss of this replica's share.
+    ``counter`` (a one-element float tensor) is the step count, healed with the weights and the
+    optimizer state. At each boundary, replicas waiting to join are taken in (``"grew"``); a lost
+    member makes the survivors recover and redo the same step (``"lost"``, ``"recovered"``)."""
+
+    def state() -> list[torch.Tensor]:
+        return [counter, *state_tensors(model, optimizer)]
+
+    while int(counter.item()) < steps:
+        s = int(counter.item())
+        try:
+            if group.joiners_waiting():
+                group.recover(state())
+                event("grew")
+                continue  # every member, the joiner too, is at the step boundary again
+            replicated_step(group, model, optimizer, lambda r, w: share_loss(s, r, w), global_batch)
+        except ReplicaLost:
+            event("lost")
+            group.recover(state())
+            event("recovered")
+            continue
+        counter += 1
+        yield s

@@ -1,7 +1,7 @@
 """One rank of a two-rank replica (one torchrun per replica): the model of
 ``replica_worker.problem`` sharded with FSDP2 over the replica's ranks (gradients summed inside
 it), each shard reduced with the same shard of the other replicas through ``ReplicaGroup``'s
-column groups (HSDP) by ``replicated_step``. Each rank takes every other sample of its replica's
+column groups (HSDP) by ``committed_steps``. Each rank takes every other sample of its replica's
 share. A replica started with ``join`` heals its shards from a member's (after ``OUT.go``).
 
 Args: ETCD JOB NAME (start N | join) STEPS OUT. Local rank 0 writes one JSON line per step and,
@@ -24,15 +24,9 @@ from torch.distributed.fsdp import fully_shard
 
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
-from spmd_rl.elastic.replicated_step import materialize, replicated_step, state_tensors
-from tests.helpers.replica_worker import B, DATA, LEASE_S, PACE_S, problem
-
-
-def share_loss(model, x, y, step: int, rank: int, world: int, local: int, local_world: int) -> torch.Tensor:
-    """Summed squared error of this rank's part of its replica's share of the global batch."""
-    rows = [(step * B + i) % DATA for i in range(B) if i % world == rank][local::local_world]
-    return ((model(x[rows]) - y[rows]) ** 2).sum()
+from spmd_rl.elastic.replica_group import ReplicaGroup
+from spmd_rl.elastic.replicated_step import committed_steps, materialize, state_tensors
+from tests.helpers.replica_worker import B, LEASE_S, PACE_S, problem, share_loss
 
 
 def main() -> None:
@@ -61,18 +55,8 @@ def main() -> None:
         while not os.path.exists(out + ".go"):
             time.sleep(0.01)
         group.join([step, *state_tensors(model, opt)])
-    while int(step.item()) < steps:
-        s = int(step.item())
-        try:
-            if group.joiners_waiting():
-                group.recover([step, *state_tensors(model, opt)])
-                continue
-            loss = lambda r, w: share_loss(model, x, y, s, r, w, local, local_world)  # noqa: E731
-            replicated_step(group, model, opt, loss, B)
-        except ReplicaLost:
-            group.recover([step, *state_tensors(model, opt)])
-            continue
-        step += 1
+    loss = lambda s, r, w: share_loss(model, x, y, s, r, w, local, local_world)  # noqa: E731
+    for s in committed_steps(group, model, opt, loss, B, step, steps):
         if log:
             log.write(json.dumps({"step": s, "world": group.world, "pid": os.getpid(), "t": time.time()}) + "\n")
         time.sleep(PACE_S)

@@ -21,8 +21,8 @@ import time
 import torch
 
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
-from spmd_rl.elastic.replicated_step import materialize, replicated_step, state_tensors
+from spmd_rl.elastic.replica_group import ReplicaGroup
+from spmd_rl.elastic.replicated_step import committed_steps, materialize, state_tensors
 
 B = 12
 DATA = 64
@@ -40,9 +40,10 @@ def problem() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, tor
     return model, torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01), x, y
 
 
-def share_loss(model, x, y, step: int, rank: int, world: int) -> torch.Tensor:
-    """Summed squared error of this replica's samples of the step's global batch."""
-    rows = [(step * B + i) % DATA for i in range(B) if i % world == rank]
+def share_loss(model, x, y, step: int, rank: int, world: int, local: int = 0, local_world: int = 1) -> torch.Tensor:
+    """Summed squared error of this replica's samples of the step's global batch (of every
+    ``local_world``-th of them from the ``local``-th, a replica's rank's part)."""
+    rows = [(step * B + i) % DATA for i in range(B) if i % world == rank][local::local_world]
     return ((model(x[rows]) - y[rows]) ** 2).sum()
 
 
@@ -64,20 +65,8 @@ def main() -> None:
     def event(kind: str) -> None:
         log.write(json.dumps({"event": kind, "gen": group.gen.number, "world": group.world, "t": time.time()}) + "\n")
 
-    while int(step.item()) < steps:
-        s = int(step.item())
-        try:
-            if group.joiners_waiting():
-                group.recover([step, *state_tensors(model, opt)])
-                event("grew")
-                continue  # every member, the joiner too, is at the step boundary again
-            replicated_step(group, model, opt, lambda r, w: share_loss(model, x, y, s, r, w), B)
-        except ReplicaLost:
-            event("lost")
-            group.recover([step, *state_tensors(model, opt)])
-            event("recovered")
-            continue
-        step += 1
+    loss = lambda s, r, w: share_loss(model, x, y, s, r, w)  # noqa: E731
+    for s in committed_steps(group, model, opt, loss, B, step, steps, event):
         row = {"step": s, "gen": group.gen.number, "world": group.world, "pid": os.getpid(), "t": time.time()}
         log.write(json.dumps(row) + "\n")
         time.sleep(PACE_S)
