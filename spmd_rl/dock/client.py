@@ -27,13 +27,14 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.dock.fetch import Fetcher, Peer
 from spmd_rl.dock.columns import ColumnSpec, as_samples
-from spmd_rl.dock.controller import StageController, group_nodes, read_records
+from spmd_rl.dock.controller import StageController, group_nodes
 from spmd_rl.dock.errors import DockRequestError
+from spmd_rl.dock.feed import RecordFeed
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.relay import plan_relay, relayed_fetch
-from spmd_rl.dock.stream import RecordFeed, StageStream
+from spmd_rl.dock.stream import StageStream
 from spmd_rl.dock.warehouse import WarehouseServer
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ class TransferDock(Fetcher):
         super().__init__(cfg, meta, specs, peer, token, in_process)
         self._num_samples: dict[int, int] = {}
         self._feeds: dict[int, RecordFeed] = {}
+        self._own: dict[int, Locations] = {}
+        """Per iteration, this rank's put-records (its feed may not have seen them yet)."""
         self._seq = 0
         self._warehouse_beat: Heartbeat | None = None
-        self._watch: PeerWatch | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, heartbeat_ttl_s: int | None = None) -> "TransferDock":
@@ -96,10 +98,10 @@ class TransferDock(Fetcher):
         every rank has started (a barrier after ``start``)."""
         if self.heartbeat is None:
             raise DockRequestError("watch_peers needs liveness keys: start the dock with heartbeat_ttl_s")
-        self._watch = PeerWatch(self.meta, self.peer.world, self.warehouse_nodes(), on_lost).start()
+        self.peer_watch = PeerWatch(self.meta, self.peer.world, self.warehouse_nodes(), on_lost).start()
 
     def close(self) -> None:
-        for beat in (self._watch, self.heartbeat, self._warehouse_beat):
+        for beat in (self.peer_watch, self.heartbeat, self._warehouse_beat):
             if beat is not None:
                 beat.stop()
         for feed in self._feeds.values():
@@ -131,6 +133,7 @@ class TransferDock(Fetcher):
         """Forget this rank's local state of the iteration (its sample count, its watch); the
         data stays until a ``commit``."""
         self._num_samples.pop(iteration, None)
+        self._own.pop(iteration, None)
         self.relay_calls.pop(iteration, None)
         if (feed := self._feeds.pop(iteration, None)) is not None:
             feed.stop()
@@ -157,14 +160,7 @@ class TransferDock(Fetcher):
             if name not in self.specs:
                 raise DockRequestError(f"unknown column {name!r}; known columns: {', '.join(sorted(self.specs))}")
             columns[name] = as_samples(name, value, len(idx), self.specs[name])
-        loc = Locations.from_records(read_records(self.meta, iteration))
-        for name in columns:
-            dup = [i for i in idx if loc.has(name, i)]
-            if dup:
-                raise DockRequestError(
-                    f"column {name!r} already written for indices {dup[:8]} by {loc.writer[name][dup[0]]}: duplicate "
-                    f"put"
-                )
+        self._refuse_duplicates(iteration, columns, idx)
         ragged = {n: self.specs[n].ragged for n in columns}
         client = self.client(self.home_node)
         client.put(iteration, idx, columns, ragged)
@@ -177,11 +173,25 @@ class TransferDock(Fetcher):
             {n: [v.numel() for v in vals] for n, vals in columns.items() if ragged[n]},
         )
         self._seq += 1
+        key = self.meta.key(iteration, "puts", f"{self.peer.rank:06d}-{self._seq:08d}")
         try:
-            self.meta.put(self.meta.key(iteration, "puts", f"{self.peer.rank:06d}-{self._seq:08d}"), record.encode())
+            self.meta.put(key, record.encode())
         except Exception:
             client.delete(iteration, idx, list(columns))
             raise
+        self._own.setdefault(iteration, Locations()).add(record)
+
+    def _refuse_duplicates(self, iteration: int, columns: Mapping[str, object], idx: list[int]) -> None:
+        """DockRequestError for a (column, index) already written: by another rank as far as
+        this rank's record feed has seen, or by this rank (its feed may lag its own puts)."""
+        feed, own = self.feed(iteration), self._own.get(iteration, Locations())
+        for name in columns:
+            dup = [i for i in idx if feed.written(name, i) or own.has(name, i)]
+            if dup:
+                writer = feed.written(name, dup[0]) or own.writer[name][dup[0]]
+                raise DockRequestError(
+                    f"column {name!r} already written for indices {dup[:8]} by {writer}: duplicate put"
+                )
 
     def get(
         self,
@@ -199,7 +209,9 @@ class TransferDock(Fetcher):
         if iteration not in self._num_samples:
             raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
         want = list(range(self._num_samples[iteration])) if expected is None else [int(i) for i in expected]
-        ctl = StageController(self.meta, stage, self.specs, world=self.peer.world if self.heartbeat else None)
+        ctl = StageController(
+            self.feed(iteration), stage, self.specs, lost_ranks=self.lost_ranks if self.heartbeat else None
+        )
         plan = ctl.plan(
             iteration,
             columns,
@@ -225,11 +237,16 @@ class TransferDock(Fetcher):
         """Like ``get``, in waves as the inputs become ready (``dock.stream``). The iteration's
         streams share one watch of its put-records, closed by ``commit``."""
         self._check_known(columns)
+        return StageStream(
+            self, self.feed(iteration), stage, iteration, columns, layout, expected, group_size, units_per_group
+        )
+
+    def feed(self, iteration: int) -> RecordFeed:
+        """The iteration's put-records as this rank sees them (``dock.feed``), opened on first
+        use and closed by ``release``."""
         if iteration not in self._feeds:
             self._feeds[iteration] = RecordFeed(self.meta, iteration)
-        return StageStream(
-            self, self._feeds[iteration], stage, iteration, columns, layout, expected, group_size, units_per_group
-        )
+        return self._feeds[iteration]
 
     def _check_known(self, columns: Sequence[str]) -> None:
         unknown = [c for c in columns if c not in self.specs]

@@ -1,39 +1,30 @@
-"""A stage's controller: from the put-records in etcd, wait until every expected index has all
-the stage's input columns, then split them over the stage's DP groups with :func:`assign`.
+"""A stage's controller: from the iteration's put-records (this rank's record feed,
+``dock.feed``), wait until every expected index has all the stage's input columns, then split
+them over the stage's DP groups with :func:`assign`.
 
-Every DP-group leader of a stage embeds one and they all read the same records, so they agree
-without an arbiter. Group-granular stages (advantages over the N responses of a prompt) assign
-whole prompt groups: unit key = index // group_size.
+Every rank of a stage embeds one and they all see the same records, so they agree without an
+arbiter. Group-granular stages (advantages over the N responses of a prompt) assign whole
+prompt groups: unit key = index // group_size.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.dock.assign import Unit, assign
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.errors import DockTimeout, DockUnavailable
-from spmd_rl.dock.heartbeat import alive_ranks
-from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.records import Locations, PutRecord, describe
+from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.records import Locations, describe
 
 
 @dataclass
 class Assignment:
     groups: list[list[int]]
     locations: Locations
-
-
-def read_records(meta: MetadataStore, iteration: int) -> list[PutRecord]:
-    return [PutRecord.decode(v) for _, v in meta.get_prefix(meta.key(iteration, "puts") + "/")]
-
-
-def missing_inputs(loc: Locations, columns: Sequence[str], expected: Sequence[int]) -> dict[str, list[int]]:
-    want = list(expected)
-    return {c: miss for c in columns if (miss := loc.missing(c, want))}
 
 
 def describe_missing(specs: dict[str, ColumnSpec], missing: dict[str, list[int]]) -> str:
@@ -43,9 +34,16 @@ def describe_missing(specs: dict[str, ColumnSpec], missing: dict[str, list[int]]
     )
 
 
-def fail_if_ranks_lost(meta: MetadataStore, world: int, who: str, doing: str) -> None:
+_IDLE_S = 1.0
+"""A wait without a new record for this long checks the peers' liveness and the watch."""
+
+LostRanks = Callable[[], set[int]]
+"""The ranks of the world whose liveness key is gone (``Fetcher.lost_ranks``)."""
+
+
+def fail_if_ranks_lost(lost_ranks: LostRanks, who: str, doing: str) -> None:
     """DockUnavailable once any rank of the world has lost its heartbeat key."""
-    lost = set(range(world)) - alive_ranks(meta)
+    lost = lost_ranks()
     if lost:
         raise DockUnavailable(
             f"{who}: rank(s) {sorted(lost)} lost (heartbeat expired) while {doing}; "
@@ -78,38 +76,41 @@ def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], g
 class StageController:
     def __init__(
         self,
-        meta: MetadataStore,
+        feed: RecordFeed,
         stage: str,
         specs: dict[str, ColumnSpec],
-        poll_s: float = 0.02,
-        world: int | None = None,
+        settle_s: float = 0.02,
+        lost_ranks: LostRanks | None = None,
     ):
-        self.meta = meta
+        self.feed = feed
         self.stage = stage
         self.specs = specs
-        self.poll_s = poll_s
-        self.world = world
+        self.settle_s = settle_s
+        """After a new record, how long to let a burst of them arrive before looking again."""
+        self.lost_ranks = lost_ranks
         """When set, waiting fails fast once a rank's heartbeat key is gone."""
 
     def wait(self, iteration: int, columns: Sequence[str], expected: Sequence[int], timeout_s: float) -> Locations:
         """Block until all ``columns`` exist for all ``expected`` indices; DockTimeout names the
         missing indices and the stage that should have written them."""
         deadline = time.monotonic() + timeout_s
-        delay = self.poll_s
         while True:
-            loc = Locations.from_records(read_records(self.meta, iteration))
-            missing = missing_inputs(loc, columns, expected)
-            if not missing:
-                return loc
-            if self.world is not None and delay >= 0.25:
-                fail_if_ranks_lost(self.meta, self.world, f"stage {self.stage}", f"waiting for iteration {iteration}")
-            if time.monotonic() >= deadline:
+            seen = self.feed.version
+            if self.feed.ready(columns, expected):
+                return self.feed.locations()
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise DockTimeout(
                     f"stage {self.stage} waited {timeout_s:.1f}s for iteration {iteration}; "
-                    + describe_missing(self.specs, missing)
+                    + describe_missing(self.specs, self.feed.missing(columns, expected))
                 )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
+            if self.feed.wait_change(seen, min(_IDLE_S, left)):
+                time.sleep(self.settle_s)
+                continue
+            if self.lost_ranks is not None:
+                fail_if_ranks_lost(self.lost_ranks, f"stage {self.stage}", f"waiting for iteration {iteration}")
+            if not self.feed.watching:
+                self.feed.resync()
 
     def plan(
         self,

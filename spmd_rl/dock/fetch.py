@@ -17,7 +17,7 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.heartbeat import Heartbeat
+from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch, alive_ranks
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import Locations
@@ -66,6 +66,8 @@ class Fetcher:
         self.heartbeat: Heartbeat | None = None
         """This rank's liveness key, when the dock runs with them: fetches then fail at once
         on a lost warehouse or rank instead of waiting ``dock.get_timeout_s``."""
+        self.peer_watch: PeerWatch | None = None
+        """This rank's watch of every liveness key, once armed (``TransferDock.watch_peers``)."""
 
     @property
     def home_node(self) -> int:
@@ -111,6 +113,13 @@ class Fetcher:
                 )
             time.sleep(0.02)
         return raw
+
+    def lost_ranks(self) -> set[int]:
+        """Ranks of the world whose liveness key is gone: the peer watch's view when it is
+        armed (no etcd read), else read from etcd."""
+        if self.peer_watch is not None:
+            return self.peer_watch.lost_ranks()
+        return set(range(self.peer.world)) - alive_ranks(self.meta)
 
     def plain_batch(self, iteration: int, indices: list[int], columns: list[str], loc: Locations) -> DockBatch:
         """``columns`` of ``indices`` fetched by this rank itself, as a batch."""

@@ -48,6 +48,11 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
+        """Renews the lease every second (at most): on a host so loaded that a thread waits
+        seconds for its turn, a renewal every ``ttl_s / 3`` (etcd's own client's pace) let
+        leases of live ranks expire (``tools/bench_control_plane.py`` at 128 ranks on 2 cores),
+        and a rank declared lost ends the whole job. One keep-alive per rank and second is a
+        small share of what etcd serves (``docs/benchmarks.md``)."""
         while not self._stop.wait(min(1.0, self.ttl_s / 3)):
             try:
                 if self.healthy is not None and not self.healthy():
@@ -73,10 +78,20 @@ class PeerWatch:
     nothing else can interrupt (a collective with a dead peer, a barrier of a checkpoint write).
 
     Invariant: once armed (every rank and warehouse of the world has registered), a rank or
-    warehouse key that is missing on consecutive successful polls spanning ``grace_s`` calls
+    warehouse key that stays missing for ``grace_s`` while the watch is healthy calls
     ``on_lost(reason)`` once; the trainer exits the process there, so torchrun restarts the
-    group about ``heartbeat_ttl_s + grace_s`` after a peer dies. An unreachable etcd proves
-    nothing and resets the evidence (the ranks ride out an etcd restart)."""
+    group about ``heartbeat_ttl_s + grace_s`` after a peer dies. A key that comes back within
+    ``grace_s`` (a lease that lapsed on an overloaded etcd and was taken again) is no loss. An
+    unreachable etcd (a broken watch) proves nothing and resets the evidence (the ranks ride
+    out an etcd restart). ``lost_ranks`` gives the dock's waits the same view.
+
+    The keys are read once and then followed through two etcd watches (the rank keys and the
+    warehouse keys; an expired lease is a DELETE event), so a healthy world costs etcd no
+    reads: polling both prefixes every second cost each rank two range reads of O(world) keys
+    per second, O(world^2) bytes per second in all (``tools/bench_control_plane.py``). The
+    thread re-checks its view every ``poll_s`` and re-reads etcd only after a broken watch."""
+
+    KINDS = ("alive", "warehouse_alive")
 
     def __init__(
         self,
@@ -95,36 +110,94 @@ class PeerWatch:
         self.grace_s = grace_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+        self._lock = threading.Lock()
+        self._members = {"alive": set(range(world)), "warehouse_alive": set(self.warehouses)}
+        self._gone: dict[tuple[str, int], float] = {}
+        """(kind, who) -> since when the key has been missing, while the watch is healthy."""
+        self._watches: list[tuple[threading.Thread, Callable[[], None]]] = []
+
+    def _lost(self, kind: str) -> list[int]:
+        now = time.monotonic()
+        with self._lock:
+            return sorted(w for (k, w), since in self._gone.items() if k == kind and now - since >= self.grace_s)
+
+    def lost_ranks(self) -> set[int]:
+        """Ranks of the world whose key has been gone for ``grace_s``."""
+        return set(self._lost("alive"))
 
     def missing(self) -> list[str]:
-        """What is gone now: ``rank r`` / ``warehouse of node n``."""
-        ranks = set(range(self.world)) - alive_ranks(self.meta)
-        prefix = self.meta.key("warehouse_alive") + "/"
-        served = {int(k[len(prefix) :]) for k, _ in self.meta.get_prefix(prefix)}
-        return [f"rank {r}" for r in sorted(ranks)] + [
-            f"warehouse of node {n}" for n in self.warehouses if n not in served
+        """What has been gone for ``grace_s``: ``rank r`` / ``warehouse of node n``."""
+        return [f"rank {r}" for r in self._lost("alive")] + [
+            f"warehouse of node {n}" for n in self._lost("warehouse_alive")
         ]
 
     def start(self) -> "PeerWatch":
+        """Read the keys and start watching now (so the view exists when this returns); an
+        etcd away at this moment leaves that to the thread."""
+        try:
+            self._resync()
+        except Exception as exc:
+            log.warning("peer watch cannot read liveness keys yet: %s", exc)
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        since: float | None = None
-        while not self._stop.wait(self.poll_s):
+    def _watching(self) -> bool:
+        return bool(self._watches) and all(t.is_alive() for t, _ in self._watches)
+
+    def _resync(self) -> None:
+        """Read both prefixes, then watch each from its read's revision + 1 (no gap); the
+        evidence starts afresh."""
+        self._cancel_watches()
+        with self._lock:
+            self._gone.clear()
+        for kind in self.KINDS:
+            prefix = self.meta.key(kind) + "/"
+            revision, kvs = self.meta.get_prefix_at(prefix)
+            present = {int(k[len(prefix) :]) for k, _, _ in kvs}
+            now = time.monotonic()
+            with self._lock:
+                self._gone.update({(kind, w): now for w in self._members[kind] - present})
+            events, cancel = self.meta.watch_prefix(prefix, start_revision=revision + 1)
+            pump = threading.Thread(target=self._pump, args=(kind, prefix, events), name="peer-watch-feed", daemon=True)
+            pump.start()
+            self._watches.append((pump, cancel))
+
+    def _pump(self, kind: str, prefix: str, events) -> None:
+        try:
+            for ev in events:
+                who = int(ev["kv"]["key"].decode()[len(prefix) :])
+                with self._lock:
+                    if ev.get("type", "PUT") == "PUT":
+                        self._gone.pop((kind, who), None)
+                    elif who in self._members[kind]:
+                        self._gone.setdefault((kind, who), time.monotonic())
+        except Exception as exc:  # etcd away: the run loop re-reads once it is back
+            log.debug("liveness watch of %s ended: %s", prefix, exc)
+
+    def _cancel_watches(self) -> None:
+        for _, cancel in self._watches:
             try:
-                gone = self.missing()
-            except Exception as exc:  # etcd away: no evidence either way
-                log.warning("peer watch cannot read liveness keys: %s", exc)
-                since = None
-                continue
-            if not gone:
-                since = None
-            elif since is None:
-                since = time.monotonic()
-            elif time.monotonic() - since >= self.grace_s and not self._stop.is_set():
+                cancel()
+            except Exception:  # noqa: S110 - a watch whose etcd is gone has nothing left to cancel
+                pass
+        self._watches.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if not self._watching():
+                try:  # a broken watch is no evidence either way: read again, evidence afresh
+                    self._resync()
+                except Exception as exc:
+                    log.warning("peer watch cannot read liveness keys: %s", exc)
+                    with self._lock:
+                        self._gone.clear()
+                    continue
+            gone = self.missing()
+            if gone and not self._stop.is_set():
                 self.on_lost(f"{', '.join(gone)} lost (liveness key expired or withdrawn)")
-                return
+                break
+        self._cancel_watches()
 
     def stop(self) -> None:
         self._stop.set()
+        self._cancel_watches()

@@ -182,10 +182,14 @@ class MetadataStore:
         """Compare-and-swap: set ``new`` only if the value is ``expected``."""
         return bool(self._call(lambda c: c.replace(key, expected, new)))
 
-    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> tuple[Iterator[dict], Callable[[], None]]:
+    def watch_prefix(
+        self, prefix: str, start_revision: int | None = None, puts_only: bool = False
+    ) -> tuple[Iterator[dict], Callable[[], None]]:
         """(events, cancel): events are etcd3gw event dicts with ``kv`` and ``type`` (absent for a
-        put); ``start_revision`` replays from that revision."""
-        return self._call(lambda c: c.watch_prefix(prefix, start_revision=start_revision))
+        put); ``start_revision`` replays from that revision; ``puts_only``: etcd does not send
+        deletes at all (its ``NODELETE`` filter)."""
+        filters = ["NODELETE"] if puts_only else None
+        return self._call(lambda c: c.watch_prefix(prefix, start_revision=start_revision, filters=filters))
 
     def healthy(self) -> bool:
         try:

@@ -79,22 +79,37 @@ class Locations:
     def from_records(cls, records: list[PutRecord]) -> "Locations":
         loc = cls()
         for r in records:
-            label = f"{r.stage} (rank {r.rank})"
-            for c in r.columns:
-                nodes = loc.node.setdefault(c, {})
-                writers = loc.writer.setdefault(c, {})
-                if not nodes.keys().isdisjoint(r.indices):
-                    i = next(i for i in r.indices if i in nodes)
-                    raise DockRequestError(
-                        f"column {c!r} index {i} written twice: by stage {writers[i]} and by stage {r.stage} (rank "
-                        f"{r.rank}); "
-                        "each column of a sample is written once per iteration"
-                    )
-                nodes.update(dict.fromkeys(r.indices, r.node))
-                writers.update(dict.fromkeys(r.indices, label))
-                if c in r.lengths:
-                    loc.length.setdefault(c, {}).update(zip(r.indices, r.lengths[c]))
+            loc.add(r)
         return loc
+
+    def add(self, r: PutRecord) -> None:
+        """Record ``r``'s (column, index) places; DockRequestError (and nothing added) when one
+        of them was already written."""
+        for c in r.columns:
+            nodes = self.node.get(c, {})
+            if not nodes.keys().isdisjoint(r.indices):
+                i = next(i for i in r.indices if i in nodes)
+                raise DockRequestError(
+                    f"column {c!r} index {i} written twice: by stage {self.writer[c][i]} and by stage {r.stage} (rank "
+                    f"{r.rank}); each column of a sample is written once per iteration"
+                )
+        label = f"{r.stage} (rank {r.rank})"
+        for c in r.columns:
+            self.node.setdefault(c, {}).update(dict.fromkeys(r.indices, r.node))
+            self.writer.setdefault(c, {}).update(dict.fromkeys(r.indices, label))
+            if c in r.lengths:
+                self.length.setdefault(c, {}).update(zip(r.indices, r.lengths[c]))
+
+    def copy(self) -> "Locations":
+        return Locations(
+            {c: dict(v) for c, v in self.node.items()},
+            {c: dict(v) for c, v in self.length.items()},
+            {c: dict(v) for c, v in self.writer.items()},
+        )
+
+    def count(self, column: str) -> int:
+        """How many indices have ``column``."""
+        return len(self.node.get(column, {}))
 
     def has(self, column: str, index: int) -> bool:
         return index in self.node.get(column, {})

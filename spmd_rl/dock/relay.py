@@ -179,7 +179,7 @@ def _wait_for_leader(dock: "Fetcher", key: str, iteration: int) -> None:
                 arrived.clear()
             if dock.heartbeat is not None:
                 fail_if_ranks_lost(
-                    dock.meta, dock.peer.world, f"relay {key}", f"waiting for the TP leader in iteration {iteration}"
+                    dock.lost_ranks, f"relay {key}", f"waiting for the TP leader in iteration {iteration}"
                 )
             if time.monotonic() > deadline:
                 raise DockTimeout(

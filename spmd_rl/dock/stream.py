@@ -11,8 +11,8 @@ cuts the same waves and splits each with the same ``assign``: the split is deter
 the recorded arrival order, with no arbiter. Over its waves the stream delivers every expected
 index exactly once (tested).
 
-New records are noticed through an etcd watch on the iteration's put-records, started at the
-revision of the first read (no gap, no overlap); there is no polling loop. Without any event
+New records are noticed through the iteration's record feed (``dock.feed``: an etcd watch on
+the put-records, started at the revision of the first read); there is no polling loop. Without any event
 for ``_IDLE_S`` the stream checks the ranks' liveness, re-reads etcd if the watch broke, and
 gives up at the dock's ``get_timeout_s`` naming what is missing.
 """
@@ -20,16 +20,15 @@ gives up at the dock's ``get_timeout_s`` naming what is missing.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from spmd_rl.config.layout import Layout
-from spmd_rl.dock.controller import describe_missing, fail_if_ranks_lost, group_nodes, missing_inputs, split
+from spmd_rl.dock.controller import describe_missing, fail_if_ranks_lost, group_nodes, split
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.records import Locations, PutRecord
+from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.records import PutRecord
 
 if TYPE_CHECKING:
     from spmd_rl.dock.batch import DockBatch
@@ -58,69 +57,6 @@ def ready_order(
         if None not in revs:
             out.append((max(revs, default=0), key))
     return sorted(out)
-
-
-class RecordFeed:
-    """Every put-record of one iteration with its create revision, kept current by an etcd
-    watch; shared by the iteration's streams. ``version`` counts the changes seen."""
-
-    def __init__(self, meta: MetadataStore, iteration: int):
-        self.meta = meta
-        self.prefix = meta.key(iteration, "puts") + "/"
-        self.version = 0
-        self._cond = threading.Condition()
-        self._records: dict[str, tuple[int, PutRecord]] = {}
-        self._cancel = None
-        self._thread: threading.Thread | None = None
-        self.resync()
-
-    def resync(self) -> None:
-        """Read every record, then watch from the read's revision + 1."""
-        self.stop()
-        revision, kvs = self.meta.get_prefix_at(self.prefix)
-        with self._cond:
-            for key, raw, rev in kvs:
-                self._records.setdefault(key, (rev, PutRecord.decode(raw)))
-            self.version += 1
-            self._cond.notify_all()
-        events, self._cancel = self.meta.watch_prefix(self.prefix, start_revision=revision + 1)
-        self._thread = threading.Thread(target=self._pump, args=(events,), name="dock-feed", daemon=True)
-        self._thread.start()
-
-    def _pump(self, events: Iterator[dict]) -> None:
-        try:
-            for ev in events:
-                kv = ev["kv"]
-                if ev.get("type", "PUT") != "PUT":  # deletes come only with the iteration's commit
-                    continue
-                record = (int(kv["create_revision"]), PutRecord.decode(kv["value"]))
-                with self._cond:
-                    self._records.setdefault(kv["key"].decode(), record)
-                    self.version += 1
-                    self._cond.notify_all()
-        except Exception as exc:  # a broken watch: the stream re-reads etcd when it next idles
-            log.debug("put-record watch of %s ended: %s", self.prefix, exc)
-
-    @property
-    def watching(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def snapshot(self) -> tuple[int, list[tuple[int, PutRecord]]]:
-        with self._cond:
-            return self.version, list(self._records.values())
-
-    def wait_change(self, seen: int, timeout_s: float) -> bool:
-        """Block until ``version`` differs from ``seen``; False after ``timeout_s`` without."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.version != seen, timeout_s)
-
-    def stop(self) -> None:
-        """Cancel the watch and wait (up to 5 s) for its thread to end."""
-        if self._cancel is not None:
-            self._cancel()
-            self._cancel = None
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
 
 
 class StageStream:
@@ -168,7 +104,7 @@ class StageStream:
         keys = [k for _, k in ready[len(self.order) : need]]
         self.order += keys
         self._seen = -1  # the records may already complete the wave after this one
-        loc = Locations.from_records([r for _, r in records])
+        loc = self.feed.locations()
         members = set(keys)
         wave = [i for i in self.expected if i // self.group_size in members]
         mine = split(loc, self.columns, wave, self.group_nodes, self.group_size)[self.dp_index]
@@ -198,13 +134,10 @@ class StageStream:
 
     def _check_peers(self) -> None:
         if self.dock.heartbeat is not None:
-            fail_if_ranks_lost(
-                self.dock.meta, self.dock.peer.world, f"stage {self.stage}", f"streaming iteration {self.iteration}"
-            )
+            fail_if_ranks_lost(self.dock.lost_ranks, f"stage {self.stage}", f"streaming iteration {self.iteration}")
 
     def _timeout(self) -> None:
-        loc = Locations.from_records([r for _, r in self.feed.snapshot()[1]])
-        missing = missing_inputs(loc, self.columns, self.expected)
+        missing = self.feed.missing(self.columns, self.expected)
         raise DockTimeout(
             f"stage {self.stage} streamed {len(self.order)} of {self.total} units of iteration {self.iteration} and "
             f"waited {self.timeout_s:.1f}s for the next wave; " + describe_missing(self.dock.specs, missing)

@@ -116,10 +116,11 @@ def test_tp_ranks_receive_their_own_share_with_one_remote_copy(etcd):
 def test_relay_only_where_it_pays(etcd):
     docks = four_ranks(etcd, "relay-plan", 10 << 20)  # above the remote share (about 180 KiB)
     try:
-        from spmd_rl.dock.records import Locations
-        from spmd_rl.dock.controller import read_records
+        from spmd_rl.dock.feed import RecordFeed
 
-        loc = Locations.from_records(read_records(docks[2].meta, 0))
+        feed = RecordFeed(docks[2].meta, 0)  # its first read: every record, all puts being done
+        loc = feed.locations()
+        feed.stop()
         share = list(range(N))
         assert plan_relay(docks[2], "s", 0, TRAIN, share, ["response_ids"], loc) is None  # below the bound
         docks[2].cfg = DockConfig(port=0, tp_relay_min_bytes=0)

@@ -65,6 +65,29 @@ def test_watch_sees_put(etcd):
     assert seen and seen[0]["kv"]["key"].startswith(b"/meta-watch/w/k") and seen[0]["kv"]["value"] == b"v"
 
 
+def test_a_puts_only_watch_gets_no_deletes(etcd):
+    """The record feed's watch (``puts_only``): from a revision, every put and no delete,
+    in order; the plain watch of the same range gets the deletes too."""
+    m = MetadataStore([etcd.endpoint], job="meta-puts-only")
+    revision, _ = m.get_prefix_at(m.key("w") + "/")
+    for k in range(3):
+        m.put(m.key("w", k), b"v")
+    m.delete_prefix(m.key("w") + "/")
+    m.put(m.key("w", "last"), b"v")
+    got = {}
+    for puts_only in (True, False):
+        events, cancel = m.watch_prefix(m.key("w") + "/", start_revision=revision + 1, puts_only=puts_only)
+        seen = []
+        for ev in events:  # replayed from the revision: no race with the puts above
+            seen.append((ev.get("type", "PUT"), ev["kv"]["key"].decode().rsplit("/", 1)[1]))
+            if seen[-1][1] == "last":
+                break
+        cancel()
+        got[puts_only] = seen
+    assert got[True] == [("PUT", "0"), ("PUT", "1"), ("PUT", "2"), ("PUT", "last")]
+    assert [t for t, _ in got[False]].count("DELETE") == 3
+
+
 def test_lost_etcd_retries_then_fails():
     e = EmbeddedEtcd().start()
     m = MetadataStore([e.endpoint], job="meta-lost", retry_s=1.0, timeout_s=0.5)

@@ -58,13 +58,40 @@ def test_stopped_warehouse_is_reported_while_its_rank_lives(etcd):
         house.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_key_back_within_the_grace_is_no_loss_and_lost_ranks_waits_for_the_grace(etcd):
+    """A lease that lapsed on an overloaded etcd and was taken again within ``grace_s`` loses
+    nobody; a key that stays gone does, in ``on_lost`` and in ``lost_ranks`` (the view the
+    dock's waits read instead of etcd) only after the grace."""
+    meta = MetadataStore([etcd.endpoint], job="watch-grace")
+    for r in (0, 1):
+        meta.put(meta.key("alive", r), b"1")
+    w, reasons, fired = watch(meta, 2, [])  # grace 0.5 s, polled every 0.2 s
+    try:
+        assert w.lost_ranks() == set()  # the view exists as soon as start returns
+        for _ in range(3):
+            meta.delete(meta.key("alive", 1))
+            meta.put(meta.key("alive", 1), b"1")  # back at once: a re-registered lease
+            assert not fired.wait(0.7)
+        assert w.lost_ranks() == set()
+        meta.delete(meta.key("alive", 1))
+        assert w.lost_ranks() == set()  # within the grace: not yet
+        assert fired.wait(10)
+        assert w.lost_ranks() == {1} and reasons == ["rank 1 lost (liveness key expired or withdrawn)"]
+    finally:
+        w.stop()
+
+
 class Unreachable:
     """A metadata store whose etcd is away."""
 
     def key(self, *parts):
         return "/x/" + "/".join(map(str, parts))
 
-    def get_prefix(self, prefix):
+    def get_prefix_at(self, prefix):
+        raise ConnectionError("etcd unreachable")
+
+    def watch_prefix(self, prefix, start_revision=None):
         raise ConnectionError("etcd unreachable")
 
 

@@ -1,0 +1,129 @@
+"""The put-records of one iteration as this rank sees them: read once, then kept current by an
+etcd watch started at the revision of that read (no gap, no overlap).
+
+Every blocking get (``dock.controller``), every streamed wave (``dock.stream``) and every put's
+duplicate check of the iteration reads this one copy instead of etcd. Reading the iteration's
+records on every get poll and every put cost each rank O(records) bytes per call, O(world^2)
+per stage in all (``tools/bench_control_plane.py``); the watch delivers each record to each
+rank once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+
+from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.errors import DockRequestError
+from spmd_rl.dock.records import Locations, PutRecord
+
+log = logging.getLogger(__name__)
+
+
+class RecordFeed:
+    """Every put-record of one iteration with its create revision, kept current by an etcd
+    watch, and where each (column, index) lives (``Locations``, grown record by record, so a
+    waiting stage never rebuilds it). ``version`` counts the changes seen."""
+
+    def __init__(self, meta: MetadataStore, iteration: int):
+        self.meta = meta
+        self.prefix = meta.key(iteration, "puts") + "/"
+        self.version = 0
+        self._cond = threading.Condition()
+        self._records: dict[str, tuple[int, PutRecord]] = {}
+        self._loc = Locations()
+        self._error: DockRequestError | None = None
+        """A record that wrote a (column, index) twice: every later read raises it."""
+        self._cancel = None
+        self._thread: threading.Thread | None = None
+        self.resync()
+
+    def _add(self, key: str, revision: int, record: PutRecord) -> None:
+        """Under the lock: a record seen for the first time."""
+        if key in self._records:
+            return
+        self._records[key] = (revision, record)
+        try:
+            self._loc.add(record)
+        except DockRequestError as exc:
+            self._error = self._error or exc
+        self.version += 1
+        self._cond.notify_all()
+
+    def resync(self) -> None:
+        """Read every record, then watch from the read's revision + 1."""
+        self.stop()
+        revision, kvs = self.meta.get_prefix_at(self.prefix)
+        with self._cond:
+            for key, raw, rev in kvs:
+                self._add(key, rev, PutRecord.decode(raw))
+            self.version += 1
+            self._cond.notify_all()
+        # the iteration's commit deletes every record: etcd would send each watcher one event per record
+        events, self._cancel = self.meta.watch_prefix(self.prefix, start_revision=revision + 1, puts_only=True)
+        self._thread = threading.Thread(target=self._pump, args=(events,), name="dock-feed", daemon=True)
+        self._thread.start()
+
+    def _pump(self, events: Iterator[dict]) -> None:
+        try:
+            for ev in events:
+                kv = ev["kv"]
+                record = PutRecord.decode(kv["value"])
+                with self._cond:
+                    self._add(kv["key"].decode(), int(kv["create_revision"]), record)
+        except Exception as exc:  # a broken watch: the stream re-reads etcd when it next idles
+            log.debug("put-record watch of %s ended: %s", self.prefix, exc)
+
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> tuple[int, list[tuple[int, PutRecord]]]:
+        """(version, every record with its create revision)."""
+        with self._cond:
+            self._raise()
+            return self.version, list(self._records.values())
+
+    def locations(self) -> Locations:
+        """A copy of where every (column, index) seen so far lives."""
+        with self._cond:
+            self._raise()
+            return self._loc.copy()
+
+    def ready(self, columns: Sequence[str], expected: Sequence[int]) -> bool:
+        """Whether every ``expected`` index has every column. A column with fewer indices than
+        ``expected`` answers without a look at each, so a waiting stage's check costs
+        O(columns) until the last records arrive."""
+        with self._cond:
+            self._raise()
+            if any(self._loc.count(c) < len(expected) for c in columns):
+                return False
+            return not any(self._loc.missing(c, list(expected)) for c in columns)
+
+    def missing(self, columns: Sequence[str], expected: Sequence[int]) -> dict[str, list[int]]:
+        """Per column, the ``expected`` indices not seen yet."""
+        with self._cond:
+            return {c: miss for c in columns if (miss := self._loc.missing(c, list(expected)))}
+
+    def written(self, column: str, index: int) -> str | None:
+        """The writer of (``column``, ``index``) seen so far, or None."""
+        with self._cond:
+            return self._loc.writer.get(column, {}).get(index)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def wait_change(self, seen: int, timeout_s: float) -> bool:
+        """Block until ``version`` differs from ``seen``; False after ``timeout_s`` without."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.version != seen, timeout_s)
+
+    def stop(self) -> None:
+        """Cancel the watch and wait (up to 5 s) for its thread to end."""
+        if self._cancel is not None:
+            self._cancel()
+            self._cancel = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
