@@ -552,10 +552,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    main()
-
-
 # ----------------------------------------------------------------------------- etcd's capacity
 CAPACITY_OPS = ("put", "range", "keepalive", "watch_event")
 
@@ -714,3 +710,7 @@ def print_model(model: dict, cap: dict | None, iteration_s: float) -> None:
             f"| {r['ranks']} | {r['writes_s']:.1f} | {r['reads_s']:.1f} | {r['watch_events_s']:.0f} | "
             f"{r['keepalives_s']:.0f} | {r['sent_MB_s']:.2f} | {r['etcd_cpu_share']:.3f} | {share} |"
         )
+
+
+if __name__ == "__main__":
+    main()
