@@ -30,6 +30,7 @@ from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
 from spmd_rl.dock.errors import DockUnavailable
+from spmd_rl.dock.watch_stream import WatchStream
 
 T = TypeVar("T")
 _TRANSIENT = (ConnectionFailedError, requests.ConnectionError, requests.Timeout, Etcd3Exception)
@@ -187,9 +188,23 @@ class MetadataStore:
     ) -> tuple[Iterator[dict], Callable[[], None]]:
         """(events, cancel): events are etcd3gw event dicts with ``kv`` and ``type`` (absent for a
         put); ``start_revision`` replays from that revision; ``puts_only``: etcd does not send
-        deletes at all (its ``NODELETE`` filter)."""
-        filters = ["NODELETE"] if puts_only else None
-        return self._call(lambda c: c.watch_prefix(prefix, start_revision=start_revision, filters=filters))
+        deletes at all (its ``NODELETE`` filter). The events end when the watch does (etcd gone
+        or restarted, the watch canceled, ``cancel()``): see ``WatchStream``."""
+        create: dict = {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix))}
+        if start_revision is not None:
+            create["start_revision"] = start_revision
+        if puts_only:
+            create["filters"] = ["NODELETE"]
+
+        def op(c: Etcd3Client) -> WatchStream:
+            response = c.session.post(
+                c.get_url("/watch"), json={"create_request": create}, stream=True, timeout=(self._timeout, None)
+            )
+            response.raise_for_status()
+            return WatchStream(response)
+
+        stream = self._call(op)
+        return iter(stream), stream.cancel
 
     def healthy(self) -> bool:
         try:

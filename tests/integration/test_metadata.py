@@ -117,3 +117,52 @@ def test_embedded_etcd_dies_with_killed_owner(tmp_path):
         time.sleep(0.1)
     # reaped by init or still a zombie for a moment: either way not serving
     assert not pid_alive(etcd_pid) or open(f"/proc/{etcd_pid}/stat").read().split()[2] == "Z"
+
+
+def test_a_watch_ends_with_its_etcd_and_the_feed_catches_up_after_a_restart(tmp_path):
+    """etcd3gw's own watch iterator blocks for ever once its stream closes, so a feed kept
+    ``watching`` a dead connection and no wait re-read etcd after a restart (the run hung in
+    test_etcd_restart). The stream's end must end the iteration; a resync then sees the
+    records put since."""
+    from spmd_rl.dock.feed import RecordFeed
+    from spmd_rl.dock.records import PutRecord
+
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path)).start()
+    port = etcd.client_port
+    m = MetadataStore([etcd.endpoint], job="meta-restart", retry_s=30.0)
+    put = lambda name, idx: m.put(m.key(0, "puts", name), PutRecord("gen", 0, 0, ["x"], [idx]).encode())  # noqa: E731
+    put("a", 0)
+    feed = RecordFeed(m, 0)
+    try:
+        put("b", 1)
+        assert feed.wait_change(feed.version, 10) or feed.ready(["x"], [0, 1])
+        assert feed.ready(["x"], [0, 1]) and feed.watching
+        etcd.stop()
+        deadline = time.monotonic() + 10
+        while feed.watching and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not feed.watching, "the feed's watch outlived its etcd"
+        etcd = EmbeddedEtcd(client_port=port, data_dir=str(tmp_path)).start()
+        put("c", 2)
+        feed.resync()
+        assert feed.ready(["x"], [0, 1, 2]) and feed.watching
+        put("d", 3)
+        deadline = time.monotonic() + 10
+        while not feed.ready(["x"], [0, 1, 2, 3]) and time.monotonic() < deadline:
+            feed.wait_change(feed.version, 0.2)
+        assert feed.ready(["x"], [0, 1, 2, 3])  # the new watch follows the restarted etcd
+    finally:
+        feed.stop()
+        etcd.stop()
+
+
+def test_cancel_wakes_a_reader_blocked_in_the_stream(etcd):
+    m = MetadataStore([etcd.endpoint], job="meta-cancel")
+    events, cancel = m.watch_prefix(m.key("w") + "/")
+    ended = threading.Event()
+    t = threading.Thread(target=lambda: (list(events), ended.set()), daemon=True)
+    t.start()
+    time.sleep(0.3)  # the reader is blocked in the socket: nothing was put
+    assert not ended.is_set()
+    cancel()
+    assert ended.wait(5), "cancel did not end the iteration"
