@@ -29,9 +29,11 @@ from spmd_rl.dock.fetch import Fetcher, Peer
 from spmd_rl.dock.columns import ColumnSpec, as_samples
 from spmd_rl.dock.controller import StageController, group_nodes
 from spmd_rl.dock.errors import DockRequestError
-from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.feed import RecordFeed, RecordView
+from spmd_rl.dock.feed_host import FeedHost
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.node_feed import NodeFeed
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.relay import plan_relay, relayed_fetch
 from spmd_rl.dock.stream import StageStream
@@ -56,7 +58,9 @@ class TransferDock(Fetcher):
         """``in_process``: see ``Fetcher``."""
         super().__init__(cfg, meta, specs, peer, token, in_process)
         self._num_samples: dict[int, int] = {}
-        self._feeds: dict[int, RecordFeed] = {}
+        self._feeds: dict[int, RecordView] = {}
+        """Per iteration, the record feed this rank follows itself (the serving rank reads its
+        warehouse's, ``dock.feed_host``)."""
         self._own: dict[int, Locations] = {}
         """Per iteration, this rank's put-records (its feed may not have seen them yet)."""
         self._seq = 0
@@ -77,7 +81,10 @@ class TransferDock(Fetcher):
                 self.cfg.bucket_bytes,
                 self.cfg.max_message_bytes,
                 self.cfg.buffer_pool_bytes,
-            ).start()
+            )
+            if not self.centralized:
+                self.server.keep_feeds(FeedHost(self.meta))
+            self.server.start()
             if heartbeat_ttl_s:
                 self._warehouse_beat = Heartbeat(
                     self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive", healthy=self.server.serving
@@ -241,11 +248,26 @@ class TransferDock(Fetcher):
             self, self.feed(iteration), stage, iteration, columns, layout, expected, group_size, units_per_group
         )
 
-    def feed(self, iteration: int) -> RecordFeed:
+    def feed(self, iteration: int) -> RecordView:
         """The iteration's put-records as this rank sees them (``dock.feed``), opened on first
-        use and closed by ``release``."""
+        use: the warehouse's own feed on the rank that serves it (closed when the iteration is
+        dropped), the warehouse's through a ``NodeFeed`` on the node's other ranks, a feed of
+        its own from etcd in the centralized dock and off the in-process path (both closed by
+        ``release``)."""
+        if self.server is not None and self.server.feeds is not None:
+            return self.server.feeds.open(iteration)
         if iteration not in self._feeds:
-            self._feeds[iteration] = RecordFeed(self.meta, iteration)
+            if self.centralized or not self.in_process:
+                self._feeds[iteration] = RecordFeed(self.meta, iteration)
+            else:
+                home = self.client(self.home_node)
+                self._feeds[iteration] = NodeFeed(
+                    home.address,
+                    self.token,
+                    iteration,
+                    self.cfg.get_timeout_s,
+                    name=f"warehouse of node {self.home_node}",
+                )
         return self._feeds[iteration]
 
     def _check_known(self, columns: Sequence[str]) -> None:

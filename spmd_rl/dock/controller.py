@@ -17,7 +17,7 @@ from spmd_rl.config.layout import Layout
 from spmd_rl.dock.assign import Unit, assign
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.errors import DockTimeout, DockUnavailable
-from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.feed import RecordView
 from spmd_rl.dock.records import Locations, describe
 
 
@@ -76,7 +76,7 @@ def units_for(loc: Locations, columns: Sequence[str], expected: Sequence[int], g
 class StageController:
     def __init__(
         self,
-        feed: RecordFeed,
+        feed: RecordView,
         stage: str,
         specs: dict[str, ColumnSpec],
         settle_s: float = 0.02,

@@ -1,11 +1,13 @@
-"""The put-records of one iteration as this rank sees them: read once, then kept current by an
-etcd watch started at the revision of that read (no gap, no overlap).
+"""The put-records of one iteration as this rank sees them (``RecordView``), kept current
+either by an etcd watch (``RecordFeed``: read once, then watched from the revision of that
+read, no gap and no overlap) or by the node's warehouse (``dock.node_feed``), which follows
+one ``RecordFeed`` for all the ranks of its node.
 
 Every blocking get (``dock.controller``), every streamed wave (``dock.stream``) and every put's
 duplicate check of the iteration reads this one copy instead of etcd. Reading the iteration's
 records on every get poll and every put cost each rank O(records) bytes per call, O(world^2)
-per stage in all (``tools/bench_control_plane.py``); the watch delivers each record to each
-rank once.
+per stage in all (``tools/bench_control_plane.py``); a watch per rank delivers each record to
+each rank once (R records x R ranks events per stage), a watch per node once per node (R x S).
 """
 
 from __future__ import annotations
@@ -21,26 +23,23 @@ from spmd_rl.dock.records import Locations, PutRecord
 log = logging.getLogger(__name__)
 
 
-class RecordFeed:
-    """Every put-record of one iteration with its create revision, kept current by an etcd
-    watch, and where each (column, index) lives (``Locations``, grown record by record, so a
-    waiting stage never rebuilds it). ``version`` counts the changes seen."""
+class RecordView:
+    """Every put-record of one iteration seen so far, in arrival order, with its create
+    revision, and where each (column, index) lives (``Locations``, grown record by record, so
+    a waiting stage never rebuilds it). ``version`` counts the changes seen; ``count`` the
+    records. Subclasses deliver records through ``_add``."""
 
-    def __init__(self, meta: MetadataStore, iteration: int):
-        self.meta = meta
-        self.prefix = meta.key(iteration, "puts") + "/"
+    def __init__(self) -> None:
         self.version = 0
         self._cond = threading.Condition()
         self._records: dict[str, tuple[int, PutRecord]] = {}
         self._loc = Locations()
         self._error: DockRequestError | None = None
         """A record that wrote a (column, index) twice: every later read raises it."""
-        self._cancel = None
-        self._thread: threading.Thread | None = None
-        self.resync()
 
     def _add(self, key: str, revision: int, record: PutRecord) -> None:
-        """Under the lock: a record seen for the first time."""
+        """Under the lock: a record seen for the first time (arrival order is kept: a key seen
+        again is ignored, so ``since(n)`` of an earlier count stays valid)."""
         if key in self._records:
             return
         self._records[key] = (revision, record)
@@ -51,33 +50,14 @@ class RecordFeed:
         self.version += 1
         self._cond.notify_all()
 
-    def resync(self) -> None:
-        """Read every record, then watch from the read's revision + 1."""
-        self.stop()
-        revision, kvs = self.meta.get_prefix_at(self.prefix)
-        with self._cond:
-            for key, raw, rev in kvs:
-                self._add(key, rev, PutRecord.decode(raw))
-            self.version += 1
-            self._cond.notify_all()
-        # the iteration's commit deletes every record: etcd would send each watcher one event per record
-        events, self._cancel = self.meta.watch_prefix(self.prefix, start_revision=revision + 1, puts_only=True)
-        self._thread = threading.Thread(target=self._pump, args=(events,), name="dock-feed", daemon=True)
-        self._thread.start()
-
-    def _pump(self, events: Iterator[dict]) -> None:
-        try:
-            for ev in events:
-                kv = ev["kv"]
-                record = PutRecord.decode(kv["value"])
-                with self._cond:
-                    self._add(kv["key"].decode(), int(kv["create_revision"]), record)
-        except Exception as exc:  # a broken watch: the stream re-reads etcd when it next idles
-            log.debug("put-record watch of %s ended: %s", self.prefix, exc)
-
     @property
-    def watching(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def count(self) -> int:
+        return len(self._records)
+
+    def since(self, n: int) -> list[tuple[str, int, PutRecord]]:
+        """(key, create revision, record) of every record after the first ``n``, in arrival order."""
+        with self._cond:
+            return [(k, rev, rec) for k, (rev, rec) in list(self._records.items())[n:]]
 
     def snapshot(self) -> tuple[int, list[tuple[int, PutRecord]]]:
         """(version, every record with its create revision)."""
@@ -120,8 +100,68 @@ class RecordFeed:
         with self._cond:
             return self._cond.wait_for(lambda: self.version != seen, timeout_s)
 
+    @property
+    def watching(self) -> bool:
+        """Whether new records still arrive; when False, ``resync`` follows the source again."""
+        raise NotImplementedError
+
+    def resync(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class RecordFeed(RecordView):
+    """The records of one iteration read from etcd, then followed by a puts-only etcd watch."""
+
+    def __init__(self, meta: MetadataStore, iteration: int):
+        super().__init__()
+        self.meta = meta
+        self.prefix = meta.key(iteration, "puts") + "/"
+        self._cancel = None
+        self._thread: threading.Thread | None = None
+        self._resyncing = threading.Lock()
+        self.resync()
+
+    def resync(self) -> None:
+        """Unless the watch is alive: read every record, then watch from the read's revision + 1.
+        Callers racing here (a node's waiting ranks and its warehouse) resync once."""
+        with self._resyncing:
+            if self.watching:
+                return
+            self._stop_watch()
+            revision, kvs = self.meta.get_prefix_at(self.prefix)
+            with self._cond:
+                for key, raw, rev in kvs:
+                    self._add(key, rev, PutRecord.decode(raw))
+                self.version += 1
+                self._cond.notify_all()
+            # the iteration's commit deletes every record: etcd would send each watcher one event per record
+            events, self._cancel = self.meta.watch_prefix(self.prefix, start_revision=revision + 1, puts_only=True)
+            self._thread = threading.Thread(target=self._pump, args=(events,), name="dock-feed", daemon=True)
+            self._thread.start()
+
+    def _pump(self, events: Iterator[dict]) -> None:
+        try:
+            for ev in events:
+                kv = ev["kv"]
+                record = PutRecord.decode(kv["value"])
+                with self._cond:
+                    self._add(kv["key"].decode(), int(kv["create_revision"]), record)
+        except Exception as exc:  # a broken watch: the next idle wait (or the warehouse) resyncs
+            log.debug("put-record watch of %s ended: %s", self.prefix, exc)
+
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         """Cancel the watch and wait (up to 5 s) for its thread to end."""
+        with self._resyncing:
+            self._stop_watch()
+
+    def _stop_watch(self) -> None:
         if self._cancel is not None:
             self._cancel()
             self._cancel = None

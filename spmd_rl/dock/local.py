@@ -81,7 +81,7 @@ class InProcessWarehouse:
         self.server.store.delete(iteration, list(indices), names)
 
     def drop(self, iteration: int) -> None:
-        self.server.store.drop(iteration)
+        self.server.drop(iteration)
 
     def stats(self) -> dict[str, Any]:
         return {**self.server.store.stats(), "refused": self.server.refused, "rejected": self.server.rejected}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from spmd_rl.config.layout import Layout
 from spmd_rl.dock.controller import describe_missing, fail_if_ranks_lost, group_nodes, split
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.feed import RecordView
 from spmd_rl.dock.records import PutRecord
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class StageStream:
     def __init__(  # noqa: PLR0913
         self,
         dock: "Fetcher",
-        feed: RecordFeed,
+        feed: RecordView,
         stage: str,
         iteration: int,
         columns: Sequence[str],

@@ -19,7 +19,9 @@ Ops:
              {chunk, last, indices, columns: {name: {ragged, lengths?}}} + one flat tensor per column
 - ``put`` / ``get`` with ``shm``: a same-node rank's payload through its own memory (``dock.shm``)
 - ``delete`` {iter, indices, columns}  (roll back a put whose metadata record failed)
-- ``drop``   {iter}                    (free a committed iteration)
+- ``drop``   {iter}                    (free a committed iteration and close its record feed)
+- ``records`` {iter, since, feed?, wait_s} -> the node's put-records of the iteration after the
+             first ``since``, held up to ``wait_s`` until there are some (``dock.feed_host``)
 - ``stats``  {}                        -> {bytes_in, bytes_out, samples, by_iteration, refused, rejected}
 """
 
@@ -36,6 +38,7 @@ import zmq
 
 from spmd_rl.dock.auth import job_key, seal, verify
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
+from spmd_rl.dock.feed_host import FeedHost, RecordAsks
 from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.shm import put_columns, serve_get
 from spmd_rl.dock.store import WarehouseStore, flatten, unflatten
@@ -107,6 +110,13 @@ class WarehouseServer:
         self._last_log: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="warehouse", daemon=True)
+        self.feeds: FeedHost | None = None
+        self._asks: RecordAsks | None = None
+
+    def keep_feeds(self, host: FeedHost) -> None:
+        """Serve the node's record feeds (the ``records`` op) from ``host``; before ``start``."""
+        self.feeds = host
+        self._asks = RecordAsks(host)
 
     def start(self) -> "WarehouseServer":
         self._thread.start()
@@ -121,6 +131,14 @@ class WarehouseServer:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._sock.close()
+        if self.feeds is not None:
+            self.feeds.close()
+
+    def drop(self, iteration: int) -> None:
+        """Free a committed iteration: its samples and its record feed."""
+        self.store.drop(iteration)
+        if self.feeds is not None:
+            self.feeds.drop(iteration)
 
     def _serve(self) -> None:
         """Serve until stopped. Invariant: nothing a peer sends ends this loop; a request that
@@ -129,13 +147,19 @@ class WarehouseServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(100):
-                    continue
-                ident, *frames = self._sock.recv_multipart(copy=False)
-                for reply in self._handle(frames, _peer_of(ident)):
-                    self._sock.send_multipart([ident, *seal(self.key, b"rep", reply)], copy=False)
+                holding = self._asks is not None and self._asks.holding
+                if poller.poll(10 if holding else 100):  # held record asks: a look every 10 ms
+                    ident, *frames = self._sock.recv_multipart(copy=False)
+                    for reply in self._handle(frames, _peer_of(ident), ident):
+                        self._send(ident, reply)
+                for ident, replies in self._asks.due() if self._asks is not None else ():
+                    for reply in replies:
+                        self._send(ident, reply)
             except Exception as exc:  # noqa: BLE001 - the thread must outlive any request
                 self._note("serve", "loop", f"{type(exc).__name__}: {exc}")
+
+    def _send(self, ident, reply: list) -> None:
+        self._sock.send_multipart([ident, *seal(self.key, b"rep", reply)], copy=False)
 
     def _note(self, kind: str, peer: str, reason: str) -> None:
         """Count a refusal; log it at most once per peer and kind every ``LOG_EVERY_S``."""
@@ -153,9 +177,9 @@ class WarehouseServer:
                 reason[:200],
             )
 
-    def _handle(self, frames: list, peer: str) -> list[list]:
+    def _handle(self, frames: list, peer: str, ident=None) -> list[list]:
         """Authenticate the frames as received (nothing is parsed or copied before the MAC
-        matches), then decode and dispatch. Returns unsealed replies."""
+        matches), then decode and dispatch. Returns unsealed replies ([] for an ask held)."""
         buffers = [f.buffer for f in frames]
         if not verify(self.key, b"req", buffers):
             self.refused += 1
@@ -165,7 +189,7 @@ class WarehouseServer:
             ]
         try:
             head, tensors = decode(buffers[1:])
-            return self._dispatch(head, tensors)
+            return self._dispatch(head, tensors, ident)
         except (DockRequestError, WireError) as exc:
             self.rejected += 1
             self._note("rejected", peer, str(exc))
@@ -175,7 +199,7 @@ class WarehouseServer:
             self._note("failed", peer, f"{type(exc).__name__}: {exc}")
             return [encode({"error": f"internal error: {type(exc).__name__}: {exc}", "last": True}, [])]
 
-    def _dispatch(self, head: dict[str, Any], tensors: list[torch.Tensor]) -> list[list]:
+    def _dispatch(self, head: dict[str, Any], tensors: list[torch.Tensor], ident=None) -> list[list]:
         op = head.get("op")
         if op == "stats":
             return self._stats()
@@ -183,8 +207,12 @@ class WarehouseServer:
         if not _is_int(it):
             raise DockRequestError(f"op {op!r} needs an integer iter")
         if op == "drop":
-            self.store.drop(it)
+            self.drop(it)
             return [encode({"ok": True, "last": True}, [])]
+        if op == "records":
+            if self._asks is None:
+                raise DockRequestError("this warehouse keeps no record feeds (centralized dock)")
+            return self._asks.take(ident, head)
         indices = head.get("indices")
         if not isinstance(indices, list) or not all(_is_int(i) for i in indices):
             raise DockRequestError("indices must be a list of integers")

@@ -42,9 +42,9 @@ def counting(server: WarehouseServer) -> list[int]:
     """Count the requests the server thread handles (wraps its ``_handle``)."""
     seen, handle = [0], server._handle
 
-    def counted(frames, peer):
+    def counted(frames, peer, ident=None):
         seen[0] += 1
-        return handle(frames, peer)
+        return handle(frames, peer, ident)
 
     server._handle = counted
     return seen
