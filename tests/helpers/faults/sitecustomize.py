@@ -217,8 +217,8 @@ def _stop_warehouse(plan: dict) -> None:
 
     handle = WarehouseServer._handle
 
-    def stopping(self, frames, peer):
-        replies = handle(self, frames, peer)
+    def stopping(self, frames, peer, ident=None):
+        replies = handle(self, frames, peer, ident)
         if any(i >= plan["iteration"] for i in self.store.data) and not self._stop.is_set():
             (Path(plan["dir"]) / "stopped").write_text(str(time.time()))
             self._stop.set()  # the serve loop ends after this reply; the rank lives on
