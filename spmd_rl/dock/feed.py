@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.errors import DockRequestError
@@ -32,7 +32,10 @@ class RecordView:
     def __init__(self) -> None:
         self.version = 0
         self._cond = threading.Condition()
-        self._records: dict[str, tuple[int, PutRecord]] = {}
+        self._keys: set[str] = set()
+        self._arrived: list[tuple[str, int, PutRecord]] = []
+        """(key, create revision, record) in arrival order."""
+        self._listeners: list[Callable[[], None]] = []
         self._loc = Locations()
         self._error: DockRequestError | None = None
         """A record that wrote a (column, index) twice: every later read raises it."""
@@ -40,30 +43,38 @@ class RecordView:
     def _add(self, key: str, revision: int, record: PutRecord) -> None:
         """Under the lock: a record seen for the first time (arrival order is kept: a key seen
         again is ignored, so ``since(n)`` of an earlier count stays valid)."""
-        if key in self._records:
+        if key in self._keys:
             return
-        self._records[key] = (revision, record)
+        self._keys.add(key)
+        self._arrived.append((key, revision, record))
         try:
             self._loc.add(record)
         except DockRequestError as exc:
             self._error = self._error or exc
         self.version += 1
         self._cond.notify_all()
+        for listener in self._listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (under the view's lock: it must not block) on every new record."""
+        with self._cond:
+            self._listeners.append(listener)
 
     @property
     def count(self) -> int:
-        return len(self._records)
+        return len(self._arrived)
 
     def since(self, n: int) -> list[tuple[str, int, PutRecord]]:
         """(key, create revision, record) of every record after the first ``n``, in arrival order."""
         with self._cond:
-            return [(k, rev, rec) for k, (rev, rec) in list(self._records.items())[n:]]
+            return self._arrived[n:]
 
     def snapshot(self) -> tuple[int, list[tuple[int, PutRecord]]]:
         """(version, every record with its create revision)."""
         with self._cond:
             self._raise()
-            return self.version, list(self._records.values())
+            return self.version, [(rev, rec) for _, rev, rec in self._arrived]
 
     def locations(self) -> Locations:
         """A copy of where every (column, index) seen so far lives."""

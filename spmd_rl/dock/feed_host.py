@@ -15,6 +15,7 @@ closes when its iteration is dropped and is never reopened by a follower's late 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ class FeedHost:
         self._asked: set[int] = set()
         self._opened = 0
         self._lock = threading.Lock()
+        self.signal, self._signal_w = os.pipe()
+        """Readable once a feed has a new record (the serving thread polls it with its socket)."""
+        os.set_blocking(self.signal, False)
+        os.set_blocking(self._signal_w, False)
+        self._signaled = threading.Event()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="dock-feed-keeper", daemon=True)
@@ -63,6 +69,8 @@ class FeedHost:
             if iteration not in self._feeds and wanted:
                 self._opened += 1
                 self._feeds[iteration] = (self._opened, fresh)
+                fresh.listen(self._changed)
+                self._changed()  # its first read: an ask held while it opened is due
                 return fresh
             kept = self._feeds.get(iteration, (0, None))[1]
         fresh.stop()
@@ -81,6 +89,23 @@ class FeedHost:
         self._wake.set()
         return None
 
+    def _changed(self) -> None:
+        if not self._signaled.is_set():
+            self._signaled.set()
+            try:
+                os.write(self._signal_w, b"!")
+            except BlockingIOError:  # already full of wake-ups
+                pass
+
+    def drain(self) -> None:
+        """Consume the wake-ups; the serving thread then answers the held asks, so a record
+        that lands between the read and the clear is still seen."""
+        try:
+            os.read(self.signal, 4096)
+        except BlockingIOError:
+            pass
+        self._signaled.clear()
+
     def drop(self, iteration: int) -> None:
         with self._lock:
             held = self._feeds.pop(iteration, None)
@@ -97,6 +122,8 @@ class FeedHost:
             self._feeds.clear()
         for feed in feeds:
             feed.stop()
+        os.close(self.signal)
+        os.close(self._signal_w)
 
     def _keep(self) -> None:
         """Open what was asked for; resync what broke. etcd away: try again next round."""
@@ -132,18 +159,15 @@ class RecordAsks:
     [[key, create revision, record JSON]]}`` with every record after the first ``since`` of
     the feed ``feed`` (the iteration's open feed when absent; ``feed`` None in the reply while
     it opens), or ``{closed}``.
-    An ask with nothing new is held, not answered, until a record arrives or ``wait_s`` passes
-    (a long poll: a follower idle in a wait costs one ask per ``wait_s``)."""
+    An ask with nothing new is held, not answered, until a record arrives (the feed's wake-up
+    pipe, ``FeedHost.signal``, wakes the serving thread) or ``wait_s`` passes: a long poll, so a
+    follower idle in a wait costs one ask per ``wait_s`` and a record reaches it at once."""
 
     MAX_WAIT_S = 30.0
 
     def __init__(self, host: FeedHost):
         self.host = host
         self._held: list[_Ask] = []
-
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
 
     def take(self, ident: Any, head: dict[str, Any]) -> list[list]:
         """The reply now, or [] while the ask is held (``due`` answers it later)."""
@@ -175,11 +199,11 @@ class RecordAsks:
         got = self.host.lookup(ask.iteration, ask.feed_id)
         if got == CLOSED:
             return [encode({"closed": True, "last": True}, [])]
-        fid, records = (None, []) if got is None else (got[0], got[1].since(ask.since))
-        if not records and not final:
+        new = got is not None and got[1].count > ask.since
+        if not new and not final:
             return None
-        rows = [[key, rev, rec.encode().decode()] for key, rev, rec in records]
-        return [encode({"feed": fid, "records": rows, "last": True}, [])]
+        rows = [[key, rev, rec.encode().decode()] for key, rev, rec in got[1].since(ask.since)] if new else []
+        return [encode({"feed": got and got[0], "records": rows, "last": True}, [])]
 
 
 def _nonneg_int(x: Any) -> bool:

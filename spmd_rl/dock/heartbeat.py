@@ -62,7 +62,7 @@ class Heartbeat:
                 if self._lease.refresh() <= 0:  # expired (etcd was away too long): take a new one
                     self._register()
             except Exception as exc:  # the waiting stage reports the consequence
-                log.warning("heartbeat of rank %d failed: %s", self.rank, exc)
+                log.warning("heartbeat of rank %d failed: %r", self.rank, exc)
 
     def stop(self) -> None:
         self._stop.set()

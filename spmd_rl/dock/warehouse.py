@@ -145,13 +145,17 @@ class WarehouseServer:
         fails in an unforeseen way is answered with an error and logged (rate-limited)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self.feeds is not None:  # a new record wakes the loop: held record asks are answered at once
+            poller.register(self.feeds.signal, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                holding = self._asks is not None and self._asks.holding
-                if poller.poll(10 if holding else 100):  # held record asks: a look every 10 ms
+                ready = dict(poller.poll(100))
+                if self._sock in ready:
                     ident, *frames = self._sock.recv_multipart(copy=False)
                     for reply in self._handle(frames, _peer_of(ident), ident):
                         self._send(ident, reply)
+                if self.feeds is not None and self.feeds.signal in ready:
+                    self.feeds.drain()
                 for ident, replies in self._asks.due() if self._asks is not None else ():
                     for reply in replies:
                         self._send(ident, reply)
