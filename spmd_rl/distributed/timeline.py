@@ -72,6 +72,14 @@ def span(name: str, cat: str = "part"):
         _recorded += 1
 
 
+def record(name: str, cat: str, start_us: int) -> None:
+    """A span from ``start_us`` to now, for a part whose end is not the end of a block (a
+    checkpoint's span closes before its commit, ``trainer.driver``)."""
+    global _recorded
+    _spans.append((name, cat, start_us, now_us(), None, None))
+    _recorded += 1
+
+
 def _ended(s: tuple) -> list:
     """[name, cat, start, end] with the device's end where the span has events."""
     name, cat, t0, t1, e0, e1 = s

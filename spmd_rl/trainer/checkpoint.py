@@ -29,6 +29,7 @@ import json
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,9 +107,19 @@ def resume_folder(root: str | Path, resume: str) -> Path | None:
     return newer[-1] if newer else start
 
 
-def save(root: str | Path, iteration: int, roles: dict, trainer_state: dict, keep: int) -> Path:
+def save(
+    root: str | Path,
+    iteration: int,
+    roles: dict,
+    trainer_state: dict,
+    keep: int,
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
     """Write ``iter_NNNNNN`` atomically with the state of every role of ``SAVED_ROLES`` in
-    ``roles``, then prune (module docstring). ``trainer_state`` carries ``origin`` (the lineage)."""
+    ``roles``, then prune (module docstring). ``trainer_state`` carries ``origin`` (the lineage).
+    ``before_commit`` runs on every rank after its writes and before the folder becomes the
+    newest complete checkpoint: what must be on disk whenever that checkpoint is (a resumed
+    run does not redo its iterations)."""
     final = folder_for(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     leader, group = dist.get_rank() == side_leader(), side_group()  # the training side's ranks save
@@ -119,6 +130,8 @@ def save(root: str | Path, iteration: int, roles: dict, trainer_state: dict, kee
     for role in SAVED_ROLES:
         if role in roles:
             roles[role].save(role_folder(tmp, role))
+    if before_commit is not None:
+        before_commit()
     dist.barrier(group=group)
     if leader:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))

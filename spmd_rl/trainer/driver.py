@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import long_phase
@@ -51,18 +52,23 @@ def drive(run: Run, start: int, leader: bool, iteration: Iteration) -> None:
         with timeline.span("log", "stage"):
             metrics.write(it, m)
             bar.iteration_done(it, m)
+        trace = partial(timeline.flush, cfg.logging.dir, run.peer.rank, it, start_us)
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or it + 1 == cfg.trainer.iterations:
             bar.stage("checkpoint")
-            with timeline.span("checkpoint", "stage"):
-                save_checkpoint(run, it + 1)
-        timeline.flush(cfg.logging.dir, run.peer.rank, it, start_us)
+            t0 = timeline.now_us()
+            # the iteration's trace line is on disk before its checkpoint completes: a kill in
+            # between resumes after this iteration and would never write its line again
+            save_checkpoint(run, it + 1, before_commit=lambda: (timeline.record("checkpoint", "stage", t0), trace()))
+        else:
+            trace()
     bar.close()
     metrics.close()
 
 
-def save_checkpoint(run: Run, iteration: int) -> None:
+def save_checkpoint(run: Run, iteration: int, before_commit: Callable[[], None] | None = None) -> None:
     """Collective over the training roles: the checkpoint after ``iteration`` updates (the
-    roles' state, the sampler, the RNGs, a partial rollout's carried rows)."""
+    roles' state, the sampler, the RNGs, a partial rollout's carried rows); ``before_commit``:
+    see ``checkpoint.save``."""
     cfg = run.cfg
     state = {
         "iteration": iteration,
@@ -81,6 +87,6 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     with long_phase(
         cfg.elastic.startup_timeout_s, cfg.elastic.collective_timeout_s
     ):  # ranks' writes may be skewed by minutes
-        folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep)
+        folder = checkpoint.save(cfg.checkpoint.dir, iteration, run.roles, state, cfg.checkpoint.keep, before_commit)
     if run.peer.rank == sides.side_leader():
         log.info("saved checkpoint %s", folder)

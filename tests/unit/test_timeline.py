@@ -65,3 +65,18 @@ def test_a_cpu_span_is_the_host_clock(tmp_path):
     timeline.flush(tmp_path, 1, 0, start)
     ((name, _, t0, t1),) = _spans(tmp_path, 1)
     assert name == "optimizer" and 0 <= t1 - t0 < 50_000
+
+
+def test_a_recorded_span_ends_when_recorded_and_is_flushed_with_the_iteration(tmp_path):
+    """``record``: the checkpoint's span, closed before its commit so the iteration's line is
+    written first (``trainer.driver``); it spans from the given start to the call."""
+    timeline.use_device_events("cpu")
+    t0 = timeline.now_us()
+    with timeline.span("update", "stage"):
+        pass
+    timeline.record("checkpoint", "stage", t0)
+    after = timeline.now_us()
+    timeline.flush(tmp_path, 0, 7, t0)
+    line = json.loads((tmp_path / "trace/rank0.jsonl").read_text())
+    (name, cat, start, end) = line["spans"][-1]
+    assert (line["iteration"], name, cat, start) == (7, "checkpoint", "stage", t0) and start <= end <= after
