@@ -24,7 +24,7 @@ from typing import Any
 from spmd_rl.dock.errors import DockRequestError
 from spmd_rl.dock.feed import RecordFeed
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.dock.wire import encode
+from spmd_rl.dock.wire import encode, is_int
 
 log = logging.getLogger(__name__)
 
@@ -207,4 +207,4 @@ class RecordAsks:
 
 
 def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return is_int(x) and x >= 0

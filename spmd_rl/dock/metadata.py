@@ -200,7 +200,9 @@ class MetadataStore:
             response = c.session.post(
                 c.get_url("/watch"), json={"create_request": create}, stream=True, timeout=(self._timeout, None)
             )
-            response.raise_for_status()
+            if response.status_code != requests.codes.ok:  # as etcd3gw's own calls: retried like them
+                response.close()
+                raise Etcd3Exception(response.text, response.reason)
             return WatchStream(response)
 
         stream = self._call(op)

@@ -42,21 +42,17 @@ from spmd_rl.dock.feed_host import FeedHost, RecordAsks
 from spmd_rl.dock.host_pool import HostPool
 from spmd_rl.dock.shm import put_columns, serve_get
 from spmd_rl.dock.store import WarehouseStore, flatten, unflatten
-from spmd_rl.dock.wire import WireError, decode, encode
+from spmd_rl.dock.wire import WireError, decode, encode, is_int
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _valid_spec(name: Any, spec: Any) -> bool:
     if not isinstance(name, str) or not isinstance(spec, dict) or not isinstance(spec.get("ragged", False), bool):
         return False
     lengths = spec.get("lengths")
-    return lengths is None or isinstance(lengths, list) and all(_is_int(n) and n >= 0 for n in lengths)
+    return lengths is None or isinstance(lengths, list) and all(is_int(n) and n >= 0 for n in lengths)
 
 
 def _peer_of(frame) -> str:
@@ -208,7 +204,7 @@ class WarehouseServer:
         if op == "stats":
             return self._stats()
         it = head.get("iter")
-        if not _is_int(it):
+        if not is_int(it):
             raise DockRequestError(f"op {op!r} needs an integer iter")
         if op == "drop":
             self.drop(it)
@@ -218,7 +214,7 @@ class WarehouseServer:
                 raise DockRequestError("this warehouse keeps no record feeds (centralized dock)")
             return self._asks.take(ident, head)
         indices = head.get("indices")
-        if not isinstance(indices, list) or not all(_is_int(i) for i in indices):
+        if not isinstance(indices, list) or not all(is_int(i) for i in indices):
             raise DockRequestError("indices must be a list of integers")
         if op == "put" and "shm" in head and not tensors:
             cols, ragged = put_columns(

@@ -20,14 +20,11 @@ as its HTTP chunk arrives and joins a line split across chunks.
 from __future__ import annotations
 
 import json
-import logging
 import socket
 from collections.abc import Iterator
 
 import requests
 from etcd3gw.utils import _decode
-
-log = logging.getLogger(__name__)
 
 
 class WatchStream:
@@ -36,8 +33,6 @@ class WatchStream:
 
     def __init__(self, response: requests.Response):
         self._response = response
-        self.ended_because = ""
-        """Why the iteration ended ('' while it runs)."""
         self._cancelled = False
 
     def __iter__(self) -> Iterator[dict]:
@@ -47,7 +42,6 @@ class WatchStream:
                     continue
                 result = json.loads(line).get("result", {})
                 if result.get("canceled"):
-                    self.ended_because = f"etcd canceled the watch: {result.get('cancel_reason', '')}".strip()
                     return
                 for event in result.get("events", ()):
                     kv = event["kv"]
@@ -55,11 +49,9 @@ class WatchStream:
                     if "value" in kv:
                         kv["value"] = _decode(kv["value"])
                     yield event
-            self.ended_because = "the stream closed"
-        except (requests.RequestException, OSError) as exc:
+        except (requests.RequestException, OSError):
             if not self._cancelled:
                 raise
-            self.ended_because = f"canceled ({type(exc).__name__})"
         finally:
             self._response.close()
 

@@ -71,7 +71,8 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     return head
 
 
-def _int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An int that is not a bool (JSON headers: ``true`` must not pass as 1)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -86,7 +87,7 @@ def check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
-        or not all(_int(d) and 0 <= d <= MAX_ELEMENTS for d in shape)
+        or not all(is_int(d) and 0 <= d <= MAX_ELEMENTS for d in shape)
     ):
         raise WireError(f"bad tensor shape {shape!r:.80}")
     numel = math.prod(shape)

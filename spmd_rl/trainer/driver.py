@@ -56,9 +56,14 @@ def drive(run: Run, start: int, leader: bool, iteration: Iteration) -> None:
         if (cfg.checkpoint.interval and (it + 1) % cfg.checkpoint.interval == 0) or it + 1 == cfg.trainer.iterations:
             bar.stage("checkpoint")
             t0 = timeline.now_us()
-            # the iteration's trace line is on disk before its checkpoint completes: a kill in
-            # between resumes after this iteration and would never write its line again
-            save_checkpoint(run, it + 1, before_commit=lambda: (timeline.record("checkpoint", "stage", t0), trace()))
+
+            def trace_with_checkpoint() -> None:
+                """The iteration's trace line is on disk before its checkpoint completes: a kill
+                in between resumes after this iteration and would never write its line again."""
+                timeline.record("checkpoint", "stage", t0)
+                trace()
+
+            save_checkpoint(run, it + 1, before_commit=trace_with_checkpoint)
         else:
             trace()
     bar.close()
