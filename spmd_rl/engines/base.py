@@ -168,16 +168,25 @@ class Rollout(ABC):
         max_tokens: int,
         temperature: float | None = None,
         seed: int | None = None,
+        seed_keys: list[int] | None = None,
     ) -> Iterator[list[tuple[int, list[Sample]]]]:
         """As each prompt group finishes: [(prompt index, its n samples)]. Prompt p is one request
-        of n samples seeded seed + p; at temperature 0 (greedy: one sample per request) it is n
-        requests of one, seeded seed + k for the k-th request of the batch."""
+        of n samples seeded seed + key_p; at temperature 0 (greedy: one sample per request) it is
+        n requests of one, the j-th seeded seed + key_p + j. ``seed_keys``: key_p, the global
+        index of prompt p's first sample (default p * n), so a prompt samples the same tokens
+        whichever share of a batch it is dealt into."""
         self._begin_batch()
         temp = self.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n
+        keys = seed_keys if seed_keys is not None else [p * n for p in range(len(prompts))]
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} seed keys for {len(prompts)} prompts")
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
         specs = [
-            SamplingSpec(max_tokens, temp, None if seed is None else seed + k, per_request) for k in range(len(owners))
+            SamplingSpec(
+                max_tokens, temp, None if seed is None else seed + keys[p] + k % (n // per_request), per_request
+            )
+            for k, p in enumerate(owners)
         ]
         self.submit([(k, prompts[p]) for k, p in enumerate(owners)], specs)
         groups: dict[int, list[tuple[int, list[Sample]]]] = {}
@@ -195,20 +204,31 @@ class Rollout(ABC):
         max_tokens: int,
         temperature: float | None = None,
         seed: int | None = None,
+        seed_keys: list[int] | None = None,
     ) -> list[Sample]:
-        """n samples per prompt, prompt-major (sample i = prompt * n + k)."""
-        done = dict(g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed) for g in step)
+        """n samples per prompt, prompt-major (sample i = prompt * n + k); seeded as ``generate_stream``."""
+        done = dict(
+            g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed, seed_keys) for g in step
+        )
         return [s for p in range(len(prompts)) for s in done[p]]
 
     def continue_samples(
-        self, requests: list[tuple[list[int], int]], temperature: float | None = None, seed: int | None = None
+        self,
+        requests: list[tuple[list[int], int]],
+        temperature: float | None = None,
+        seed: int | None = None,
+        seed_keys: list[int] | None = None,
     ) -> list[Sample]:
         """One sample per (context, max_tokens): at most max_tokens tokens continuing ``context``
-        (the prompt and the response so far), request k seeded seed + k. Partial rollout's
-        primitive: at temperature 0 a response continued in pieces equals the one generated at once."""
+        (the prompt and the response so far), request k seeded seed + key_k (``seed_keys``: each
+        request's sample index; default k). Partial rollout's primitive: at temperature 0 a
+        response continued in pieces equals the one generated at once."""
         self._begin_batch()
         temp = self.temperature if temperature is None else temperature
-        specs = [SamplingSpec(m, temp, None if seed is None else seed + k) for k, (_, m) in enumerate(requests)]
+        keys = seed_keys if seed_keys is not None else list(range(len(requests)))
+        if len(keys) != len(requests):
+            raise ValueError(f"{len(keys)} seed keys for {len(requests)} requests")
+        specs = [SamplingSpec(m, temp, None if seed is None else seed + key) for key, (_, m) in zip(keys, requests)]
         self.submit([(k, c) for k, (c, _) in enumerate(requests)], specs)
         done: dict[object, list[Sample]] = {}
         while self.busy():

@@ -1,7 +1,8 @@
 """``rollout.engine: hf`` (engines.hf.rollout) on the tiny model, against independent references:
 its log-probs are the trainer's of the same tokens under the same policy (temperature, top-k,
 top-p: an HF float32 forward through ``engines.logprobs``), its greedy tokens are transformers'
-own ``generate``, a seeded request samples the same tokens alone or in a batch, and new weights
+own ``generate``, a seeded request samples the same tokens alone or in a batch, a prompt samples
+the same tokens whichever share of the iteration it is dealt into, and new weights
 reach the next sample. The registry and the config agree on the engines; a build asking for what
 the engine lacks is refused before it is built."""
 
@@ -10,19 +11,25 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from spmd_rl.config.loader import load_config
 from spmd_rl.config.rollout_engines import ROLLOUT_ENGINES
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
+from spmd_rl.dock.batch import DockBatch
 from spmd_rl.engines.base import RolloutBuild, SamplingSpec
 from spmd_rl.engines.hf.rollout import HfRollout, truncate
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.rollouts import ROLLOUTS, build_rollout_engine, rollout_class
 from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.recipe.graph import Modes
+from spmd_rl.trainer.stages import StageCall, stage_fn
 from tests.conftest import REPO, subprocess_env
 
 T, TOP_K, TOP_P = 0.8, 20, 0.9
@@ -95,6 +102,39 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engine, pr
     assert other.token_ids == alone.token_ids and (
         again.token_ids != alone.token_ids or again.logprobs != alone.logprobs
     )
+
+
+def test_a_prompt_samples_the_same_tokens_whichever_share_it_is_dealt_into(engine, prompts):
+    whole = engine.generate(prompts, n=2, max_tokens=8, seed=21)
+    tail = engine.generate(prompts[1:], n=2, max_tokens=8, seed=21, seed_keys=[2, 4])
+    assert [s.token_ids for s in whole[2:]] == [s.token_ids for s in tail]
+    unkeyed = engine.generate(prompts[1:], n=2, max_tokens=8, seed=21)  # keyed by place in the share: not the same
+    assert [s.token_ids for s in unkeyed] != [s.token_ids for s in tail]
+    apart = engine.continue_samples([(prompts[0], 8), (prompts[2], 8)], seed=4, seed_keys=[9, 3])
+    assert engine.continue_samples([(prompts[2], 8)], seed=4, seed_keys=[3])[0].token_ids == apart[1].token_ids
+    with pytest.raises(ValueError, match="1 seed keys for 2 prompts"):
+        engine.generate(prompts[:2], n=2, max_tokens=8, seed=21, seed_keys=[0])
+
+
+def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, prompts):
+    """The stage keys each request by its sample index: a share holding groups 1 and 2 (another
+    DP group's, or a replica's after a peer's loss) samples what the share of all three did.
+    Temperature 2: the tiny model's answers to these prompts are near-certain at T = 0.8."""
+    cfg = load_config(Path(REPO / "configs/quickstart.yaml"), ["rollout.n=2", "rollout.max_response_length=8"])
+    hot = RolloutConfig(engine="hf", n=2, max_response_length=8, temperature=2.0, top_k=-1, top_p=1.0)
+    engine = build_rollout_engine(RolloutBuild(tiny_model, detect("cpu"), hot, 1, "float32", 64, distributed=False))
+    run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None)
+
+    def responses(groups: list[int]) -> dict[int, list[int]]:
+        idx = torch.tensor([2 * g + k for g in groups for k in range(2)])
+        cols = {"prompt_ids": [torch.tensor(prompts[int(i) // 2]) for i in idx]}
+        batch = DockBatch(idx, cols, frozenset({"prompt_ids"}))
+        out = stage_fn("actor_rollout")(StageCall(run, 3, None, batch, True, idx.tolist()))
+        return {int(i): r.tolist() for i, r in zip(idx, out.columns["response_ids"])}
+
+    whole, share = responses([0, 1, 2]), responses([1, 2])
+    assert share == {i: whole[i] for i in share} and len(share) == 4
+    assert len({tuple(r) for r in whole.values()}) >= 4  # sampled, not one near-certain answer
 
 
 def test_truncation_keeps_the_top_k_then_the_top_p_mass():

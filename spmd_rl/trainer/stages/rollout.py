@@ -1,14 +1,15 @@
 """actor_rollout: N responses per prompt group from the rollout engine (generation layout,
-group-granular: a generation DP group receives whole prompt groups). Seeded per iteration and
-by the first sample index, so a rerun of the iteration samples the same responses.
+group-granular: a generation DP group receives whole prompt groups). Each request is seeded by
+the iteration and its own sample index (``_seed`` + the index), so a rerun of the iteration
+samples the same responses however its prompts are dealt over DP groups or replicas.
 
 ``rollout_groups`` yields each prompt group as the engine finishes it (stage fusion streams
 them into the dock); the stage function collects them all, so both paths write the same
 samples.
 
 Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is continued
-from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, request k seeded
-seed + k; a sample is finished once it stopped or holds ``rollout.max_response_length``
+from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, seeded by its
+sample index; a sample is finished once it stopped or holds ``rollout.max_response_length``
 tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
 far). Under separated placement every token is tagged with the version of the weights the
 generator holds (``Run.progress.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
@@ -33,7 +34,8 @@ from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
 
 def _seed(call: StageCall) -> int:
-    return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007 + int(call.batch.indices[0])
+    """The iteration's base seed; a request adds its sample index (never its place in the share)."""
+    return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007
 
 
 def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
@@ -49,7 +51,11 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
         return
     firsts = batch.columns["prompt_ids"][::n]
     for step in run.rollout.generate_stream(
-        [f.tolist() for f in firsts], n=n, max_tokens=run.cfg.rollout.max_response_length, seed=_seed(call)
+        [f.tolist() for f in firsts],
+        n=n,
+        max_tokens=run.cfg.rollout.max_response_length,
+        seed=_seed(call),
+        seed_keys=idx[::n],
     ):
         yield [i for p, _ in step for i in idx[p * n : (p + 1) * n]], [s for _, samples in step for s in samples]
 
@@ -137,6 +143,7 @@ def _continue(call: StageCall) -> StageResult:
             for k in todo
         ],
         seed=_seed(call),
+        seed_keys=[int(call.batch.indices[k]) for k in todo],
     )
     for k, s in zip(todo, got):
         pieces[k].extend(s, call.it, limit)
