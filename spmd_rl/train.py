@@ -23,6 +23,7 @@ import logging
 from functools import partial
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.recipe.replica_rules import deal_unit
 from spmd_rl.recipe.rules import check
 from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.recipe.train_backends import train_backend
@@ -49,6 +51,9 @@ from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
+from spmd_rl.elastic.quorum import QuorumLost
+from spmd_rl.elastic.replica_group import ReplicaGroup
+from spmd_rl.elastic.replicas import Replicas
 from spmd_rl.engines.lora import lora_modules
 from spmd_rl.engines.base import Rollout, RolloutBuild
 from spmd_rl.engines.rollouts import build_rollout_engine
@@ -131,11 +136,10 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
             if cfg.trainer.eval_interval and rollout is not None
             else None
         ),
-        ledger=PromptLedger(
-            MetadataStore(endpoints, f"{cfg.metadata.job}.ledger", cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
-        ),
+        ledger=PromptLedger(_store(cfg, endpoints, f"{_dock_job(cfg)}.ledger")),
         # the TP ranks of a generation group run each multi-turn rollout together
         gen_tp_group=replica_group(lay.gen, peer.rank) if modes.multi_turn and lay.gen.tp > 1 else None,
+        replicas=_replicas(cfg, endpoints, lay, roles, peer),
     )
     if state is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
@@ -179,11 +183,60 @@ def _metadata(cfg, peer: Peer) -> tuple[list[str], MetadataStore, str]:
         cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token"
     )
     endpoints = endpoint.split(",")
-    meta = MetadataStore(endpoints, cfg.metadata.job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
+    meta = _store(cfg, endpoints, _dock_job(cfg))
     if peer.rank == 0:
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
     return endpoints, meta, token
+
+
+def _store(cfg, endpoints: list[str], job: str) -> MetadataStore:
+    """A client of the job's etcd under the namespace ``job``."""
+    return MetadataStore(endpoints, job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
+
+
+def _dock_job(cfg) -> str:
+    """The job's namespace in etcd for its dock and ledger; each elastic replica has its own."""
+    r = cfg.elastic.replicas
+    return cfg.metadata.job if r is None else f"{cfg.metadata.job}.{r.name}"
+
+
+def for_replica(cfg):
+    """With ``elastic.replicas``: this replica's logs and checkpoints go under its name."""
+    r = cfg.elastic.replicas
+    if r is None:
+        return cfg
+    return cfg.model_copy(
+        update={
+            "logging": cfg.logging.model_copy(update={"dir": str(Path(cfg.logging.dir) / r.name)}),
+            "checkpoint": cfg.checkpoint.model_copy(update={"dir": str(Path(cfg.checkpoint.dir) / r.name)}),
+        }
+    )
+
+
+def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer) -> Replicas | None:
+    """With ``elastic.replicas``: join the job's replicas (waiting for ``count`` of them) and sum
+    the actor's gradients over them (``elastic.replicas``)."""
+    r = cfg.elastic.replicas
+    if r is None:
+        return None
+    group = ReplicaGroup(
+        _store(cfg, endpoints, cfg.metadata.job),
+        r.name,
+        cfg.dock.interface,
+        r.lease_s,
+        r.join_window_s,
+        r.min_replicas,
+        r.timeout_s,
+        local_pg=dist.new_group(backend="gloo") if peer.world > 1 else None,
+        quorum_timeout_s=cfg.elastic.startup_timeout_s,
+    )
+    group.start(expected=r.count)
+    replicas = Replicas(group, cfg.data.global_batch_size, deal_unit(lay))
+    roles["actor"].gradient_sync = replicas.reduce_gradients
+    if peer.rank == 0:
+        log.info("replica %s: %d of %d replicas (generation %d)", r.name, group.rank, group.world, group.gen.number)
+    return replicas
 
 
 def _resume(cfg, peer: Peer, roles: dict, sampler) -> tuple[dict | None, int]:
@@ -335,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[rank{peer.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        cfg = load_config(args[0], args[1:])
+        cfg = for_replica(load_config(args[0], args[1:]))
         # a token given as an override must not reach what records the program's arguments
         # (W&B's run metadata): the config holds it now
         sys.argv = [a.split("=", 1)[0] + "=<redacted>" if a.startswith("dock.token=") else a for a in sys.argv]
@@ -350,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         train(run, start)
-    except DockUnavailable as exc:  # a fetch found its warehouse lost before the peer watch did: leave the same way
+    except (DockUnavailable, QuorumLost) as exc:  # a warehouse lost before the peer watch saw it; too few replicas
         _peer_lost(str(exc))
     finally:
+        if run.replicas is not None:
+            run.replicas.close()
         run.dock.close()
     return 0
 

@@ -74,6 +74,9 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             f"| `{prefix}{name}` | {_cell(_type(annotation))} | `{_cell(_default(info))}` | {_range(info)} | "
             f"{_cell(info.description or '')} |"
         )
+        optional = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if optional:  # a section that may be null: its own fields below it
+            rows += _rows(optional[0], f"{prefix}{name}.")
     return rows
 
 

@@ -154,6 +154,38 @@ class LoggingConfig(Section):
     )
 
 
+class ReplicasConfig(Section):
+    """Elastic replicas (``spmd_rl.elastic.replicas``): each replica is one torchrun job (a node or a
+    group of nodes) holding the whole model; the replicas train one global batch together and
+    survivors keep training, without a restart, when a replica is lost."""
+
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="This replica's name, unique in the job (e.g. the node's host name); its dock, logs and "
+        "checkpoints go under it (metadata.job.<name>, logging.dir/<name>, checkpoint.dir/<name>).",
+    )
+    count: int = Field(gt=0, description="Replicas the first iteration waits for.")
+    min_replicas: int = Field(
+        1, gt=0, description="Fewest replicas that may go on; a loss below it falls back to the checkpoint restart."
+    )
+    lease_s: float = Field(
+        5.0,
+        ge=1.0,
+        description="Lease of each replica's membership in etcd: a replica that stops answering (SIGSTOP, a hung "
+        "node) is dropped after about this long.",
+    )
+    join_window_s: float = Field(
+        1.0, gt=0.0, description="How long the survivors of a loss wait for each other before agreeing."
+    )
+    timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        description="Timeout of the collectives across replicas (the normaliser, the gradient, the commit): a "
+        "replica that stops answering fails them after this long; a killed one at once.",
+    )
+
+
 class ElasticConfig(Section):
     min_nodes: int = Field(
         1, gt=0, description="Smallest node count the job may shrink to (torchrun --nnodes MIN:MAX)."
@@ -193,6 +225,11 @@ class ElasticConfig(Section):
         ge=3,
         description="Lease of each rank's and warehouse's liveness key in etcd (renewed every second): a rank waiting "
         "on a lost peer (data, metadata or a collective) exits after about this long, and torchrun restarts the group.",
+    )
+    replicas: ReplicasConfig | None = Field(
+        None,
+        description="Elastic replicas that survive a peer's loss without a restart (null: one job, restarted by "
+        "torchrun from the last checkpoint on a loss).",
     )
 
 

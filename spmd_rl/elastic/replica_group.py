@@ -52,7 +52,7 @@ class ReplicaLost(RuntimeError):
 
 
 class ReplicaGroup:
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         store: MetadataStore,
         replica: str,
@@ -62,6 +62,7 @@ class ReplicaGroup:
         min_replicas: int = 1,
         timeout_s: float = 5.0,
         local_pg: dist.ProcessGroup | None = None,
+        quorum_timeout_s: float = 60.0,
     ):
         from torchft.process_group import ProcessGroupGloo  # 0.6 s of imports: only where replicas are elastic
 
@@ -70,7 +71,8 @@ class ReplicaGroup:
         self.quorum = None
         if self.local_rank == 0:  # the replica's lead: its lease, its store, its side of the quorum
             self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-            self.quorum = Quorum(store, replica, f"{host}:{self.tcp.port}", lease_s, join_window_s, min_replicas)
+            address = f"{host}:{self.tcp.port}"
+            self.quorum = Quorum(store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
 

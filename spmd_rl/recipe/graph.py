@@ -226,11 +226,10 @@ def _sampling_stages(cfg: Config, m: Modes, turns: tuple[str, ...], routes: tupl
     and the tool turns) and reward (a rule's, an environment's, or a reward model's)."""
     model_reward = cfg.reward.kind == "model"
     partial = m.partial_rollout
-    rows: tuple[str, ...] = ("prompt_row",) if partial or turns else ()  # the environment starts from the dataset row
     return [
         Stage(
-            "actor_rollout",
-            ("prompt_ids",) + rows + (partial_columns(cfg) if partial else ()),
+            "actor_rollout",  # the row seeds the samples (and starts an environment)
+            ("prompt_ids", "prompt_row") + (partial_columns(cfg) if partial else ()),
             ("response_ids", "rollout_log_prob", "response_length")
             + (("response_version",) if m.versioned else ())
             + routes

@@ -17,6 +17,7 @@ from spmd_rl.algos.specs import AlgorithmSpec
 from spmd_rl.recipe.backend_rules import check_gen_experts, check_router_replay
 from spmd_rl.recipe.dpo_rules import check_dpo
 from spmd_rl.recipe.env_rules import check_environment
+from spmd_rl.recipe.replica_rules import check_replicas
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
@@ -778,6 +779,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += check_gen_experts(cfg, arch, lay.gen)
     out += check_environment(cfg, lay.gen)
     out += check_dpo(cfg)
+    out += check_replicas(cfg, lay)
     return lay, out
 
 

@@ -15,6 +15,7 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
+from spmd_rl.elastic.replicas import Replicas
 from spmd_rl.engines.base import Rollout
 from spmd_rl.recipe.graph import Modes, Stage, fused_stages
 from spmd_rl.engines.base import Engine
@@ -75,6 +76,8 @@ class Run:
     """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
     gen_tp_group: Any = None
     """Multi-turn with generation TP > 1: this rank's generation group (``envs.turn_sync``)."""
+    replicas: Replicas | None = None
+    """Elastic replicas (``elastic.replicas``): this replica's side of the job's replicas."""
     progress: Progress = field(default_factory=Progress)
 
     @cached_property

@@ -33,6 +33,7 @@ from spmd_rl.trainer.driver import drive
 from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.fusion import run_fused
 from spmd_rl.trainer.partial import partial_round
+from spmd_rl.trainer.replica_loop import replicated_iteration
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.observed import trained_groups
@@ -41,6 +42,14 @@ from spmd_rl.trainer.runner import run_stage
 from spmd_rl.trainer.stages.samples import put_prompts
 
 log = logging.getLogger("spmd_rl")
+
+
+def _next_rows(run: Run, groups: int) -> list[int]:
+    """The round's dataset rows: the sampler's next ``groups``, or with elastic replicas this
+    replica's deal of the next global batch (``Replicas.deal``; ``groups`` is then its share)."""
+    if run.replicas is None:
+        return run.sampler.next_batch(groups)
+    return run.replicas.deal(run.sampler.next_batch(run.replicas.global_batch))
 
 
 def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[list[int], StepRecord]:
@@ -55,7 +64,7 @@ def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[
     for r in range(run.modes.generation_rounds):
         expected = list(range(r * G * N, (r + 1) * G * N))
         with timer.stage("prompts"):
-            rows += run.sampler.next_batch(G)
+            rows += _next_rows(run, G)
             put += put_prompts(run, it, rows[r * G :], first_group=r * G)
         inside = [run.graph[0], *run.fused] if run.fused else []  # the rollout with the stages fused into it
         results = run_fused(run, it, run.graph[0], run.fused, expected, timer) if run.fused else []
@@ -166,7 +175,10 @@ def train(run: Run, start_iteration: int) -> None:
         return async_loop.generate(run, start_iteration)
     if side == "train":
         return async_loop.train_side(run, start_iteration)
-    drive(run, start_iteration, run.peer.rank == 0, partial(_colocated_iteration, run))
+    iteration = partial(_colocated_iteration, run)
+    if run.replicas is not None:  # redone by the survivors when a replica is lost
+        iteration = partial(replicated_iteration, run, iteration=_colocated_iteration)
+    drive(run, start_iteration, run.peer.rank == 0, iteration)
 
 
 def _colocated_iteration(run: Run, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:

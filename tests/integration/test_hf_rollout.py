@@ -117,8 +117,9 @@ def test_a_prompt_samples_the_same_tokens_whichever_share_it_is_dealt_into(engin
 
 
 def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, prompts):
-    """The stage keys each request by its sample index: a share holding groups 1 and 2 (another
-    DP group's, or a replica's after a peer's loss) samples what the share of all three did.
+    """The stage keys each request by its dataset row: a share holding groups 1 and 2 (another
+    DP group's, or a replica's after a peer's loss, numbered from 0 in its own dock) samples
+    what the share of all three did.
     Temperature 2: the tiny model's answers to these prompts are near-certain at T = 0.8."""
     cfg = load_config(Path(REPO / "configs/quickstart.yaml"), ["rollout.n=2", "rollout.max_response_length=8"])
     hot = RolloutConfig(engine="hf", n=2, max_response_length=8, temperature=2.0, top_k=-1, top_p=1.0)
@@ -127,10 +128,15 @@ def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, pro
 
     def responses(groups: list[int]) -> dict[int, list[int]]:
         idx = torch.tensor([2 * g + k for g in groups for k in range(2)])
-        cols = {"prompt_ids": [torch.tensor(prompts[int(i) // 2]) for i in idx]}
-        batch = DockBatch(idx, cols, frozenset({"prompt_ids"}))
-        out = stage_fn("actor_rollout")(StageCall(run, 3, None, batch, True, idx.tolist()))
-        return {int(i): r.tolist() for i, r in zip(idx, out.columns["response_ids"])}
+        cols = {
+            "prompt_ids": [torch.tensor(prompts[int(i) // 2]) for i in idx],
+            "prompt_row": [torch.tensor(40 + int(i) // 2) for i in idx],  # the dataset rows of groups 0, 1, 2
+        }
+        local = idx - 2 * groups[0]  # a dock numbers its share from 0
+        out = stage_fn("actor_rollout")(
+            StageCall(run, 3, None, DockBatch(local, cols, frozenset()), True, local.tolist())
+        )
+        return {int(i): r.tolist() for i, r in zip(idx, out.columns["response_ids"])}  # by group and sample
 
     whole, share = responses([0, 1, 2]), responses([1, 2])
     assert share == {i: whole[i] for i in share} and len(share) == 4

@@ -93,6 +93,8 @@ COVERED = {
     "elastic.max_restarts": "test_restart_torchrun.py",
     "elastic.collective_timeout_s": "test_generation_skew_torchrun.py",
     "elastic.heartbeat_ttl_s": "test_runtime_fields_torchrun.py::test_dock_port_heartbeat_ttl_and_progress_act",
+    "elastic.replicas": "test_replicas_torchrun.py::"
+    "test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job",
     "trainer.iterations": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "trainer.deterministic": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "trainer.eval_interval": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",

@@ -115,6 +115,7 @@ def _run(cfg, dock, engine, **roles):
         roles={"actor": engine, **roles},
         tokenizer=tok,
         residency=residency,
+        replicas=None,
     )
 
 

@@ -15,7 +15,7 @@ One class, three heads, four roles:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -111,6 +111,9 @@ class TrainEngine(Engine):
         self.optimizer = None
         self.scheduler = None
         self.step_count = 0
+        self.gradient_sync: Callable[[list[torch.Tensor]], None] | None = None
+        """Elastic replicas (``elastic.replicas.Replicas.reduce_gradients``): sums the gradients over
+        the replicas in place before the clip and the step, or raises when one was lost."""
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
@@ -221,6 +224,16 @@ class TrainEngine(Engine):
                 self.model.set_reshard_after_forward(True)
         with timeline.span("optimizer"):
             params = [p for p in self.model.parameters() if p.grad is not None]
+            if self.gradient_sync is not None:  # the same tensors on every replica, even one no loss reached
+                for p in self.model.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                try:
+                    self.gradient_sync([p.grad for p in params])
+                except BaseException:  # a replica was lost: the iteration is redone from no gradient
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise
             norm = global_grad_norm(params)
             coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
             if coef < 1.0:

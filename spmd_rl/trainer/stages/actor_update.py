@@ -93,7 +93,7 @@ def actor_update(call: StageCall) -> StageResult:
     route_replay.take_sums()  # the router metrics are the first epoch's (as the mismatch's)
     for epoch in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.group)
+            norm = mini_batch_norm(seqs.mask[sl], lay.group, run.replicas.sum if run.replicas else None)
 
             def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
                 return objective.loss(lp, ent, micros[k], norm, sums, first_epoch)

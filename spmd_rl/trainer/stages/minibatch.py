@@ -10,6 +10,8 @@ once), divided by global counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from spmd_rl.algos.policy_loss import LossNorm
@@ -23,11 +25,17 @@ def dp_sums(values: dict[str, float], group: int) -> dict[str, float]:
     return {k: v / group for k, v in global_sums(values).items()}
 
 
-def mini_batch_norm(mask: torch.Tensor, group: int) -> LossNorm:
+def mini_batch_norm(
+    mask: torch.Tensor, group: int, replica_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> LossNorm:
     """Global response-token and sequence counts of a mini-batch whose DP shares are spread
-    over the ranks (``mask`` is this rank's share)."""
+    over the ranks (``mask`` is this rank's share); with elastic replicas, summed over the
+    replicas too (``replica_sum``: each replica holds its share of the global batch)."""
     g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, group)
-    return LossNorm(g["tokens"], g["seqs"])
+    if replica_sum is None:
+        return LossNorm(g["tokens"], g["seqs"])
+    total = replica_sum(torch.tensor([g["tokens"], g["seqs"]], dtype=torch.float64))
+    return LossNorm(float(total[0]), float(total[1]))
 
 
 def _per_rank(cfg: Config, dp: int) -> int:

@@ -1,7 +1,8 @@
 """actor_rollout: N responses per prompt group from the rollout engine (generation layout,
-group-granular: a generation DP group receives whole prompt groups). Each request is seeded by
-the iteration and its own sample index (``_seed`` + the index), so a rerun of the iteration
-samples the same responses however its prompts are dealt over DP groups or replicas.
+group-granular: a generation DP group receives whole prompt groups). Each sample is seeded by
+the iteration and its seed key, dataset row x N + its place in its group (``_seed_keys``), so a
+rerun of the iteration samples the same responses however its prompts are dealt over DP groups,
+rounds or elastic replicas (whose docks number their shares from 0).
 
 ``rollout_groups`` yields each prompt group as the engine finishes it (stage fusion streams
 them into the dock); the stage function collects them all, so both paths write the same
@@ -9,7 +10,7 @@ samples.
 
 Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is continued
 from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, seeded by its
-sample index; a sample is finished once it stopped or holds ``rollout.max_response_length``
+seed key; a sample is finished once it stopped or holds ``rollout.max_response_length``
 tokens. Each new token is tagged with the policy version ``it`` (the number of updates so
 far). Under separated placement every token is tagged with the version of the weights the
 generator holds (``Run.progress.policy_version``), up to ``stream.max_policy_lag`` behind ``it``.
@@ -34,8 +35,15 @@ from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
 
 def _seed(call: StageCall) -> int:
-    """The iteration's base seed; a request adds its sample index (never its place in the share)."""
+    """The iteration's base seed; a request adds its seed key (``_seed_keys``)."""
     return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007
+
+
+def _seed_keys(call: StageCall) -> list[int]:
+    """Each sample's seed key: its dataset row x N + its place in its group (groups are N
+    consecutive indices), never its place in the share or the dock."""
+    n = call.run.cfg.rollout.n
+    return [int(r) * n + int(i) % n for r, i in zip(call.batch.columns["prompt_row"], call.batch.indices)]
 
 
 def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
@@ -55,7 +63,7 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
         n=n,
         max_tokens=run.cfg.rollout.max_response_length,
         seed=_seed(call),
-        seed_keys=idx[::n],
+        seed_keys=_seed_keys(call)[::n],
     ):
         yield [i for p, _ in step for i in idx[p * n : (p + 1) * n]], [s for _, samples in step for s in samples]
 
@@ -79,7 +87,7 @@ def _trajectories(call: StageCall) -> list[Trajectory]:
     """One multi-turn trajectory per sample of the share, in index order."""
     run, cols = call.run, call.batch.columns
     items = [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
-    return run.turns.run(items, seed=_seed(call), seed_keys=call.batch.indices.tolist())
+    return run.turns.run(items, seed=_seed(call), seed_keys=_seed_keys(call))
 
 
 def _as_sample(t: Trajectory) -> Sample:
@@ -143,7 +151,7 @@ def _continue(call: StageCall) -> StageResult:
             for k in todo
         ],
         seed=_seed(call),
-        seed_keys=[int(call.batch.indices[k]) for k in todo],
+        seed_keys=[_seed_keys(call)[k] for k in todo],
     )
     for k, s in zip(todo, got):
         pieces[k].extend(s, call.it, limit)
@@ -160,7 +168,7 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
     trajs = run.turns.start(
         [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
-        seed_keys=call.batch.indices.tolist(),
+        seed_keys=_seed_keys(call),
     )
     todo = []
     for t, p, m, reward in zip(trajs, pieces, cols["prefix_mask"], cols["prefix_env_reward"]):
