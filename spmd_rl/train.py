@@ -69,6 +69,7 @@ from spmd_rl.trainer.context import HeldOut, Run
 from spmd_rl.trainer.loop import train
 from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.partial import restore_carry
+from spmd_rl.trainer.replica_loop import join_running
 
 log = logging.getLogger("spmd_rl")
 
@@ -113,6 +114,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     check_accumulation_fits(cfg, acc, lay, roles)
     sampler = sampler_for(cfg, len(prompts))
     state, start = _resume(cfg, peer, roles, sampler)
+    replicas, start = _replicas(cfg, endpoints, lay, roles, peer, sampler, start)
     run = Run(
         cfg=cfg,
         lay=lay,
@@ -139,7 +141,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
         ledger=PromptLedger(_store(cfg, endpoints, f"{_dock_job(cfg)}.ledger")),
         # the TP ranks of a generation group run each multi-turn rollout together
         gen_tp_group=replica_group(lay.gen, peer.rank) if modes.multi_turn and lay.gen.tp > 1 else None,
-        replicas=_replicas(cfg, endpoints, lay, roles, peer),
+        replicas=replicas,
     )
     if state is not None and "carry_rows" in state:
         restore_carry(run, state["carry_rows"])
@@ -214,12 +216,14 @@ def for_replica(cfg):
     )
 
 
-def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer) -> Replicas | None:
-    """With ``elastic.replicas``: join the job's replicas (waiting for ``count`` of them) and sum
-    the actor's gradients over them (``elastic.replicas``)."""
+def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, start: int) -> tuple:
+    """With ``elastic.replicas``: (this replica's side, the first iteration to run). The first
+    replicas wait for ``count`` of them; one arriving at a running job heals from a member
+    instead (``trainer.replica_loop.join_running``: no checkpoint read) and starts where they
+    are. The actor's gradients are summed over the replicas (``elastic.replicas``)."""
     r = cfg.elastic.replicas
     if r is None:
-        return None
+        return None, start
     group = ReplicaGroup(
         _store(cfg, endpoints, cfg.metadata.job),
         r.name,
@@ -231,12 +235,15 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer) -> Replic
         local_pg=dist.new_group(backend="gloo") if peer.world > 1 else None,
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
     )
-    group.start(expected=r.count)
     replicas = Replicas(group, cfg.data.global_batch_size, deal_unit(lay))
     roles["actor"].gradient_sync = replicas.reduce_gradients
+    if group.running():
+        start = join_running(replicas, roles["actor"], sampler)
+    else:
+        replicas.start(r.count)
     if peer.rank == 0:
         log.info("replica %s: %d of %d replicas (generation %d)", r.name, group.rank, group.world, group.gen.number)
-    return replicas
+    return replicas, start
 
 
 def _resume(cfg, peer: Peer, roles: dict, sampler) -> tuple[dict | None, int]:
@@ -401,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     except DockUnavailable as exc:  # etcd unreachable or refusing this rank: one line, not a traceback
         print(f"UNAVAILABLE {exc}", file=sys.stderr)
         return 1
+    except QuorumLost as exc:  # a replica with no generation to join: torchrun may start it again
+        print(f"UNAVAILABLE {exc}", file=sys.stderr)
+        return PEER_LOST_EXIT
     try:
         train(run, start)
     except (DockUnavailable, QuorumLost) as exc:  # a warehouse lost before the peer watch saw it; too few replicas

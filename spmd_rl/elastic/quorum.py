@@ -7,15 +7,20 @@ Keys, under the job's prefix (``MetadataStore.key``):
   lease (``lease_s``, kept alive by a thread): present while the replica lives or has not yet
   been missed for ``lease_s``;
 - ``elastic/join/<k>/<replica>``: the replica asks to be in generation ``k`` (under its lease);
-- ``elastic/gen/<k>``: generation ``k``'s members, sorted, and their store addresses. Written
-  once (put-if-absent) and never changed: whoever reads it reads the same membership.
+- ``elastic/gen/<k>``: generation ``k``'s members and their store addresses. Written once
+  (put-if-absent) and never changed: whoever reads it reads the same membership. The members of
+  generation ``k - 1`` come first, then the new ones, each part sorted: member 0, whose state
+  heals a joiner and whose store hosts the group, is a replica that has trained (unless every
+  earlier member is gone, which ``ReplicaGroup`` refuses to heal from).
 
 Agreement (``Quorum.agree``): generation ``k`` is decided by the smallest live replica among
 those that asked for it, once every live member has asked (a node that stops answering drops
 out when its lease expires), or once ``join_window_s`` has passed since it asked itself and at
-least ``min_replicas`` have asked (a SIGKILLed node's lease outlives it; its peers see the dead
-sockets at once and need not wait for the lease). Fewer than ``min_replicas`` after
-``timeout_s``: ``QuorumLost``, and the job falls back to the checkpoint restart.
+least ``min_replicas`` have asked (a SIGKILLed node's lease outlives it; its peers see the
+dead sockets at once and need not wait for the lease); never by joiners alone while a member of
+generation ``k - 1`` lives (the members ask at their next step boundary, and the joiners heal
+from them). Fewer than ``min_replicas`` after ``timeout_s``: ``QuorumLost``, and the job falls
+back to the checkpoint restart.
 
 This is torchft's quorum (``torchft/manager.py``: ``Manager._async_quorum`` asking the
 Lighthouse, which answers with the members that joined within its join timeout, at least
@@ -50,7 +55,8 @@ class NotAMember(RuntimeError):
 class Generation:
     number: int
     members: tuple[str, ...]
-    """Sorted replica names: a replica's rank in the cross-replica group is its index here."""
+    """Replica names, the previous generation's first (module docstring): a replica's rank in
+    the cross-replica group is its index here."""
     addresses: dict[str, str]
     """Each member's store address (``host:port``)."""
 
@@ -133,6 +139,13 @@ class Quorum:
         got = self.store.get_prefix(self._key("gen") + "/")
         return Generation.decode(got[-1][1]) if got else None
 
+    def current(self) -> Generation:
+        """The newest decided generation; ``QuorumLost`` before the first (nothing to join)."""
+        got = self.latest()
+        if got is None:
+            raise QuorumLost("no generation of replicas has been agreed yet, so there is nothing to join")
+        return got
+
     def asking(self, number: int) -> list[str]:
         """Replicas that asked to be in generation ``number``."""
         prefix = self._key("join", f"{number:08d}") + "/"
@@ -154,8 +167,8 @@ class Quorum:
                 return gen
             asked, live = set(self.asking(number)), self.members()
             ready = asked & set(live)
-            if ready and min(ready) == self.replica and self._decides(ready, set(live), asked_at, expected):
-                gen = Generation(number, tuple(sorted(ready)), {r: live[r] for r in ready})
+            if ready and min(ready) == self.replica and self._decides(number, ready, set(live), asked_at, expected):
+                gen = Generation(number, self._ordered(number, ready), {r: live[r] for r in ready})
                 self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
             if time.monotonic() - asked_at > self.timeout_s:
@@ -165,8 +178,21 @@ class Quorum:
                 )
             time.sleep(POLL_S)
 
-    def _decides(self, ready: set[str], live: set[str], asked_at: float, expected: int | None) -> bool:
+    def _members_of(self, number: int) -> set[str]:
+        """Generation ``number``'s members (none before the first)."""
+        got = self.store.get(self._key("gen", f"{number:08d}")) if number >= 0 else None
+        return set(Generation.decode(got).members) if got is not None else set()
+
+    def _ordered(self, number: int, ready: set[str]) -> tuple[str, ...]:
+        """``ready`` with generation ``number - 1``'s members first (module docstring)."""
+        old = self._members_of(number - 1)
+        return tuple(sorted(ready & old) + sorted(ready - old))
+
+    def _decides(self, number: int, ready: set[str], live: set[str], asked_at: float, expected: int | None) -> bool:
         if len(ready) < self.min_replicas:
+            return False
+        old = self._members_of(number - 1)
+        if old & live and not old & ready:  # joiners alone while members live: they take them in at a boundary
             return False
         if expected is not None:
             return len(ready) >= expected

@@ -36,7 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -44,7 +44,15 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.elastic.quorum import Generation, NotAMember, Quorum
+from spmd_rl.elastic.quorum import Generation, NotAMember, Quorum, QuorumLost
+
+_LOST = b"!quorum-lost:"
+"""Prefix of the lead's answer when no generation could be agreed (``QuorumLost``'s message follows)."""
+
+
+StateFn = Callable[[], Iterable[torch.Tensor]]
+"""What a joiner is healed with, asked anew for each heal: every tensor of the training state, in
+one order on every replica (a generator may yield a counter first and decide the rest from it)."""
 
 
 class ReplicaLost(RuntimeError):
@@ -89,13 +97,18 @@ class ReplicaGroup:
         gen = self._decided(lambda q: (q.register(), q.agree(0, expected=expected))[1])
         return self._configure(gen)
 
-    def join(self, state: list[torch.Tensor]) -> Generation:
+    def join(self, state: StateFn) -> Generation:
         """A replica arriving at a running job: register, ask for the next generation (the
         members agree on it at their next step boundary, ``joiners_waiting``) and overwrite
         ``state`` with the first member's."""
         if self.quorum is not None:
             self.quorum.register()
         return self._rejoin(state)
+
+    def running(self) -> bool:
+        """Whether the job's replicas agreed on a generation already: this one must ``join``."""
+        found = self.quorum is not None and self.quorum.latest() is not None
+        return self._from_lead(torch.tensor([1.0 if found else 0.0])).item() > 0
 
     def joiners_waiting(self) -> bool:
         """Whether a replica asked for the next generation: every member checks at the same
@@ -104,7 +117,7 @@ class ReplicaGroup:
         flag = self._from_lead(torch.tensor([1.0 if asked else 0.0]))
         return self.allreduce(flag, dist.ReduceOp.MAX).item() > 0
 
-    def recover(self, state: list[torch.Tensor]) -> Generation:
+    def recover(self, state: StateFn) -> Generation:
         """Agree on the next generation with whoever is here (survivors, and joiners that asked
         meanwhile), rebuild the group, and when it has new members give them ``state``. A member
         of the new generation lost while it forms: agree on the one after. Left out of it (its
@@ -119,14 +132,20 @@ class ReplicaGroup:
             try:
                 self._configure(gen)
                 if set(gen.members) - before:
-                    self.heal(state)
+                    self.heal(state())
                 return gen
             except ReplicaLost:
                 continue
 
-    def _rejoin(self, state: list[torch.Tensor]) -> Generation:
-        gen = self._configure(self._decided(lambda q: q.agree(q.latest().number + 1)))
-        self.heal(state)
+    def _rejoin(self, state: StateFn) -> Generation:
+        before = self._decided(lambda q: q.current())
+        gen = self._configure(self._decided(lambda q: q.agree(before.number + 1)))
+        if gen.members[0] not in before.members:
+            raise QuorumLost(
+                f"generation {gen.number} {list(gen.members)} holds no replica of generation {before.number} to heal "
+                f"from: restart the job from its checkpoint"
+            )
+        self.heal(state())
         return gen
 
     def _decided(self, agree: Callable[[Quorum], Generation]) -> Generation:
@@ -138,9 +157,13 @@ class ReplicaGroup:
                 payload = agree(self.quorum).encode()
             except NotAMember:
                 payload = b""
+            except QuorumLost as exc:  # raised on every rank of the replica, not on the lead alone
+                payload = _LOST + str(exc).encode()
         payload = self._bytes_from_lead(payload)
         if not payload:
             raise NotAMember(f"replica {self.replica} was left out of the generation its peers agreed on")
+        if payload.startswith(_LOST):
+            raise QuorumLost(payload[len(_LOST) :].decode())
         return Generation.decode(payload)
 
     def _bytes_from_lead(self, payload: bytes) -> bytes:
@@ -199,8 +222,9 @@ class ReplicaGroup:
         except ReplicaLost:
             return False
 
-    def heal(self, tensors: list[torch.Tensor]) -> None:
-        """Overwrite ``tensors`` on every member with the first member's (a joiner's state)."""
+    def heal(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` on every member with the first member's (a joiner's state), one
+        at a time: an iterator may decide what follows from what it already received."""
         for t in tensors:
             self._voted(lambda t=t: self.pg.broadcast_one(t, 0).wait(), f"healing in generation {self.gen.number}")
 

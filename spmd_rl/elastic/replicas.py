@@ -28,15 +28,10 @@ membership is agreed through the job's etcd (``elastic.quorum``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost
-
-StateFn = Callable[[], list[torch.Tensor]]
-"""What a joiner is healed with: every tensor of the training state, in one order on every replica."""
+from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost, StateFn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,10 +45,15 @@ class Replicas:
         self.group, self.global_batch, self.unit = group, global_batch, unit
         self.redone = 0
         """Iterations this replica redid after a peer's loss."""
+        self._joined = False
 
     @property
     def world(self) -> int:
         return self.group.world
+
+    @property
+    def generation(self) -> int:
+        return self.group.gen.number
 
     def _units(self) -> list[int]:
         """The units (of ``unit`` groups) this replica takes in the current generation."""
@@ -93,23 +93,38 @@ class Replicas:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def start(self, count: int) -> None:
+        """The job's first generation: wait for ``count`` replicas."""
+        self.group.start(expected=count)
+
+    def join(self, state: StateFn) -> None:
+        """Join a running job: ask for the next generation, which the members agree on at their
+        next iteration's start (``take_joiners``) or while recovering from a loss, and receive
+        ``state`` from member 0. The joiner starts that iteration as the members do: after the
+        heal, with no check for joiners of its own."""
+        self.group.join(state)
+        self._joined = True
+
     def take_joiners(self, state: StateFn) -> bool:
         """At an iteration's start, on every member: take in the replicas asking to join, healing
         them with ``state``; whether the membership changed."""
+        if self._joined:  # the members took this replica in at this very boundary
+            self._joined = False
+            return False
         if not self.group.joiners_waiting():
             return False
-        self.group.recover(state())
+        self.group.recover(state)
         return True
 
     def recover(self, state: StateFn) -> None:
         """After ``ReplicaLost``: agree on the next generation with the survivors (and joiners)."""
         self.redone += 1
-        self.group.recover(state())
+        self.group.recover(state)
 
     def metrics(self) -> dict[str, float]:
         return {
             "replicas": float(self.world),
-            "replica_generation": float(self.group.gen.number),
+            "replica_generation": float(self.generation),
             "replica_redone": float(self.redone),
         }
 

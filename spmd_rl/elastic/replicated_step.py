@@ -101,13 +101,13 @@ def committed_steps(
         s = int(counter.item())
         try:
             if group.joiners_waiting():
-                group.recover(state())
+                group.recover(state)
                 event("grew")
                 continue  # every member, the joiner too, is at the step boundary again
             replicated_step(group, model, optimizer, lambda r, w: share_loss(s, r, w), global_batch)
         except ReplicaLost:
             event("lost")
-            group.recover(state())
+            group.recover(state)
             event("recovered")
             continue
         counter += 1

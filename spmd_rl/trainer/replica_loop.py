@@ -2,7 +2,8 @@
 module docstring): each iteration runs on this replica's share of the global batch and is redone,
 with the next generation's deal, when a replica is lost.
 
-    take the replicas asking to join in (healing them)        # every member, same boundary
+    take the replicas asking to join in (healing them)        # every member, same boundary;
+                                                              # a joiner was healed just before
     run the iteration on the share (data.global_batch_size = the share's groups)
     on ReplicaLost: rewind the sampler, drop the iteration from the dock, agree on the
                     survivors, redo it
@@ -14,16 +15,17 @@ Nothing to undo in the training state: an iteration is one optimizer step
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from spmd_rl.config.schema import Config
-from spmd_rl.data.sampler import SamplerState
-from spmd_rl.elastic.replica_group import ReplicaLost
-from spmd_rl.elastic.replicated_step import state_tensors
+from spmd_rl.data.sampler import PromptSampler, SamplerState
+from spmd_rl.elastic.replica_group import ReplicaLost, StateFn
+from spmd_rl.elastic.replicas import Replicas
+from spmd_rl.elastic.replicated_step import materialize, state_tensors
 from spmd_rl.trainer.context import Run
 
 log = logging.getLogger("spmd_rl")
@@ -41,23 +43,31 @@ def share_config(cfg: Config, groups: int) -> Config:
     )
 
 
-def _heal_state(run: Run, it: int) -> tuple[torch.Tensor, Callable[[], list[torch.Tensor]]]:
-    """(counter, state): what a replica healed from a member receives, read when a heal starts:
-    the counter (the iteration, the sampler's place, the optimizer steps), then every parameter
-    and optimizer state tensor of the actor, all overwritten in place by the member's."""
-    actor, counter = run.roles["actor"], torch.zeros(4, dtype=torch.float64)
+def heal_state(actor, sampler: PromptSampler, it: int) -> tuple[torch.Tensor, StateFn]:
+    """(counter, state): what a replica healed from a member receives, one tensor at a time: the
+    counter (the iteration, the sampler's place, the optimizer steps), then every parameter and
+    optimizer state tensor of the actor, each overwritten in place by member 0's. A joiner whose
+    optimizer has no state yet creates it (``materialize``) once the counter says the members'
+    has, so both sides list the same tensors."""
+    counter = torch.zeros(4, dtype=torch.float64)
 
-    def state() -> list[torch.Tensor]:
-        s = run.sampler.state
-        counter.copy_(torch.tensor([it, s.epoch, s.offset, actor.step_count], dtype=torch.float64))
-        return [counter, *state_tensors(actor.model, actor.optimizer)]
+    def now() -> torch.Tensor:
+        s = sampler.state
+        return counter.copy_(torch.tensor([it, s.epoch, s.offset, actor.step_count], dtype=torch.float64))
 
+    def state() -> Iterator[torch.Tensor]:
+        yield now()
+        if int(counter[3]) > 0 and not actor.optimizer.state:
+            materialize(actor.model, actor.optimizer)
+        yield from state_tensors(actor.model, actor.optimizer)
+
+    now()  # with no heal, the counter holds this replica's own place
     return counter, state
 
 
-def _apply_healed(run: Run, it: int, counter: torch.Tensor) -> None:
-    """After a heal: take the member's sampler place; a member at another step cannot be joined
-    mid-run by this replica (it must restart and join as a new one)."""
+def _check_healed(run: Run, it: int, counter: torch.Tensor) -> None:
+    """A member after a heal: member 0 was where this replica is (a survivor left out of a
+    generation and healed back into the next one must be at the same step)."""
     done, epoch, offset, steps = (int(v) for v in counter.tolist())
     if done != it or steps != run.roles["actor"].step_count:
         raise RuntimeError(
@@ -67,16 +77,32 @@ def _apply_healed(run: Run, it: int, counter: torch.Tensor) -> None:
     run.sampler.state = SamplerState(epoch, offset)
 
 
+def join_running(replicas: Replicas, actor, sampler: PromptSampler) -> int:
+    """A replica arriving at a running job: heal the actor, its optimizer and the sampler from a
+    member, with no checkpoint read, and catch the LR schedule up; returns the iteration the
+    members are about to run, this replica's first."""
+    counter, state = heal_state(actor, sampler, -1)
+    replicas.join(state)
+    it, epoch, offset, steps = (int(v) for v in counter.tolist())
+    sampler.state = SamplerState(epoch, offset)
+    for _ in range(steps - actor.step_count):
+        actor.scheduler.step()
+    actor.step_count = steps
+    return it
+
+
 def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], iteration: Iteration) -> dict:
     """``iteration`` on this replica's share, redone until every replica of a generation got
     through it (module docstring); its metrics with the replicas' own."""
     reps, base = run.replicas, run.cfg
     start = SamplerState(run.sampler.state.epoch, run.sampler.state.offset)
-    counter, state = _heal_state(run, it)
+    boundary = True
     while True:
+        counter, state = heal_state(run.roles["actor"], run.sampler, it)
         try:
-            if reps.take_joiners(state):
-                _apply_healed(run, it, counter)
+            if boundary and reps.take_joiners(state):
+                _check_healed(run, it, counter)
+            boundary = False  # a redo follows a recovery, which took in whoever asked
             return iteration(replace(run, cfg=share_config(base, reps.share_size())), it, on_stage) | reps.metrics()
         except ReplicaLost as exc:
             if run.peer.rank == 0:
@@ -84,5 +110,8 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
             run.sampler.state = SamplerState(start.epoch, start.offset)
             dist.barrier()  # every rank of this replica is here: ReplicaLost is voted over them
             run.dock.commit(it)  # what the iteration wrote so far
+            counter, state = heal_state(run.roles["actor"], run.sampler, it)
             reps.recover(state)
-            _apply_healed(run, it, counter)
+            _check_healed(run, it, counter)
+            if run.peer.rank == 0:
+                log.info("redoing iteration %d with %d replicas (generation %d)", it, reps.world, reps.generation)

@@ -54,7 +54,7 @@ def main() -> None:
         materialize(model, opt)
         while not os.path.exists(out + ".go"):
             time.sleep(0.01)
-        group.join([step, *state_tensors(model, opt)])
+        group.join(lambda: [step, *state_tensors(model, opt)])
     loss = lambda s, r, w: share_loss(model, x, y, s, r, w, local, local_world)  # noqa: E731
     for s in committed_steps(group, model, opt, loss, B, step, steps):
         if log:

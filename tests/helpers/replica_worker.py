@@ -60,7 +60,7 @@ def main() -> None:
         materialize(model, opt)
         while not os.path.exists(out + ".go"):
             time.sleep(0.01)
-        group.join([step, *state_tensors(model, opt)])
+        group.join(lambda: [step, *state_tensors(model, opt)])
 
     def event(kind: str) -> None:
         log.write(json.dumps({"event": kind, "gen": group.gen.number, "world": group.world, "t": time.time()}) + "\n")

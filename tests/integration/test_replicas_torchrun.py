@@ -1,11 +1,20 @@
 """Elastic replicas in the trainer (``elastic.replicas``), each replica its own ``spmd-rl train``
 (a torchrun job) against one real etcd: three replicas train one global batch; one is
 SIGKILLed (launcher, agent and rank) right after its first iteration, during the next one's
-generation. The survivors keep their processes (each logs its start once), redo the
-interrupted iteration with the prompts dealt over two, train every prompt of every iteration
-once (the survivors' samples add up to the global batch) and end bit-identical to each other
-and, within float round-off, equal to one job training the same global batch alone: the
-objective's split invariance across replicas."""
+generation, and a fourth is started then (the survivors are held at their next iteration's
+start, ``tests/helpers/faults``, until it asked to join, so it joins at iteration 2 however long
+it takes to start). The survivors keep their processes (each logs its start once), redo the
+interrupted iteration with the prompts dealt over two, take the new one in at an iteration's
+start (healed from a survivor: weights, AdamW state, sampler, LR schedule, no checkpoint),
+train every prompt of every iteration once (the samples of that iteration's replicas add up to
+the global batch) and end bit-identical to each other, the joiner included, and, within float
+round-off, equal to one job training the same global batch alone: the objective's split
+invariance across replicas.
+
+A second run kills a replica at the most delicate point, after the gradient's all-reduce over
+the replicas and before the commit vote (``tests/helpers/faults``: it pauses there, then is
+SIGKILLed): the survivors' vote fails, nobody steps, and they redo the iteration; the end is
+again the one-job run's."""
 
 from __future__ import annotations
 
@@ -19,14 +28,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.checkpoint import model_weights
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import descendants, kill_tree
 
-ITERS, G, N = 3, 6, 2
+ITERS, G, N = 5, 6, 2
 
 
 def command(tmp: Path, etcd, *extra: str) -> list[str]:
+    """``spmd-rl train`` of the tiny model, a deterministic run of ITERS iterations."""
     return [
         sys.executable,
         "-m",
@@ -59,56 +70,113 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
-def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny_model, tmp_path, etcd):
-    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
-    solo = subprocess.run(
-        command(tmp_path / "solo", etcd, "metadata.job=solo"), cwd=REPO, env=env, capture_output=True, text=True
+@pytest.fixture(scope="module")
+def solo(tiny_model, tmp_path_factory, etcd) -> dict[str, torch.Tensor]:
+    """The final weights of one job training the global batch alone."""
+    tmp = tmp_path_factory.mktemp("solo")
+    done = subprocess.run(command(tmp, etcd, "metadata.job=solo"), cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return model_weights(tmp / f"ckpt/iter_{ITERS:06d}")
+
+
+ENV = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+
+
+def replica(tmp: Path, etcd, job: str, name: str, faults: dict | None = None) -> subprocess.Popen:
+    args = [f"metadata.job={job}", "elastic.replicas.count=3", "elastic.replicas.timeout_s=30"]
+    env = ENV | ({"SPMD_RL_TEST_FAULTS": json.dumps(faults)} if faults else {})
+    return subprocess.Popen(
+        command(tmp, etcd, *args, f"elastic.replicas.name={name}"),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp.parent / f"{job}-{name}.err", "w"),
     )
-    assert solo.returncode == 0, solo.stderr[-3000:]
-    replica = ["metadata.job=elastic", "elastic.replicas.count=3", "elastic.replicas.timeout_s=30"]
-    procs = {
-        n: subprocess.Popen(
-            command(tmp_path / "elastic", etcd, *replica, f"elastic.replicas.name={n}"),
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / f"{n}.err", "w"),
-        )
-        for n in "abc"
-    }
+
+
+def assert_matches_one_job(finals: list[dict[str, torch.Tensor]], solo: dict, tiny_model: Path) -> None:
+    """Every replica ends with the same bytes, within round-off of the one-job run."""
+    assert all(torch.equal(finals[0][k], other[k]) for other in finals[1:] for k in solo)
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    worst = max(float((finals[0][k].float() - solo[k].float()).abs().max()) for k in solo)
+    moved = max(float((solo[k].float() - start[k].float()).abs().max()) for k in solo if k in start)
+    print(f"largest difference from the one-job run: {worst:.3g} (the updates moved weights by up to {moved:.3g})")
+    assert worst <= 1e-6 and moved > 1e-5  # replicas stepping on their own shares would differ by about `moved`
+
+
+def asked_to_join(etcd, job: str, name: str) -> bool:
+    store = MetadataStore([etcd.endpoint], job=job)
+    return any(k.endswith(f"/{name}") for k, _ in store.get_prefix(store.key("elastic", "join") + "/"))
+
+
+@pytest.mark.slow
+def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny_model, tmp_path, etcd, solo):
+    tmp, faults = tmp_path / "elastic", tmp_path / "faults"
+    faults.mkdir()
+    hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
+    procs = {n: replica(tmp, etcd, "elastic", n, hold) for n in "abc"}
+    err = {n: tmp_path / f"elastic-{n}.err" for n in "abcd"}
     seen = []
     try:
         deadline = time.monotonic() + 600
-        while not rows(tmp_path / "elastic/logs/c/metrics.jsonl") and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), [
-                (tmp_path / f"{n}.err").read_text()[-2000:] for n in "abc"
-            ]
+        while not rows(tmp / "logs/c/metrics.jsonl") and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs.values()), [err[n].read_text()[-2000:] for n in "abc"]
             time.sleep(0.05)
+        (faults / "hold").write_text("")  # a and b wait at the start of their next iteration's work
         seen = descendants(procs["c"].pid)
         kill_tree(procs["c"])
-        for n in "ab":
-            assert procs[n].wait(timeout=600) == 0, (tmp_path / f"{n}.err").read_text()[-3000:]
+        procs["d"] = replica(tmp, etcd, "elastic", "d")
+        while not asked_to_join(etcd, "elastic", "d") and time.monotonic() < deadline:
+            assert procs["d"].poll() is None, err["d"].read_text()[-3000:]
+            time.sleep(0.05)
+        (faults / "hold").unlink()
+        for n in "abd":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
     finally:
         for p in procs.values():
             kill_tree(p, seen)
-    logs = {n: rows(tmp_path / f"elastic/logs/{n}/metrics.jsonl") for n in "ab"}
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abcd"}
+    joined = logs["d"][0]["iteration"]
+    assert joined == 2, joined  # at the first boundary after the redo of iteration 1
     for n in "ab":
         assert [r["iteration"] for r in logs[n]] == list(range(ITERS))  # each once: nobody restarted
-        assert [r["replicas"] for r in logs[n]] == [3, 2, 2]
-        assert logs[n][1]["replica_redone"] == 1  # the iteration c was in when it died
-        err = (tmp_path / f"{n}.err").read_text()
-        assert err.count("training from iteration") == 1 and "redo it" in err
+        assert [r["replicas"] for r in logs[n]] == [3] + [2] * (joined - 1) + [3] * (ITERS - joined)
+        assert [r["replica_redone"] for r in logs[n]][:2] == [0, 1]  # the iteration c was in when it died
+        text = err[n].read_text()
+        assert text.count("training from iteration") == 1 and "redoing iteration 1 with 2 replicas" in text
+    assert [r["iteration"] for r in logs["d"]] == list(range(joined, ITERS))
+    assert err["d"].read_text().count(f"training from iteration {joined} ") == 1
     for it in range(ITERS):  # every prompt's samples trained once, by the replicas of that iteration
-        total = sum(logs[n][it]["samples"] for n in "ab") + (
-            rows(tmp_path / "elastic/logs/c/metrics.jsonl")[0]["samples"] if it == 0 else 0
-        )
+        total = sum(r["samples"] for n in "abcd" for r in logs[n] if r["iteration"] == it)
         assert total == G * N, (it, total)
-    a, b = (model_weights(tmp_path / f"elastic/ckpt/{n}/iter_{ITERS:06d}") for n in "ab")
-    ref = model_weights(tmp_path / f"solo/ckpt/iter_{ITERS:06d}")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    start = load_file(Path(tiny_model) / "model.safetensors")
-    worst = max(float((a[k].float() - ref[k].float()).abs().max()) for k in ref)
-    moved = max(float((ref[k].float() - start[k].float()).abs().max()) for k in ref if k in start)
-    print(f"largest difference from the one-job run: {worst:.3g} (the update moved weights by up to {moved:.3g})")
-    assert worst <= 1e-6 and moved > 1e-5  # replicas stepping on their own shares would differ by about `moved`
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abd"], solo, tiny_model)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_model, tmp_path, etcd, solo):
+    tmp, faults = tmp_path / "commit", tmp_path / "faults"
+    faults.mkdir()
+    plan = {"kind": "pause", "dir": str(faults), "points": ["commit"], "min_iteration": 1, "world": 1}
+    procs = {n: replica(tmp, etcd, "commit", n, plan if n == "c" else None) for n in "abc"}
+    err = {n: tmp_path / f"commit-{n}.err" for n in "abc"}
+    seen = []
+    try:
+        deadline = time.monotonic() + 600
+        while not (faults / "commit.reached").exists() and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs.values()), [err[n].read_text()[-2000:] for n in "abc"]
+            time.sleep(0.05)
+        paused = json.loads((faults / "commit.reached").read_text())
+        seen = descendants(procs["c"].pid)
+        assert paused["pid"] in [p for p, _ in seen]
+        kill_tree(procs["c"])
+        for n in "ab":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            kill_tree(p, seen)
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "ab"}
+    for n in "ab":
+        assert [r["iteration"] for r in logs[n]] == list(range(ITERS))
+        assert logs[n][paused["iteration"]]["replica_redone"] == 1 and logs[n][-1]["replicas"] == 2
+        assert f"redoing iteration {paused['iteration']} with 2 replicas" in err[n].read_text()
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)

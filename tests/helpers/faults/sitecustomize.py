@@ -11,13 +11,16 @@ subprocess's PYTHONPATH (``conftest.subprocess_env``), the preload servers' incl
 
 Plans (``dir`` is a folder the test and the workers share):
 
-- ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k}``: in a world of 2, at the
+- ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k, "world": w}``: in a world
+  of w (default 2; 1 for an elastic replica of one rank, whose peers are other jobs), at the
   first point (in order) without ``D/<point>.go``, from iteration k on: write
   ``D/<point>.reached`` (JSON: the iteration and this worker's pid) and wait for the test to
   kill the other node and write ``D/<point>.go``, then carry on into that point. Points:
   ``generate`` (start of the generation stage), ``reward_fetch`` (the reward stage's fetch from
-  the warehouses), ``update`` (start of the update), ``checkpoint`` (inside a checkpoint write,
-  between its barriers). In a world of 1 with ``D/hold`` present, every iteration after the
+  the warehouses), ``reference`` (start of the reference log-prob stage), ``update`` (start of
+  the update), ``commit`` (an elastic replica, world 1: after the gradient's all-reduce over the
+  replicas, before the commit vote), ``checkpoint`` (inside a checkpoint write, between its
+  barriers). In a world of 1 with ``D/hold`` present, every iteration after the
   worker's first waits (until the test grows the world, which restarts this worker).
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
@@ -58,7 +61,7 @@ def _pause(plan: dict) -> None:
     def at(point: str, iteration: int) -> None:
         pending = [p for p in points if not (folder / f"{p}.go").exists()]
         if (
-            os.environ.get("WORLD_SIZE") != "2"
+            os.environ.get("WORLD_SIZE") != str(plan.get("world", 2))
             or not pending
             or pending[0] != point
             or iteration < plan["min_iteration"]
@@ -81,8 +84,19 @@ def _pause(plan: dict) -> None:
         else:
             setattr(owner, name, hooked)
 
+    updating = [0]  # the iteration of the last update started (the commit point's)
+
+    def update_of(call) -> int:
+        updating[0] = call.it
+        return call.it
+
     wrap(REGISTRY, "actor_rollout", "generate", lambda call: call.it)
-    wrap(REGISTRY, "actor_update", "update", lambda call: call.it)
+    wrap(REGISTRY, "ref_logprob", "reference", lambda call: call.it)
+    wrap(REGISTRY, "actor_update", "update", update_of)
+    if plan.get("world") == 1:  # an elastic replica
+        from spmd_rl.elastic.replica_group import ReplicaGroup
+
+        wrap(ReplicaGroup, "should_commit", "commit", lambda *args: updating[0])
 
     def iteration_of_folder(engine, folder) -> int:  # .../iter_000012.tmp[/critic]
         return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
