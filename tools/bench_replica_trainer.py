@@ -1,7 +1,7 @@
 """A node's loss in the trainer: elastic replicas (``elastic.replicas``) against the restart path,
 at each kill point, in the same run on the same machine. Both train the tiny model (HF rollout
-engine, G=8, N=4, one mini-batch, a checkpoint every iteration) on two simulated nodes of one
-rank each against one embedded etcd:
+engine by default, ``--engine vllm`` for vLLM; G=8, N=4, one mini-batch, a checkpoint every
+iteration) on two simulated nodes of one rank each against one embedded etcd:
 
 - restart (the baseline): one job over two nodes (``launch/multi_node.sh``: torchrun, etcd-v2
   rendezvous, --nnodes 1:2). The survivor is paused at the kill point (``tests/helpers/faults``),
@@ -14,7 +14,8 @@ rank each against one embedded etcd:
 
 Kill points: the start of generation, of the reward stage's fetch, of the reference log-probs
 and of the update; ``commit`` (replicas only, compared with the restart at the update): after the
-gradient's all-reduce over the replicas, before the commit vote; and inside a checkpoint write.
+gradient's all-reduce over the replicas, before the commit vote; inside a checkpoint write; and
+``update_stopped`` (replicas only): the victim's worker SIGSTOPped at the update, not killed.
 Times from the kill: "training again" (restart: the new worker logs "training from iteration";
 replicas: the survivor logs "redoing iteration"), "next iteration" (the survivor logs an
 iteration finished after the kill) and whether the survivor's worker kept its pid. Median of
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,12 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.torchrun_util import descendants, kill_node, kill_tree, metric_rows, node_agent, wait_for  # noqa: E402
 
-POINTS = ["generate", "reward_fetch", "reference", "update", "commit", "checkpoint"]
-BASELINE = {"commit": "update"}
-"""The restart path has no commit vote: its update point is the comparison."""
+POINTS = ["generate", "reward_fetch", "reference", "update", "commit", "checkpoint", "update_stopped"]
+BASELINE = {"commit": "update", "update_stopped": "update"}
+"""The restart path has no commit vote (nor a SIGSTOP run here): its update point is the comparison."""
 TRAIN = [
     "configs/quickstart.yaml",
-    "rollout.engine=hf",
     "rollout.max_response_length=8",
     "data.global_batch_size=8",
     "rollout.n=4",
@@ -119,9 +120,13 @@ def restart_loss(tmp: Path, etcd: str, point: str) -> dict[str, float]:
 
 
 def replica_loss(tmp: Path, etcd: str, point: str) -> dict[str, float]:
-    """Elastic replicas at ``point`` (module docstring)."""
+    """Elastic replicas at ``point`` (module docstring); ``update_stopped``: the victim's worker
+    is SIGSTOPped at the update instead (its sockets stay open: the survivor's collective times
+    out after ``elastic.replicas.timeout_s``, 5 s by default)."""
     faults = tmp / "faults"
     faults.mkdir(parents=True)
+    stop = point.endswith("_stopped")
+    point = point.removesuffix("_stopped")
     plan = {"kind": "pause", "dir": str(faults), "points": [point], "min_iteration": 2, "world": 1}
     args = [
         *TRAIN,
@@ -153,7 +158,10 @@ def replica_loss(tmp: Path, etcd: str, point: str) -> dict[str, float]:
         metrics = tmp / "logs/s/metrics.jsonl"
         offset, rows = len((tmp / "s.log").read_text(errors="replace")), len(metric_rows(metrics))
         seen = descendants(procs["v"].pid)
-        kill_tree(procs["v"])
+        if stop:
+            os.kill(json.loads((faults / f"{point}.reached").read_text())["pid"], signal.SIGSTOP)
+        else:
+            kill_tree(procs["v"])
         t0 = time.monotonic()
         again = wait_for(lambda: _after(tmp / "s.log", offset, "redoing iteration"), 300, "the survivor's redo")
         wait_for(lambda: len(metric_rows(metrics)) > rows, 300, "the survivor's next iteration")
@@ -167,7 +175,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--points", nargs="+", default=POINTS, choices=POINTS)
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="the rollout engine both modes use")
     args = ap.parse_args()
+    TRAIN.append(f"rollout.engine={args.engine}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-replica-trainer-"))
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "")
     got: dict[tuple[str, str], list[dict]] = {}
@@ -180,7 +190,10 @@ def main() -> None:
                 for mode, fn, at in runs:
                     got.setdefault((point, mode), []).append(fn(tmp / f"{mode}-{point}-{k}", etcd.endpoint, at))
                     print(point, mode, got[(point, mode)][-1], flush=True)
-    print(f"\n# {cpu or platform.machine()}, {os.cpu_count()} CPUs; two nodes of one rank; median of {args.runs}")
+    print(
+        f"\n# {cpu or platform.machine()}, {os.cpu_count()} CPUs; two nodes of one rank; rollout.engine={args.engine}; "
+        f"median of {args.runs}"
+    )
     print(
         f"{'kill point':13} {'mode':9} {'training again s':>17} {'next iteration s':>17} {'same pid':>9} "
         f"{'next / restart':>15}"

@@ -14,7 +14,9 @@ tokens per call and is then paused, mid-turn or before its next turn; the next i
 rebuilds it from the dock's tokens (``Trajectory.replay``), wherever the dock deals it. A tool call that has not
 returned after ``tool_timeout_s`` becomes an error observation (``tool_timeouts``) and the trajectory
 goes on; an environment that raises becomes an error observation (``tool_errors``). Turn t of
-trajectory k is seeded ``request_seed(seed, its sample index, t)``, so a rerun samples the same trajectories.
+trajectory k is seeded ``request_seed(seed, its seed key, t)`` (the rollout stage's key: the sample's
+dataset row x N + its place in its group), so a rerun samples the same trajectories wherever
+the dock deals them.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class MultiTurnRollout:
 
     def start(self, items: list[tuple[list[int], dict]], seed_keys: list[int] | None = None) -> list[Trajectory]:
         """One new trajectory per (prompt ids, dataset row); the row (with its ``prompt`` text)
-        makes the trajectory's environment. ``seed_keys``: each one's sample index in the batch
-        (``Trajectory.seed_key``)."""
+        makes the trajectory's environment. ``seed_keys``: each one's seed key (default: its place
+        in ``items``; ``Trajectory.seed_key``)."""
         keys = seed_keys if seed_keys is not None else list(range(len(items)))
         return [
             Trajectory(
@@ -169,7 +171,7 @@ class MultiTurnRollout:
 
 def request_seed(seed: int, sample: int, turn: int) -> int:
     """The sampling seed of one turn request: a 62-bit hash of (the call's seed, the sample's
-    index in the batch, the turn). An affine form (seed + sample x max_turns + turn, as before)
+    seed key, the turn). An affine form (seed + sample x max_turns + turn, as before)
     gave rank 0's trajectory 16 the seeds of rank 1's trajectory 0 when the call's seed carried
     the rank's first index."""
     digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=8).digest()

@@ -1,6 +1,6 @@
-"""The colocated iteration under elastic replicas (``elastic.replicas``, ``elastic.replicas``'s
-module docstring): each iteration runs on this replica's share of the global batch and is redone,
-with the next generation's deal, when a replica is lost.
+"""The colocated iteration under elastic replicas (the config's ``elastic.replicas``; the
+mechanism is ``spmd_rl.elastic.replicas``'s docstring): each iteration runs on this replica's
+share of the global batch and is redone, with the next generation's deal, when a replica is lost.
 
     take the replicas asking to join in (healing them)        # every member, same boundary;
                                                               # a joiner was healed just before
