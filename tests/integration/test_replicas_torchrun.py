@@ -96,6 +96,15 @@ def replica(tmp: Path, etcd, job: str, name: str, faults: dict | None = None, *e
     )
 
 
+def wait_while_running(done, procs: dict[str, subprocess.Popen], err: dict[str, Path]) -> None:
+    """Until ``done()``; fails at once, with their logs, when a replica exits before."""
+    deadline = time.monotonic() + 600
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        assert all(p.poll() is None for p in procs.values()), {n: err[n].read_text()[-2000:] for n in procs}
+        time.sleep(0.05)
+
+
 def assert_matches_one_job(
     finals: list[dict[str, torch.Tensor]], solo: dict, tiny_model: Path, round_off: float = 1e-6
 ) -> None:
@@ -122,17 +131,12 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
     err = {n: tmp_path / f"elastic-{n}.err" for n in "abcd"}
     seen = []
     try:
-        deadline = time.monotonic() + 600
-        while not rows(tmp / "logs/c/metrics.jsonl") and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), [err[n].read_text()[-2000:] for n in "abc"]
-            time.sleep(0.05)
+        wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
         (faults / "hold").write_text("")  # a and b wait at the start of their next iteration's work
         seen = descendants(procs["c"].pid)
         kill_tree(procs["c"])
         procs["d"] = replica(tmp, etcd, "elastic", "d")
-        while not asked_to_join(etcd, "elastic", "d") and time.monotonic() < deadline:
-            assert procs["d"].poll() is None, err["d"].read_text()[-3000:]
-            time.sleep(0.05)
+        wait_while_running(lambda: asked_to_join(etcd, "elastic", "d"), {"d": procs["d"]}, err)
         (faults / "hold").unlink()
         for n in "abd":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
@@ -165,10 +169,7 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
     err = {n: tmp_path / f"commit-{n}.err" for n in "abc"}
     seen = []
     try:
-        deadline = time.monotonic() + 600
-        while not (faults / "commit.reached").exists() and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), [err[n].read_text()[-2000:] for n in "abc"]
-            time.sleep(0.05)
+        wait_while_running((faults / "commit.reached").exists, procs, err)
         paused = json.loads((faults / "commit.reached").read_text())
         seen = descendants(procs["c"].pid)
         assert paused["pid"] in [p for p, _ in seen]
@@ -198,10 +199,7 @@ def test_replicas_of_two_ranks_lose_one_and_match_one_job_of_two(tiny_model, tmp
     err = {n: tmp_path / f"hsdp-{n}.err" for n in "ab"}
     seen = []
     try:
-        deadline = time.monotonic() + 600
-        while not rows(tmp / "logs/b/metrics.jsonl") and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), [err[n].read_text()[-2000:] for n in "ab"]
-            time.sleep(0.05)
+        wait_while_running(lambda: rows(tmp / "logs/b/metrics.jsonl"), procs, err)
         seen = descendants(procs["b"].pid)
         kill_tree(procs["b"])  # the launcher, its agent and both ranks
         assert procs["a"].wait(timeout=600) == 0, err["a"].read_text()[-3000:]
