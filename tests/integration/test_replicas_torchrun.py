@@ -6,8 +6,8 @@ start, ``tests/helpers/faults``, until it asked to join, so it joins at iteratio
 it takes to start). The survivors keep their processes (each logs its start once), redo the
 interrupted iteration with the prompts dealt over two, take the new one in at an iteration's
 start (healed from a survivor: weights, AdamW state, sampler, LR schedule, no checkpoint),
-train every prompt of every iteration once (the samples of that iteration's replicas add up to
-the global batch) and end bit-identical to each other, the joiner included, and, within float
+train every prompt of every iteration once (the replicas' prompt ledgers, merged, are the one
+job's, each prompt trained once) and end bit-identical to each other, the joiner included, and, within float
 round-off, equal to one job training the same global batch alone: the objective's split
 invariance across replicas.
 
@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.trainer.checkpoint import model_weights
+from spmd_rl.trainer.ledger import PromptLedger, StepRecord, problems
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import descendants, kill_tree
 
@@ -105,6 +106,25 @@ def wait_while_running(done, procs: dict[str, subprocess.Popen], err: dict[str, 
         time.sleep(0.05)
 
 
+def ledger(etcd, job: str) -> list[StepRecord]:
+    return PromptLedger(MetadataStore([etcd.endpoint], job=f"{job}.ledger")).read()
+
+
+def assert_trained_once_as_one_job(etcd, job: str, names: str) -> None:
+    """The replicas' prompt ledgers, merged by iteration: every prompt of every iteration
+    trained exactly once (``ledger.problems``), and each iteration's prompts the one job's."""
+    merged: dict[int, StepRecord] = {}
+    for n in names:
+        for r in ledger(etcd, f"{job}.{n}"):
+            m = merged.setdefault(r.iteration, StepRecord(r.iteration, [], [], put=[], trained_samples=0, group_size=N))
+            m.sampled, m.trained, m.put = m.sampled + r.sampled, m.trained + r.trained, m.put + r.put
+            m.trained_samples += r.trained_samples
+    assert sorted(merged) == list(range(ITERS)) and problems(list(merged.values())) == []
+    assert {it: sorted(m.trained) for it, m in merged.items()} == {
+        r.iteration: sorted(r.sampled) for r in ledger(etcd, "solo")
+    }
+
+
 def assert_matches_one_job(
     finals: list[dict[str, torch.Tensor]], solo: dict, tiny_model: Path, round_off: float = 1e-6
 ) -> None:
@@ -157,6 +177,7 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
     for it in range(ITERS):  # every prompt's samples trained once, by the replicas of that iteration
         total = sum(r["samples"] for n in "abcd" for r in logs[n] if r["iteration"] == it)
         assert total == G * N, (it, total)
+    assert_trained_once_as_one_job(etcd, "elastic", "abcd")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abd"], solo, tiny_model)
 
 
@@ -184,6 +205,7 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
         assert [r["iteration"] for r in logs[n]] == list(range(ITERS))
         assert logs[n][paused["iteration"]]["replica_redone"] == 1 and logs[n][-1]["replicas"] == 2
         assert f"redoing iteration {paused['iteration']} with 2 replicas" in err[n].read_text()
+    assert_trained_once_as_one_job(etcd, "commit", "abc")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
 
 
