@@ -134,19 +134,26 @@ class ReplicaGroup:
                 if set(gen.members) - before:
                     self.heal(state())
                 return gen
-            except ReplicaLost:
+            except (ReplicaLost, NotAMember):
                 continue
 
     def _rejoin(self, state: StateFn) -> Generation:
-        before = self._decided(lambda q: q.current())
-        gen = self._configure(self._decided(lambda q: q.agree(before.number + 1)))
-        if gen.members[0] not in before.members:
-            raise QuorumLost(
-                f"generation {gen.number} {list(gen.members)} holds no replica of generation {before.number} to heal "
-                f"from: restart the job from its checkpoint"
-            )
-        self.heal(state())
-        return gen
+        """Join the generation after the current one and heal from its member 0; a member lost
+        while it forms or heals (the members recover the same way), or decided without this
+        replica: join the one after."""
+        while True:
+            before = self._decided(lambda q: q.current())
+            try:
+                gen = self._configure(self._decided(lambda q: q.agree(before.number + 1)))
+                if gen.members[0] not in before.members:
+                    raise QuorumLost(
+                        f"generation {gen.number} {list(gen.members)} holds no replica of generation {before.number} "
+                        f"to heal from: restart the job from its checkpoint"
+                    )
+                self.heal(state())
+                return gen
+            except (ReplicaLost, NotAMember):
+                continue
 
     def _decided(self, agree: Callable[[Quorum], Generation]) -> Generation:
         """``agree`` run by the lead, its answer handed to the replica's other ranks (JSON bytes

@@ -14,7 +14,8 @@ invariance across replicas.
 A second run kills a replica at the most delicate point, after the gradient's all-reduce over
 the replicas and before the commit vote (``tests/helpers/faults``: it pauses there, then is
 SIGKILLed): the survivors' vote fails, nobody steps, and they redo the iteration; the end is
-again the one-job run's. A third run does it with replicas of two ranks each (FSDP2 inside a
+again the one-job run's. Another loses a replica while a joiner heals (the heal fails on all, they
+agree again without it, the joiner heals again). A last run does it with replicas of two ranks each (FSDP2 inside a
 replica, each shard reduced with the same shard of the other replica: HSDP's column groups, the
 replica's ranks voting after each collective), against one job of two ranks."""
 
@@ -207,6 +208,45 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
         assert f"redoing iteration {paused['iteration']} with 2 replicas" in err[n].read_text()
     assert_trained_once_as_one_job(etcd, "commit", "abc")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
+
+
+@pytest.mark.slow
+def test_a_replica_lost_while_a_joiner_heals_is_left_out_and_the_joiner_heals_again(tiny_model, tmp_path, etcd, solo):
+    """c pauses where it would take part in healing e (``heal``) and is SIGKILLed there: the heal
+    fails on every member and on e; they agree on the generation after without c and e heals
+    again from it, at the same iteration start, with nothing redone."""
+    tmp, faults = tmp_path / "healing", tmp_path / "faults"
+    faults.mkdir()
+    hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
+    procs = {n: replica(tmp, etcd, "healing", n, hold | {"points": ["heal"]} if n == "c" else hold) for n in "abc"}
+    err = {n: tmp_path / f"healing-{n}.err" for n in "abce"}
+    seen = []
+    try:
+        wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
+        (faults / "hold").write_text("")  # held at an iteration's start until e asked to join
+        procs["e"] = replica(tmp, etcd, "healing", "e")
+        wait_while_running(lambda: asked_to_join(etcd, "healing", "e"), procs, err)
+        (faults / "hold").unlink()
+        wait_while_running((faults / "heal.reached").exists, procs, err)
+        seen = descendants(procs["c"].pid)
+        kill_tree(procs["c"])
+        for n in "abe":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            kill_tree(p, seen)
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abe"}
+    joined = logs["e"][0]["iteration"]
+    assert 2 <= joined <= 3, joined
+    for n in "ab":
+        assert [r["iteration"] for r in logs[n]] == list(range(ITERS))
+        assert [r["replicas"] for r in logs[n]] == [3] * ITERS  # c's place taken by e at the same boundary
+        # generation 1 ({a, b, c, e}) failed while it healed; 2 ({a, b, e}) trained
+        assert [r["replica_generation"] for r in logs[n]] == [0] * joined + [2] * (ITERS - joined)
+        assert all(r["replica_redone"] == 0 for r in logs[n])
+    assert [r["iteration"] for r in logs["e"]] == list(range(joined, ITERS))
+    assert_trained_once_as_one_job(etcd, "healing", "abce")
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abe"], solo, tiny_model)
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ Plans (``dir`` is a folder the test and the workers share):
   ``generate`` (start of the generation stage), ``reward_fetch`` (the reward stage's fetch from
   the warehouses), ``reference`` (start of the reference log-prob stage), ``update`` (start of
   the update), ``commit`` (an elastic replica, world 1: after the gradient's all-reduce over the
-  replicas, before the commit vote), ``checkpoint`` (inside a checkpoint write, between its
+  replicas, before the commit vote), ``heal`` (an elastic replica: before it sends or receives a
+  joiner's state; its iteration is its last update's), ``checkpoint`` (inside a checkpoint write, between its
   barriers). In a world of 1 with ``D/hold`` present, every iteration after the
   worker's first waits (until the test grows the world, which restarts this worker).
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
@@ -97,6 +98,7 @@ def _pause(plan: dict) -> None:
         from spmd_rl.elastic.replica_group import ReplicaGroup
 
         wrap(ReplicaGroup, "should_commit", "commit", lambda *args: updating[0])
+        wrap(ReplicaGroup, "heal", "heal", lambda *args: updating[0])
 
     def iteration_of_folder(engine, folder) -> int:  # .../iter_000012.tmp[/critic]
         return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
