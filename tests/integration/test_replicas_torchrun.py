@@ -14,10 +14,12 @@ invariance across replicas.
 A second run kills a replica at the most delicate point, after the gradient's all-reduce over
 the replicas and before the commit vote (``tests/helpers/faults``: it pauses there, then is
 SIGKILLed): the survivors' vote fails, nobody steps, and they redo the iteration; the end is
-again the one-job run's. Another loses a replica while a joiner heals (the heal fails on all, they
-agree again without it, the joiner heals again). A last run does it with replicas of two ranks each (FSDP2 inside a
-replica, each shard reduced with the same shard of the other replica: HSDP's column groups, the
-replica's ranks voting after each collective), against one job of two ranks."""
+again the one-job run's. One runs vLLM engines in the replicas (the survivor keeps its process
+and engine and trains the one job's prompts once each). Another loses a replica while a joiner
+heals (the heal fails on all, they agree again without it, the joiner heals again). A last run
+does it with replicas of two ranks each (FSDP2 inside a replica, each shard reduced with the
+same shard of the other replica: HSDP's column groups, the replica's ranks voting after each
+collective), against one job of two ranks."""
 
 from __future__ import annotations
 
@@ -124,6 +126,11 @@ def assert_trained_once_as_one_job(etcd, job: str, names: str) -> None:
     assert {it: sorted(m.trained) for it, m in merged.items()} == {
         r.iteration: sorted(r.sampled) for r in ledger(etcd, "solo")
     }
+
+
+def workers(launcher: subprocess.Popen) -> list[int]:
+    """The rank processes below a replica's ``spmd-rl train``."""
+    return [p for p, args in descendants(launcher.pid) if "spmd_rl.train" in args and "torch.distributed" not in args]
 
 
 def assert_matches_one_job(
@@ -247,6 +254,38 @@ def test_a_replica_lost_while_a_joiner_heals_is_left_out_and_the_joiner_heals_ag
     assert [r["iteration"] for r in logs["e"]] == list(range(joined, ITERS))
     assert_trained_once_as_one_job(etcd, "healing", "abce")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abe"], solo, tiny_model)
+
+
+@pytest.mark.slow
+def test_with_vllm_a_replica_killed_at_its_update_leaves_one_that_redoes_it_alone(tiny_model, tmp_path, etcd, solo):
+    """The same with vLLM engines in the replicas (in process, started once): the survivor keeps
+    its process and so its engine, redoes the iteration alone, and trains the one job's prompts
+    once each. (Its weights are not compared with the HF-engine run's.)"""
+    tmp, faults = tmp_path / "vllm", tmp_path / "faults"
+    faults.mkdir()
+    plan = {"kind": "pause", "dir": str(faults), "points": ["update"], "min_iteration": 1, "world": 1}
+    extra = ("elastic.replicas.count=2", "rollout.engine=vllm")
+    procs = {n: replica(tmp, etcd, "vllm", n, plan if n == "b" else None, *extra) for n in "ab"}
+    err = {n: tmp_path / f"vllm-{n}.err" for n in "ab"}
+    seen = []
+    try:
+        wait_while_running((faults / "update.reached").exists, procs, err)
+        paused = json.loads((faults / "update.reached").read_text())
+        seen = descendants(procs["b"].pid)
+        worker = workers(procs["a"])
+        kill_tree(procs["b"])
+        wait_while_running(lambda: "redoing iteration" in err["a"].read_text(), {"a": procs["a"]}, err)
+        assert workers(procs["a"]) == worker and len(worker) == 1  # the same process, so the same engine
+        assert procs["a"].wait(timeout=600) == 0, err["a"].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            kill_tree(p, seen)
+    got = rows(tmp / "logs/a/metrics.jsonl")
+    k = paused["iteration"]
+    assert [(r["iteration"], r["replicas"]) for r in got] == [(i, 2 if i < k else 1) for i in range(ITERS)]
+    text = err["a"].read_text()
+    assert text.count("training from iteration") == 1 and f"redoing iteration {k} with 1 replicas" in text
+    assert_trained_once_as_one_job(etcd, "vllm", "ab")
 
 
 @pytest.mark.slow
