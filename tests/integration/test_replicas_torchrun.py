@@ -23,10 +23,12 @@ collective), against one job of two ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,24 @@ def workers(launcher: subprocess.Popen) -> list[int]:
     return [p for p, args in descendants(launcher.pid) if "spmd_rl.train" in args and "torch.distributed" not in args]
 
 
+@contextlib.contextmanager
+def reaped(procs: dict[str, subprocess.Popen]) -> Iterator[list]:
+    """On the way out, SIGKILL every replica still running (those added meanwhile too) and the
+    trees ``kill_replica`` killed, whose parents may be gone."""
+    seen: list = []
+    try:
+        yield seen
+    finally:
+        for p in procs.values():
+            kill_tree(p, seen)
+
+
+def kill_replica(procs: dict[str, subprocess.Popen], name: str, seen: list) -> None:
+    """SIGKILL a replica: its launcher, torchrun agent and ranks."""
+    seen += descendants(procs[name].pid)
+    kill_tree(procs[name])
+
+
 def assert_matches_one_job(
     finals: list[dict[str, torch.Tensor]], solo: dict, tiny_model: Path, round_off: float = 1e-6
 ) -> None:
@@ -157,20 +177,15 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
     procs = {n: replica(tmp, etcd, "elastic", n, hold) for n in "abc"}
     err = {n: tmp_path / f"elastic-{n}.err" for n in "abcd"}
-    seen = []
-    try:
+    with reaped(procs) as seen:
         wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
         (faults / "hold").write_text("")  # a and b wait at the start of their next iteration's work
-        seen = descendants(procs["c"].pid)
-        kill_tree(procs["c"])
+        kill_replica(procs, "c", seen)
         procs["d"] = replica(tmp, etcd, "elastic", "d")
         wait_while_running(lambda: asked_to_join(etcd, "elastic", "d"), {"d": procs["d"]}, err)
         (faults / "hold").unlink()
         for n in "abd":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            kill_tree(p, seen)
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abcd"}
     joined = logs["d"][0]["iteration"]
     assert joined == 2, joined  # at the first boundary after the redo of iteration 1
@@ -196,18 +211,13 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
     plan = {"kind": "pause", "dir": str(faults), "points": ["commit"], "min_iteration": 1, "world": 1}
     procs = {n: replica(tmp, etcd, "commit", n, plan if n == "c" else None) for n in "abc"}
     err = {n: tmp_path / f"commit-{n}.err" for n in "abc"}
-    seen = []
-    try:
+    with reaped(procs) as seen:
         wait_while_running((faults / "commit.reached").exists, procs, err)
         paused = json.loads((faults / "commit.reached").read_text())
-        seen = descendants(procs["c"].pid)
-        assert paused["pid"] in [p for p, _ in seen]
-        kill_tree(procs["c"])
+        kill_replica(procs, "c", seen)
+        assert paused["pid"] in [p for p, _ in seen]  # the paused rank was c's
         for n in "ab":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            kill_tree(p, seen)
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "ab"}
     for n in "ab":
         assert [r["iteration"] for r in logs[n]] == list(range(ITERS))
@@ -227,21 +237,16 @@ def test_a_replica_lost_while_a_joiner_heals_is_left_out_and_the_joiner_heals_ag
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
     procs = {n: replica(tmp, etcd, "healing", n, hold | {"points": ["heal"]} if n == "c" else hold) for n in "abc"}
     err = {n: tmp_path / f"healing-{n}.err" for n in "abce"}
-    seen = []
-    try:
+    with reaped(procs) as seen:
         wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
         (faults / "hold").write_text("")  # held at an iteration's start until e asked to join
         procs["e"] = replica(tmp, etcd, "healing", "e")
         wait_while_running(lambda: asked_to_join(etcd, "healing", "e"), procs, err)
         (faults / "hold").unlink()
         wait_while_running((faults / "heal.reached").exists, procs, err)
-        seen = descendants(procs["c"].pid)
-        kill_tree(procs["c"])
+        kill_replica(procs, "c", seen)
         for n in "abe":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            kill_tree(p, seen)
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abe"}
     joined = logs["e"][0]["iteration"]
     assert 2 <= joined <= 3, joined
@@ -267,19 +272,14 @@ def test_with_vllm_a_replica_killed_at_its_update_leaves_one_that_redoes_it_alon
     extra = ("elastic.replicas.count=2", "rollout.engine=vllm")
     procs = {n: replica(tmp, etcd, "vllm", n, plan if n == "b" else None, *extra) for n in "ab"}
     err = {n: tmp_path / f"vllm-{n}.err" for n in "ab"}
-    seen = []
-    try:
+    with reaped(procs) as seen:
         wait_while_running((faults / "update.reached").exists, procs, err)
         paused = json.loads((faults / "update.reached").read_text())
-        seen = descendants(procs["b"].pid)
         worker = workers(procs["a"])
-        kill_tree(procs["b"])
+        kill_replica(procs, "b", seen)
         wait_while_running(lambda: "redoing iteration" in err["a"].read_text(), {"a": procs["a"]}, err)
         assert workers(procs["a"]) == worker and len(worker) == 1  # the same process, so the same engine
         assert procs["a"].wait(timeout=600) == 0, err["a"].read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            kill_tree(p, seen)
     got = rows(tmp / "logs/a/metrics.jsonl")
     k = paused["iteration"]
     assert [(r["iteration"], r["replicas"]) for r in got] == [(i, 2 if i < k else 1) for i in range(ITERS)]
@@ -298,15 +298,10 @@ def test_replicas_of_two_ranks_lose_one_and_match_one_job_of_two(tiny_model, tmp
     tmp = tmp_path / "hsdp"
     procs = {n: replica(tmp, etcd, "hsdp", n, None, "elastic.replicas.count=2", *two) for n in "ab"}
     err = {n: tmp_path / f"hsdp-{n}.err" for n in "ab"}
-    seen = []
-    try:
+    with reaped(procs) as seen:
         wait_while_running(lambda: rows(tmp / "logs/b/metrics.jsonl"), procs, err)
-        seen = descendants(procs["b"].pid)
-        kill_tree(procs["b"])  # the launcher, its agent and both ranks
+        kill_replica(procs, "b", seen)  # the launcher, its agent and both ranks
         assert procs["a"].wait(timeout=600) == 0, err["a"].read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            kill_tree(p, seen)
     got = rows(tmp / "logs/a/metrics.jsonl")
     assert [(r["iteration"], r["replicas"], r["samples"]) for r in got] == [(0, 2, 8), (1, 1, 12), (2, 1, 12)]
     assert "redoing iteration 1 with 1 replicas" in err["a"].read_text()
