@@ -15,8 +15,9 @@ Keys, under the job's prefix (``MetadataStore.key``):
 
 Agreement (``Quorum.agree``): generation ``k`` is decided by the smallest live replica among
 those that asked for it, once every live member has asked (a node that stops answering drops
-out when its lease expires), or once ``join_window_s`` has passed since it asked itself and at
-least ``min_replicas`` have asked (a SIGKILLed node's lease outlives it; its peers see the
+out when its lease expires), or once ``join_window_s`` has passed since the first member of
+generation ``k - 1`` was seen asking (its own ask, for a member) and at least ``min_replicas``
+have asked (a SIGKILLed node's lease outlives it; its peers see the
 dead sockets at once and need not wait for the lease); never by joiners alone while a member of
 generation ``k - 1`` lives (the members ask at their next step boundary, and the joiners heal
 from them). Fewer than ``min_replicas`` after ``timeout_s``: ``QuorumLost``, and the job falls
@@ -158,6 +159,8 @@ class Quorum:
         self._renew()
         self.store.put(self._key("join", f"{number:08d}", self.replica), b"", lease=self._lease)
         asked_at = time.monotonic()
+        old = self._members_of(number - 1)
+        window_from = None if old else asked_at  # the join window runs from the first member's ask
         while True:
             decided = self.store.get(self._key("gen", f"{number:08d}"))
             if decided is not None:
@@ -167,8 +170,10 @@ class Quorum:
                 return gen
             asked, live = set(self.asking(number)), self.members()
             ready = asked & set(live)
-            if ready and min(ready) == self.replica and self._decides(number, ready, set(live), asked_at, expected):
-                gen = Generation(number, self._ordered(number, ready), {r: live[r] for r in ready})
+            if window_from is None and ready & old:
+                window_from = time.monotonic()
+            if ready and min(ready) == self.replica and self._decides(ready, set(live), old, window_from, expected):
+                gen = Generation(number, self._ordered(old, ready), {r: live[r] for r in ready})
                 self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
             if time.monotonic() - asked_at > self.timeout_s:
@@ -183,17 +188,20 @@ class Quorum:
         got = self.store.get(self._key("gen", f"{number:08d}")) if number >= 0 else None
         return set(Generation.decode(got).members) if got is not None else set()
 
-    def _ordered(self, number: int, ready: set[str]) -> tuple[str, ...]:
-        """``ready`` with generation ``number - 1``'s members first (module docstring)."""
-        old = self._members_of(number - 1)
+    @staticmethod
+    def _ordered(old: set[str], ready: set[str]) -> tuple[str, ...]:
+        """``ready`` with the previous generation's members (``old``) first (module docstring)."""
         return tuple(sorted(ready & old) + sorted(ready - old))
 
-    def _decides(self, number: int, ready: set[str], live: set[str], asked_at: float, expected: int | None) -> bool:
+    def _decides(
+        self, ready: set[str], live: set[str], old: set[str], window_from: float | None, expected: int | None
+    ) -> bool:
+        """Whether the smallest asker may write the generation now (module docstring); ``old``: the
+        previous generation's members, ``window_from``: when the first of them was seen asking."""
         if len(ready) < self.min_replicas:
             return False
-        old = self._members_of(number - 1)
         if old & live and not old & ready:  # joiners alone while members live: they take them in at a boundary
             return False
         if expected is not None:
             return len(ready) >= expected
-        return live <= ready or time.monotonic() - asked_at >= self.join_window_s
+        return live <= ready or (window_from is not None and time.monotonic() - window_from >= self.join_window_s)

@@ -2,8 +2,8 @@
 (a torchrun job) against one real etcd: three replicas train one global batch; one is
 SIGKILLed (launcher, agent and rank) right after its first iteration, during the next one's
 generation, and a fourth is started then (the survivors are held at their next iteration's
-start, ``tests/helpers/faults``, until it asked to join, so it joins at iteration 2 however long
-it takes to start). The survivors keep their processes (each logs its start once), redo the
+start, ``tests/helpers/faults``, until it asked to join, so it joins at iteration 1 or 2 however
+long it takes to start). The survivors keep their processes (each logs its start once), redo the
 interrupted iteration with the prompts dealt over two, take the new one in at an iteration's
 start (healed from a survivor: weights, AdamW state, sampler, LR schedule, no checkpoint),
 train every prompt of every iteration once (the replicas' prompt ledgers, merged, are the one
@@ -188,13 +188,14 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abcd"}
     joined = logs["d"][0]["iteration"]
-    assert joined == 2, joined  # at the first boundary after the redo of iteration 1
+    # in the redo of iteration 1 when a and b were held before they met c's loss, else at iteration 2's start
+    assert joined in (1, 2), joined
     for n in "ab":
         assert [r["iteration"] for r in logs[n]] == list(range(ITERS))  # each once: nobody restarted
         assert [r["replicas"] for r in logs[n]] == [3] + [2] * (joined - 1) + [3] * (ITERS - joined)
         assert [r["replica_redone"] for r in logs[n]][:2] == [0, 1]  # the iteration c was in when it died
         text = err[n].read_text()
-        assert text.count("training from iteration") == 1 and "redoing iteration 1 with 2 replicas" in text
+        assert text.count("training from iteration") == 1 and f"redoing iteration 1 with {4 - joined} replicas" in text
     assert [r["iteration"] for r in logs["d"]] == list(range(joined, ITERS))
     assert err["d"].read_text().count(f"training from iteration {joined} ") == 1
     for it in range(ITERS):  # every prompt's samples trained once, by the replicas of that iteration
