@@ -54,6 +54,7 @@ from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.elastic.quorum import QuorumLost
 from spmd_rl.elastic.replica_group import ReplicaGroup
 from spmd_rl.elastic.replicas import Replicas
+from spmd_rl.elastic.replicated_step import sum_gradients
 from spmd_rl.engines.lora import lora_modules
 from spmd_rl.engines.base import Rollout, RolloutBuild
 from spmd_rl.engines.rollouts import build_rollout_engine
@@ -236,7 +237,7 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
     )
     replicas = Replicas(group, cfg.data.global_batch_size, deal_unit(lay))
-    roles["actor"].gradient_sync = replicas.reduce_gradients
+    roles["actor"].gradient_sync = partial(sum_gradients, group)
     if group.running():
         start = join_running(replicas, roles["actor"], sampler)
     else:

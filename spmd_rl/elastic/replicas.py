@@ -10,9 +10,9 @@ Per iteration (``trainer.replica_loop``):
   ``share_r = [unit_j : j mod W = r]``;
 - objective: the mini-batch normaliser (response tokens, sequences) is summed over the replicas
   (``sum``), so a replica's loss is its share of the one objective over the global batch, and
-- gradient: the replicas' gradients are summed (``reduce_gradients``, one all-reduce of the
-  flattened local shards over the replica's column group, HSDP) and applied only when every
-  member got through (``should_commit``):
+- gradient: the replicas' gradients are summed (``replicated_step.sum_gradients`` as the
+  engine's ``gradient_sync``: one all-reduce of the flattened local shards over the replica's
+  column group, HSDP) and applied only when every member got through (``should_commit``):
 
       g = sum_r grad( sum_{i in share_r} l_i / norm_global ) = grad( sum_i l_i / norm_global )
 
@@ -29,13 +29,8 @@ membership is agreed through the job's etcd (``elastic.quorum``).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from spmd_rl.elastic.replica_group import ReplicaGroup, ReplicaLost, StateFn
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from spmd_rl.elastic.replica_group import ReplicaGroup, StateFn
 
 
 class Replicas:
@@ -78,20 +73,6 @@ class Replicas:
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the replicas, in place; ``ReplicaLost`` when a member is gone."""
         return self.group.allreduce(tensor)
-
-    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
-        """Sum each gradient over the replicas, in place (each rank its local shard, with the
-        ranks holding the same shard in the other replicas); ``ReplicaLost`` unless every member
-        got through, so no optimizer step is taken on a partial gradient."""
-        local = [_local(g) for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in local]) if local else torch.zeros(0)
-        self.group.allreduce(flat)
-        if not self.group.should_commit(True):
-            raise ReplicaLost(f"generation {self.group.gen.number}: a member did not get through the gradient")
-        offset = 0
-        for g in local:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     def start(self, count: int) -> None:
         """The job's first generation: wait for ``count`` replicas."""

@@ -54,6 +54,22 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     return out
 
 
+def sum_gradients(group: ReplicaGroup, grads: list[torch.Tensor]) -> None:
+    """Sum each gradient over the replicas, in place (each rank its local shard, with the ranks
+    holding the same shard in the other replicas): one all-reduce of the flattened shards, kept
+    only when every member got through it (``should_commit``); else ``ReplicaLost`` and the
+    gradients are unchanged, so no step is taken on a partial sum."""
+    local = [_local(g) for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local]) if local else torch.zeros(0)
+    group.allreduce(flat)
+    if not group.should_commit(True):
+        raise ReplicaLost(f"generation {group.gen.number}: a member did not get through the gradient's sum")
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def replicated_step(
     group: ReplicaGroup,
     model: torch.nn.Module,
@@ -66,15 +82,9 @@ def replicated_step(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=False)
     share_loss(group.rank, group.world).backward()
-    flat = torch.cat([_local(p.grad).reshape(-1) for p in params])
-    group.allreduce(flat)
-    if not group.should_commit(True):
-        raise ReplicaLost(f"generation {group.gen.number}: a member did not get through the step")
-    offset = 0
+    sum_gradients(group, [p.grad for p in params])
     for p in params:
-        grad = _local(p.grad)
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad) / global_batch)
-        offset += grad.numel()
+        _local(p.grad).div_(global_batch)
     optimizer.step()
 
 

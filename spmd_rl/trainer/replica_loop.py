@@ -98,11 +98,12 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
     start = SamplerState(run.sampler.state.epoch, run.sampler.state.offset)
     boundary = True
     while True:
-        counter, state = heal_state(run.roles["actor"], run.sampler, it)
         try:
-            if boundary and reps.take_joiners(state):
-                _check_healed(run, it, counter)
-            boundary = False  # a redo follows a recovery, which took in whoever asked
+            if boundary:  # a redo follows a recovery, which took in whoever asked
+                boundary = False
+                counter, state = heal_state(run.roles["actor"], run.sampler, it)
+                if reps.take_joiners(state):
+                    _check_healed(run, it, counter)
             return iteration(replace(run, cfg=share_config(base, reps.share_size())), it, on_stage) | reps.metrics()
         except ReplicaLost as exc:
             if run.peer.rank == 0:

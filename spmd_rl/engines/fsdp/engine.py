@@ -112,8 +112,8 @@ class TrainEngine(Engine):
         self.scheduler = None
         self.step_count = 0
         self.gradient_sync: Callable[[list[torch.Tensor]], None] | None = None
-        """Elastic replicas (``elastic.replicas.Replicas.reduce_gradients``): sums the gradients over
-        the replicas in place before the clip and the step, or raises when one was lost."""
+        """Elastic replicas (``elastic.replicated_step.sum_gradients``): sums the gradients over the
+        replicas in place before the clip and the step, or raises when one was lost."""
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
@@ -223,17 +223,9 @@ class TrainEngine(Engine):
             if self.cfg.accumulate_unsharded:  # forward-only passes reshard after each module again
                 self.model.set_reshard_after_forward(True)
         with timeline.span("optimizer"):
+            if self.gradient_sync is not None:
+                self._sync_gradients()
             params = [p for p in self.model.parameters() if p.grad is not None]
-            if self.gradient_sync is not None:  # the same tensors on every replica, even one no loss reached
-                for p in self.model.parameters():
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                try:
-                    self.gradient_sync([p.grad for p in params])
-                except BaseException:  # a replica was lost: the iteration is redone from no gradient
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise
             norm = global_grad_norm(params)
             coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
             if coef < 1.0:
@@ -248,6 +240,19 @@ class TrainEngine(Engine):
             "grad_norm": float(norm),
             "lr": lr,
         }
+
+    def _sync_gradients(self) -> None:
+        """``gradient_sync`` over every trainable parameter's gradient (zeros where no loss reached
+        it: the same tensors on every replica); when it raises (a replica was lost) the
+        gradients are dropped, so the redone iteration starts from none."""
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        try:
+            self.gradient_sync([p.grad for p in self.model.parameters() if p.grad is not None])
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
 
     # -- state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

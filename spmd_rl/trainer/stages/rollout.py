@@ -141,7 +141,7 @@ def _continue(call: StageCall) -> StageResult:
     ]
     if call.run.turns is not None:
         return _continue_turns(call, pieces)
-    todo = [k for k, p in enumerate(pieces) if not p.done]
+    todo, keys = [k for k, p in enumerate(pieces) if not p.done], _seed_keys(call)
     got = call.run.rollout.continue_samples(
         [
             (
@@ -151,7 +151,7 @@ def _continue(call: StageCall) -> StageResult:
             for k in todo
         ],
         seed=_seed(call),
-        seed_keys=[_seed_keys(call)[k] for k in todo],
+        seed_keys=[keys[k] for k in todo],
     )
     for k, s in zip(todo, got):
         pieces[k].extend(s, call.it, limit)
