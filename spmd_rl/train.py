@@ -236,7 +236,7 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
         local_pg=dist.new_group(backend="gloo") if peer.world > 1 else None,
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
     )
-    replicas = Replicas(group, cfg.data.global_batch_size, deal_unit(lay))
+    replicas = Replicas(group, cfg.data.global_batch_size, cfg.actor.mini_batch_size, deal_unit(lay))
     roles["actor"].gradient_sync = partial(sum_gradients, group)
     if group.running():
         start = join_running(replicas, roles["actor"], sampler)

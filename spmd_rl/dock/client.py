@@ -209,9 +209,12 @@ class TransferDock(Fetcher):
         group_size: int = 1,
         expected: Sequence[int] | None = None,
         timeout_s: float | None = None,
+        parts: int = 1,
     ) -> DockBatch:
         """This rank's DP group's share of ``expected`` (default: all indices) once every index
-        has all ``columns``. ``layout`` is the stage's (dp, tp) layout over the world."""
+        has all ``columns``. ``layout`` is the stage's (dp, tp) layout over the world; with
+        ``parts``, each of ``expected``'s equal consecutive parts is shared out on its own
+        (``controller.split``)."""
         self._check_known(columns)
         if iteration not in self._num_samples:
             raise DockRequestError(f"iteration {iteration} not started: call begin_iteration first")
@@ -226,6 +229,7 @@ class TransferDock(Fetcher):
             group_nodes(layout, self.peer.nproc_per_node),
             group_size,
             timeout_s or self.cfg.get_timeout_s,
+            parts,
         )
         return self.batch_of(
             iteration, plan.groups[layout.coords(self.peer.rank)[0]], list(columns), plan.locations, (stage, layout)

@@ -120,16 +120,34 @@ class StageController:
         group_nodes: Sequence[int],
         group_size: int = 1,
         timeout_s: float = 600.0,
+        parts: int = 1,
     ) -> Assignment:
         loc = self.wait(iteration, columns, expected, timeout_s)
-        return Assignment(split(loc, columns, expected, group_nodes, group_size), loc)
+        return Assignment(split(loc, columns, expected, group_nodes, group_size, parts), loc)
 
 
 def split(
-    loc: Locations, columns: Sequence[str], expected: Sequence[int], group_nodes: Sequence[int], group_size: int = 1
+    loc: Locations,
+    columns: Sequence[str],
+    expected: Sequence[int],
+    group_nodes: Sequence[int],
+    group_size: int = 1,
+    parts: int = 1,
 ) -> list[list[int]]:
     """Indices per DP group: ``assign`` of the units (samples, or whole prompt groups) of
-    ``expected``, expanded back to the expected indices of each unit."""
+    ``expected``, expanded back to the expected indices of each unit.
+
+    With ``parts`` > 1, ``expected`` is ``parts`` consecutive equal runs (a stage's mini-batches,
+    ``Stage.mini_batched``) and each run is assigned on its own: a group's indices are its share
+    of run 0, then of run 1, ... So which indices form part p is fixed by ``expected`` alone,
+    whatever the number of DP groups; one assignment of the whole would put a layout-dependent
+    set of indices first on each group."""
+    if parts > 1:
+        if len(expected) % parts:
+            raise ValueError(f"{len(expected)} expected indices do not split into {parts} equal parts")
+        size = len(expected) // parts
+        runs = [split(loc, columns, expected[p * size : (p + 1) * size], group_nodes, group_size) for p in range(parts)]
+        return [[i for run in runs for i in run[g]] for g in range(len(group_nodes))]
     groups = assign(units_for(loc, columns, expected, group_size), group_nodes)
     if group_size > 1:
         wanted = set(expected)

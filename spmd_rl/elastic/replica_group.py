@@ -30,7 +30,12 @@ Invariants:
   first member (a survivor) to all: a replica that joins gets a survivor's state over the new
   group, with no checkpoint read. Members and joiners call it at the same point: members in
   ``recover``, when the agreed generation holds a replica the last one did not; joiners in
-  ``join``.
+  ``join``;
+- a split commit is healed too (torchft's quorum does it by ``max_step``): a commit vote that
+  reached some members and failed on others leaves the first a step (an iteration) ahead. With
+  ``progress`` (each member's place: iteration, steps), every new generation compares it over
+  its members (MAX, MIN) and, when it differs or the generation has new members, heals all from
+  the first member furthest ahead, not from member 0.
 """
 
 from __future__ import annotations
@@ -97,13 +102,13 @@ class ReplicaGroup:
         gen = self._decided(lambda q: (q.register(), q.agree(0, expected=expected))[1])
         return self._configure(gen)
 
-    def join(self, state: StateFn) -> Generation:
+    def join(self, state: StateFn, progress: torch.Tensor | None = None) -> Generation:
         """A replica arriving at a running job: register, ask for the next generation (the
         members agree on it at their next step boundary, ``joiners_waiting``) and overwrite
-        ``state`` with the first member's."""
+        ``state`` with a member's (``progress``: this replica's place, behind every member's)."""
         if self.quorum is not None:
             self.quorum.register()
-        return self._rejoin(state)
+        return self._rejoin(state, progress)
 
     def running(self) -> bool:
         """Whether the job's replicas agreed on a generation already: this one must ``join``."""
@@ -117,27 +122,44 @@ class ReplicaGroup:
         flag = self._from_lead(torch.tensor([1.0 if asked else 0.0]))
         return self.allreduce(flag, dist.ReduceOp.MAX).item() > 0
 
-    def recover(self, state: StateFn) -> Generation:
+    def recover(self, state: StateFn, progress: torch.Tensor | None = None) -> Generation:
         """Agree on the next generation with whoever is here (survivors, and joiners that asked
-        meanwhile), rebuild the group, and when it has new members give them ``state``. A member
-        of the new generation lost while it forms: agree on the one after. Left out of it (its
-        peers decided before this replica asked): join the one after as a new replica does,
-        healing ``state`` from a member."""
+        meanwhile), rebuild the group, and when it has new members, or (with ``progress``) its
+        members are not all at one place, give all the state of the first member furthest
+        ahead (``_heal_from_furthest``). A member of the new generation lost while it forms:
+        agree on the one after. Left out of it (its peers decided before this replica asked):
+        join the one after as a new replica does, healing ``state`` from a member."""
         before = set(self.gen.members)
         while True:
             try:
                 gen = self._decided(lambda q: q.agree(self.gen.number + 1))
             except NotAMember:
-                return self._rejoin(state)
+                return self._rejoin(state, progress)
             try:
                 self._configure(gen)
-                if set(gen.members) - before:
-                    self.heal(state())
+                self._heal_from_furthest(state, progress, grew=bool(set(gen.members) - before))
                 return gen
             except (ReplicaLost, NotAMember):
                 continue
 
-    def _rejoin(self, state: StateFn) -> Generation:
+    def _heal_from_furthest(self, state: StateFn, progress: torch.Tensor | None, grew: bool) -> None:
+        """Every member and joiner of a new generation, at the same point: heal all from the
+        first member whose ``progress`` is the furthest (element-wise MAX) when the generation
+        grew or the members' progress differs; without ``progress``, from member 0 when it grew."""
+        src = 0
+        if progress is not None:
+            mine = progress.to(torch.float64).reshape(-1)
+            top, low = self.allreduce(mine.clone(), dist.ReduceOp.MAX), self.allreduce(mine.clone(), dist.ReduceOp.MIN)
+            first = self.allreduce(
+                torch.tensor([float(self.rank if torch.equal(mine, top) else self.world)]), dist.ReduceOp.MIN
+            )
+            src, grew = int(first.item()), grew or not torch.equal(top, low)
+            if src >= self.world:
+                raise RuntimeError(f"generation {self.gen.number}: no member is at the furthest place {top.tolist()}")
+        if grew:
+            self.heal(state(), src)
+
+    def _rejoin(self, state: StateFn, progress: torch.Tensor | None = None) -> Generation:
         """Join the generation after the current one and heal from its member 0; a member lost
         while it forms or heals (the members recover the same way), or decided without this
         replica: join the one after."""
@@ -150,7 +172,7 @@ class ReplicaGroup:
                         f"generation {gen.number} {list(gen.members)} holds no replica of generation {before.number} "
                         f"to heal from: restart the job from its checkpoint"
                     )
-                self.heal(state())
+                self._heal_from_furthest(state, progress, grew=True)
                 return gen
             except (ReplicaLost, NotAMember):
                 continue
@@ -229,11 +251,11 @@ class ReplicaGroup:
         except ReplicaLost:
             return False
 
-    def heal(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Overwrite ``tensors`` on every member with the first member's (a joiner's state), one
+    def heal(self, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` on every member with member ``src``'s (a joiner's state), one
         at a time: an iterator may decide what follows from what it already received."""
         for t in tensors:
-            self._voted(lambda t=t: self.pg.broadcast_one(t, 0).wait(), f"healing in generation {self.gen.number}")
+            self._voted(lambda t=t: self.pg.broadcast_one(t, src).wait(), f"healing in generation {self.gen.number}")
 
     def close(self) -> None:
         if self.quorum is not None:

@@ -92,6 +92,11 @@ class Stage:
     """Whose DP layout splits the stage's samples: the training engines' or the rollout engine's."""
     per_round: bool = False
     """Runs once per generation round (DAPO dynamic sampling repeats generation and reward)."""
+    mini_batched: bool = False
+    """Reads its samples by mini-batch (``actor.mini_batch_size`` prompt groups, in the batch's
+    order; the forward stages share the update's order and micro-batches): each mini-batch is
+    shared over the DP ranks on its own (``dock.controller.split``'s parts), so a mini-batch is
+    the same samples whatever the layout, or the replicas' deal (``elastic.replicas``)."""
     whole_batch: bool = False
     """Computes statistics of the iteration's whole batch (REINFORCE++'s and PPO's whitening over
     every token): it cannot run per streamed wave, so it is never fused."""
@@ -206,18 +211,19 @@ def stages_for(cfg: Config) -> list[Stage]:
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if m.versioned else ()) + routes
     kl_cols: tuple[str, ...] = ()
     if m.needs_reference:
-        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg)))
+        out.append(Stage("ref_logprob", seq, ("ref_log_prob",), reference_roles(cfg), mini_batched=True))
         if m.kl_in_reward:
             kl_cols = ("ref_log_prob", "old_log_prob", "response_length")
         else:
             update_extra += ("ref_log_prob",)
     if m.needs_old_log_prob:
         replayed = routes if cfg.actor.router_replay == "rollout" else ()
-        out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",)))
+        out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",), mini_batched=True))
         if m.off_policy:
             update_extra += ("old_log_prob",)
     out += _advantage_stages(spec, seq, kl_cols, turns)
-    out.append(Stage("actor_update", seq + (advantage_column(cfg), "prompt_row") + update_extra, (), ("actor",)))
+    update_in = seq + (advantage_column(cfg), "prompt_row") + update_extra
+    out.append(Stage("actor_update", update_in, (), ("actor",), mini_batched=True))
     return out
 
 
@@ -258,10 +264,10 @@ def _advantage_stages(
     (REINFORCE++), or a sequence advantage over each group."""
     out: list[Stage] = []
     if spec.critic:
-        out.append(Stage("critic_value", seq, ("values",), ("critic",)))
+        out.append(Stage("critic_value", seq, ("values",), ("critic",), mini_batched=True))
         adv_in = ("reward", "values", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(Stage("advantage", adv_in, ("advantages", "returns"), whole_batch=True))
-        out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",)))
+        out.append(Stage("critic_update", seq + ("values", "returns"), (), ("critic",), mini_batched=True))
     elif spec.advantage == "token":  # REINFORCE++: per-token returns, whitened over the batch
         adv_in = ("reward", "response_length") + tuple(c for c in kl_cols if c != "response_length") + turns
         out.append(

@@ -1,13 +1,13 @@
 """Rules of elastic replicas (``elastic.replicas``, ``spmd_rl.elastic.replicas``).
 
-A lost replica's iteration is redone by the survivors from the state it started from, so an
-iteration must change no training state before its one optimizer step, which commits only when
-every replica got through it: one mini-batch, one epoch, no critic (a second model's step). The
-objective must be split-invariant across replicas with nothing but the normaliser summed over
-them: per-sample or per-group advantages (not REINFORCE++'s batch whitening), and a fixed deal of
-prompt groups (no dynamic sampling, partial rollout or separated placement, whose selections
-are the dock's and span the whole batch). Each replica needs at least one unit of prompt groups
-(``Replicas.deal``)."""
+A lost replica's iteration is redone by the survivors from the state it started from: the
+actor's, which the replica loop keeps when an iteration takes several optimizer steps
+(``trainer.replica_loop.IterationStart``), so no critic (a second model's steps). The objective
+must be split-invariant across replicas with nothing but each mini-batch's normaliser summed
+over them: per-sample or per-group advantages (not REINFORCE++'s batch whitening), and a fixed
+deal of prompt groups (no dynamic sampling, partial rollout or separated placement, whose
+selections are the dock's and span the whole batch). Each mini-batch is dealt in units of
+prompt groups, at least one per replica (``Replicas.deal``)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,6 @@ def check_replicas(cfg: Config, lay: Layouts) -> list[Violation]:
         (modes.dynamic_sampling, "algorithm.name", cfg.algorithm.name, "use grpo, or dapo without dynamic sampling"),
         (modes.partial_rollout, "stream.partial_tokens", cfg.stream.partial_tokens, "set it to 0"),
         (modes.separated, "parallel.placement", "separated", "use parallel.placement=colocated"),
-        (cfg.actor.ppo_epochs != 1, "actor.ppo_epochs", cfg.actor.ppo_epochs, "set it to 1"),
-        (
-            cfg.actor.mini_batch_size != cfg.data.global_batch_size,
-            "actor.mini_batch_size",
-            cfg.actor.mini_batch_size,
-            f"set it to data.global_batch_size ({cfg.data.global_batch_size}): one optimizer step per iteration",
-        ),
     ]
     out = [
         Violation(name, value, f"not supported with {field}: a lost replica's iteration is redone from its start", fix)
@@ -56,15 +49,30 @@ def check_replicas(cfg: Config, lay: Layouts) -> list[Violation]:
     ]
     if r.min_replicas > r.count:
         out.append(Violation(f"{field}.min_replicas", r.min_replicas, f"above {field}.count={r.count}", "lower it"))
-    units = cfg.data.global_batch_size // deal_unit(lay)
-    if units < r.count:
-        out.append(
+    return out + _check_units(cfg, lay)
+
+
+def _check_units(cfg: Config, lay: Layouts) -> list[Violation]:
+    """Each mini-batch cuts into whole units, at least one per replica."""
+    unit, mb, count = deal_unit(lay), cfg.actor.mini_batch_size, cfg.elastic.replicas.count
+    if mb % unit:
+        return [
             Violation(
-                f"{field}.count",
-                r.count,
-                f"the {cfg.data.global_batch_size} prompt groups make {units} shares of {deal_unit(lay)} (the "
-                f"replica's DP sizes' lcm), fewer than the replicas",
-                f"use at most {units} replicas or a larger data.global_batch_size",
+                "actor.mini_batch_size",
+                mb,
+                f"elastic.replicas deals each mini-batch in units of {unit} prompt groups (the replica's DP sizes' "
+                "lcm), and this is not a whole number of them",
+                f"use a multiple of {unit}",
             )
-        )
-    return out
+        ]
+    if mb // unit < count:
+        return [
+            Violation(
+                "elastic.replicas.count",
+                count,
+                f"each mini-batch of {mb} prompt groups makes {mb // unit} units of {unit} (the replica's DP sizes' "
+                "lcm), fewer than the replicas",
+                f"use at most {mb // unit} replicas or a larger actor.mini_batch_size",
+            )
+        ]
+    return []

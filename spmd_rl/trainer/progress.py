@@ -46,6 +46,10 @@ class LiveProgress(Quiet):
         self.bar.update(self.task, description=name)
 
     def iteration_done(self, it: int, m: dict[str, float]) -> None:
+        if "reward_mean" not in m:  # an elastic replica that caught up: its peers trained this iteration
+            self.bar.console.print(f"[bold]iter {it + 1}/{self.total}[/] trained by the other replicas")
+            self.bar.update(self.task, advance=1)
+            return
         line = (
             f"[bold]iter {it + 1}/{self.total}[/] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
             f"len {m['response_length_mean']:.1f} loss {m['loss']:+.4f} gnorm {m['grad_norm']:.3f} clip "

@@ -4,7 +4,8 @@ For a stage of the graph (``recipe.graph.Stage``):
 
 1. the residency manager makes exactly the stage's roles resident;
 2. the dock delivers the stage's declared inputs in the stage's layout, whole prompt groups
-   when the stage is group-granular, for the samples ``expected``;
+   when the stage is group-granular, for the samples ``expected``, each mini-batch shared out
+   on its own when the stage is mini-batched;
 3. the registered function computes (``trainer.stages``);
 4. the writer rule: only TP rank 0 of each DP group puts the outputs and counts its metric
    sums (its TP peers computed the same). A stage that returns columns must return all of
@@ -18,6 +19,7 @@ from spmd_rl.distributed import timeline
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
+from spmd_rl.trainer.stages.minibatch import mini_batch_count
 
 
 def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: StageTimer) -> StageResult:
@@ -27,7 +29,13 @@ def run_stage(run: Run, it: int, stage: Stage, expected: list[int], timer: Stage
         layout = stage_layout(run, stage)
         with timeline.span("dock_get"):
             batch = run.dock.get(
-                stage.name, it, list(stage.inputs), layout, group_size=group_size(run, stage), expected=expected
+                stage.name,
+                it,
+                list(stage.inputs),
+                layout,
+                group_size=group_size(run, stage),
+                expected=expected,
+                parts=mini_batch_count(run.cfg) if stage.mini_batched else 1,
             )
         return compute(run, it, stage, batch, expected)
 

@@ -16,10 +16,12 @@ the replicas and before the commit vote (``tests/helpers/faults``: it pauses the
 SIGKILLed): the survivors' vote fails, nobody steps, and they redo the iteration; the end is
 again the one-job run's. One runs vLLM engines in the replicas (the survivor keeps its process
 and engine and trains the one job's prompts once each). Another loses a replica while a joiner
-heals (the heal fails on all, they agree again without it, the joiner heals again). A last run
-does it with replicas of two ranks each (FSDP2 inside a replica, each shard reduced with the
-same shard of the other replica: HSDP's column groups, the replica's ranks voting after each
-collective), against one job of two ranks."""
+heals (the heal fails on all, they agree again without it, the joiner heals again). One takes
+several optimizer steps per iteration and loses a replica after the first was committed: the
+survivors undo it and redo the iteration. A last run does it with replicas of two ranks each
+(FSDP2 inside a replica, each shard reduced with the same shard of the other replica: HSDP's
+column groups, the replica's ranks voting after each collective), with two mini-batches, against
+one job of two ranks."""
 
 from __future__ import annotations
 
@@ -229,6 +231,78 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
 
 
 @pytest.mark.slow
+def test_a_loss_after_a_committed_mini_batch_undoes_it_and_matches_one_job(tiny_model, tmp_path, etcd):
+    """Several optimizer steps per iteration (two mini-batches of 3 groups, two epochs): c is
+    SIGKILLed before iteration 1's second commit vote, after the first step was taken by all.
+    The survivors put back the state the iteration started from (``IterationStart``) and redo
+    it dealt over two (2 and 1 units of each mini-batch), and end at the one job's weights:
+    the steps taken before the loss are undone, and each replica's mini-batch m is its part of
+    the global mini-batch m."""
+    steps = ("actor.mini_batch_size=3", "actor.ppo_epochs=2", "trainer.iterations=3")
+    done = subprocess.run(
+        command(tmp_path / "solo4", etcd, "metadata.job=solo4", *steps),
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    tmp, faults = tmp_path / "minis", tmp_path / "faults"
+    faults.mkdir()
+    plan = {"kind": "pause", "dir": str(faults), "points": ["commit"], "min_iteration": 1, "world": 1, "skip": 1}
+    procs = {n: replica(tmp, etcd, "minis", n, plan if n == "c" else None, *steps) for n in "abc"}
+    err = {n: tmp_path / f"minis-{n}.err" for n in "abc"}
+    with reaped(procs) as seen:
+        wait_while_running((faults / "commit.reached").exists, procs, err)
+        assert json.loads((faults / "commit.reached").read_text())["iteration"] == 1
+        kill_replica(procs, "c", seen)
+        for n in "ab":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "ab"}
+    for n in "ab":
+        assert [(r["iteration"], r["replicas"], r["replica_redone"]) for r in logs[n]] == [
+            (0, 3, 0),
+            (1, 2, 1),
+            (2, 2, 1),
+        ]
+    assert [r["samples"] for r in logs["a"]] == [4, 8, 8] and [r["samples"] for r in logs["b"]] == [4, 4, 4]
+    solo = model_weights(tmp_path / "solo4/ckpt/iter_000003")
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_000003") for n in "ab"], solo, tiny_model)
+
+
+@pytest.mark.slow
+def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, tmp_path, etcd, solo):
+    """b's commit vote of iteration 2 completes on a, which steps and goes on, and fails on b
+    (``split_commit``): nobody is lost. They meet again in the next generation at different
+    places (a at iteration 3, b at 2), and b is healed from a, the furthest (torchft's
+    max_step), not from member 0, and skips the iteration a committed. Both end at the one
+    job's weights; without the check, b redoes iteration 2 while a runs 3 and the two diverge."""
+    tmp = tmp_path / "split"
+    procs = {
+        n: replica(
+            tmp,
+            etcd,
+            "split",
+            n,
+            {"kind": "split_commit", "iteration": 2} if n == "b" else None,
+            "elastic.replicas.count=2",
+        )
+        for n in "ab"
+    }
+    err = {n: tmp_path / f"split-{n}.err" for n in "ab"}
+    with reaped(procs):
+        for n in "ab":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "ab"}
+    assert [r["iteration"] for r in logs["a"]] == [r["iteration"] for r in logs["b"]] == list(range(ITERS))
+    assert [r.get("replica_caught_up", 0) for r in logs["b"]] == [0, 0, 1, 0, 0]
+    assert [r["replica_generation"] for r in logs["a"]] == [0, 0, 0, 1, 1]
+    assert "the other replicas committed it and this one's commit vote failed" in err["b"].read_text()
+    assert "redoing iteration 3 with 2 replicas" in err["a"].read_text()
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
+
+
+@pytest.mark.slow
 def test_a_replica_lost_while_a_joiner_heals_is_left_out_and_the_joiner_heals_again(tiny_model, tmp_path, etcd, solo):
     """c pauses where it would take part in healing e (``heal``) and is SIGKILLed there: the heal
     fails on every member and on e; they agree on the generation after without c and e heals
@@ -292,6 +366,8 @@ def test_with_vllm_a_replica_killed_at_its_update_leaves_one_that_redoes_it_alon
 @pytest.mark.slow
 def test_replicas_of_two_ranks_lose_one_and_match_one_job_of_two(tiny_model, tmp_path, etcd):
     two = ("parallel.nproc_per_node=2", "parallel.train.dp_shard=2", "parallel.gen.dp=2", "trainer.iterations=3")
+    # two mini-batches of 4 groups, each shared over a replica's two ranks on its own (``Stage.mini_batched``)
+    two += ("data.global_batch_size=8", "actor.mini_batch_size=4")
     done = subprocess.run(
         command(tmp_path / "solo2", etcd, "metadata.job=solo2", *two), cwd=REPO, env=ENV, capture_output=True, text=True
     )
@@ -304,7 +380,7 @@ def test_replicas_of_two_ranks_lose_one_and_match_one_job_of_two(tiny_model, tmp
         kill_replica(procs, "b", seen)  # the launcher, its agent and both ranks
         assert procs["a"].wait(timeout=600) == 0, err["a"].read_text()[-3000:]
     got = rows(tmp / "logs/a/metrics.jsonl")
-    assert [(r["iteration"], r["replicas"], r["samples"]) for r in got] == [(0, 2, 8), (1, 1, 12), (2, 1, 12)]
+    assert [(r["iteration"], r["replicas"], r["samples"]) for r in got] == [(0, 2, 8), (1, 1, 16), (2, 1, 16)]
     assert "redoing iteration 1 with 1 replicas" in err["a"].read_text()
     solo = model_weights(tmp_path / "solo2/ckpt/iter_000003")
     # FSDP's reduce-scatter sums in another order over two replicas' ranks: float32 round-off

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmd_rl.dock.assign import Unit, assign
+from spmd_rl.dock.controller import split
+from spmd_rl.dock.records import Locations
 
 varied_st = st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3)), min_size=0, max_size=120).map(
     lambda xs: [Unit(k, t, n) for k, (t, n) in enumerate(xs)]
@@ -93,3 +95,42 @@ def test_equal_units_keep_the_most_local_split_the_quotas_allow(units, group_nod
         for node in set(group_nodes)
     )
     assert local == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4),  # parts (mini-batches)
+    st.integers(1, 4),  # DP groups
+    st.integers(1, 3),  # samples per group and part, per DP group
+    st.data(),
+)
+def test_parts_are_the_same_samples_whatever_the_dp_groups(parts, d, per, data):
+    """``split`` with parts (the mini-batched stages): DP group g's indices are its run of part
+    0, then of part 1, ..., each run the same length on every group; so each group's p-th run
+    lies inside part p, and part p is the same indices for 1 DP group or d. One assignment of
+    the whole (parts=1) puts a length-balanced, layout-dependent set first."""
+    n = parts * d * per
+    lengths = data.draw(st.lists(st.integers(1, 50), min_size=n, max_size=n))
+    loc = Locations(
+        node={"response_ids": dict.fromkeys(range(n), 0)}, length={"response_ids": dict(enumerate(lengths))}
+    )
+    expected = list(range(n))
+    groups = split(loc, ["response_ids"], expected, [0] * d, parts=parts)
+    size = n // parts
+    for p in range(parts):
+        runs = [g[p * d * per // d : (p + 1) * d * per // d] for g in groups]
+        assert sorted(i for run in runs for i in run) == expected[p * size : (p + 1) * size]
+    assert sorted(i for g in groups for i in g) == expected
+
+
+def test_one_assignment_of_the_whole_mixes_the_parts():
+    """The broken version: the same call without parts gives a group a first run that is not
+    part 0 (group 0 gets 0, 1, 2 and 4; group 1 starts 3, 5), which is what the parts fix."""
+    lengths = [1, 50, 2, 50, 50, 50, 1, 2]
+    loc = Locations(
+        node={"response_ids": dict.fromkeys(range(8), 0)}, length={"response_ids": dict(enumerate(lengths))}
+    )
+    whole = split(loc, ["response_ids"], list(range(8)), [0, 0])
+    assert sorted(whole[0][:2] + whole[1][:2]) != [0, 1, 2, 3]
+    by_parts = split(loc, ["response_ids"], list(range(8)), [0, 0], parts=2)
+    assert sorted(by_parts[0][:2] + by_parts[1][:2]) == [0, 1, 2, 3]

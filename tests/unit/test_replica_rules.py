@@ -2,7 +2,8 @@
 whose iterations a survivor can redo is valid; each one it cannot redo from its start, or whose
 objective is not split-invariant over replicas, exits 2 naming the field and the fix. And the
 deal (``elastic.replicas.Replicas``): every replica of a generation takes disjoint units, together
-the whole global batch in order, whatever the generation's size."""
+the whole global batch in order, whatever the generation's size, each replica's mini-batches
+holding its part of the global mini-batches."""
 
 from __future__ import annotations
 
@@ -21,7 +22,20 @@ def validate(*overrides: str):
     return CliRunner().invoke(app, ["validate", "configs/quickstart.yaml", *BASE, *overrides])
 
 
-@pytest.mark.parametrize("extra", [(), ("algorithm.name=rloo",), ("elastic.replicas.count=4",)], ids=str)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("algorithm.name=rloo",),
+        ("elastic.replicas.count=4",),
+        (
+            "actor.mini_batch_size=4",
+            "actor.micro_batch_size=8",
+            "actor.ppo_epochs=2",
+        ),  # several steps: the iteration's start is kept
+    ],
+    ids=str,
+)
 def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
     res = validate(*extra)
     assert res.exit_code == 0, res.output
@@ -30,8 +44,8 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        (("actor.mini_batch_size=4",), "actor.mini_batch_size"),
-        (("actor.ppo_epochs=2",), "actor.ppo_epochs"),
+        (("actor.mini_batch_size=2",), "elastic.replicas.count"),  # 1 unit of lcm(2, 2) = 2 groups per mini-batch
+        (("actor.mini_batch_size=1", "elastic.replicas.count=1"), "use a multiple of 2"),  # half a unit
         (("algorithm.name=reinforce_pp",), "algorithm.name"),
         (("algorithm.name=ppo", "algorithm.critic_lr=1e-4"), "algorithm.name"),
         (("algorithm.name=dapo", "algorithm.dynamic_sampling=true"), "algorithm.name"),
@@ -40,7 +54,17 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
         (("elastic.replicas.min_replicas=3",), "elastic.replicas.min_replicas"),
         (("elastic.replicas.name=a/b",), "elastic.replicas.name"),
     ],
-    ids=["mini-batch", "epochs", "token-whitening", "critic", "dynamic-sampling", "partial", "too-many", "min", "name"],
+    ids=[
+        "unit-per-replica",
+        "half-unit",
+        "token-whitening",
+        "critic",
+        "dynamic-sampling",
+        "partial",
+        "too-many",
+        "min",
+        "name",
+    ],
 )
 def test_what_a_survivor_cannot_redo_exits_2_naming_the_field(in_repo, tiny_model, overrides, field):
     res = validate(*overrides)
@@ -55,15 +79,31 @@ def fake_group(rank: int, world: int) -> SimpleNamespace:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_the_deal_covers_the_global_batch_once(world):
     rows = [100 + q for q in range(8)]
-    shares = [Replicas(fake_group(r, world), 8, 2).deal(rows) for r in range(world)]
+    shares = [Replicas(fake_group(r, world), 8, 8, 2).deal(rows) for r in range(world)]
     assert sorted(x for s in shares for x in s) == rows
     for r, share in enumerate(shares):
-        assert len(share) == Replicas(fake_group(r, world), 8, 2).share_size()
+        assert len(share) == Replicas(fake_group(r, world), 8, 8, 2).share_size()
         assert all(share[k + 1] == share[k] + 1 for k in range(0, len(share), 2))  # whole units of 2 groups
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_replica_mini_batch_is_its_part_of_the_global_one(world):
+    """12 groups in mini-batches of 6, units of 2: replica r's mini-batch m (its share cut into
+    mini-batches of ``share_mini_batch``) holds only rows of the global mini-batch m, and the
+    replicas' mini-batches m together are all of it."""
+    rows = [100 + q for q in range(12)]
+    reps = [Replicas(fake_group(r, world), 12, 6, 2) for r in range(world)]
+    for m in range(2):
+        parts = []
+        for rep in reps:
+            size = rep.share_mini_batch()
+            assert rep.share_size() == 2 * size
+            parts += rep.deal(rows)[m * size : (m + 1) * size]
+        assert sorted(parts) == rows[m * 6 : (m + 1) * 6]
+
+
 def test_a_replica_left_without_a_unit_is_told_the_fix():
-    with pytest.raises(RuntimeError, match="none is left for it; raise data.global_batch_size"):
-        Replicas(fake_group(4, 5), 8, 2).deal(list(range(8)))
+    with pytest.raises(RuntimeError, match="none is left for it; raise actor.mini_batch_size"):
+        Replicas(fake_group(4, 5), 8, 8, 2).deal(list(range(8)))
     with pytest.raises(ValueError, match="dealing 6 rows, not the global batch of 8"):
-        Replicas(fake_group(0, 2), 8, 2).deal(list(range(6)))
+        Replicas(fake_group(0, 2), 8, 8, 2).deal(list(range(6)))

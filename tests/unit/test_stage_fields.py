@@ -36,7 +36,7 @@ class FakeDock:
         self.columns = columns
         self.puts: dict[str, object] = {}
 
-    def get(self, stage, it, cols, layout, group_size=1, expected=None):
+    def get(self, stage, it, cols, layout, group_size=1, expected=None, parts=1):
         idx = torch.arange(len(next(iter(self.columns.values()))))
         return DockBatch(idx, {c: self.columns[c] for c in cols}, frozenset())
 

@@ -38,6 +38,14 @@ def mini_batch_norm(
     return LossNorm(float(total[0]), float(total[1]))
 
 
+def mini_batch_count(cfg: Config) -> int:
+    """Optimizer steps per epoch: mini-batch j is the prompt groups [j B, (j + 1) B) of the
+    iteration's batch (B = ``actor.mini_batch_size``), its samples shared over the DP ranks on
+    its own (``Stage.mini_batched``), so rank d's rows of mini-batch j are the j-th run of
+    ``mini_batches``."""
+    return cfg.data.global_batch_size // cfg.actor.mini_batch_size
+
+
 def _per_rank(cfg: Config, dp: int) -> int:
     return cfg.actor.mini_batch_size * cfg.rollout.n // dp
 

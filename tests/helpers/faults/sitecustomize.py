@@ -15,7 +15,9 @@ Plans (``dir`` is a folder the test and the workers share):
   of w (default 2; 1 for an elastic replica of one rank, whose peers are other jobs), at the
   first point (in order) without ``D/<point>.go``, from iteration k on: write
   ``D/<point>.reached`` (JSON: the iteration and this worker's pid) and wait for the test to
-  kill the other node and write ``D/<point>.go``, then carry on into that point. Points:
+  kill the other node and write ``D/<point>.go``, then carry on into that point (with
+  ``"skip": s``, the first s arrivals there carry on at once: the commit of an iteration's
+  second mini-batch is its arrival 1). Points:
   ``generate`` (start of the generation stage), ``reward_fetch`` (the reward stage's fetch from
   the warehouses), ``reference`` (start of the reference log-prob stage), ``update`` (start of
   the update), ``commit`` (an elastic replica, world 1: after the gradient's all-reduce over the
@@ -36,6 +38,8 @@ Plans (``dir`` is a folder the test and the workers share):
 - ``{"kind": "slow_generate", "rank": r, "seconds": s}``: every generation call of global rank
   r's rollout engine (``generate``, ``continue_samples``) first sleeps s seconds, as the DP
   group with the longest responses would.
+- ``{"kind": "split_commit", "iteration": k}``: an elastic replica's first commit vote of
+  iteration k completes on its peers and fails on it (its group aborted).
 - ``{"kind": "stop_warehouse", "iteration": k, "dir": D}``: in the first incarnation
   (TORCHELASTIC_RESTART_COUNT 0), the warehouse server thread stops when the first put of
   iteration k arrives, while its rank lives on; writes ``D/stopped`` with the time.
@@ -58,6 +62,7 @@ def _pause(plan: dict) -> None:
     from spmd_rl.engines.fsdp.engine import TrainEngine
 
     folder, points = Path(plan["dir"]), plan["points"]
+    skipped = [0]
 
     def at(point: str, iteration: int) -> None:
         pending = [p for p in points if not (folder / f"{p}.go").exists()]
@@ -67,6 +72,9 @@ def _pause(plan: dict) -> None:
             or pending[0] != point
             or iteration < plan["min_iteration"]
         ):
+            return
+        if skipped[0] < plan.get("skip", 0):
+            skipped[0] += 1
             return
         # the pid: the test looks the paused worker up among the preload servers' copies
         (folder / f"{point}.reached").write_text(json.dumps({"iteration": iteration, "pid": os.getpid()}))
@@ -243,6 +251,30 @@ def _stop_warehouse(plan: dict) -> None:
     WarehouseServer._handle = stopping
 
 
+def _split_commit(plan: dict) -> None:
+    """The first commit vote of iteration ``plan["iteration"]`` on this elastic replica reaches
+    the others (the MIN all-reduce completes, so they step) and fails here, as a vote whose last
+    receive was cut would: the group is aborted and the vote answers False."""
+    from spmd_rl.elastic.replica_group import ReplicaGroup
+    from spmd_rl.trainer.stages import REGISTRY
+
+    vote, update, state = ReplicaGroup.should_commit, REGISTRY["actor_update"], {"it": -1, "done": False}
+
+    def noting(call):
+        state["it"] = call.it
+        return update(call)
+
+    def cut(self, ok=True):
+        agreed = vote(self, ok)
+        if agreed and not state["done"] and state["it"] >= plan["iteration"]:
+            state["done"] = True
+            self.pg.abort()
+            return False
+        return agreed
+
+    REGISTRY["actor_update"], ReplicaGroup.should_commit = noting, cut
+
+
 _PLAN = os.environ.get("SPMD_RL_TEST_FAULTS")
 if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers they spawn (inductor's probes)
     import faulthandler
@@ -258,6 +290,7 @@ if _PLAN and "spmd_rl.train" in sys.orig_argv:  # workers only, not the helpers 
         "dump": _dump,
         "desync": _desync,
         "slow_generate": _slow_generate,
+        "split_commit": _split_commit,
     }[_plan["kind"]]
     _delegate = getattr(preload.delegate, "__wrapped__", preload.delegate)  # once, however often this runs
 
