@@ -156,7 +156,9 @@ class ActorConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
     mini_batch_size: int = Field(
-        gt=0, description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`."
+        gt=0,
+        description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`. Mini-batch j "
+        "is the iteration's prompt groups j*B .. (j+1)*B-1, whatever the DP layout.",
     )
     micro_batch_size: int = Field(
         gt=0,

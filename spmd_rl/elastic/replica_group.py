@@ -160,7 +160,7 @@ class ReplicaGroup:
             self.heal(state(), src)
 
     def _rejoin(self, state: StateFn, progress: torch.Tensor | None = None) -> Generation:
-        """Join the generation after the current one and heal from its member 0; a member lost
+        """Join the generation after the current one and heal from a member of it; a member lost
         while it forms or heals (the members recover the same way), or decided without this
         replica: join the one after."""
         while True:

@@ -100,8 +100,9 @@ class Replicas:
     def join(self, state: StateFn, progress: torch.Tensor) -> None:
         """Join a running job: ask for the next generation, which the members agree on at their
         next iteration's start (``take_joiners``) or while recovering from a loss, and receive
-        ``state`` from member 0. The joiner starts that iteration as the members do: after the
-        heal, with no check for joiners of its own."""
+        ``state`` from the member furthest ahead (``progress``: this one's place, behind all).
+        The joiner starts that iteration as the members do: after the heal, with no check for
+        joiners of its own."""
         self.group.join(state, progress)
         self._skip_boundary = True
 

@@ -96,7 +96,7 @@ class IterationStart:
 def heal_state(actor, sampler: PromptSampler, it: int) -> tuple[torch.Tensor, StateFn]:
     """(counter, state): what a replica healed from a member receives, one tensor at a time: the
     counter (the iteration, the sampler's place, the optimizer steps), then every parameter and
-    optimizer state tensor of the actor, each overwritten in place by member 0's. A joiner whose
+    optimizer state tensor of the actor, each overwritten in place by the healer's. A joiner whose
     optimizer has no state yet creates it (``materialize``) once the counter says the members'
     has, so both sides list the same tensors."""
     counter = torch.zeros(4, dtype=torch.float64)

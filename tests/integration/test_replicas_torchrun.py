@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -300,6 +302,57 @@ def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, 
     assert "the other replicas committed it and this one's commit vote failed" in err["b"].read_text()
     assert "redoing iteration 3 with 2 replicas" in err["a"].read_text()
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
+
+
+def signal_replica(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to a replica's launcher, torchrun agent and ranks: SIGSTOP freezes the node with
+    its sockets open, SIGCONT resumes it."""
+    for pid in [proc.pid, *(p for p, _ in descendants(proc.pid))]:
+        os.kill(pid, sig)
+
+
+@pytest.mark.slow
+def test_a_stopped_replica_resumed_within_an_iteration_catches_up_in_its_process(tiny_model, tmp_path, etcd, solo):
+    """c is SIGSTOPped in iteration 1 (its sockets stay open): a and b fail their collective
+    after ``timeout_s``, agree without c and redo iteration 1 (held there, ``hold``). c is
+    SIGCONTed: its collective fails, it finds itself left out and asks for the next generation;
+    a and b take it in at iteration 2's start and heal it from the member furthest ahead, so c,
+    one iteration behind, takes their state and goes on from iteration 2 in the same process,
+    with no restart. All three end at the one job's weights, every prompt trained once."""
+    tmp, faults = tmp_path / "stopped", tmp_path / "faults"
+    faults.mkdir()
+    (faults / "hold").write_text("")  # a and b run iteration 0, then wait at each iteration's start
+    hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
+    fast = ("elastic.replicas.timeout_s=5",)
+    procs = {n: replica(tmp, etcd, "stopped", n, hold if n in "ab" else None, *fast) for n in "abc"}
+    err = {n: tmp_path / f"stopped-{n}.err" for n in "abc"}
+    with reaped(procs):
+        wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
+        worker = workers(procs["c"])
+        signal_replica(procs["c"], signal.SIGSTOP)  # in iteration 1, alone: a and b are held
+        (faults / "hold").unlink()
+        wait_while_running(lambda: "the surviving replicas redo it" in err["a"].read_text(), {"a": procs["a"]}, err)
+        (faults / "hold").write_text("")  # hold the redo until c asked to come back
+        wait_while_running(
+            lambda: "redoing iteration 1 with 2 replicas" in err["a"].read_text(), {"a": procs["a"]}, err
+        )
+        signal_replica(procs["c"], signal.SIGCONT)
+        wait_while_running(lambda: asked_to_join(etcd, "stopped", "c"), procs, err)
+        (faults / "hold").unlink()
+        for n in "abc":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abc"}
+    assert [r["replicas"] for r in logs["a"]] == [3, 2, 3, 3, 3]
+    assert [(r["iteration"], r.get("replica_caught_up", 0)) for r in logs["c"]] == [
+        (0, 0),
+        (1, 1),
+        (2, 0),
+        (3, 0),
+        (4, 0),
+    ]
+    assert err["c"].read_text().count("training from iteration") == 1 and len(worker) == 1
+    assert_trained_once_as_one_job(etcd, "stopped", "abc")
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abc"], solo, tiny_model)
 
 
 @pytest.mark.slow
