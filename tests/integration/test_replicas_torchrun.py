@@ -234,13 +234,14 @@ def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_
 
 @pytest.mark.slow
 def test_a_loss_after_a_committed_mini_batch_undoes_it_and_matches_one_job(tiny_model, tmp_path, etcd):
-    """Several optimizer steps per iteration (two mini-batches of 3 groups, two epochs): c is
-    SIGKILLed before iteration 1's second commit vote, after the first step was taken by all.
-    The survivors put back the state the iteration started from (``IterationStart``) and redo
-    it dealt over two (2 and 1 units of each mini-batch), and end at the one job's weights:
-    the steps taken before the loss are undone, and each replica's mini-batch m is its part of
-    the global mini-batch m."""
-    steps = ("actor.mini_batch_size=3", "actor.ppo_epochs=2", "trainer.iterations=3")
+    """Several optimizer steps per iteration (two mini-batches of 3 groups, two epochs) with
+    REINFORCE++ (token returns whitened over the whole batch): c is SIGKILLed before iteration
+    1's second commit vote, after the first step was taken by all. The survivors put back the
+    state the iteration started from (``IterationStart``) and redo it dealt over two (2 and 1
+    units of each mini-batch), and end at the one job's weights: the steps taken before the loss
+    are undone, each replica's mini-batch m is its part of the global mini-batch m, and the
+    whitening's moments are the global batch's (summed over the replicas)."""
+    steps = ("actor.mini_batch_size=3", "actor.ppo_epochs=2", "trainer.iterations=3", "algorithm.name=reinforce_pp")
     done = subprocess.run(
         command(tmp_path / "solo4", etcd, "metadata.job=solo4", *steps),
         cwd=REPO,

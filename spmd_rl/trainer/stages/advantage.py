@@ -6,8 +6,8 @@ one is the algorithm's spec (``algos.specs``: ``advantage``, ``estimator``, ``ce
   (``algos.estimators.SEQ_ESTIMATORS``), one scalar per sample.
 - REINFORCE++ (-baseline), or a user's token estimator: the spec's token estimator of the
   token rewards (discounted returns, ``algos.estimators.TOKEN_ESTIMATORS``), whitened with the
-  moments of every sampled token of the iteration's batch (summed over the DP ranks, as PPO's
-  whitening).
+  moments of every sampled token of the iteration's batch (summed over the DP ranks, and over
+  the elastic replicas, as PPO's whitening: ``batch_moments``).
 - PPO: token rewards (``algos.core.token_rewards``), GAE with ``algorithm.gamma`` / ``lam``
   in float64 over the sampled tokens (a multi-turn response's inserted tokens are skipped), returns = A + V (before
   whitening), then A whitened with the mean and variance
@@ -51,7 +51,7 @@ def advantage(call: StageCall) -> StageResult:
     spec = algorithm(run.cfg)
     if not len(batch):  # every rank enters every collective, even with an empty share: the whitening's sums
         if spec.advantage in ("gae", "token"):
-            dp_sums({"n": 0.0, "s": 0.0, "q": 0.0}, run.lay.train.group)
+            batch_moments(run, (0.0, 0.0, 0.0))
         return StageResult(sums={"adv_zero_groups": 0.0})
     rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
     if spec.advantage == "gae":
@@ -69,6 +69,18 @@ def advantage(call: StageCall) -> StageResult:
     return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
 
 
+def batch_moments(run, moments) -> tuple[float, float, float]:
+    """Collective: the whole batch's (count, sum, sum of squares) from this rank's: summed over
+    the DP ranks (a DP group's ranks hold the same samples: counted once) and, with elastic
+    replicas, over the replicas (each holds its share of the global batch), so the whitening
+    is the one job's whatever the split."""
+    g = dp_sums(dict(zip(("n", "s", "q"), (float(m) for m in moments))), run.lay.train.group)
+    if run.replicas is None:
+        return g["n"], g["s"], g["q"]
+    n, s, q = run.replicas.sum(torch.tensor([g["n"], g["s"], g["q"]], dtype=torch.float64)).tolist()
+    return n, s, q
+
+
 def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
     lengths = torch.stack(cols["response_length"]).long()
@@ -77,10 +89,7 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
     kl, mask = _kl(call, width)
     rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef, mask)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
-    g = dp_sums(
-        dict(zip(("n", "s", "q"), masked_moments(adv, mask))), run.lay.train.group
-    )  # a replica's ranks hold the same samples
-    white = whiten(adv, mask, g["n"], g["s"], g["q"])
+    white = whiten(adv, mask, *batch_moments(run, masked_moments(adv, mask)))
     lens = lengths.tolist()
     resid = (returns - values) * mask
     sums = {
@@ -111,10 +120,7 @@ def _reinforce(call: StageCall, scores: torch.Tensor, spec: AlgorithmSpec) -> St
     kl, mask = _kl(call, width)
     estimate = TOKEN_ESTIMATORS.lookup(spec.estimator)
     returns = estimate(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma) * mask
-    g = dp_sums(
-        dict(zip(("n", "s", "q"), masked_moments(returns, mask))), run.lay.train.group
-    )  # a replica's ranks hold the same samples
-    white = whiten(returns, mask, g["n"], g["s"], g["q"])
+    white = whiten(returns, mask, *batch_moments(run, masked_moments(returns, mask)))
     sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())} if kl is not None else {}
     return StageResult(
         columns={"advantages": [white[k, :L].float() for k, L in enumerate(lengths.tolist())]},
