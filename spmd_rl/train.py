@@ -70,7 +70,7 @@ from spmd_rl.trainer.context import HeldOut, Run
 from spmd_rl.trainer.loop import train
 from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.partial import restore_carry
-from spmd_rl.trainer.replica_loop import join_running
+from spmd_rl.trainer.replica_loop import join_running, trained
 
 log = logging.getLogger("spmd_rl")
 
@@ -221,7 +221,8 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
     """With ``elastic.replicas``: (this replica's side, the first iteration to run). The first
     replicas wait for ``count`` of them; one arriving at a running job heals from a member
     instead (``trainer.replica_loop.join_running``: no checkpoint read) and starts where they
-    are. The actor's gradients are summed over the replicas (``elastic.replicas``)."""
+    are. The trained engines' gradients (the actor's, PPO's critic's) are summed over the
+    replicas (``elastic.replicas``)."""
     r = cfg.elastic.replicas
     if r is None:
         return None, start
@@ -237,9 +238,10 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
     )
     replicas = Replicas(group, cfg.data.global_batch_size, cfg.actor.mini_batch_size, deal_unit(lay))
-    roles["actor"].gradient_sync = partial(sum_gradients, group)
+    for engine in trained(roles):
+        engine.gradient_sync = partial(sum_gradients, group)
     if group.running():
-        start = join_running(replicas, roles["actor"], sampler)
+        start = join_running(replicas, trained(roles), sampler)
     else:
         replicas.start(r.count)
     if peer.rank == 0:

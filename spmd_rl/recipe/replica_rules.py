@@ -1,10 +1,11 @@
 """Rules of elastic replicas (``elastic.replicas``, ``spmd_rl.elastic.replicas``).
 
 A lost replica's iteration is redone by the survivors from the state it started from: the
-actor's, which the replica loop keeps when an iteration takes several optimizer steps
-(``trainer.replica_loop.IterationStart``), so no critic (a second model's steps) and no DPO. The
+actor's and PPO's critic's, which the replica loop keeps when an iteration takes several
+optimizer steps (``trainer.replica_loop.IterationStart``); no DPO (its pairs are not dealt). The
 objective must be split-invariant across replicas with nothing but sums over them (each
-mini-batch's normaliser, REINFORCE++'s whitening moments: ``stages.advantage.batch_moments``),
+mini-batch's normaliser, the whitening moments of REINFORCE++ and GAE:
+``stages.advantage.batch_moments``),
 and a fixed deal of prompt groups (no dynamic sampling, partial rollout or separated placement, whose
 selections are the dock's and span the whole batch). Each mini-batch is dealt in units of
 prompt groups, at least one per replica (``Replicas.deal``)."""
@@ -32,11 +33,11 @@ def check_replicas(cfg: Config, lay: Layouts) -> list[Violation]:
     off = [
         (cfg.actor.backend != "fsdp", "actor.backend", cfg.actor.backend, "use actor.backend=fsdp"),
         (
-            algorithm(cfg).advantage not in ("sequence", "token"),
+            algorithm(cfg).advantage == "preference",
             "algorithm.name",
             cfg.algorithm.name,
-            "use a critic-free policy-gradient estimator (grpo, rloo, reinforce_pp, ...): this one trains a critic "
-            "or a preference objective",
+            "use a policy-gradient algorithm (grpo, rloo, reinforce_pp, ppo, ...): a preference objective's pairs "
+            "are not dealt over replicas",
         ),
         (modes.dynamic_sampling, "algorithm.name", cfg.algorithm.name, "use grpo, or dapo without dynamic sampling"),
         (modes.partial_rollout, "stream.partial_tokens", cfg.stream.partial_tokens, "set it to 0"),

@@ -13,8 +13,8 @@ share of the global batch and is redone, with the next generation's deal, when a
 Each optimizer step is taken only after every replica committed to it, so with one step per
 iteration nothing is stepped before a loss. With several (``actor.ppo_epochs`` > 1 or
 ``actor.mini_batch_size`` < G), the steps committed before the loss are undone from the copy
-kept at the iteration's start (``IterationStart``: this rank's shards of the parameters and
-AdamW moments on host, 3x the shards' fp32 bytes), so the survivors redo the whole iteration
+kept at the iteration's start (``IterationStart``: this rank's shards of the actor's (and
+critic's) parameters and AdamW moments on host, 3x the shards' fp32 bytes), so the survivors redo the whole iteration
 from the state it started from, with the new deal.
 """
 
@@ -51,65 +51,92 @@ def share_config(cfg: Config, reps: Replicas) -> Config:
     )
 
 
-class IterationStart:
-    """The actor's training state as an iteration started, for a redo after a loss that came
-    after some of its optimizer steps: every parameter and optimizer state tensor of this rank
-    (``state_tensors``: the local shards) copied to host, the learning rates, the schedule and
-    the step count. Kept only where an iteration takes several steps (``steps`` > 1)."""
+TRAINED = ("actor", "critic")
+"""The roles with an optimizer: their gradients are summed over the replicas, their state is
+healed and kept (PPO's critic takes the actor's steps: the same epochs and mini-batches)."""
 
-    def __init__(self, actor, steps: int):
-        self.actor, self.steps = actor, steps
-        self.saved: list[torch.Tensor] = []
-        self.step_count: int | None = None  # none kept yet: a loss before this iteration's work
+
+def trained(roles: dict) -> list:
+    return [roles[r] for r in TRAINED if r in roles]
+
+
+def make_resident(run: Run) -> Callable[[], None]:
+    """Bring the trained engines' state on device (the residency manager's phase
+    ``replica_state``): between stages a role may be on host with its device storage released,
+    and the state is read or overwritten in place."""
+    roles = tuple(r for r in TRAINED if r in run.roles)
+    return lambda: run.residency.enter("replica_state", roles)
+
+
+class IterationStart:
+    """The trained engines' state as an iteration started, for a redo after a loss that came
+    after some of their optimizer steps: every parameter and optimizer state tensor of this rank
+    (``state_tensors``: the local shards) copied to host, the learning rates, the schedule and
+    the step count of each. Kept only where an iteration takes several steps (``steps`` > 1)."""
+
+    def __init__(self, engines: list, steps: int, resident: Callable[[], None]):
+        self.engines, self.steps, self.resident = engines, steps, resident
+        self.kept: list[dict] = []  # none kept yet: a loss before this iteration's work
 
     def keep(self) -> None:
         if self.steps <= 1:
             return
-        a = self.actor
-        self.had_state = bool(a.optimizer.state)
-        self.saved = [t.detach().to("cpu", copy=True) for t in state_tensors(a.model, a.optimizer)]
-        self.lrs = [g["lr"] for g in a.optimizer.param_groups]
-        self.schedule = copy.deepcopy(a.scheduler.state_dict())
-        self.step_count = a.step_count
+        self.resident()
+        self.kept = [
+            {
+                "had_state": bool(e.optimizer.state),
+                "tensors": [t.detach().to("cpu", copy=True) for t in state_tensors(e.model, e.optimizer)],
+                "lrs": [g["lr"] for g in e.optimizer.param_groups],
+                "schedule": copy.deepcopy(e.scheduler.state_dict()),
+                "steps": e.step_count,
+            }
+            for e in self.engines
+        ]
 
     def restore(self) -> bool:
         """Put the kept state back; whether any step had been taken since ``keep``."""
-        a = self.actor
-        if self.step_count is None or a.step_count == self.step_count:
+        if not self.kept or all(e.step_count == k["steps"] for e, k in zip(self.engines, self.kept)):
             return False
-        a.optimizer.zero_grad(set_to_none=True)
-        if not self.had_state:  # the first iteration: AdamW creates its moments again at its first step
-            a.optimizer.state.clear()
-        live = state_tensors(a.model, a.optimizer)
-        if len(live) != len(self.saved):
-            raise RuntimeError(f"the actor holds {len(live)} state tensors, {len(self.saved)} were kept")
-        with torch.no_grad():
-            for t, kept in zip(live, self.saved):
-                t.copy_(kept)
-        for g, lr in zip(a.optimizer.param_groups, self.lrs):
-            g["lr"] = lr
-        a.scheduler.load_state_dict(self.schedule)
-        a.step_count = self.step_count
+        self.resident()
+        for e, k in zip(self.engines, self.kept):
+            e.optimizer.zero_grad(set_to_none=True)
+            if not k["had_state"]:  # the first iteration: AdamW creates its moments again at its first step
+                e.optimizer.state.clear()
+            live = state_tensors(e.model, e.optimizer)
+            if len(live) != len(k["tensors"]):
+                raise RuntimeError(f"an engine holds {len(live)} state tensors, {len(k['tensors'])} were kept")
+            with torch.no_grad():
+                for t, saved in zip(live, k["tensors"]):
+                    t.copy_(saved)
+            for g, lr in zip(e.optimizer.param_groups, k["lrs"]):
+                g["lr"] = lr
+            e.scheduler.load_state_dict(k["schedule"])
+            e.step_count = k["steps"]
         return True
 
 
-def heal_state(actor, sampler: PromptSampler, it: int) -> tuple[torch.Tensor, StateFn]:
+def heal_state(
+    engines: list, sampler: PromptSampler, it: int, resident: Callable[[], None] = lambda: None
+) -> tuple[torch.Tensor, StateFn]:
     """(counter, state): what a replica healed from a member receives, one tensor at a time: the
     counter (the iteration, the sampler's place, the optimizer steps), then every parameter and
-    optimizer state tensor of the actor, each overwritten in place by the healer's. A joiner whose
-    optimizer has no state yet creates it (``materialize``) once the counter says the members'
-    has, so both sides list the same tensors."""
+    optimizer state tensor of each trained engine, each overwritten in place by the healer's. A
+    joiner whose optimizers have no state yet creates it (``materialize``) once the counter says
+    the members' have, so both sides list the same tensors. ``resident`` runs first (a
+    joiner's engines are all on device already)."""
     counter = torch.zeros(4, dtype=torch.float64)
 
     def now() -> torch.Tensor:
         s = sampler.state
-        return counter.copy_(torch.tensor([it, s.epoch, s.offset, actor.step_count], dtype=torch.float64))
+        return counter.copy_(torch.tensor([it, s.epoch, s.offset, engines[0].step_count], dtype=torch.float64))
 
     def state() -> Iterator[torch.Tensor]:
+        resident()
         yield now()
-        if int(counter[3]) > 0 and not actor.optimizer.state:
-            materialize(actor.model, actor.optimizer)
-        yield from state_tensors(actor.model, actor.optimizer)
+        for e in engines:
+            if int(counter[3]) > 0 and not e.optimizer.state:
+                materialize(e.model, e.optimizer)
+            yield from state_tensors(e.model, e.optimizer)
 
     now()  # with no heal, the counter holds this replica's own place
     return counter, state
@@ -121,16 +148,17 @@ def progress_of(counter: torch.Tensor) -> torch.Tensor:
     return counter[[0, 3]].clone()
 
 
-def adopt(actor, sampler: PromptSampler, counter: torch.Tensor) -> int:
+def adopt(engines: list, sampler: PromptSampler, counter: torch.Tensor) -> int:
     """After a heal: take the healer's place (``counter``): its sampler position and step count,
-    the LR schedule caught up to it; returns the iteration the healer was at."""
+    each engine's LR schedule caught up to it; returns the iteration the healer was at."""
     it, epoch, offset, steps = (int(v) for v in counter.tolist())
-    if steps < actor.step_count:
-        raise RuntimeError(f"healed from a replica {actor.step_count - steps} optimizer steps behind this one")
+    for e in engines:
+        if steps < e.step_count:
+            raise RuntimeError(f"healed from a replica {e.step_count - steps} optimizer steps behind this one")
+        for _ in range(steps - e.step_count):
+            e.scheduler.step()
+        e.step_count = steps
     sampler.state = SamplerState(epoch, offset)
-    for _ in range(steps - actor.step_count):
-        actor.scheduler.step()
-    actor.step_count = steps
     return it
 
 
@@ -138,7 +166,7 @@ def _adopt_at(run: Run, it: int, counter: torch.Tensor) -> bool:
     """A member after its generation healed: at iteration ``it`` like the healer (redo it), or
     one ahead (True: a split commit, the others committed ``it`` and this replica's vote failed;
     the healed state is ``it``'s result)."""
-    done = adopt(run.roles["actor"], run.sampler, counter)
+    done = adopt(trained(run.roles), run.sampler, counter)
     if done not in (it, it + 1):
         raise RuntimeError(
             f"replica {run.replicas.group.replica} at iteration {it} was healed from a member at iteration {done}: "
@@ -157,27 +185,28 @@ def _adopt_at(run: Run, it: int, counter: torch.Tensor) -> bool:
     return True
 
 
-def join_running(replicas: Replicas, actor, sampler: PromptSampler) -> int:
-    """A replica arriving at a running job: heal the actor, its optimizer and the sampler from a
-    member, with no checkpoint read, and catch the LR schedule up; returns the iteration the
-    members are about to run, this replica's first."""
-    counter, state = heal_state(actor, sampler, -1)
+def join_running(replicas: Replicas, engines: list, sampler: PromptSampler) -> int:
+    """A replica arriving at a running job: heal the trained engines, their optimizers and the
+    sampler from a member, with no checkpoint read, and catch the LR schedules up; returns the
+    iteration the members are about to run, this replica's first."""
+    counter, state = heal_state(engines, sampler, -1)
     replicas.join(state, progress_of(counter))
-    return adopt(actor, sampler, counter)
+    return adopt(engines, sampler, counter)
 
 
 def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], iteration: Iteration) -> dict:
     """``iteration`` on this replica's share, redone until every replica of a generation got
     through it (module docstring); its metrics with the replicas' own."""
-    reps, base, actor = run.replicas, run.cfg, run.roles["actor"]
+    reps, base, engines = run.replicas, run.cfg, trained(run.roles)
     start = SamplerState(run.sampler.state.epoch, run.sampler.state.offset)
-    kept = IterationStart(actor, base.actor.ppo_epochs * mini_batch_count(base))
+    resident = make_resident(run)
+    kept = IterationStart(engines, base.actor.ppo_epochs * mini_batch_count(base), resident)
     boundary = True
     while True:
         try:
             if boundary:  # a redo follows a recovery, which took in whoever asked
                 boundary = False
-                counter, state = heal_state(actor, run.sampler, it)
+                counter, state = heal_state(engines, run.sampler, it, resident)
                 if reps.take_joiners(state, progress_of(counter)):
                     _adopt_at(run, it, counter)
             kept.keep()
@@ -190,7 +219,7 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
                 run.residency.weights_changed()
             dist.barrier()  # every rank of this replica is here: ReplicaLost is voted over them
             run.dock.commit(it)  # what the iteration wrote so far
-            counter, state = heal_state(actor, run.sampler, it)
+            counter, state = heal_state(engines, run.sampler, it, resident)
             reps.recover(state, progress_of(counter))
             if _adopt_at(run, it, counter):
                 return reps.metrics() | {"replica_caught_up": 1.0}

@@ -274,6 +274,47 @@ def test_a_loss_after_a_committed_mini_batch_undoes_it_and_matches_one_job(tiny_
 
 
 @pytest.mark.slow
+def test_ppo_replicas_undo_the_critic_too_and_heal_a_joiner_with_it(tiny_model, tmp_path, etcd):
+    """PPO (a critic, GAE whitened over the whole batch) in two mini-batches: c is SIGKILLed
+    before iteration 1's second commit vote, after both the actor and the critic stepped once;
+    the survivors put both back and redo it, and d, started meanwhile, is healed with both
+    models' weights and AdamW state. a, b and d end bit-identical, at the one job's weights."""
+    ppo = ("algorithm.name=ppo", "algorithm.critic_lr=1e-4", "actor.mini_batch_size=3", "trainer.iterations=3")
+    done = subprocess.run(
+        command(tmp_path / "solo_ppo", etcd, "metadata.job=solo_ppo", *ppo),
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    tmp, faults, at_commit = tmp_path / "ppo", tmp_path / "faults", tmp_path / "commit"
+    faults.mkdir(), at_commit.mkdir()
+    hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
+    plan = {"kind": "pause", "dir": str(at_commit), "points": ["commit"], "min_iteration": 1, "world": 1, "skip": 1}
+    procs = {n: replica(tmp, etcd, "ppo", n, plan if n == "c" else hold, *ppo) for n in "abc"}
+    err = {n: tmp_path / f"ppo-{n}.err" for n in "abcd"}
+    with reaped(procs) as seen:
+        wait_while_running((at_commit / "commit.reached").exists, procs, err)
+        (faults / "hold").write_text("")  # the survivors' redo waits until d asked to join
+        kill_replica(procs, "c", seen)
+        procs["d"] = replica(tmp, etcd, "ppo", "d", None, *ppo)
+        wait_while_running(lambda: asked_to_join(etcd, "ppo", "d"), {n: procs[n] for n in "abd"}, err)
+        (faults / "hold").unlink()
+        for n in "abd":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abd"}
+    assert logs["a"][1]["replica_redone"] == 1 and logs["d"][0]["iteration"] in (1, 2)
+    assert all("value_loss" in r for r in logs["a"])  # the critic trained every iteration
+    solo = model_weights(tmp_path / "solo_ppo/ckpt/iter_000003")
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_000003") for n in "abd"], solo, tiny_model)
+    critics = [model_weights(tmp / f"ckpt/{n}/iter_000003/critic") for n in "abd"]
+    solo_critic = model_weights(tmp_path / "solo_ppo/ckpt/iter_000003/critic")
+    assert all(torch.equal(critics[0][k], c[k]) for c in critics[1:] for k in solo_critic)
+    assert max(float((critics[0][k].float() - solo_critic[k].float()).abs().max()) for k in solo_critic) <= 1e-6
+
+
+@pytest.mark.slow
 def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, tmp_path, etcd, solo):
     """b's commit vote of iteration 2 completes on a, which steps and goes on, and fails on b
     (``split_commit``): nobody is lost. They meet again in the next generation at different

@@ -28,6 +28,7 @@ def validate(*overrides: str):
         (),
         ("algorithm.name=rloo",),
         ("algorithm.name=reinforce_pp",),  # whitened over the replicas' batch
+        ("algorithm.name=ppo", "algorithm.critic_lr=1e-4"),  # a critic: its gradients summed, its state kept
         ("elastic.replicas.count=4",),
         (
             "actor.mini_batch_size=4",
@@ -47,7 +48,6 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
     [
         (("actor.mini_batch_size=2",), "elastic.replicas.count"),  # 1 unit of lcm(2, 2) = 2 groups per mini-batch
         (("actor.mini_batch_size=1", "elastic.replicas.count=1"), "use a multiple of 2"),  # half a unit
-        (("algorithm.name=ppo", "algorithm.critic_lr=1e-4"), "algorithm.name"),
         (("algorithm.name=dpo",), "a preference objective"),
         (("algorithm.name=dapo", "algorithm.dynamic_sampling=true"), "algorithm.name"),
         (("stream.partial_tokens=4", "actor.tis_cap=2.0"), "stream.partial_tokens"),
@@ -58,7 +58,6 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
     ids=[
         "unit-per-replica",
         "half-unit",
-        "critic",
         "dpo",
         "dynamic-sampling",
         "partial",

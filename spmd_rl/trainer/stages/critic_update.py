@@ -27,7 +27,7 @@ def critic_update(call: StageCall) -> StageResult:
     steps, grad_norm, lr = 0, 0.0, 0.0
     for _ in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.group)
+            norm = mini_batch_norm(seqs.mask[sl], lay.group, run.replicas.sum if run.replicas else None)
 
             def loss_fn(values, _ent, k, micros=micros, norm=norm):
                 s = micros[k]
