@@ -241,7 +241,7 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
     for engine in trained(roles):
         engine.gradient_sync = partial(sum_gradients, group)
     if group.running():
-        start = join_running(replicas, trained(roles), sampler)
+        start = join_running(replicas, trained(roles), sampler, start)
     else:
         replicas.start(r.count)
     if peer.rank == 0:

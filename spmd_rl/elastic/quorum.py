@@ -21,7 +21,9 @@ have asked (a SIGKILLed node's lease outlives it; its peers see the
 dead sockets at once and need not wait for the lease); never by joiners alone while a member of
 generation ``k - 1`` lives (the members ask at their next step boundary, and the joiners heal
 from them). Fewer than ``min_replicas`` after ``timeout_s``: ``QuorumLost``, and the job falls
-back to the checkpoint restart.
+back to the checkpoint restart. When no process of generation ``k - 1`` lives on (the whole job
+relaunched under its ``metadata.job``: ``_relaunched``), generation ``k`` waits for all of its
+replicas, as the first generation waits for ``count``, for up to half of ``timeout_s``.
 
 This is torchft's quorum (``torchft/manager.py``: ``Manager._async_quorum`` asking the
 Lighthouse, which answers with the members that joined within its join timeout, at least
@@ -159,7 +161,8 @@ class Quorum:
         self._renew()
         self.store.put(self._key("join", f"{number:08d}", self.replica), b"", lease=self._lease)
         asked_at = time.monotonic()
-        old = self._members_of(number - 1)
+        before = self._generation(number - 1)
+        old = set(before.members) if before else set()
         window_from = None if old else asked_at  # the join window runs from the first member's ask
         while True:
             decided = self.store.get(self._key("gen", f"{number:08d}"))
@@ -172,7 +175,11 @@ class Quorum:
             ready = asked & set(live)
             if window_from is None and ready & old:
                 window_from = time.monotonic()
-            if ready and min(ready) == self.replica and self._decides(ready, set(live), old, window_from, expected):
+            want = expected
+            if want is None and before is not None and _relaunched(before, live):
+                # the whole job relaunched: wait for the last launch's replicas, for half the timeout
+                want = len(old) if time.monotonic() - asked_at < self.timeout_s / 2 else self.min_replicas
+            if ready and min(ready) == self.replica and self._decides(ready, set(live), old, window_from, want):
                 gen = Generation(number, self._ordered(old, ready), {r: live[r] for r in ready})
                 self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
@@ -183,10 +190,10 @@ class Quorum:
                 )
             time.sleep(POLL_S)
 
-    def _members_of(self, number: int) -> set[str]:
-        """Generation ``number``'s members (none before the first)."""
+    def _generation(self, number: int) -> Generation | None:
+        """Generation ``number`` (None before the first)."""
         got = self.store.get(self._key("gen", f"{number:08d}")) if number >= 0 else None
-        return set(Generation.decode(got).members) if got is not None else set()
+        return Generation.decode(got) if got is not None else None
 
     @staticmethod
     def _ordered(old: set[str], ready: set[str]) -> tuple[str, ...]:
@@ -205,3 +212,12 @@ class Quorum:
         if expected is not None:
             return len(ready) >= expected
         return live <= ready or (window_from is not None and time.monotonic() - window_from >= self.join_window_s)
+
+
+def _relaunched(gen: Generation, live: dict[str, str]) -> bool:
+    """Whether no process of generation ``gen`` is alive: none of its members is published at
+    the address it had then (a replica relaunched under its name publishes a new one). The whole
+    job was relaunched under its ``metadata.job`` (each replica from its checkpoint): the next
+    generation waits for all of ``gen``'s replicas, as a first one waits for ``count``, so
+    none starts training alone from an older checkpoint than its peers'."""
+    return not any(live.get(m) == gen.addresses[m] for m in gen.members)

@@ -185,11 +185,14 @@ def _adopt_at(run: Run, it: int, counter: torch.Tensor) -> bool:
     return True
 
 
-def join_running(replicas: Replicas, engines: list, sampler: PromptSampler) -> int:
+def join_running(replicas: Replicas, engines: list, sampler: PromptSampler, start: int) -> int:
     """A replica arriving at a running job: heal the trained engines, their optimizers and the
-    sampler from a member, with no checkpoint read, and catch the LR schedules up; returns the
-    iteration the members are about to run, this replica's first."""
-    counter, state = heal_state(engines, sampler, -1)
+    sampler from the member furthest ahead, with no checkpoint read, and catch the LR schedules
+    up; returns the iteration the members are about to run, this replica's first. ``start``: the
+    iteration this replica resumed at (0 for a new one), its place in the comparison: when the
+    whole job is relaunched under its ``metadata.job``, every replica finds the last launch's
+    generation and joins, and all heal from the one whose checkpoint is the newest."""
+    counter, state = heal_state(engines, sampler, start)
     replicas.join(state, progress_of(counter))
     return adopt(engines, sampler, counter)
 

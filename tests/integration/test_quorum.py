@@ -2,7 +2,8 @@
 members live, however long past its join window (it would have nobody to heal from); the
 generation the members then agree on lists the previous one's members first, so member 0 (whose
 state heals the joiners, whose store hosts the group) has trained even when a joiner's name
-sorts first; a replica that asks to join a job with no generation is told so."""
+sorts first; a replica that asks to join a job with no generation is told so; a job relaunched
+under its name waits for all its replicas."""
 
 from __future__ import annotations
 
@@ -43,3 +44,32 @@ def test_joining_before_any_generation_is_refused(etcd):
     (q,) = quorums(etcd, "quorum-empty", "z").values()
     with pytest.raises(QuorumLost, match="nothing to join"):
         q.current()
+
+
+def test_a_relaunched_job_waits_for_all_its_replicas(etcd):
+    """Generation 0 of {m, n} with no process of it alive (both closed); the job is relaunched
+    under its name (new processes, new addresses): m alone does not decide generation 1, however
+    long past its join window, until n asks too, and with it asked both are members. (Before,
+    m decided alone at once and trained from its own checkpoint, maybe older than n's.)"""
+    first = quorums(etcd, "quorum-relaunch", "mn")
+    for x in first.values():
+        x.register()
+    with ThreadPoolExecutor(2) as pool:
+        assert {f.result().members for f in [pool.submit(first[n].agree, 0, 2) for n in "mn"]} == {("m", "n")}
+    for x in first.values():
+        x.close()  # the launch ends: leases revoked
+    store = MetadataStore([etcd.endpoint], job="quorum-relaunch")
+    again = {n: Quorum(store, n, f"127.0.0.1:{2000 + i}", lease_s=3, join_window_s=0.5) for i, n in enumerate("mn")}
+    for x in again.values():
+        x.register()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            m = pool.submit(again["m"].agree, 1)
+            time.sleep(1.5)  # three join windows
+            assert not m.done()
+            n = pool.submit(again["n"].agree, 1)
+            assert m.result().members == n.result().members == ("m", "n")
+            assert m.result().store_address == "127.0.0.1:2000"
+    finally:
+        for x in again.values():
+            x.close()

@@ -315,6 +315,32 @@ def test_ppo_replicas_undo_the_critic_too_and_heal_a_joiner_with_it(tiny_model, 
 
 
 @pytest.mark.slow
+def test_the_whole_job_relaunched_under_its_name_resumes_from_the_newest_checkpoint(tiny_model, tmp_path, etcd, solo):
+    """Both replicas are SIGKILLed once they trained two iterations (a checkpoint after each,
+    so theirs may be an iteration apart) and relaunched with the same ``metadata.job``: each
+    resumes from its own checkpoint, finds the last launch's generation, joins, and all heal
+    from the replica whose checkpoint is the newest (its place: iteration, steps). They finish
+    at the one job's weights: nothing is trained twice or skipped."""
+    tmp = tmp_path / "relaunch"
+    extra = ("elastic.replicas.count=2", "checkpoint.interval=1", "checkpoint.keep=5")
+    procs = {n: replica(tmp, etcd, "relaunch", n, None, *extra) for n in "ab"}
+    err = {n: tmp_path / f"relaunch-{n}.err" for n in "ab"}
+    with reaped(procs) as seen:
+        wait_while_running(lambda: all((tmp / f"ckpt/{n}/iter_000002").exists() for n in "ab"), procs, err)
+        for n in "ab":
+            kill_replica(procs, n, seen)
+        saved = {n: sorted(p.name for p in (tmp / f"ckpt/{n}").glob("iter_??????")) for n in "ab"}
+        procs |= {n: replica(tmp, etcd, "relaunch", n, None, *extra) for n in "ab"}
+        for n in "ab":
+            assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    newest = max(int(v[-1][5:]) for v in saved.values())
+    assert newest >= 2, saved
+    for n in "ab":
+        assert f"training from iteration {newest} " in err[n].read_text(), err[n].read_text()[-2000:]
+    assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
+
+
+@pytest.mark.slow
 def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, tmp_path, etcd, solo):
     """b's commit vote of iteration 2 completes on a, which steps and goes on, and fails on b
     (``split_commit``): nobody is lost. They meet again in the next generation at different
