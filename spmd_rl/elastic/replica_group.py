@@ -88,6 +88,9 @@ class ReplicaGroup:
             self.quorum = Quorum(store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
+        self.places_differed = False
+        """Whether the members of the last generation formed were at different places (a split
+        commit, healed from the furthest)."""
 
     @property
     def rank(self) -> int:
@@ -146,14 +149,15 @@ class ReplicaGroup:
         """Every member and joiner of a new generation, at the same point: heal all from the
         first member whose ``progress`` is the furthest (element-wise MAX) when the generation
         grew or the members' progress differs; without ``progress``, from member 0 when it grew."""
-        src = 0
+        src, self.places_differed = 0, False
         if progress is not None:
             mine = progress.to(torch.float64).reshape(-1)
             top, low = self.allreduce(mine.clone(), dist.ReduceOp.MAX), self.allreduce(mine.clone(), dist.ReduceOp.MIN)
             first = self.allreduce(
                 torch.tensor([float(self.rank if torch.equal(mine, top) else self.world)]), dist.ReduceOp.MIN
             )
-            src, grew = int(first.item()), grew or not torch.equal(top, low)
+            src, self.places_differed = int(first.item()), not torch.equal(top, low)
+            grew = grew or self.places_differed
             if src >= self.world:
                 raise RuntimeError(f"generation {self.gen.number}: no member is at the furthest place {top.tolist()}")
         if grew:

@@ -34,9 +34,29 @@ membership is agreed through the job's etcd (``elastic.quorum``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from spmd_rl.elastic.replica_group import ReplicaGroup, StateFn
+
+
+class FinishedGroups:
+    """The prompt groups this rank generated in the current iteration, by (the iteration's
+    seed, the group's seed key): its redo after a peer's loss takes them from here instead of
+    generating them again. A group's samples depend only on its seed key, the iteration's seed
+    and the weights, all three the same in the redo (``trainer.stages.rollout``), so the redo
+    trains what an uninterrupted run would. A new seed (the next iteration) empties it."""
+
+    def __init__(self):
+        self.seed: int | None = None
+        self.groups: dict[int, Any] = {}
+        self.reused = 0
+        """Groups taken from here in the current iteration."""
+
+    def begin(self, seed: int) -> None:
+        if seed != self.seed:
+            self.seed, self.groups, self.reused = seed, {}, 0
 
 
 class Replicas:
@@ -49,6 +69,10 @@ class Replicas:
         self.redone = 0
         """Iterations this replica redid after a peer's loss."""
         self._skip_boundary = False
+        self._owners: list[str] | None = None
+        """The redo's deal: the replica of each unit place of a mini-batch (``_sticky``); None:
+        the generation's round-robin."""
+        self.finished = FinishedGroups()
 
     @property
     def world(self) -> int:
@@ -62,7 +86,10 @@ class Replicas:
         """The units (of ``unit`` groups) this replica takes of each mini-batch in the current
         generation, by their place in the mini-batch."""
         per_mini = self.mini_batch // self.unit
-        mine = list(range(self.group.rank, per_mini, self.world))
+        if self._owners is not None:
+            mine = [i for i, owner in enumerate(self._owners) if owner == self.group.replica]
+        else:
+            mine = list(range(self.group.rank, per_mini, self.world))
         if not mine:
             raise RuntimeError(
                 f"replica {self.group.replica}: {self.world} replicas share each mini-batch's {per_mini} units of "
@@ -106,9 +133,32 @@ class Replicas:
         self.group.join(state, progress)
         self._skip_boundary = True
 
+    def _dealt(self) -> list[str]:
+        """The replica of each unit place of a mini-batch in the current deal."""
+        members, per_mini = self.group.gen.members, self.mini_batch // self.unit
+        return list(self._owners) if self._owners is not None else [members[i % len(members)] for i in range(per_mini)]
+
+    def _sticky(self, before: list[str], number: int) -> list[str] | None:
+        """The redo's deal after a loss, from the failed attempt's (``before``, in generation
+        ``number``): each survivor keeps its unit places, so the groups it generated are in its
+        share again (``finished``); the lost replicas' places go round-robin over the new
+        generation. Only when every member knew the failed deal and gets a place: the new
+        generation directly follows it, holds no replica new to it and its members were at
+        one place (no split commit); else None (the round-robin)."""
+        gen = self.group.gen
+        if gen.number != number + 1 or set(gen.members) - set(before) or self.group.places_differed:
+            return None
+        lost = [i for i, owner in enumerate(before) if owner not in gen.members]
+        owners = list(before)
+        for k, i in enumerate(lost):
+            owners[i] = gen.members[k % len(gen.members)]
+        return owners if set(owners) == set(gen.members) else None
+
     def take_joiners(self, state: StateFn, progress: torch.Tensor) -> bool:
         """At an iteration's start, on every member: take in the replicas asking to join, healing
-        them with ``state``; whether the membership changed."""
+        them with ``state``; whether the membership changed. The deal is the generation's
+        round-robin again."""
+        self._owners = None
         if self._skip_boundary:  # the members took this replica in at this very boundary (or it caught up)
             self._skip_boundary = False
             return False
@@ -124,15 +174,19 @@ class Replicas:
 
     def recover(self, state: StateFn, progress: torch.Tensor) -> None:
         """After ``ReplicaLost``: agree on the next generation with the survivors (and joiners),
-        all healed from the furthest member when their ``progress`` differs (a split commit)."""
+        all healed from the furthest member when their ``progress`` differs (a split commit);
+        the redo is dealt so that the survivors keep their groups (``_sticky``)."""
+        before, number = self._dealt(), self.group.gen.number
         self.redone += 1
         self.group.recover(state, progress)
+        self._owners = self._sticky(before, number)
 
     def metrics(self) -> dict[str, float]:
         return {
             "replicas": float(self.world),
             "replica_generation": float(self.generation),
             "replica_redone": float(self.redone),
+            "replica_reused_groups": float(self.finished.reused),
         }
 
     def close(self) -> None:

@@ -178,8 +178,9 @@ def _adopt_at(run: Run, it: int, counter: torch.Tensor) -> bool:
     run.residency.weights_changed()  # the engines hold this replica's weights from before the heal
     if run.peer.rank == 0:
         log.warning(
-            "iteration %d: the other replicas committed it and this one's commit vote failed; healed to their "
-            "state (its share of the iteration is not in this replica's prompt ledger)",
+            "iteration %d: the other replicas committed it without this one (its commit vote failed, or they "
+            "went on without it); healed to their state and skipping it (what it trained of the iteration is not "
+            "in its prompt ledger)",
             it,
         )
     return True
@@ -210,8 +211,8 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
             if boundary:  # a redo follows a recovery, which took in whoever asked
                 boundary = False
                 counter, state = heal_state(engines, run.sampler, it, resident)
-                if reps.take_joiners(state, progress_of(counter)):
-                    _adopt_at(run, it, counter)
+                if reps.take_joiners(state, progress_of(counter)) and _adopt_at(run, it, counter):
+                    return reps.metrics() | {"replica_caught_up": 1.0}
             kept.keep()
             return iteration(replace(run, cfg=share_config(base, reps)), it, on_stage) | reps.metrics()
         except ReplicaLost as exc:

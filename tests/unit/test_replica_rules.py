@@ -107,3 +107,27 @@ def test_a_replica_left_without_a_unit_is_told_the_fix():
         Replicas(fake_group(4, 5), 8, 8, 2).deal(list(range(8)))
     with pytest.raises(ValueError, match="dealing 6 rows, not the global batch of 8"):
         Replicas(fake_group(0, 2), 8, 8, 2).deal(list(range(6)))
+
+
+def redo_deal(before: list[str], members: tuple[str, ...], number: int = 4, differed: bool = False):
+    gen = SimpleNamespace(members=members, number=number)
+    group = SimpleNamespace(gen=gen, places_differed=differed, replica=members[0], rank=0, world=len(members))
+    return Replicas(group, 12, 6, 1)._sticky(before, 3)
+
+
+def test_the_redo_keeps_each_survivors_groups_and_deals_the_lost_ones():
+    """After c's loss each survivor keeps its unit places (the groups it already generated are
+    its share again: ``FinishedGroups``); c's places go round-robin over the survivors."""
+    assert redo_deal(list("abcabc"), ("a", "b")) == list("abaabb")
+    assert redo_deal(list("abcabc"), ("b", "a")) == list("abbaba")  # the generation's order deals the lost
+
+
+@pytest.mark.parametrize(
+    "members,number,differed",
+    [(("a", "b", "d"), 4, False), (("a", "b"), 5, False), (("a", "b"), 4, True)],
+    ids=["a-joiner", "a-generation-between", "split-commit"],
+)
+def test_the_redo_is_the_round_robin_where_a_member_did_not_know_the_failed_deal(members, number, differed):
+    """A member new to it, a generation in between (a member left out rejoins), or a split
+    commit (the members were in different attempts): they could compute different deals."""
+    assert redo_deal(list("abcabc"), members, number, differed) is None

@@ -6,7 +6,9 @@ rounds or elastic replicas (whose docks number their shares from 0).
 
 ``rollout_groups`` yields each prompt group as the engine finishes it (stage fusion streams
 them into the dock); the stage function collects them all, so both paths write the same
-samples.
+samples. Under elastic replicas it first yields the groups this rank already generated in the
+iteration (``elastic.replicas.FinishedGroups``): the redo after a peer's loss generates only the
+groups that were not this rank's (the lost replica's), as the same seeds would anyway.
 
 Under partial rollout (``stream.partial_tokens`` = B) every unfinished sample is continued
 from its prefix (the data loader's ``prefix_*`` columns) by at most B tokens, seeded by its
@@ -57,15 +59,31 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
     if run.turns is not None:  # trajectories finish in any order; the groups are handed over together
         yield idx, [_as_sample(t) for t in _trajectories(call)]
         return
-    firsts = batch.columns["prompt_ids"][::n]
+    firsts, keys, seed = batch.columns["prompt_ids"][::n], _seed_keys(call)[::n], _seed(call)
+    done = call.run.replicas.finished if call.run.replicas is not None else None
+    todo = list(range(len(keys)))
+    if done is not None:  # elastic replicas: the groups this rank generated before a peer's loss
+        done.begin(seed)
+        kept = [p for p in todo if keys[p] in done.groups]
+        todo = [p for p in todo if keys[p] not in done.groups]
+        done.reused += len(kept)
+        if kept:
+            yield [i for p in kept for i in idx[p * n : (p + 1) * n]], [s for p in kept for s in done.groups[keys[p]]]
+    if not todo:
+        return
     for step in run.rollout.generate_stream(
-        [f.tolist() for f in firsts],
+        [firsts[p].tolist() for p in todo],
         n=n,
         max_tokens=run.cfg.rollout.max_response_length,
-        seed=_seed(call),
-        seed_keys=_seed_keys(call)[::n],
+        seed=seed,
+        seed_keys=[keys[p] for p in todo],
     ):
-        yield [i for p, _ in step for i in idx[p * n : (p + 1) * n]], [s for _, samples in step for s in samples]
+        if done is not None:
+            done.groups.update((keys[todo[q]], samples) for q, samples in step)
+        yield (
+            [i for q, _ in step for i in idx[todo[q] * n : (todo[q] + 1) * n]],
+            [s for _, samples in step for s in samples],
+        )
 
 
 def rollout_columns(samples: list[Sample]) -> dict[str, object]:
