@@ -18,8 +18,10 @@ gradient's all-reduce over the replicas, before the commit vote; inside a checkp
 ``update_stopped`` (replicas only): the victim's worker SIGSTOPped at the update, not killed.
 Times from the kill: "training again" (restart: the new worker logs "training from iteration";
 replicas: the survivor logs "redoing iteration"), "next iteration" (the survivor logs an
-iteration finished after the kill) and whether the survivor's worker kept its pid. Median of
-``--runs``. Run from the repository root: ``python tools/bench_replica_trainer.py``."""
+iteration finished after the kill) and whether the survivor's worker kept its pid; and the
+survivor's generation stage before the loss, in the redo (whose groups it had generated already
+come from memory) and after it. Median of ``--runs``. Run from the repository root:
+``python tools/bench_replica_trainer.py``."""
 
 from __future__ import annotations
 
@@ -165,7 +167,18 @@ def replica_loss(tmp: Path, etcd: str, point: str) -> dict[str, float]:
         t0 = time.monotonic()
         again = wait_for(lambda: _after(tmp / "s.log", offset, "redoing iteration"), 300, "the survivor's redo")
         wait_for(lambda: len(metric_rows(metrics)) > rows, 300, "the survivor's next iteration")
-        return {"again": again, "next": time.monotonic() - t0, "same_pid": float(_worker_pid(procs["s"]) == before)}
+        nxt = time.monotonic() - t0
+        wait_for(lambda: len(metric_rows(metrics)) > rows + 1, 300, "the survivor's iteration after the redo")
+        before_row, redo, after = metric_rows(metrics)[rows - 1 : rows + 2]
+        return {
+            "again": again,
+            "next": nxt,
+            "same_pid": float(_worker_pid(procs["s"]) == before),
+            "reused": redo["replica_reused_groups"],
+            "gen_before": before_row["time_actor_rollout"],
+            "gen_redo": redo["time_actor_rollout"],
+            "gen_after": after["time_actor_rollout"],
+        }
     finally:
         for p in procs.values():
             kill_tree(p, seen)
@@ -176,6 +189,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--points", nargs="+", default=POINTS, choices=POINTS)
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="the rollout engine both modes use")
+    ap.add_argument("--replicas-only", action="store_true", help="skip the restart baseline runs")
     args = ap.parse_args()
     TRAIN.append(f"rollout.engine={args.engine}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-replica-trainer-"))
@@ -185,7 +199,7 @@ def main() -> None:
         for k in range(args.runs):
             for point in args.points:
                 runs = [("replicas", replica_loss, point)]
-                if point not in BASELINE:
+                if point not in BASELINE and not args.replicas_only:
                     runs.insert(0, ("restart", restart_loss, point))
                 for mode, fn, at in runs:
                     got.setdefault((point, mode), []).append(fn(tmp / f"{mode}-{point}-{k}", etcd.endpoint, at))
@@ -208,6 +222,26 @@ def main() -> None:
             same = all(r["same_pid"] for r in rs)
             ratio = f"{nxt / base:15.2f}" if base else f"{'-':>15}"
             print(f"{point:13} {mode:9} {again:17.2f} {nxt:17.2f} {'yes' if same else 'no':>9} {ratio}")
+    _generation_table(args.points, got)
+
+
+def _generation_table(points: list[str], got: dict) -> None:
+    """The survivor's generation stage in the same run: its last iteration before the loss (its
+    share: half the batch), the redo (the whole batch, its own half taken from memory,
+    ``replica_reused_groups``) and the iteration after (the whole batch, all generated)."""
+    print(
+        f"\n{'kill point':13} {'reused groups':>13} {'gen before s':>13} {'gen redo s':>11} {'gen after s':>12} "
+        f"{'redo / after':>13}"
+    )
+    for point in points:
+        rs = got.get((point, "replicas"))
+        if not rs:
+            continue
+        med = {k: statistics.median(r[k] for r in rs) for k in ("reused", "gen_before", "gen_redo", "gen_after")}
+        print(
+            f"{point:13} {med['reused']:13.0f} {med['gen_before']:13.2f} {med['gen_redo']:11.2f} "
+            f"{med['gen_after']:12.2f} {med['gen_redo'] / med['gen_after']:13.2f}"
+        )
 
 
 if __name__ == "__main__":
