@@ -48,7 +48,7 @@ prompts = [
     )["input_ids"]
     for r in rows
 ]
-run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None)  # single-turn: no environment
+run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None, replicas=None)  # single-turn
 
 
 def call(it, pieces):

@@ -124,7 +124,7 @@ def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, pro
     cfg = load_config(Path(REPO / "configs/quickstart.yaml"), ["rollout.n=2", "rollout.max_response_length=8"])
     hot = RolloutConfig(engine="hf", n=2, max_response_length=8, temperature=2.0, top_k=-1, top_p=1.0)
     engine = build_rollout_engine(RolloutBuild(tiny_model, detect("cpu"), hot, 1, "float32", 64, distributed=False))
-    run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None)
+    run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None, replicas=None)
 
     def responses(groups: list[int]) -> dict[int, list[int]]:
         idx = torch.tensor([2 * g + k for g in groups for k in range(2)])

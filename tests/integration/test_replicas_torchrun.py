@@ -1,16 +1,16 @@
 """Elastic replicas in the trainer (``elastic.replicas``), each replica its own ``spmd-rl train``
-(a torchrun job) against one real etcd: three replicas train one global batch; one is
-SIGKILLed (launcher, agent and rank) right after its first iteration, during the next one's
-generation, and a fourth is started then (the survivors are held at their next iteration's
-start, ``tests/helpers/faults``, until it asked to join, so it joins at iteration 1 or 2 however
-long it takes to start). The survivors keep their processes (each logs its start once), redo the
-interrupted iteration with the prompts dealt over two (each keeping the groups it had generated,
-generating only c's), take the new one in at an iteration's
-start (healed from a survivor: weights, AdamW state, sampler, LR schedule, no checkpoint),
-train every prompt of every iteration once (the replicas' prompt ledgers, merged, are the one
-job's, each prompt trained once) and end bit-identical to each other, the joiner included, and, within float
-round-off, equal to one job training the same global batch alone: the objective's split
-invariance across replicas.
+(a torchrun job) against one real etcd: three replicas train one global batch; after their
+first iteration all are held at iteration 1's start (``tests/helpers/faults``), one is
+SIGKILLed (launcher, agent and rank) there, and a fourth is started (the survivors stay held
+until it asked to join, so it joins at iteration 1 or 2 however long it takes to start). The
+survivors keep their processes (each logs its start once), redo the interrupted iteration with
+the prompts dealt over the new generation (each keeping the groups it had generated, generating
+only the lost one's), take the new one in at an iteration's start (healed from a survivor:
+weights, AdamW state, sampler, LR schedule, no checkpoint), train every prompt of every
+iteration once (the replicas' prompt ledgers, merged, are the one job's, each prompt trained
+once) and end bit-identical to each other, the joiner included, and, within float round-off,
+equal to one job training the same global batch alone: the objective's split invariance across
+replicas.
 
 A second run kills a replica at the most delicate point, after the gradient's all-reduce over
 the replicas and before the commit vote (``tests/helpers/faults``: it pauses there, then is
@@ -184,7 +184,8 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
     procs = {n: replica(tmp, etcd, "elastic", n, hold) for n in "abc"}
     err = {n: tmp_path / f"elastic-{n}.err" for n in "abcd"}
     with reaped(procs) as seen:
-        wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
+        # all three wait inside iteration 1, past its start's collective: a and b meet c's loss after generating
+        wait_while_running(lambda: len(list(faults.glob("held.*"))) == 3, procs, err)
         kill_replica(procs, "c", seen)
         procs["d"] = replica(tmp, etcd, "elastic", "d")
         wait_while_running(lambda: asked_to_join(etcd, "elastic", "d"), {"d": procs["d"]}, err)

@@ -24,7 +24,8 @@ Plans (``dir`` is a folder the test and the workers share):
   replicas, before the commit vote), ``heal`` (an elastic replica: before it sends or receives a
   joiner's state; its iteration is its last update's), ``checkpoint`` (inside a checkpoint write, between its
   barriers). In a world of 1 with ``D/hold`` present, every iteration after the
-  worker's first waits (until the test grows the world, which restarts this worker).
+  worker's first waits (until the test grows the world, which restarts this worker), and
+  writes ``D/held.<pid>`` (the iteration) as it starts waiting.
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
   ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
@@ -127,6 +128,8 @@ def _pause(plan: dict) -> None:
     run_iteration, done = loop.run_iteration, []
 
     def held(run, it, *args, **kwargs):
+        if done and os.environ.get("WORLD_SIZE") == "1" and (folder / "hold").exists():
+            (folder / f"held.{os.getpid()}").write_text(str(it))  # the test sees who waits where
         while done and os.environ.get("WORLD_SIZE") == "1" and (folder / "hold").exists():
             time.sleep(0.1)
         done.append(it)
