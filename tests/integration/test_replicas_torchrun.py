@@ -87,12 +87,19 @@ def rows(path: Path) -> list[dict]:
 def solo(tiny_model, tmp_path_factory, etcd) -> dict[str, torch.Tensor]:
     """The final weights of one job training the global batch alone."""
     tmp = tmp_path_factory.mktemp("solo")
-    done = subprocess.run(command(tmp, etcd, "metadata.job=solo"), cwd=REPO, env=ENV, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    one_job(tmp, etcd, "solo")
     return model_weights(tmp / f"ckpt/iter_{ITERS:06d}")
 
 
 ENV = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+
+
+def one_job(tmp: Path, etcd, job: str, *extra: str) -> None:
+    """One job (no replicas) training the global batch alone, to the end: the reference run."""
+    done = subprocess.run(
+        command(tmp, etcd, f"metadata.job={job}", *extra), cwd=REPO, env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def replica(tmp: Path, etcd, job: str, name: str, faults: dict | None = None, *extra: str) -> subprocess.Popen:
@@ -246,14 +253,7 @@ def test_a_loss_after_a_committed_mini_batch_undoes_it_and_matches_one_job(tiny_
     are undone, each replica's mini-batch m is its part of the global mini-batch m, and the
     whitening's moments are the global batch's (summed over the replicas)."""
     steps = ("actor.mini_batch_size=3", "actor.ppo_epochs=2", "trainer.iterations=3", "algorithm.name=reinforce_pp")
-    done = subprocess.run(
-        command(tmp_path / "solo4", etcd, "metadata.job=solo4", *steps),
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    one_job(tmp_path / "solo4", etcd, "solo4", *steps)
     tmp, faults = tmp_path / "minis", tmp_path / "faults"
     faults.mkdir()
     plan = {"kind": "pause", "dir": str(faults), "points": ["commit"], "min_iteration": 1, "world": 1, "skip": 1}
@@ -284,14 +284,7 @@ def test_ppo_replicas_undo_the_critic_too_and_heal_a_joiner_with_it(tiny_model, 
     the survivors put both back and redo it, and d, started meanwhile, is healed with both
     models' weights and AdamW state. a, b and d end bit-identical, at the one job's weights."""
     ppo = ("algorithm.name=ppo", "algorithm.critic_lr=1e-4", "actor.mini_batch_size=3", "trainer.iterations=3")
-    done = subprocess.run(
-        command(tmp_path / "solo_ppo", etcd, "metadata.job=solo_ppo", *ppo),
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    one_job(tmp_path / "solo_ppo", etcd, "solo_ppo", *ppo)
     tmp, faults, at_commit = tmp_path / "ppo", tmp_path / "faults", tmp_path / "commit"
     faults.mkdir(), at_commit.mkdir()
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
@@ -493,10 +486,7 @@ def test_replicas_of_two_ranks_lose_one_and_match_one_job_of_two(tiny_model, tmp
     two = ("parallel.nproc_per_node=2", "parallel.train.dp_shard=2", "parallel.gen.dp=2", "trainer.iterations=3")
     # two mini-batches of 4 groups, each shared over a replica's two ranks on its own (``Stage.mini_batched``)
     two += ("data.global_batch_size=8", "actor.mini_batch_size=4")
-    done = subprocess.run(
-        command(tmp_path / "solo2", etcd, "metadata.job=solo2", *two), cwd=REPO, env=ENV, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    one_job(tmp_path / "solo2", etcd, "solo2", *two)
     tmp = tmp_path / "hsdp"
     procs = {n: replica(tmp, etcd, "hsdp", n, None, "elastic.replicas.count=2", *two) for n in "ab"}
     err = {n: tmp_path / f"hsdp-{n}.err" for n in "ab"}
