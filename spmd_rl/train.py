@@ -71,6 +71,7 @@ from spmd_rl.trainer.loop import train
 from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.partial import restore_carry
 from spmd_rl.trainer.replica_loop import join_running, trained
+from spmd_rl.trainer.stages.minibatch import mini_batch_count
 
 log = logging.getLogger("spmd_rl")
 
@@ -384,7 +385,7 @@ def _peer_lost(reason: str) -> None:
 
 
 def _total_steps(cfg) -> int:
-    return cfg.trainer.iterations * cfg.actor.ppo_epochs * (cfg.data.global_batch_size // cfg.actor.mini_batch_size)
+    return cfg.trainer.iterations * cfg.actor.ppo_epochs * mini_batch_count(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,10 +86,7 @@ class Replicas:
         """The units (of ``unit`` groups) this replica takes of each mini-batch in the current
         generation, by their place in the mini-batch."""
         per_mini = self.mini_batch // self.unit
-        if self._owners is not None:
-            mine = [i for i, owner in enumerate(self._owners) if owner == self.group.replica]
-        else:
-            mine = list(range(self.group.rank, per_mini, self.world))
+        mine = [i for i, owner in enumerate(self._dealt()) if owner == self.group.replica]
         if not mine:
             raise RuntimeError(
                 f"replica {self.group.replica}: {self.world} replicas share each mini-batch's {per_mini} units of "

@@ -46,7 +46,7 @@ class LiveProgress(Quiet):
         self.bar.update(self.task, description=name)
 
     def iteration_done(self, it: int, m: dict[str, float]) -> None:
-        if "reward_mean" not in m:  # an elastic replica that caught up: its peers trained this iteration
+        if m.get("replica_caught_up"):  # an elastic replica that caught up: its peers trained this iteration
             self.bar.console.print(f"[bold]iter {it + 1}/{self.total}[/] trained by the other replicas")
             self.bar.update(self.task, advance=1)
             return

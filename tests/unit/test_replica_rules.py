@@ -73,7 +73,10 @@ def test_what_a_survivor_cannot_redo_exits_2_naming_the_field(in_repo, tiny_mode
 
 
 def fake_group(rank: int, world: int) -> SimpleNamespace:
-    return SimpleNamespace(rank=rank, world=world, replica=f"r{rank}")
+    members = tuple(f"r{r}" for r in range(world))
+    return SimpleNamespace(
+        rank=rank, world=world, replica=members[rank], gen=SimpleNamespace(members=members, number=0)
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
