@@ -213,6 +213,16 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
         assert text.count("training from iteration") == 1 and f"redoing iteration 1 with {4 - joined} replicas" in text
     assert [r["iteration"] for r in logs["d"]] == list(range(joined, ITERS))
     assert err["d"].read_text().count(f"training from iteration {joined} ") == 1
+    # seen from the engine: a survivor asked it for 2 groups per iteration, 2 in the failed try, and in the
+    # redo none (d took c's place at once) or c's one of its new 3 (d came at iteration 2); without the
+    # memory it would ask for its whole share again
+    killed = {p for p, _ in seen}  # c's processes
+    asked = {
+        pid: sum(int(k) for n, k in (x.split() for x in f.read_text().split("\n") if x) if int(n) == N)
+        for f in faults.glob("generated.*")
+        if (pid := int(f.suffix[1:])) not in killed
+    }
+    assert sorted(asked.values()) == [2 * ITERS + (joined == 2)] * 2, asked  # a and b (d runs no fault plan)
     for it in range(ITERS):  # every prompt's samples trained once, by the replicas of that iteration
         total = sum(r["samples"] for n in "abcd" for r in logs[n] if r["iteration"] == it)
         assert total == G * N, (it, total)

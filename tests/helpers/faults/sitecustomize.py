@@ -25,7 +25,8 @@ Plans (``dir`` is a folder the test and the workers share):
   joiner's state; its iteration is its last update's), ``checkpoint`` (inside a checkpoint write, between its
   barriers). In a world of 1 with ``D/hold`` present, every iteration after the
   worker's first waits (until the test grows the world, which restarts this worker), and
-  writes ``D/held.<pid>`` (the iteration) as it starts waiting.
+  writes ``D/held.<pid>`` (the iteration) as it starts waiting. An elastic replica (world 1)
+  also appends "n prompts" to ``D/generated.<pid>`` for every request of groups to its engine.
 - ``{"kind": "dump", "dir": D}``: every dock put of the worker is also saved as
   ``D/put_rank<r>_<n>.pt`` (stage, iteration, indices, columns; read back with
   ``torch.load(weights_only=True)``), and every residency-ledger row is appended to
@@ -106,6 +107,7 @@ def _pause(plan: dict) -> None:
     if plan.get("world") == 1:  # an elastic replica
         from spmd_rl.elastic.replica_group import ReplicaGroup
 
+        _count_generated(folder)
         wrap(ReplicaGroup, "should_commit", "commit", lambda *args: updating[0])
         wrap(ReplicaGroup, "heal", "heal", lambda *args: updating[0])
 
@@ -136,6 +138,21 @@ def _pause(plan: dict) -> None:
         return run_iteration(run, it, *args, **kwargs)
 
     loop.run_iteration = held
+
+
+def _count_generated(folder: Path) -> None:
+    """Append "n prompts" to ``folder/generated.<pid>`` for every request of groups to the rollout
+    engine: what a replica generated, seen from the engine rather than from its own counters."""
+    from spmd_rl.engines.base import Rollout
+
+    stream = Rollout.generate_stream
+
+    def counted(self, prompts, n, *args, **kwargs):
+        with open(folder / f"generated.{os.getpid()}", "a") as f:
+            f.write(f"{n} {len(prompts)}\n")
+        return stream(self, prompts, n, *args, **kwargs)
+
+    Rollout.generate_stream = counted
 
 
 def _dump(plan: dict) -> None:
