@@ -26,9 +26,9 @@ Measured per S, on the iterations after the first (which opens the connections):
 - the time ranks spent inside etcd calls as a share of their dock time;
 - payload bytes through each warehouse against Eq. (4).
 
-``--fit`` fits per-rank costs to the points, extrapolates to 1,024 and 4,096 ranks at the
-paper's iteration time (``--iteration-s``) and sets them against etcd's capacity measured on
-this machine (``--capacity``: small puts and range reads from many clients, etcd with fsync).
+``--fit`` fits per-rank costs (keep-alives: per node) to the points, extrapolates to 1,024 and
+4,096 ranks at the paper's iteration time (``--iteration-s``) and sets them against etcd's
+capacity measured on this machine (``--capacity``: small puts and range reads from many clients, etcd with fsync).
 
     python tools/bench_control_plane.py --nodes 4,8,16 --fit --capacity
     python tools/bench_control_plane.py --nodes 4,8,16,32,64 --fit --capacity --json out.json
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = fit(rows) if args.fit else None
     if model:
         for t in sorted({args.iteration_s, PAPER_ITERATION_S}):
-            print_model(model, cap, t)
+            print_model(model, cap, t, args.nproc_per_node)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "capacity": cap, "model": model}, indent=1))
     return rows
@@ -644,7 +644,8 @@ FITTED = {  # per-iteration quantity of a row -> the powers of R it is fitted wi
 
 def fit(rows: list[dict]) -> dict[str, list[float]]:
     """Least-squares coefficients of each ``FITTED`` quantity in its powers of the rank count,
-    plus keep-alives per rank and second (idle), averaged."""
+    plus keep-alives per node and second (idle), averaged: one lease per node
+    (``dock.node_lease``), so they follow the node count, not the rank count."""
     import numpy as np
 
     R = np.array([r["ranks"] for r in rows], dtype=float)
@@ -653,7 +654,7 @@ def fit(rows: list[dict]) -> dict[str, list[float]]:
         A = np.stack([R**p for p in powers], axis=1)
         coef, *_ = np.linalg.lstsq(A, np.array([r[key] for r in rows]), rcond=None)
         out[key] = [float(c) for c in coef]
-    out["keepalives_per_rank_s"] = [statistics.fmean(r["etcd_keepalives_per_s_idle"] / r["ranks"] for r in rows)]
+    out["keepalives_per_node_s"] = [statistics.fmean(r["etcd_keepalives_per_s_idle"] / r["nodes"] for r in rows)]
     return out
 
 
@@ -661,14 +662,15 @@ def predict(model: dict, key: str, ranks: float) -> float:
     return sum(c * ranks**p for c, p in zip(model[key], FITTED[key]))
 
 
-def extrapolate(model: dict, cap: dict | None, iteration_s: float, ranks: list[int]) -> list[dict]:
-    """Per rank count: etcd's load at one iteration per ``iteration_s``, and against the
-    capacity measured on this machine (one etcd core: 1 / CPU seconds per operation)."""
+def extrapolate(model: dict, cap: dict | None, iteration_s: float, ranks: list[int], ranks_per_node: int) -> list[dict]:
+    """Per rank count: etcd's load at one iteration per ``iteration_s`` with ``ranks_per_node``
+    ranks on each node, and against the capacity measured on this machine (one etcd core:
+    1 / CPU seconds per operation)."""
     rows = []
     for R in ranks:
         writes_s = predict(model, "etcd_writes_per_it", R) / iteration_s
         events_s = predict(model, "etcd_watch_events_per_it", R) / iteration_s
-        keep_s = model["keepalives_per_rank_s"][0] * R
+        keep_s = model["keepalives_per_node_s"][0] * R / ranks_per_node
         cpu = predict(model, "etcd_etcd_cpu_s_per_it", R) / iteration_s
         row = {"ranks": R, "writes_s": writes_s, "reads_s": predict(model, "etcd_reads_per_it", R) / iteration_s}
         row |= {"watch_events_s": events_s, "keepalives_s": keep_s, "etcd_cpu_share": cpu}
@@ -680,7 +682,7 @@ def extrapolate(model: dict, cap: dict | None, iteration_s: float, ranks: list[i
     return rows
 
 
-def print_model(model: dict, cap: dict | None, iteration_s: float) -> None:
+def print_model(model: dict, cap: dict | None, iteration_s: float, ranks_per_node: int) -> None:
     print(
         "\nfitted per iteration (R = ranks): "
         + "; ".join(
@@ -688,7 +690,7 @@ def print_model(model: dict, cap: dict | None, iteration_s: float) -> None:
             + " + ".join(f"{c:.3g} R^{p}" for c, p in zip(model[k], FITTED[k]))
             for k in FITTED
         )
-        + f"; keep-alives {model['keepalives_per_rank_s'][0]:.3f} per rank and second"
+        + f"; keep-alives {model['keepalives_per_node_s'][0]:.3f} per node and second"
     )
     if cap:
         print(
@@ -698,13 +700,13 @@ def print_model(model: dict, cap: dict | None, iteration_s: float) -> None:
                 for op, v in cap.items()
             )
         )
-    print(f"\nat one iteration per {iteration_s:.0f} s:")
+    print(f"\nat one iteration per {iteration_s:.0f} s, {ranks_per_node} ranks per node:")
     print(
         "| ranks | writes/s | reads/s | watch events/s | keep-alives/s | etcd MB/s sent | etcd CPU (cores) "
         "| of write capacity |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for r in extrapolate(model, cap, iteration_s, [256, 1024, 4096, 16384]):
+    for r in extrapolate(model, cap, iteration_s, [256, 1024, 4096, 16384], ranks_per_node):
         share = f"{100 * r['write_capacity_share']:.2f} %" if "write_capacity_share" in r else "-"
         print(
             f"| {r['ranks']} | {r['writes_s']:.1f} | {r['reads_s']:.1f} | {r['watch_events_s']:.0f} | "

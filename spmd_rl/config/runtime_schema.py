@@ -223,8 +223,10 @@ class ElasticConfig(Section):
     heartbeat_ttl_s: int = Field(
         6,
         ge=3,
-        description="Lease of each rank's and warehouse's liveness key in etcd (renewed every second): a rank waiting "
-        "on a lost peer (data, metadata or a collective) exits after about this long, and torchrun restarts the group.",
+        description="Lease of each node's liveness keys in etcd (its ranks' and its warehouse's), renewed every second "
+        "by the node's local rank 0; the node's other ranks beat to it through shared memory, and a rank silent this "
+        "long loses its key. A rank waiting on a lost peer (data, metadata or a collective) exits after about this "
+        "long, and torchrun restarts the group.",
     )
     replicas: ReplicasConfig | None = Field(
         None,

@@ -31,9 +31,10 @@ from spmd_rl.dock.controller import StageController, group_nodes
 from spmd_rl.dock.errors import DockRequestError
 from spmd_rl.dock.feed import RecordFeed, RecordView
 from spmd_rl.dock.feed_host import FeedHost
-from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
+from spmd_rl.dock.heartbeat import PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.node_feed import NodeFeed
+from spmd_rl.dock.node_lease import start_liveness
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.relay import plan_relay, relayed_fetch
 from spmd_rl.dock.stream import StageStream
@@ -64,14 +65,12 @@ class TransferDock(Fetcher):
         self._own: dict[int, Locations] = {}
         """Per iteration, this rank's put-records (its feed may not have seen them yet)."""
         self._seq = 0
-        self._warehouse_beat: Heartbeat | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, heartbeat_ttl_s: int | None = None) -> "TransferDock":
         """Start this node's warehouse (if this rank serves it) and publish its address; with
-        ``heartbeat_ttl_s`` also this rank's liveness key (stages then fail fast on a lost rank)."""
-        if heartbeat_ttl_s:
-            self.heartbeat = Heartbeat(self.meta, self.peer.rank, heartbeat_ttl_s).start()
+        ``heartbeat_ttl_s`` also the liveness keys (stages then fail fast on a lost rank): the
+        node's lease on its local rank 0, a beat on the others (``dock.node_lease``)."""
         if self.serves_warehouse():
             port = self.cfg.port + self.peer.node if self.cfg.port else 0
             self.server = WarehouseServer(
@@ -85,14 +84,22 @@ class TransferDock(Fetcher):
             if not self.centralized:
                 self.server.keep_feeds(FeedHost(self.meta))
             self.server.start()
-            if heartbeat_ttl_s:
-                self._warehouse_beat = Heartbeat(
-                    self.meta, self.home_node, heartbeat_ttl_s, kind="warehouse_alive", healthy=self.server.serving
-                ).start()
             self.meta.put(
                 self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode()
             )
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
+        if heartbeat_ttl_s:
+            k, node = self.peer.nproc_per_node, self.peer.node
+            self.heartbeat = start_liveness(
+                self.meta,
+                node,
+                range(node * k, (node + 1) * k),
+                self.peer.local_rank,
+                heartbeat_ttl_s,
+                self.cfg.get_timeout_s,
+                warehouse=self.home_node if self.server is not None else None,
+                healthy=self.server.serving if self.server is not None else None,
+            )
         return self
 
     def warehouse_nodes(self) -> list[int]:
@@ -108,7 +115,7 @@ class TransferDock(Fetcher):
         self.peer_watch = PeerWatch(self.meta, self.peer.world, self.warehouse_nodes(), on_lost).start()
 
     def close(self) -> None:
-        for beat in (self.peer_watch, self.heartbeat, self._warehouse_beat):
+        for beat in (self.peer_watch, self.heartbeat):
             if beat is not None:
                 beat.stop()
         for feed in self._feeds.values():

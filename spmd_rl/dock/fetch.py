@@ -17,9 +17,10 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.dock.columns import ColumnSpec
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch, alive_ranks
+from spmd_rl.dock.heartbeat import PeerWatch, alive_ranks
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.node_lease import NodeLease, RankBeat
 from spmd_rl.dock.records import Locations
 from spmd_rl.dock.same_node import SameNodeWarehouse
 from spmd_rl.dock.warehouse import WarehouseServer
@@ -63,9 +64,10 @@ class Fetcher:
         self._clients: dict[int, WarehouseClient | InProcessWarehouse] = {}
         self.relay_calls: dict[int, dict[str, int]] = {}
         """Per iteration and stage, the last relayed fetch's number (``dock.relay``)."""
-        self.heartbeat: Heartbeat | None = None
-        """This rank's liveness key, when the dock runs with them: fetches then fail at once
-        on a lost warehouse or rank instead of waiting ``dock.get_timeout_s``."""
+        self.heartbeat: NodeLease | RankBeat | None = None
+        """This rank's part of the liveness keys, when the dock runs with them
+        (``dock.node_lease``): fetches then fail at once on a lost warehouse or rank instead of
+        waiting ``dock.get_timeout_s``."""
         self.peer_watch: PeerWatch | None = None
         """This rank's watch of every liveness key, once armed (``TransferDock.watch_peers``)."""
 

@@ -1,10 +1,11 @@
-"""Liveness in etcd: each rank holds ``/<job>/alive/<rank>`` and each warehouse
-``/<job>/warehouse_alive/<node>`` under a lease refreshed from a background thread. When the
-owner dies the key expires after ``ttl_s``; when a warehouse's server thread stops (its rank
-still alive) the heartbeat sees it unhealthy and deletes the key at once. A stage waiting on
-metadata or fetching from a warehouse then fails with DockUnavailable naming what was lost,
-so the process exits non-zero and torchrun restarts the group instead of waiting forever.
-:class:`PeerWatch` extends that bound to waits nothing else can interrupt (a collective)."""
+"""Liveness in etcd: ``/<job>/alive/<rank>`` for every rank and ``/<job>/warehouse_alive/<node>``
+for every warehouse, under leases (``dock.node_lease``: one per node). When the owner dies the
+key expires after ``ttl_s``; when a warehouse's server thread stops (its rank still alive) its
+key is deleted at once. A stage waiting on metadata or fetching from a warehouse then fails
+with DockUnavailable naming what was lost, so the process exits non-zero and torchrun restarts
+the group instead of waiting forever. :class:`PeerWatch` extends that bound to waits nothing
+else can interrupt (a collective). :class:`Heartbeat` is one key under a lease of its own: a
+rank that cannot reach its node's presence board holds its key that way."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
-from spmd_rl.dock.errors import DockUnavailable
+from spmd_rl.dock.errors import DockError, DockUnavailable
 from spmd_rl.dock.watch_stream import WatchStream
 
 T = TypeVar("T")
@@ -56,6 +56,18 @@ class EtcdTLS:
         if self.cert_file:
             s.cert = (self.cert_file, self.key_file)
         return s
+
+
+class LeaseGone(DockError):
+    """A put named a lease etcd no longer has (it expired, or was never granted there)."""
+
+
+@dataclass(frozen=True)
+class LeaseId:
+    """A lease another process holds, named by its id: ``put(..., lease=LeaseId(id))`` puts a
+    key that expires with that lease (``dock.node_lease``)."""
+
+    id: int
 
 
 def _tls_failure(exc: BaseException) -> BaseException | None:
@@ -108,6 +120,8 @@ class MetadataStore:
             try:
                 return op(self._client())
             except _TRANSIENT as exc:
+                if "lease not found" in str(getattr(exc, "detail_text", "") or ""):
+                    raise LeaseGone(f"etcd has no such lease: {exc.detail_text}") from exc
                 if (tls := _tls_failure(exc)) is not None:
                     raise DockUnavailable(
                         f"etcd {self.endpoints} refused the TLS connection ({tls}): set metadata.ca_file, "

@@ -76,14 +76,17 @@ def test_reads_and_watches_per_rank_stay_flat_as_the_cluster_grows(rows):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_healthy_world_costs_etcd_keep_alives_only(rows):
+def test_a_healthy_world_costs_etcd_one_keep_alive_per_node_and_second(rows):
     """Between iterations: no reads at all (the peer watch follows the liveness keys through
-    watches), and about one keep-alive per rank and warehouse and second."""
+    watches), no writes, and one keep-alive per *node* and second (``dock.node_lease``: the
+    node's ranks and warehouse ride on its lead's lease). A lease per rank and per warehouse
+    cost R + S keep-alives a second (1.25 R here)."""
     for r in rows:
-        R, S = r["ranks"], r["nodes"]
+        S = r["nodes"]
         assert r["etcd_reads_per_s_idle"] == 0, r
         assert r["client_liveness/reads_per_s_idle"] == 0, r
-        assert r["etcd_keepalives_per_s_idle"] <= 1.1 * (R + S), r
+        assert r["etcd_writes_per_s_idle"] == 0, r
+        assert 0.7 * S <= r["etcd_keepalives_per_s_idle"] <= 1.1 * S, r
 
 
 @pytest.mark.slow
@@ -102,19 +105,21 @@ def test_the_cost_model_recovers_known_coefficients():
         rows.append(
             {
                 "ranks": R,
+                "nodes": R // 4,
                 "etcd_writes_per_it": 4.5 * R + 1,
                 "etcd_reads_per_it": 1.0 * R,
                 "etcd_watch_events_per_it": 4.5 * R * R,
                 "etcd_sent_bytes_per_it": 300.0 * R * R + 2000 * R,
                 "etcd_etcd_cpu_s_per_it": 2e-6 * R * R + 3e-3 * R,
-                "etcd_keepalives_per_s_idle": 1.25 * R,
+                "etcd_keepalives_per_s_idle": R / 4,
             }
         )
     model = bench.fit(rows)
     assert model["etcd_writes_per_it"] == pytest.approx([4.5, 1.0])
     assert model["etcd_watch_events_per_it"] == pytest.approx([4.5, 0.0], abs=1e-6)
     assert model["etcd_etcd_cpu_s_per_it"] == pytest.approx([2e-6, 3e-3])
-    (at,) = bench.extrapolate(model, None, 100.0, [1024])
+    assert model["keepalives_per_node_s"] == pytest.approx([1.0])
+    (at,) = bench.extrapolate(model, None, 100.0, [1024], ranks_per_node=8)
     assert at["writes_s"] == pytest.approx((4.5 * 1024 + 1) / 100)
     assert at["etcd_cpu_share"] == pytest.approx((2e-6 * 1024**2 + 3e-3 * 1024) / 100)
-    assert at["keepalives_s"] == pytest.approx(1.25 * 1024)
+    assert at["keepalives_s"] == pytest.approx(1024 / 8)  # one lease per node of 8 ranks
