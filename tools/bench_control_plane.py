@@ -199,7 +199,13 @@ class RankRun:
         self.gets: list[tuple[int, float]] = []  # (iteration, seconds of one get)
 
     def start(self) -> TransferDock:
-        cfg = DockConfig(mode="distributed", interface="127.0.0.1", port=0, get_timeout_s=600)
+        cfg = DockConfig(
+            mode="distributed",
+            interface="127.0.0.1",
+            port=0,
+            get_timeout_s=600,
+            records_group_nodes=self.spec["records_group_nodes"],
+        )
         meta = MetadataStore([self.spec["etcd"]], self.spec["job"], retry_s=120.0, timeout_s=60.0)
         return TransferDock(cfg, meta, self.f["specs"], self.peer, TOKEN).start(self.spec["heartbeat_ttl_s"])
 
@@ -321,6 +327,7 @@ def drive(args, nodes: int) -> dict:
         SL=args.SL,
         iterations=args.iterations,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
+        records_group_nodes=args.records_group_nodes,
         job=f"cp{nodes}",
     )
     f = flow(args)
@@ -493,7 +500,8 @@ COLUMNS_PRINTED = (  # (header, value of a row), per rank where it says so
 def print_rows(rows: list[dict], args) -> None:
     print(
         f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; K={args.nproc_per_node} ranks/node, "
-        f"gen TP {args.gen_tp}, {args.prompts_per_node} prompts x N={args.N} per node, PL {args.PL}, SL {args.SL}"
+        f"gen TP {args.gen_tp}, {args.prompts_per_node} prompts x N={args.N} per node, PL {args.PL}, SL {args.SL}, "
+        f"records watched once per {args.records_group_nodes} nodes"
     )
     print("| " + " | ".join(h for h, _ in COLUMNS_PRINTED) + " |\n|" + "---|" * len(COLUMNS_PRINTED))
     for r in rows:
@@ -520,6 +528,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--SL", type=int, default=1024, help="response length (the paper: 8192)")
     p.add_argument("--iterations", type=int, default=3, help="the first is cold and not counted")
     p.add_argument("--heartbeat-ttl-s", type=int, default=10, help="elastic.heartbeat_ttl_s")
+    p.add_argument(
+        "--records-group-nodes",
+        type=int,
+        default=DockConfig().records_group_nodes,
+        help="dock.records_group_nodes: nodes whose warehouses follow etcd's records through one watch",
+    )
     p.add_argument("--idle-s", type=float, default=5.0, help="window that measures the liveness traffic alone")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--kill-node", action="store_true", help="then SIGKILL one node and time its detection")

@@ -52,6 +52,14 @@ class DockConfig(Section):
         "warehouse, instead of each pulling its own copy across the network; null: every TP rank fetches its own. "
         "Refused by validate where no fetch can relay (dock.mode centralized, or TP 1 on both layouts).",
     )
+    records_group_nodes: int = Field(
+        8,
+        ge=1,
+        description="Nodes per group whose warehouses learn the put-records through one etcd watch: the group's first "
+        "node's warehouse watches etcd and the group's other warehouses follow it, as a node's ranks follow their own "
+        "warehouse (dock.feed_host), so etcd streams each record once per group instead of once per node. 1: every "
+        "warehouse watches etcd. Refused by validate with dock.mode centralized (one warehouse, nothing to group).",
+    )
     buffer_pool_bytes: int = Field(
         512 << 20,
         ge=0,

@@ -82,7 +82,7 @@ class TransferDock(Fetcher):
                 self.cfg.buffer_pool_bytes,
             )
             if not self.centralized:
-                self.server.keep_feeds(FeedHost(self.meta))
+                self.server.keep_feeds(FeedHost(self.meta, source=self._records_source()))
             self.server.start()
             self.meta.put(
                 self.meta.key("warehouses", self.peer.node), json.dumps({"address": self.server.address}).encode()
@@ -101,6 +101,30 @@ class TransferDock(Fetcher):
                 healthy=self.server.serving if self.server is not None else None,
             )
         return self
+
+    def _records_source(self) -> Callable[[int], RecordView] | None:
+        """Where this node's warehouse learns an iteration's put-records: etcd (None) on the
+        first node of its group of ``dock.records_group_nodes``, the group's first node's
+        warehouse elsewhere (``dock.feed_host``)."""
+        first = self.peer.node - self.peer.node % self.cfg.records_group_nodes
+        if first == self.peer.node:
+            return None
+        address: list[str] = []
+
+        def source(iteration: int) -> NodeFeed:
+            if not address:  # looked up once, when the first feed opens (the warehouse may start later)
+                address.append(json.loads(self._wait_key(self.meta.key("warehouses", first)))["address"])
+            alive = (lambda: self.warehouse_alive(first)) if self.heartbeat is not None else None
+            return NodeFeed(
+                address[0],
+                self.token,
+                iteration,
+                self.cfg.get_timeout_s,
+                name=f"warehouse of node {first}",
+                alive=alive,
+            )
+
+        return source
 
     def warehouse_nodes(self) -> list[int]:
         """Nodes that serve a warehouse in this world."""

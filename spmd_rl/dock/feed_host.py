@@ -5,7 +5,9 @@ the node's other ranks (``dock.node_feed``).
 With a feed per rank etcd streams each put-record to every rank: R records x R ranks events per
 iteration, the first limit of the control plane (etcd CPU, ``docs/design.md``, "Scale limits").
 With a feed per node it streams each record once per node, R x S, and a node's other ranks
-never touch etcd for records at all.
+never touch etcd for records at all. With groups of nodes (``dock.records_group_nodes`` = G)
+only the group's first warehouse follows etcd and the group's other warehouses follow it
+through its ``records`` op (``source``: a ``NodeFeed``), as a node's ranks do: R x S / G.
 
 Invariants: the warehouse's serving thread never waits on etcd (a keeper thread opens the
 feeds asked for over the wire and resyncs a broken one, e.g. after an etcd restart); a feed
@@ -18,11 +20,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from spmd_rl.dock.errors import DockRequestError
-from spmd_rl.dock.feed import RecordFeed
+from spmd_rl.dock.feed import RecordFeed, RecordView
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.wire import encode, is_int
 
@@ -37,10 +40,15 @@ class FeedHost:
     opened feed has an id; a follower names the id it follows, so an ask that arrives after
     the drop is told ``CLOSED`` instead of reopening a feed nobody would close."""
 
-    def __init__(self, meta: MetadataStore, heal_every_s: float = 0.5):
+    def __init__(
+        self, meta: MetadataStore, heal_every_s: float = 0.5, source: Callable[[int], RecordView] | None = None
+    ):
+        """``source(iteration)``: the feed to keep for an iteration (default: etcd's, a
+        ``RecordFeed``; a group's other warehouses: a ``NodeFeed`` of the group's first)."""
         self.meta = meta
         self.heal_every_s = heal_every_s
-        self._feeds: dict[int, tuple[int, RecordFeed]] = {}
+        self.source = source or (lambda iteration: RecordFeed(meta, iteration))
+        self._feeds: dict[int, tuple[int, RecordView]] = {}
         self._asked: set[int] = set()
         self._opened = 0
         self._lock = threading.Lock()
@@ -54,14 +62,14 @@ class FeedHost:
         self._thread = threading.Thread(target=self._keep, name="dock-feed-keeper", daemon=True)
         self._thread.start()
 
-    def open(self, iteration: int) -> RecordFeed:
+    def open(self, iteration: int) -> RecordView:
         """The iteration's feed, opened here if it is not (the serving rank's own reads)."""
         with self._lock:
             if iteration in self._feeds:
                 return self._feeds[iteration][1]
-        return self._install(iteration, RecordFeed(self.meta, iteration), asked_only=False)  # etcd I/O unlocked
+        return self._install(iteration, self.source(iteration), asked_only=False)  # its I/O unlocked
 
-    def _install(self, iteration: int, fresh: RecordFeed, asked_only: bool) -> RecordFeed:
+    def _install(self, iteration: int, fresh: RecordView, asked_only: bool) -> RecordView:
         """Keep ``fresh`` unless a feed is open already (or, ``asked_only``, the ask was dropped)."""
         with self._lock:
             wanted = iteration in self._asked or not asked_only
@@ -76,7 +84,7 @@ class FeedHost:
         fresh.stop()
         return kept
 
-    def lookup(self, iteration: int, feed_id: int | None) -> tuple[int, RecordFeed] | str | None:
+    def lookup(self, iteration: int, feed_id: int | None) -> tuple[int, RecordView] | str | None:
         """For the serving thread, without etcd I/O: (id, feed); ``CLOSED`` when the follower's
         ``feed_id`` is no longer open; None while the keeper opens a feed first asked for."""
         with self._lock:
@@ -135,14 +143,14 @@ class FeedHost:
                 broken = [f for _, f in self._feeds.values() if not f.watching]
             for it in asked:
                 try:
-                    self._install(it, RecordFeed(self.meta, it), asked_only=True)
+                    self._install(it, self.source(it), asked_only=True)
                 except Exception as exc:  # noqa: BLE001 - etcd away: the next round tries again
                     log.warning("warehouse cannot open the record feed of iteration %d: %s", it, exc)
             for feed in broken:
                 try:
                     feed.resync()
                 except Exception as exc:  # noqa: BLE001 - etcd away: the next round tries again
-                    log.warning("warehouse cannot resync the record feed %s: %s", feed.prefix, exc)
+                    log.warning("warehouse cannot resync a record feed: %s", exc)
 
 
 @dataclass

@@ -89,8 +89,7 @@ class Fetcher:
             raw = self._wait_key(key)
             alive = None
             if self.heartbeat is not None:  # liveness-bounded fetches: a lost warehouse fails at once
-                key = self.meta.key("warehouse_alive", node)
-                alive = lambda: self.meta.get(key) is not None  # noqa: E731
+                alive = lambda: self.warehouse_alive(node)  # noqa: E731
             kwargs = dict(
                 timeout_s=self.cfg.get_timeout_s,
                 max_message_bytes=self.cfg.max_message_bytes,
@@ -115,6 +114,13 @@ class Fetcher:
                 )
             time.sleep(0.02)
         return raw
+
+    def warehouse_alive(self, node: int) -> bool:
+        """Whether node ``node``'s warehouse still holds its liveness key: the peer watch's view
+        when it is armed (no etcd read), else read from etcd."""
+        if self.peer_watch is not None:
+            return node not in self.peer_watch.lost_warehouses()
+        return self.meta.get(self.meta.key("warehouse_alive", node)) is not None
 
     def lost_ranks(self) -> set[int]:
         """Ranks of the world whose liveness key is gone: the peer watch's view when it is

@@ -126,6 +126,10 @@ class PeerWatch:
         """Ranks of the world whose key has been gone for ``grace_s``."""
         return set(self._lost("alive"))
 
+    def lost_warehouses(self) -> set[int]:
+        """Nodes whose warehouse key has been gone for ``grace_s``."""
+        return set(self._lost("warehouse_alive"))
+
     def missing(self) -> list[str]:
         """What has been gone for ``grace_s``: ``rank r`` / ``warehouse of node n``."""
         return [f"rank {r}" for r in self._lost("alive")] + [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from spmd_rl.dock.errors import DockTimeout
 from spmd_rl.dock.feed import RecordView
@@ -26,9 +27,19 @@ class NodeFeed(RecordView):
     """``RecordView`` fed by the node's warehouse."""
 
     def __init__(
-        self, address: str, token: str, iteration: int, timeout_s: float = 60.0, wait_s: float = 1.0, name: str = ""
+        self,
+        address: str,
+        token: str,
+        iteration: int,
+        timeout_s: float = 60.0,
+        wait_s: float = 1.0,
+        name: str = "",
+        alive: Callable[[], bool] | None = None,
     ):
+        """``alive``: the warehouse's liveness (``WarehouseClient``), for a feed that follows
+        another node's warehouse (``dock.records_group_nodes``)."""
         super().__init__()
+        self.alive = alive
         self.address = address
         self.token = token
         self.iteration = iteration
@@ -48,7 +59,9 @@ class NodeFeed(RecordView):
         self._start(client)
 
     def _connect(self) -> WarehouseClient:
-        return WarehouseClient(self.address, self.token, timeout_s=self.timeout_s + self.wait_s, name=self.name)
+        return WarehouseClient(
+            self.address, self.token, timeout_s=self.timeout_s + self.wait_s, alive=self.alive, name=self.name
+        )
 
     def _ask(self, client: WarehouseClient, wait_s: float) -> bool:
         """One ask; False once the warehouse closed the feed (its iteration was dropped)."""

@@ -704,6 +704,21 @@ def _check_relay(cfg: Config, lay: Layouts) -> list[Violation]:
     return []
 
 
+def _check_records_groups(cfg: Config) -> list[Violation]:
+    """``dock.records_group_nodes`` set where there is one warehouse only."""
+    d = cfg.dock
+    if "records_group_nodes" not in d.model_fields_set or d.mode != "centralized":
+        return []
+    return [
+        Violation(
+            "dock.records_group_nodes",
+            d.records_group_nodes,
+            "the centralized dock has one warehouse, whose records feed has nothing to group",
+            "remove it, or set dock.mode: distributed",
+        )
+    ]
+
+
 def _check_tls(cfg: Config) -> list[Violation]:
     m = cfg.metadata
     out = []
@@ -769,6 +784,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
     out += _check_algorithm(cfg)
     out += _check_runtime(cfg)
     out += _check_relay(cfg, lay)
+    out += _check_records_groups(cfg)
     out += _check_tls(cfg)
     out += _check_rollout_engine(cfg, lay)
     out += check_partial(cfg)

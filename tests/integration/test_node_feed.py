@@ -1,8 +1,9 @@
 """One record feed per node (``dock.feed_host``, ``dock.node_feed``) on a real etcd and real
 warehouses: two simulated nodes of two ranks in this process.
 
-Invariants: etcd streams the iteration's records to one watch per node, and the node's other
-rank reads none of them from etcd, yet sees every record; a duplicate put is refused on every
+Invariants: etcd streams the iteration's records to one watch per node (per group of nodes
+with ``dock.records_group_nodes``: the group's other warehouses follow its first), and the
+node's other rank reads none of them from etcd, yet sees every record; a duplicate put is refused on every
 rank; the drop of an iteration closes its feed and a follower's late ask does not reopen it;
 an idle follower's long poll costs its warehouse about one ask per ``wait_s``; the warehouse
 resyncs its feed after an etcd restart without any rank asking it to.
@@ -52,11 +53,14 @@ class CountingStore(MetadataStore):
 
 @pytest.fixture
 def docks(etcd, request):
+    """Groups of one node each (every warehouse watches etcd), unless the test is parametrized
+    with ``group``."""
+    group = getattr(request, "param", 1)
     out = []
     for rank in range(4):
         meta = CountingStore([etcd.endpoint], job=f"node-feed-{request.node.name}")
         d = TransferDock(
-            DockConfig(port=0, get_timeout_s=20),
+            DockConfig(port=0, get_timeout_s=20, records_group_nodes=group),
             meta,
             columns_for(STAGES),
             Peer(rank, 4, rank // 2, rank % 2, 2),
@@ -92,6 +96,29 @@ def test_one_watch_per_node_and_the_other_rank_reads_no_record_from_etcd(docks):
         assert [k for k, _ in record_calls(docks[r])] == ["read", "watch"]  # one read, one watch per node
     for r in (1, 3):
         assert record_calls(docks[r]) == []
+
+
+@pytest.mark.parametrize("docks", [2], indirect=True)
+def test_one_watch_per_group_of_nodes_and_the_other_warehouse_follows_the_first(docks):
+    """Both nodes in one group: node 0's warehouse alone reads and watches etcd, node 1's
+    learns every record from it, and every rank still sees every record. A dock that ignored
+    the group would show node 1's warehouse reading and watching etcd too."""
+    for r, d in enumerate(docks):
+        d.put("actor_rollout", 0, responses([2 * r, 2 * r + 1]), [2 * r, 2 * r + 1])
+    for r in range(4):
+        batch = docks[r].get("actor_update", 0, ["response_ids"], Layout(1, 4), timeout_s=20)
+        assert batch.indices.tolist() == list(range(N))
+        assert [v.tolist() for v in batch.columns["response_ids"]] == [[i] * (i + 1) for i in range(N)]
+    assert isinstance(docks[0].feed(0), RecordFeed)
+    assert isinstance(docks[2].feed(0), NodeFeed) and docks[2].feed(0).address == docks[0].server.address
+    assert [k for k, _ in record_calls(docks[0])] == ["read", "watch"]
+    for r in (1, 2, 3):
+        assert record_calls(docks[r]) == []
+    docks[0].commit(0)  # the first warehouse drops the iteration: the one following it sees its feed end
+    deadline = time.monotonic() + 5
+    while docks[2].feed(0).watching and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not docks[2].feed(0).watching
 
 
 def test_a_duplicate_is_refused_on_a_following_rank(docks):

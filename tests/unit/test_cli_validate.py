@@ -75,6 +75,7 @@ BROKEN = [
         None,
         "dock.tp_relay_min_bytes",
     ),
+    (["dock.records_group_nodes=4", "dock.mode=centralized"], None, "dock.records_group_nodes"),
     (["model.tokenizer_path=assets/no-tokenizer"], None, "model.tokenizer_path"),
     (["reward.model_path=assets/tiny-qwen2"], None, "reward.model_path"),
     (["rollout.engine=nope"], None, "rollout.engine"),

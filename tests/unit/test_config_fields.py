@@ -138,6 +138,8 @@ COVERED = {
     "dock.get_timeout_s": "test_dock_fields.py::test_interface_bucket_and_timeout",
     "dock.max_message_bytes": "test_warehouse_fuzz.py::test_client_refuses_a_put_bigger_than_the_limit",
     "dock.tp_relay_min_bytes": "test_dock_relay.py::test_tp_ranks_receive_their_own_share_with_one_remote_copy",
+    "dock.records_group_nodes": "test_node_feed.py::"
+    "test_one_watch_per_group_of_nodes_and_the_other_warehouse_follows_the_first",
     "dock.buffer_pool_bytes": "test_host_pool.py::"
     "test_dock_returns_the_same_data_with_and_without_the_pool_and_reuses_buffers",
     "stream.max_policy_lag": "test_runtime_fields_torchrun.py::"
