@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
+from spmd_rl.dock.auth import job_key
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.dock.fetch import Fetcher, Peer
 from spmd_rl.dock.columns import ColumnSpec, as_samples
@@ -34,7 +35,8 @@ from spmd_rl.dock.feed_host import FeedHost
 from spmd_rl.dock.heartbeat import PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.node_feed import NodeFeed
-from spmd_rl.dock.node_lease import start_liveness
+from spmd_rl.dock.node_lease import NodeLease, RankBeat
+from spmd_rl.dock.presence import presence_name
 from spmd_rl.dock.records import Locations, PutRecord
 from spmd_rl.dock.relay import plan_relay, relayed_fetch
 from spmd_rl.dock.stream import StageStream
@@ -89,18 +91,25 @@ class TransferDock(Fetcher):
             )
             log.info("rank %d serves warehouse of node %d at %s", self.peer.rank, self.peer.node, self.server.address)
         if heartbeat_ttl_s:
-            k, node = self.peer.nproc_per_node, self.peer.node
-            self.heartbeat = start_liveness(
+            self.heartbeat = self._liveness(heartbeat_ttl_s).start()
+        return self
+
+    def _liveness(self, ttl_s: int) -> NodeLease | RankBeat:
+        """This rank's part of its node's liveness keys: the node's lease on local rank 0 (with
+        its warehouse's key when it serves one), a beat on the lead's board elsewhere."""
+        k, node, name = self.peer.nproc_per_node, self.peer.node, presence_name(job_key(self.token))
+        if self.peer.local_rank == 0:
+            served = self.server is not None
+            return NodeLease(
                 self.meta,
                 node,
                 range(node * k, (node + 1) * k),
-                self.peer.local_rank,
-                heartbeat_ttl_s,
-                self.cfg.get_timeout_s,
-                warehouse=self.home_node if self.server is not None else None,
-                healthy=self.server.serving if self.server is not None else None,
+                ttl_s,
+                name,
+                warehouse=self.home_node if served else None,
+                healthy=self.server.serving if served else None,
             )
-        return self
+        return RankBeat(self.meta, node, self.peer.rank, self.peer.local_rank, ttl_s, self.cfg.get_timeout_s, name)
 
     def _records_source(self) -> Callable[[int], RecordView] | None:
         """Where this node's warehouse learns an iteration's put-records: etcd (None) on the

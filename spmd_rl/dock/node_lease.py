@@ -58,15 +58,16 @@ class NodeLease:
         node: int,
         ranks: Sequence[int],
         ttl_s: int,
+        board_name: str,
         warehouse: int | None = None,
         healthy: Callable[[], bool] | None = None,
     ):
         """``ranks``: the node's global ranks by local rank (``ranks[0]`` is this one);
-        ``warehouse``: the node index of the warehouse this rank serves, whose key is deleted
-        once ``healthy`` returns False."""
+        ``board_name``: the job's ``presence_name``; ``warehouse``: the node index of the
+        warehouse this rank serves, whose key is deleted once ``healthy`` returns False."""
         self.meta, self.node, self.ranks, self.ttl_s = meta, node, list(ranks), ttl_s
         self.warehouse, self.healthy = warehouse, healthy
-        self.board = PresenceBoard.create(len(self.ranks))
+        self.board = PresenceBoard.create(len(self.ranks), board_name)
         self._withdrawn: set[int] = set()
         """Local ranks whose key this lead deleted because their beat went stale."""
         self._watching_since = self._last_look = time.monotonic()
@@ -155,10 +156,13 @@ class RankBeat:
     """How long a record whose board cannot be opened is read again before this rank takes a
     lease of its own (a record of a lead that just restarted is replaced within it)."""
 
-    def __init__(self, meta: MetadataStore, node: int, rank: int, local_rank: int, ttl_s: int, wait_s: float):
-        """``wait_s``: how long ``start`` waits for the lead's record."""
+    def __init__(
+        self, meta: MetadataStore, node: int, rank: int, local_rank: int, ttl_s: int, wait_s: float, board_name: str
+    ):
+        """``wait_s``: how long ``start`` waits for the lead's record; ``board_name``: the
+        job's ``presence_name``."""
         self.meta, self.node, self.rank, self.local_rank, self.ttl_s = meta, node, rank, local_rank, ttl_s
-        self.wait_s = wait_s
+        self.wait_s, self.board_name = wait_s, board_name
         self.board: PresenceBoard | None = None
         self.own: Heartbeat | None = None
         """This rank's own lease, when the board could not be opened."""
@@ -175,7 +179,7 @@ class RankBeat:
             first_seen = first_seen or time.monotonic()
             try:
                 if self.board is None:
-                    self.board = PresenceBoard.open(record["board"])
+                    self.board = PresenceBoard.open(record["board"], self.board_name)
             except PresenceUnavailable as exc:
                 if time.monotonic() < min(deadline, first_seen + self.record_grace_s):
                     time.sleep(0.2)  # the record of a lead that is gone: its successor publishes anew
@@ -221,19 +225,3 @@ class RankBeat:
         self._stop.set()
         if self.own is not None:
             self.own.stop()
-
-
-def start_liveness(
-    meta: MetadataStore,
-    node: int,
-    ranks: Sequence[int],
-    local_rank: int,
-    ttl_s: int,
-    wait_s: float,
-    warehouse: int | None = None,
-    healthy: Callable[[], bool] | None = None,
-) -> NodeLease | RankBeat:
-    """This rank's part of its node's liveness: the lease on local rank 0, a beat elsewhere."""
-    if local_rank == 0:
-        return NodeLease(meta, node, ranks, ttl_s, warehouse, healthy).start()
-    return RankBeat(meta, node, ranks[local_rank], local_rank, ttl_s, wait_s).start()

@@ -21,18 +21,20 @@ import pytest
 from spmd_rl.dock.heartbeat import PeerWatch
 from spmd_rl.dock.metadata import LeaseId, MetadataStore
 from spmd_rl.dock.node_lease import RECORD, NodeLease, RankBeat
+from spmd_rl.dock.presence import presence_name
 from tests.conftest import REPO
 
 TTL = 3
+NAME = presence_name(b"node lease test key")
 BEAT = """
 import sys, time
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.node_lease import RankBeat
 endpoint, job, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-RankBeat(MetadataStore([endpoint], job), 0, rank, rank, {ttl}, 30).start()
+RankBeat(MetadataStore([endpoint], job), 0, rank, rank, {ttl}, 30, "{name}").start()
 print("started", flush=True)
 time.sleep(600)
-""".format(ttl=TTL)
+""".format(ttl=TTL, name=NAME)
 
 
 def beat_in_a_process(etcd, job: str, rank: int) -> subprocess.Popen:
@@ -68,7 +70,7 @@ def node(etcd, request):
     meta = MetadataStore([etcd.endpoint], job)
     serving = threading.Event()
     serving.set()
-    lead = NodeLease(meta, 0, [0, 1, 2], TTL, warehouse=0, healthy=serving.is_set).start()
+    lead = NodeLease(meta, 0, [0, 1, 2], TTL, NAME, warehouse=0, healthy=serving.is_set).start()
     procs = [beat_in_a_process(etcd, job, r) for r in (1, 2)]
     yield meta, lead, procs, serving
     lead.stop()
@@ -153,7 +155,7 @@ def test_a_rank_that_cannot_open_the_leads_board_holds_a_lease_of_its_own(etcd):
     lease = meta.lease(30)
     record = {"lease": lease.id, "board": {"pid": os.getpid(), "fd": 987654, "ino": 1, "slots": 2}}
     meta.put(meta.key(RECORD, 0), json.dumps(record).encode(), lease=LeaseId(lease.id))
-    beat = RankBeat(meta, 0, 1, 1, TTL, 30)
+    beat = RankBeat(meta, 0, 1, 1, TTL, 30, NAME)
     beat.record_grace_s = 0.5
     try:
         beat.start()

@@ -1,5 +1,7 @@
 """The presence board (``dock.presence``): a slot never written is infinitely old, a beat from
-another process is seen by the lead, and an open refuses a file that is not the board."""
+another process is seen by the lead, and an open refuses, before opening it, any file that is
+not a memfd named for this job (another job's board, a pipe, a regular file a process holds),
+and after opening it one whose inode or size is not the record's."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import time
 import pytest
 
 from spmd_rl.dock.node_lease import NodeLease
-from spmd_rl.dock.presence import PresenceBoard, PresenceUnavailable
+from spmd_rl.dock.presence import PresenceBoard, PresenceUnavailable, presence_name
 from tests.conftest import REPO
+
+NAME = presence_name(b"a job key")
 
 
 def test_a_slot_is_infinitely_old_until_its_rank_beats():
-    board = PresenceBoard.create(3)
+    board = PresenceBoard.create(3, NAME)
     try:
         assert board.ages() == [float("inf")] * 3
         board.beat(1, now=100.0)
@@ -28,34 +32,44 @@ def test_a_slot_is_infinitely_old_until_its_rank_beats():
 
 
 def test_another_process_beats_on_the_leads_board_through_proc():
-    board = PresenceBoard.create(2)
+    board = PresenceBoard.create(2, NAME)
     code = (
         "import json, sys; from spmd_rl.dock.presence import PresenceBoard; "
-        "b = PresenceBoard.open(json.loads(sys.argv[1])); b.beat(1, now=7.0); b.close()"
+        "b = PresenceBoard.open(json.loads(sys.argv[1]), sys.argv[2]); b.beat(1, now=7.0); b.close()"
     )
     try:
-        subprocess.run([sys.executable, "-c", code, json.dumps(board.ref())], check=True, cwd=REPO, timeout=60)
+        subprocess.run([sys.executable, "-c", code, json.dumps(board.ref()), NAME], check=True, cwd=REPO, timeout=60)
         assert board.ages(now=10.0) == [float("inf"), pytest.approx(3.0)]
     finally:
         board.close()
 
 
 def test_an_open_refuses_a_file_that_is_not_the_board(tmp_path):
-    board = PresenceBoard.create(2)
-    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
-    os.ftruncate(other, 64)
+    board = PresenceBoard.create(2, NAME)
+    other_job = PresenceBoard.create(2, presence_name(b"another job key"))
+    held = os.open(tmp_path / "held", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(held, 64)
+    fifo_r, fifo_w = os.pipe()
+    ref = board.ref()
     try:
-        ref = board.ref()
+        for fd in (other_job.fd, held, fifo_r):  # by name, before any open: a pipe's would block
+            with pytest.raises(PresenceUnavailable, match="not this job's presence board"):
+                PresenceBoard.open(ref | {"fd": fd}, NAME)
         with pytest.raises(PresenceUnavailable, match="not the node's presence board"):
-            PresenceBoard.open(ref | {"fd": other})  # a reused fd number: another inode
+            PresenceBoard.open(ref | {"ino": ref["ino"] + 1}, NAME)  # a reused fd number: another inode
         with pytest.raises(PresenceUnavailable, match="not the node's presence board"):
-            PresenceBoard.open(ref | {"slots": 64})  # shorter than the slots it must hold
+            PresenceBoard.open(ref | {"slots": 64}, NAME)  # shorter than the slots it must hold
         with pytest.raises(PresenceUnavailable, match="cannot open"):
-            PresenceBoard.open(ref | {"fd": 987654})  # nothing there
-        opened = PresenceBoard.open(ref)
-        opened.close()
+            PresenceBoard.open(ref | {"fd": 987654}, NAME)  # nothing there
+        with pytest.raises(PresenceUnavailable, match="lacks"):
+            PresenceBoard.open({"pid": "x"}, NAME)
+        with open(tmp_path / "held", "rb") as f:
+            assert f.read() == bytes(64)  # nothing was written where the record pointed
+        PresenceBoard.open(ref, NAME).close()
     finally:
-        os.close(other)
+        for fd in (held, fifo_r, fifo_w):
+            os.close(fd)
+        other_job.close()
         board.close()
 
 
@@ -63,7 +77,7 @@ def test_the_lead_counts_silence_only_while_it_watched_itself():
     """A whole process frozen (its lead and its beating ranks alike) must not make the lead
     withdraw its ranks on waking: silence counts from the end of the lead's own last gap. A
     lead that took the board's age alone withdrew every rank of a node that had been frozen."""
-    lead = NodeLease(None, 0, [0, 1, 2], ttl_s=3)
+    lead = NodeLease(None, 0, [0, 1, 2], ttl_s=3, board_name=NAME)
     try:
         now = time.monotonic()
         lead.board.beat(1, now=now - 10.0)
