@@ -19,29 +19,28 @@ from spmd_rl.dock.metadata import MetadataStore
 log = logging.getLogger(__name__)
 
 
+def beat_every(ttl_s: int) -> float:
+    """Renewals and beats every second at most, ``ttl_s / 3`` at least: on a host so loaded that
+    a thread waits seconds for its turn, a renewal every ``ttl_s / 3`` (etcd's own client's pace)
+    let leases of live ranks expire (``tools/bench_control_plane.py`` at 128 ranks on 2 cores),
+    and a rank declared lost ends the whole job."""
+    return min(1.0, ttl_s / 3)
+
+
 class Heartbeat:
-    def __init__(
-        self,
-        meta: MetadataStore,
-        rank: int,
-        ttl_s: int = 10,
-        kind: str = "alive",
-        healthy: Callable[[], bool] | None = None,
-    ):
-        """Holds ``/<job>/<kind>/<rank>``; with ``healthy``, the key is deleted as soon as it
-        returns False (and not renewed)."""
+    """``/<job>/alive/<rank>`` under a lease of this rank's own, renewed every ``beat_every``."""
+
+    def __init__(self, meta: MetadataStore, rank: int, ttl_s: int = 10):
         self.meta = meta
         self.rank = rank
         self.ttl_s = ttl_s
-        self.kind = kind
-        self.healthy = healthy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._lease = None
 
     def _register(self) -> None:
         self._lease = self.meta.lease(self.ttl_s)
-        self.meta.put(self.meta.key(self.kind, self.rank), b"1", lease=self._lease)
+        self.meta.put(self.meta.key("alive", self.rank), b"1", lease=self._lease)
 
     def start(self) -> "Heartbeat":
         self._register()
@@ -49,17 +48,8 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        """Renews the lease every second (at most): on a host so loaded that a thread waits
-        seconds for its turn, a renewal every ``ttl_s / 3`` (etcd's own client's pace) let
-        leases of live ranks expire (``tools/bench_control_plane.py`` at 128 ranks on 2 cores),
-        and a rank declared lost ends the whole job. One keep-alive per rank and second is a
-        small share of what etcd serves (``docs/benchmarks.md``)."""
-        while not self._stop.wait(min(1.0, self.ttl_s / 3)):
+        while not self._stop.wait(beat_every(self.ttl_s)):
             try:
-                if self.healthy is not None and not self.healthy():
-                    log.warning("%s %d is unhealthy: withdrawing its liveness key", self.kind, self.rank)
-                    self.meta.delete(self.meta.key(self.kind, self.rank))
-                    return
                 if self._lease.refresh() <= 0:  # expired (etcd was away too long): take a new one
                     self._register()
             except Exception as exc:  # the waiting stage reports the consequence

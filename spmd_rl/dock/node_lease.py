@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from spmd_rl.dock.errors import DockTimeout
-from spmd_rl.dock.heartbeat import Heartbeat
+from spmd_rl.dock.heartbeat import Heartbeat, beat_every
 from spmd_rl.dock.metadata import LeaseGone, LeaseId, MetadataStore
 from spmd_rl.dock.presence import PresenceBoard, PresenceUnavailable
 
@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 
 RECORD = "node_lease"
 """``/<job>/node_lease/<node>``: the lead's lease id and board (JSON), under the lease itself."""
-
-
-def beat_every(ttl_s: int) -> float:
-    """Beats and renewals every second at most (``Heartbeat._run`` says why), ``ttl_s / 3`` at least."""
-    return min(1.0, ttl_s / 3)
 
 
 class NodeLease:

@@ -11,6 +11,8 @@ import pytest
 
 from spmd_rl.dock.heartbeat import Heartbeat, PeerWatch
 from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.dock.node_lease import NodeLease
+from spmd_rl.dock.presence import presence_name
 
 
 def watch(meta, world: int, warehouses: list[int]) -> tuple[PeerWatch, list[str], threading.Event]:
@@ -44,18 +46,16 @@ def test_stopped_warehouse_is_reported_while_its_rank_lives(etcd):
     meta = MetadataStore([etcd.endpoint], job="watch-warehouse")
     serving = threading.Event()
     serving.set()
-    rank = Heartbeat(meta, 0, ttl_s=3).start()
-    house = Heartbeat(meta, 0, ttl_s=3, kind="warehouse_alive", healthy=serving.is_set).start()
+    lead = NodeLease(meta, 0, [0], 3, presence_name(b"watch-warehouse"), warehouse=0, healthy=serving.is_set).start()
     w, reasons, fired = watch(meta, 1, [0])
     try:
         assert not fired.wait(1.5)
-        serving.clear()  # the server thread stopped: its heartbeat withdraws the key at once
+        serving.clear()  # the server thread stopped: the node's lead withdraws its key at once
         assert fired.wait(30)
         assert reasons == ["warehouse of node 0 lost (liveness key expired or withdrawn)"]
     finally:
         w.stop()
-        rank.stop()
-        house.stop()
+        lead.stop()
 
 
 @pytest.mark.timeout(60)
