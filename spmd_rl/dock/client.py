@@ -122,7 +122,7 @@ class TransferDock(Fetcher):
 
         def source(iteration: int) -> NodeFeed:
             if not address:  # looked up once, when the first feed opens (the warehouse may start later)
-                address.append(json.loads(self._wait_key(self.meta.key("warehouses", first)))["address"])
+                address.append(self.warehouse_address(first))
             alive = (lambda: self.warehouse_alive(first)) if self.heartbeat is not None else None
             return NodeFeed(
                 address[0],

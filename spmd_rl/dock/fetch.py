@@ -8,7 +8,6 @@ it imports none of them.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +84,7 @@ class Fetcher:
                 self.server, f"warehouse of node {node}", self.cfg.max_message_bytes, self.server.pool
             )
         if node not in self._clients:
-            key = self.meta.key("warehouses", node)
-            raw = self._wait_key(key)
+            address = self.warehouse_address(node)
             alive = None
             if self.heartbeat is not None:  # liveness-bounded fetches: a lost warehouse fails at once
                 alive = lambda: self.warehouse_alive(node)  # noqa: E731
@@ -96,7 +94,6 @@ class Fetcher:
                 alive=alive,
                 name=f"warehouse of node {node}",
             )
-            address = json.loads(raw)["address"]
             self._clients[node] = (
                 SameNodeWarehouse(address, self.token, self.cfg.buffer_pool_bytes, **kwargs)
                 if node == self.peer.node and self.in_process
@@ -104,16 +101,15 @@ class Fetcher:
             )
         return self._clients[node]
 
-    def _wait_key(self, key: str) -> bytes:
-        deadline = time.monotonic() + self.cfg.get_timeout_s
-        while (raw := self.meta.get(key)) is None:
-            if time.monotonic() > deadline:
-                raise DockTimeout(
-                    f"no warehouse registered at {key} after {self.cfg.get_timeout_s:.0f}s: is that node's local rank "
-                    f"0 running?"
-                )
-            time.sleep(0.02)
-        return raw
+    def warehouse_address(self, node: int) -> str:
+        """The address node ``node``'s warehouse published, waited for ``dock.get_timeout_s``."""
+        key = self.meta.key("warehouses", node)
+        if (raw := self.meta.wait_for(key, self.cfg.get_timeout_s)) is None:
+            raise DockTimeout(
+                f"no warehouse registered at {key} after {self.cfg.get_timeout_s:.0f}s: is that node's local rank "
+                f"0 running?"
+            )
+        return json.loads(raw)["address"]
 
     def warehouse_alive(self, node: int) -> bool:
         """Whether node ``node``'s warehouse still holds its liveness key: the peer watch's view

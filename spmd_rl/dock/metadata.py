@@ -156,6 +156,17 @@ class MetadataStore:
         got = self._call(lambda c: c.get(key))
         return got[0] if got else None
 
+    def wait_for(self, key: str, timeout_s: float) -> bytes | None:
+        """``key``'s value once it exists, None after ``timeout_s``; read with a backoff from
+        20 ms to 0.5 s, because at start every rank of the world waits for some key at once."""
+        deadline, delay = time.monotonic() + timeout_s, 0.02
+        while (raw := self.get(key)) is None:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+        return raw
+
     def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         """All (key, value) under ``prefix``, sorted by key."""
         got = self._call(lambda c: c.get_prefix(prefix, sort_order="ascend", sort_target="key"))

@@ -197,16 +197,13 @@ class RankBeat:
             return self
 
     def _record(self, deadline: float) -> dict:
-        """The lead's record, waited for with a backoff (every rank of the world waits at once)."""
-        delay = 0.02
-        while (raw := self.meta.get(self.meta.key(RECORD, self.node))) is None:
-            if time.monotonic() > deadline:
-                raise DockTimeout(
-                    f"rank {self.rank}: no liveness lease of node {self.node} after {self.wait_s:.0f}s: is that "
-                    "node's local rank 0 running?"
-                )
-            time.sleep(delay)
-            delay = min(2 * delay, 0.5)
+        """The lead's record, waited for until ``deadline``."""
+        raw = self.meta.wait_for(self.meta.key(RECORD, self.node), max(0.0, deadline - time.monotonic()))
+        if raw is None:
+            raise DockTimeout(
+                f"rank {self.rank}: no liveness lease of node {self.node} after {self.wait_s:.0f}s: is that "
+                "node's local rank 0 running?"
+            )
         return json.loads(raw)
 
     def _run(self) -> None:
