@@ -19,6 +19,14 @@ token ids with response lengths drawn uniformly in [R/2, R], the same on both si
     python tools/bench_update.py --hidden 512 --layers 4 --samples 4 --prompt 32 --response 64   # CPU-sized
     python tools/bench_update.py --experts 8 --topk 2 --layers 16                     # MoE
     python tools/bench_update.py --backends fsdp,fsdp-lora --lora-rank 16             # LoRA vs full fine-tuning
+    python tools/bench_update.py --backends megatron,megatron-local --response 8192   # SDPA vs unfused attention
+
+``megatron-local`` is the megatron backend with mcore's local ``DotProductAttention`` in place of
+its SDPA core attention (``engines.megatron.attention``): the unfused softmax(Q K^T) V that
+makes [b, heads, s, s] scores, as this backend ran before (then also from an explicit
+[b, 1, s, s] mask; here mcore's default causal one, so the difference shown is the scores').
+Peak memory is the device's (``max_memory_allocated``) on a device and the process's peak
+resident set (``VmHWM``, reset before the timed updates) on the CPU.
 
 With LoRA the gather is the merged sync's trainer half (``actor.lora.sync: merged``): the
 merged weights W + (alpha/r) B A, the same bytes vLLM loads as without LoRA. ``adapter gather
@@ -95,6 +103,12 @@ def batch(args):
     return split(b, args.micro), tokens
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident set since the last reset (``VmHWM``, kB in /proc)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def one(backend: str, folder: Path, args) -> dict:  # noqa: PLR0915
     """Runs in its own process: build, update, gather, swap; returns the measurements."""
     import socket
@@ -121,7 +135,13 @@ def one(backend: str, folder: Path, args) -> dict:  # noqa: PLR0915
         mini_batch_size=1, micro_batch_size=args.micro, activation_checkpointing=args.checkpointing, **lora
     )
     t0 = time.perf_counter()
-    if backend == "megatron":
+    if backend == "megatron-local":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from spmd_rl.engines.megatron import model
+
+        model.SdpaAttention = DotProductAttention  # the spec's core attention, before any model is built
+    if backend.startswith("megatron"):
         from spmd_rl.engines.megatron.engine import MegatronEngine
 
         engine = MegatronEngine(folder, acc, cfg, args.dtype, tp=1)
@@ -146,8 +166,10 @@ def one(backend: str, folder: Path, args) -> dict:  # noqa: PLR0915
     )  # warm-up; creates the AdamW state; its loss and grad norm agree across backends
     if acc.kind != "cpu":
         torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     steps = [timed(lambda: engine.train_step(micro, loss_fn)) for _ in range(args.steps)]
-    peak = torch.cuda.max_memory_allocated() if acc.kind != "cpu" else None
+    peak = torch.cuda.max_memory_allocated() if acc.kind != "cpu" else peak_resident_bytes()
     dtype = getattr(torch, args.dtype)
 
     def gather() -> None:
@@ -210,7 +232,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="fsdp,megatron",
-        help="any of fsdp, megatron, fsdp-lora (FSDP with actor.lora on the default targets)",
+        help="any of fsdp, megatron, fsdp-lora (FSDP with actor.lora on the default targets), megatron-local "
+        "(megatron with mcore's unfused local core attention)",
     )
     ap.add_argument("--lora-rank", type=int, default=16, help="fsdp-lora: the adapters' rank")
     ap.add_argument("--json", default=None)
@@ -252,7 +275,7 @@ def main() -> None:
             rows[backend] = json.loads(line[0].removeprefix("RESULT "))
     gib = 2**30
     print(
-        f"\n{'backend':10s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'adapter gather s':>16s} "
+        f"\n{'backend':14s} {'update s':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'gather s':>9s} {'adapter gather s':>16s} "
         f"{'swap out s':>10s} "
         f"{'swap in s':>9s} {'swapped GiB':>11s} {'left GiB':>9s} {'loss':>8s} {'grad norm':>9s}   (means; device: "
         f"{next(iter(rows.values()))['device'] if rows else '-'})"
@@ -260,16 +283,16 @@ def main() -> None:
     for b, r in rows.items():
         f = lambda v: f"{v / gib:.2f}" if v is not None else "-"  # noqa: E731
         print(
-            f"{b:10s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} "
+            f"{b:14s} {r['update_s']:9.3f} {r['update_tokens_per_s']:8.0f} {f(r['peak_bytes']):>9s} "
             f"{r['gather_s']:9.3f} {r['adapter_gather_s']:16.4f} "
             f"{r['swap_out_s']:10.3f} {r['swap_in_s']:9.3f} {f(r['swapped_bytes']):>11s} "
             f"{f(r['left_during_generation']):>9s} {r['loss']:8.4f} {r['grad_norm']:9.4f}"
         )
-    for other in ("megatron", "fsdp-lora"):
-        if {"fsdp", other} <= rows.keys():
-            m, s = rows[other], rows["fsdp"]
+    for other, base in (("megatron", "fsdp"), ("fsdp-lora", "fsdp"), ("megatron", "megatron-local")):
+        if {base, other} <= rows.keys():
+            m, s = rows[other], rows[base]
             print(
-                f"{other} / fsdp: "
+                f"{other} / {base}: "
                 + ", ".join(
                     f"{k} {m[k] / s[k]:.2f}x"
                     for k in ("update_s", "gather_s", "swap_out_s", "swap_in_s", "swapped_bytes", "peak_bytes")

@@ -44,6 +44,10 @@ step run 420 python3 -m spmd_rl.cli train "$CONFIG" "logging.dir=$OUT/run/logs" 
 step trl 420 python3 tools/bench_trl.py "$CONFIG" --mode vllm --steps 6
 step update 300 python3 tools/bench_update.py --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --vocab 151936 \
     --samples 16 --prompt 256 --response 1024 --micro 4 --checkpointing --json "$OUT/update.json"
+# the megatron backend's SDPA core attention against mcore's unfused local module at 16 k tokens
+step attention 180 python3 tools/bench_update.py --hidden 1536 --layers 4 --heads 12 --kv-heads 2 --vocab 151936 \
+    --samples 2 --prompt 256 --response 16384 --micro 1 --steps 2 --rounds 1 --backends megatron,megatron-local \
+    --json "$OUT/attention.json"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/device.csv" 2>&1
 python3 -c "import torch, vllm, transformers; print(torch.__version__, vllm.__version__, transformers.__version__)" \
     > "$OUT/versions.txt" 2>&1

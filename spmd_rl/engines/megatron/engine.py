@@ -46,13 +46,6 @@ from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
 
 
-def attention_mask(valid: torch.Tensor) -> torch.Tensor:
-    """mcore's boolean mask [b, 1, s, s], True = masked: causal, and no key past a row's end."""
-    s = valid.shape[1]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=valid.device), diagonal=1)
-    return (causal[None] | ~valid.bool()[:, None, :])[:, None]
-
-
 def _mindspeed_adaptor() -> None:
     """On Ascend NPUs megatron-core runs through MindSpeed's adaptor, as MindSpeed RL does; the
     ``mindspeed`` name on PyPI is a placeholder, the package comes from Ascend's repository."""
@@ -203,12 +196,14 @@ class MegatronEngine(Engine):
     # -- passes ---------------------------------------------------------------------------
     def _logits(self, model, micro: SeqBatch) -> torch.Tensor:
         """Full-vocabulary logits [b, s, V] of a trimmed, right-padded micro-batch (padded to a
-        multiple of tp under sequence parallelism, which splits the sequence)."""
-        ids, valid = micro.input_ids, micro.attention_mask
+        multiple of tp under sequence parallelism, which splits the sequence). No attention mask:
+        on right-padded rows the SDPA core attention's causal mask is exact at every valid
+        position (``megatron.attention``)."""
+        ids = micro.input_ids
         pad = (-ids.shape[1]) % self.tp if self.sp else 0
         if pad:
-            ids, valid = (torch.nn.functional.pad(t, (0, pad)) for t in (ids, valid))
-        return model(input_ids=ids, position_ids=None, attention_mask=attention_mask(valid), runtime_gather_output=True)
+            ids = torch.nn.functional.pad(ids, (0, pad))
+        return model(input_ids=ids, position_ids=None, attention_mask=None, runtime_gather_output=True)
 
     def _run(self, micro_batches: list[SeqBatch], forward_only: bool, consume) -> None:
         """One pass of mcore's schedule; ``consume(k, micro, logits)`` returns micro-batch k's

@@ -2,7 +2,7 @@
 ``TransformerConfig`` that reproduces the HF architecture, the process groups, and each TP
 rank's slices of the checkpoint.
 
-Equivalence (tested in float32 against the HF forward, 0 difference with eager attention):
+Equivalence (tested in float32 against the HF forward and FSDP's engine, log-probs within 1e-5):
 RMSNorm with the HF ``rms_norm_eps``, SwiGLU (``gated_linear_unit`` + SiLU, fc1 = [gate; up]),
 no linear biases except Qwen2's q/k/v (``add_qkv_bias``), Qwen3's per-head q/k RMSNorm
 (``qk_layernorm``), rotary with HF's ``rotate_half`` layout (``rotary_interleaved=False``) and
@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from spmd_rl.engines.hf_weights import SafetensorsFolder
 from spmd_rl.engines.megatron import cpu_compat
+from spmd_rl.engines.megatron.attention import SdpaAttention
 from spmd_rl.engines.megatron.hf_map import Shape, mcore_names, to_mcore, tp_dim, tp_slice
 from spmd_rl.engines.megatron.pipeline import TIED_TWIN, expert_of, stage_of, to_global
 
@@ -148,14 +149,16 @@ def rope_base(hc) -> int:
 
 
 def _gpt_model(hc, cfg, s: Shape, pp: int, stage: int, device: torch.device):
-    """An uninitialised mcore GPTModel of pipeline stage ``stage`` (local layer spec, RMSNorm,
-    default rotary embeddings, dense or MoE layers) for the HF config ``hc``."""
+    """An uninitialised mcore GPTModel of pipeline stage ``stage`` (local layer spec with SDPA
+    core attention, ``attention.SdpaAttention``; RMSNorm, default rotary embeddings, dense or
+    MoE layers) for the HF config ``hc``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     spec = get_gpt_layer_local_spec(
         num_experts=s.experts or None, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm"
     )
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     # a tied last stage moves its embedding copy with .cuda() to sum it over stages
     with cpu_compat.cuda_as_cpu(device):
         return GPTModel(
