@@ -38,6 +38,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+"""The functional all-gather: torch 2.11 (vLLM 0.26's, the GPU images') has only
+``all_gather_tensor``, which 2.13 deprecates for ``all_gather_single``."""
+
 
 def chunk_len(n: int, parts: int, index: int) -> int:
     """Length of ``torch.chunk(range(n), parts)[index]`` (0 past the last chunk)."""
@@ -170,7 +174,7 @@ def gather(bucket: Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
             raise ValueError(f"{piece.name}: local shard has {shard.shape[0]} rows, torch.chunk layout expects {rows}")
         flat_in[piece.offset : piece.offset + shard.numel()].view(shard.shape).copy_(shard)
     # functional all-gather, waited here: the backend holds no buffer of this bucket past the wait
-    out = flat_in if world == 1 else funcol.wait_tensor(funcol.all_gather_single(flat_in, 0, group))
+    out = flat_in if world == 1 else funcol.wait_tensor(ALL_GATHER(flat_in, 0, group))
     del flat_in
     ranks = out.view(world, bucket.flat)
     for piece in bucket.pieces:

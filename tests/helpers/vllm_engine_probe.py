@@ -20,6 +20,7 @@ import logging
 import sys
 
 import torch
+import vllm
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.schema import RolloutConfig
@@ -72,6 +73,7 @@ def main() -> None:
     }
     finalizer = compat.core_finalizer(engine.llm)
     out["core_finalizer_detached"] = None if finalizer is None else not finalizer.alive
+    out["vllm"] = vllm.__version__
     measure(engine, folder, out)
     out["misses"] = sorted(set(misses.layers))
     print(json.dumps(out))

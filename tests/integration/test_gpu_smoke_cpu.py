@@ -18,6 +18,7 @@ SMALL = ["data.global_batch_size=8", "rollout.n=4", "actor.mini_batch_size=8", "
 
 
 @pytest.mark.slow
+@pytest.mark.vllm_range
 def test_gpu_smoke_script_passes_on_two_cpu_ranks(tiny_model, tmp_path):
     out = subprocess.run(
         [

@@ -12,6 +12,8 @@ rank it forks, and the engine calls it before building (a no-op after the first)
 
 from __future__ import annotations
 
+from spmd_rl.engines.vllm import compat
+
 
 def register_once() -> None:
     """Make ``CpuPlatform.register_triton_kernel_overrides`` idempotent in this process and run it
@@ -21,7 +23,9 @@ def register_once() -> None:
     platform = type(current_platform)
     if platform.__name__ != "CpuPlatform" or getattr(platform, "_spmd_rl_registered_once", False):
         return
-    register, done = platform.register_triton_kernel_overrides, []
+    register, done = compat.kernel_override_hook(platform), []
+    if register is None:
+        return
 
     def once(cls) -> None:
         if not done:

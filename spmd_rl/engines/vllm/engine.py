@@ -71,11 +71,13 @@ def _sample(completion, routes: torch.Tensor | None = None) -> Sample:
 def _vllm_options(build: RolloutBuild, version: str) -> dict:
     """``LLM(...)``'s options for ``build`` on this vLLM release (``options.engine_options``, then
     ``compat``), after the release's checks: a warning off the tested release, LoRA refused where
-    vLLM's base-weight reload crashes with it."""
+    vLLM's base-weight reload crashes with it, CPU route recording where the CPU MoE hides routes."""
     if (warning := compat.check_version(version)) is not None:
         log.warning(warning)
     if build.lora is not None:
         compat.check_lora(version)
+    if build.record_routes and build.acc.kind == "cpu":
+        compat.check_cpu_routes(version)
     options = engine_options(
         build.acc.kind,
         build.cfg,
@@ -130,8 +132,13 @@ class VllmRollout(Rollout):
         if not own_process:
             _freeze_import_heap()
             cpu_kernels.register_once()  # in this process's worker: once, or already in a preload server
-        with _child_env(
-            child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg) if own_process else {}
+        with (
+            _child_env(
+                child_device_env(acc.kind, acc.local_rank, dict(os.environ)) | eager_child_env(cfg)
+                if own_process
+                else {}
+            ),
+            eager_sampler(cfg),  # vLLM 0.26's CPU warm-up samples too (compat)
         ):
             self.llm = LLM(
                 model=str(path),

@@ -24,10 +24,12 @@ no detokenization (the trainer decodes the ids it needs). Routes on a device com
 ``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
 on the CPU from ``engines.vllm.route_capture``'s hooks on the V1 runner.
 
-``rollout.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``): vLLM
-0.32 wraps two of them in ``torch.compile`` whatever the compilation mode, and their first call
-compiles them (inductor, a C++ build on CPU). On CPU that was 4.8 s of the first generation of
-every engine, against 0.05-0.08 s for a later one, which eager runs no slower.
+``rollout.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``, around the
+engine's build and every step): vLLM 0.32 wraps two of them in ``torch.compile`` whatever the
+compilation mode, and their first call compiles them (inductor, a C++ build on CPU; 0.26's
+CPU worker already calls one in its warm-up, while the engine is built). On CPU that was 4.8 s
+of the first generation of every engine, against 0.05-0.08 s for a later one, which eager runs
+no slower.
 
 CPU only: no chunked prefill. vLLM discards the token it samples for a partly prefilled request
 and rewinds that request's seeded generator by an offset, which CPU generators do not have
