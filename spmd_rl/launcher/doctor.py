@@ -78,8 +78,9 @@ def versions() -> list[Check]:
             out.append(
                 Check(package, False, "not installed", "bash launch/setup.sh (or pip install -e '.[cpu]' / '.[cuda]')")
             )
-        elif package == "vllm" and (warning := compat.check_version(got)) is not None:
-            out.append(Check(package, True, warning, "", warn=True))
+        elif package == "vllm":  # a tested release (compat.TESTED, OLDEST_TESTED), else a warning
+            warning = compat.check_version(got)
+            out.append(Check(package, True, warning or got, "", warn=warning is not None))
         elif package == "torch" and pinned and compat.release(got) != compat.release(pinned):
             fix = f"pip install torch=={pinned}, or the vLLM release built for torch {got} (engines/vllm/compat.py)"
             out.append(Check(package, False, f"{got}, but vLLM {vllm} is built for torch {pinned}", fix))

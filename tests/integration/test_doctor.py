@@ -118,16 +118,20 @@ def test_a_restarted_rank_removes_the_adapter_folder_a_killed_one_left(monkeypat
 
 def test_torch_is_checked_against_the_installed_vllms_pin(monkeypatch):
     """vLLM's compiled ops are built for one torch: 0.26 on torch 2.13 fails with the fix; 0.26 on
-    its 2.11 passes (with the untested-release warning); outside the range is a warning."""
+    its 2.11 passes (a tested release: CI's vllm_range lane); 0.29 gets the untested-release
+    warning; outside the range is a warning."""
     installed = {"torch": "2.13.0+cu130", "vllm": "0.26.0", "megatron-core": "0.16.1", "transformers": "5.19.0"}
     monkeypatch.setattr(doctor, "_version", installed.get)
     checks = {c.name: c for c in doctor.versions()}
     assert not checks["torch"].ok and "vLLM 0.26.0 is built for torch 2.11.0" in checks["torch"].detail
     assert "pip install torch==2.11.0" in checks["torch"].fix
-    assert checks["vllm"].ok and checks["vllm"].warn and "tested with 0.32.0 only" in checks["vllm"].detail
+    assert checks["vllm"].ok and not checks["vllm"].warn and checks["vllm"].detail == "0.26.0"
     installed["torch"] = "2.11.0+cu130"
     checks = {c.name: c for c in doctor.versions()}
     assert checks["torch"].ok and not checks["torch"].warn
+    installed |= {"vllm": "0.29.1", "torch": "2.13.0"}
+    checks = {c.name: c for c in doctor.versions()}
+    assert checks["vllm"].ok and checks["vllm"].warn and "tested with 0.26.0 and 0.32.0 only" in checks["vllm"].detail
     installed |= {"vllm": "0.32.0+cpu", "torch": "2.13.0+cpu"}
     assert all(c.ok and not c.warn for c in doctor.versions())
     installed["vllm"] = "0.40.0"
