@@ -1,8 +1,9 @@
 """The built-in ``python`` environment: a policy turn holding a fenced python block runs it in
 the sandbox (``envs.sandbox``: a jail, and CPU, memory, process, file, wall-time, output and
-network limits) and gets its output back as the tool turn; a turn without a block ends the
-trajectory. A timeout, crash or
-flood is reported in the observation and the metadata, and the trajectory goes on."""
+network limits; memory and tasks for the call as a whole where the node lets a cgroup be made,
+else per process: ``spmd-rl doctor`` says which) and gets its output back as the tool turn; a
+turn without a block ends the trajectory. A timeout, crash or flood is reported in the
+observation and the metadata, and the trajectory goes on."""
 
 from __future__ import annotations
 

@@ -7,9 +7,15 @@ hang of the rank that called it, and nothing of the job is within its reach.
 Limits (``Limits``), applied by the child's bootstrap before the code is read:
 
 - CPU seconds (``RLIMIT_CPU``) and wall seconds (the parent kills the jail);
-- address space (``RLIMIT_AS``), no core files, file size (``RLIMIT_FSIZE``) and open files
-  (``RLIMIT_NOFILE``), and ``processes`` more tasks than its user already runs
-  (``RLIMIT_NPROC``; a root caller's code runs as nobody, for whom the limit binds);
+- memory and tasks of the call as a whole, where a cgroup can be made (``jail.CallCgroup``):
+  ``memory_bytes`` for all its processes together (its tmpfs pages included, no swap) and
+  ``processes`` tasks besides the jail's own;
+- every time: address space per process (``RLIMIT_AS``), no core files, file size
+  (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), and ``processes`` tasks besides those it
+  starts with (``RLIMIT_NPROC``, set inside: the kernel counts it per user and user namespace,
+  so the bootstrap adds what it sees of its own uid there: the jail's few in its user
+  namespace, or a root caller's uid of the call's own, ``jail.call_uid``). Where no cgroup can
+  be made, the call's memory is bounded only as ``processes`` x ``memory_bytes``;
 - output: the parent reads at most ``output_bytes`` of stdout + stderr and kills the child
   once it writes more;
 - network: none (the jail's own network namespace) unless ``network`` is set.
@@ -28,6 +34,7 @@ The parent never unpickles anything from the child: it reads text.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -36,12 +43,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from spmd_rl.envs.jail import NOBODY, jail_problem, jailed_python
+from spmd_rl.envs.jail import JAIL_TASKS, CallCgroup, call_uid, cgroup_place, jail_problem, jailed_python
+
+log = logging.getLogger("spmd_rl")
 
 _BOOT = r"""
 import ctypes, os, resource, sys
 cpu, mem, net, nproc, fsize, nofile, drop, jailed = (int(a) for a in sys.argv[1:9])
-if drop:  # a root caller's jail: become nobody, for whom RLIMIT_NPROC binds (this clears every capability)
+if drop:  # a root caller's jail: become the call's own uid, for whom RLIMIT_NPROC binds (this clears every capability)
     os.setgroups([])
     os.setresgid(drop, drop, drop)
     os.setresuid(drop, drop, drop)
@@ -50,7 +59,6 @@ resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 isolation = ("jail" if jailed else "no jail") + (", network allowed" if net else "")
 if not jailed and not net:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -65,6 +73,21 @@ if not jailed and not net:
                 raise PermissionError("network access is disabled in this sandbox")
         sys.addaudithook(refuse)
         isolation = "no jail, audit hook"
+def tasks():  # of this uid, threads included, as RLIMIT_NPROC counts them: all this process can see
+    n = 0
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open('/proc/' + pid + '/status') as f:
+                got = dict(line.split(':', 1) for line in f if line.startswith(('Uid:', 'Threads:')))
+        except OSError:
+            continue
+        if int(got['Uid'].split()[0]) == os.getuid():
+            n += int(got['Threads'])
+    return n
+# the kernel counts RLIMIT_NPROC per uid and user namespace: in a new one only this process has it; in the
+# jail, the jail's own tasks are all of them (its user namespace, or a root caller's uid of the call's own)
+nproc += 1 if isolation == "no jail, user + network namespace" else tasks()
+resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 sys.stderr.write("\x00isolation=" + isolation + "\x00")
 sys.stderr.flush()
 code = sys.stdin.read()
@@ -79,12 +102,15 @@ class Limits:
     wall_s: float = 5.0
     cpu_s: int = 5
     memory_bytes: int = 512 * 2**20
+    """Every process's address space (``RLIMIT_AS``), and where a cgroup can be made the memory of
+    all of the call's processes together (module docstring)."""
     output_bytes: int = 64 * 2**10
     network: bool = False
     processes: int = 32
-    """Tasks the code may add to what its user already runs."""
+    """Tasks (threads included) the code may start besides the ones the call starts with."""
     file_bytes: int = 16 * 2**20
-    """Largest file the code may write (``RLIMIT_FSIZE``); also the size of its private tmpfs."""
+    """Largest file the code may write (``RLIMIT_FSIZE``); also the size of each of its private
+    tmpfs, ``/tmp`` and ``/dev/shm``."""
     open_files: int = 64
     jail: bool = True
     """False: run without the jail (``rollout.unsafe_python_without_jail``; module docstring)."""
@@ -108,7 +134,24 @@ class Outcome:
 def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     """Run ``code`` under ``limits`` (module docstring) and return what happened."""
     t0 = time.monotonic()
-    proc = _start(*_command(limits))
+    cgroup = _cgroup(limits)
+    try:
+        proc = _start(*_command(limits, cgroup))
+        timed_out, over, raw = _communicate(proc, code, limits)
+    finally:
+        if cgroup is not None and not cgroup.close():
+            log.warning("the tool call's cgroup %s could not be removed: a task in it did not exit", cgroup.dirs)
+    isolation, text = _split_tag(raw.decode("utf-8", errors="replace"))
+    code_ = proc.returncode
+    if limits.jail and code_ is not None and code_ > 128 and not timed_out:
+        code_ = -(code_ - 128)  # bubblewrap reports a signal as 128 + its number
+    status = _status(over, timed_out, code_)
+    return Outcome(text[: limits.output_bytes], status, code_, time.monotonic() - t0, isolation)
+
+
+def _communicate(proc: subprocess.Popen, code: str, limits: Limits) -> tuple[bool, bool, bytes]:
+    """Hand ``code`` to the child, wait for it up to the wall time, then kill what is left of it:
+    (timed out, output over its limit, the output)."""
     chunks: list[bytes] = []
     over = threading.Event()
     reader = threading.Thread(target=_read, args=(proc, limits.output_bytes + 64, chunks, over), daemon=True)
@@ -126,39 +169,47 @@ def run_python(code: str, limits: Limits = Limits()) -> Outcome:
     _kill(proc)  # every time: whatever the code left running goes with its jail (module docstring)
     proc.wait()
     reader.join(timeout=5)
-    isolation, text = _split_tag(b"".join(chunks).decode("utf-8", errors="replace"))
-    code_ = proc.returncode
-    if limits.jail and code_ is not None and code_ > 128 and not timed_out:
-        code_ = -(code_ - 128)  # bubblewrap reports a signal as 128 + its number
-    status = _status(over.is_set(), timed_out, code_)
-    return Outcome(text[: limits.output_bytes], status, code_, time.monotonic() - t0, isolation)
+    return timed_out, over.is_set(), b"".join(chunks)
 
 
-def _command(limits: Limits) -> tuple[list[str], tuple[int, ...]]:
+def _cgroup(limits: Limits) -> CallCgroup | None:
+    """The call's cgroup, where one can be made (``jail.cgroup_place``); else None, and the
+    limits of each process are all there is."""
+    place, _ = cgroup_place()
+    if place is None:
+        return None
+    try:
+        return CallCgroup(*place, limits.memory_bytes, limits.processes + (JAIL_TASKS if limits.jail else 1))
+    except OSError as exc:
+        log.warning("no cgroup for this tool call (%s): its processes are limited one by one", exc)
+        return None
+
+
+def _command(limits: Limits, cgroup: CallCgroup | None) -> tuple[list[str], tuple[int, ...]]:
     """The child's command line (the boot script and its limits, inside the jail unless
-    ``limits.jail`` is off) and the descriptors it inherits."""
-    drop = NOBODY if limits.jail and os.geteuid() == 0 else 0
-    nproc = _tasks_of(NOBODY if drop else os.getuid()) + limits.processes
+    ``limits.jail`` is off, inside ``cgroup`` when there is one) and the descriptors it inherits."""
+    drop = call_uid() if limits.jail and os.geteuid() == 0 else 0
     values = (
         limits.cpu_s,
         limits.memory_bytes,
         int(limits.network),
-        nproc,
+        limits.processes,
         limits.file_bytes,
         limits.open_files,
         drop,
         int(limits.jail),
     )
     boot = [str(v) for v in values]
+    wrap = cgroup.wrap if cgroup is not None else list
     if not limits.jail:
-        return [sys.executable, "-I", "-S", "-c", _BOOT, *boot], ()
+        return wrap([sys.executable, "-I", "-S", "-c", _BOOT, *boot]), ()
     if (problem := jail_problem()) is not None:
         raise RuntimeError(
             f"the python environment needs a jail for model-written code: {problem}; "
             "or set rollout.unsafe_python_without_jail: true where none can be had"
         )
     cmd, read = jailed_python(["-c", _BOOT, *boot], limits.file_bytes, limits.network)
-    return cmd, (read,)
+    return wrap(cmd), (read,)
 
 
 def _start(cmd: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
@@ -200,22 +251,6 @@ def _status(over: bool, timed_out: bool, code: int | None) -> str:
     if code == 0:
         return "ok"
     return "killed" if code is not None and code < 0 else "error"
-
-
-def _tasks_of(uid: int) -> int:
-    """Tasks (threads included, as RLIMIT_NPROC counts them) the user ``uid`` runs now."""
-    n = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
-        except OSError:
-            continue  # ended meanwhile
-        if int(fields["Uid"].split()[0]) == uid:
-            n += int(fields["Threads"])
-    return n
 
 
 def _kill(proc: subprocess.Popen) -> None:

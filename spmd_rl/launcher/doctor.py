@@ -16,7 +16,12 @@ saw, and a failing one says the fix; the command exits 0 when nothing failed, 2 
   share of the sample flow (paper Eq. (4));
 - free space in ``/dev/shm`` against ``SHM_NEED``: NCCL / HCCL keep their intra-node buffers
   there (containers default to 64 MiB, which stops NCCL), vLLM's CPU communicators one segment
-  per TP rank.
+  per TP rank;
+- with ``rollout.environment: python``, how this node limits a tool call (``envs.jail``): a
+  cgroup per call holding the memory and tasks of all its processes together, or, where none
+  can be made, each process's own limits only (a warning: a call's memory is then up to its
+  processes x the memory limit); no jail (no bubblewrap, user namespaces refused) is a failure
+  unless ``rollout.unsafe_python_without_jail`` accepts it.
 """
 
 from __future__ import annotations
@@ -222,5 +227,36 @@ def shm(cfg: Config, kind: str | None = None) -> Check:
     )
 
 
+def tool_jail(cfg: Config) -> Check:
+    """The python environment's limits per tool call on this node (module docstring)."""
+    from spmd_rl.envs.jail import cgroup_place, jail_problem
+    from spmd_rl.envs.python_tool import PythonTool
+
+    lim = PythonTool.limits
+    if (problem := jail_problem()) is not None:
+        unsafe = cfg.rollout.unsafe_python_without_jail
+        return Check(
+            "tool jail",
+            unsafe,
+            f"none: {problem}" + (" (rollout.unsafe_python_without_jail accepts it)" if unsafe else ""),
+            "" if unsafe else "install bubblewrap (launch/setup.sh does) where user namespaces are allowed",
+            warn=unsafe,
+        )
+    place, line = cgroup_place()
+    mib, n = lim.memory_bytes >> 20, lim.processes
+    if place is not None:
+        return Check("tool jail", True, f"{line}: each call's processes together hold <= {mib} MiB and {n} tasks")
+    return Check(
+        "tool jail",
+        True,
+        f"{line}; each process of a call holds <= {mib} MiB (RLIMIT_AS) and a call <= {n} tasks, so a call up "
+        f"to {n} x {mib} MiB",
+        "delegate the ranks a cgroup: v2, one they own with memory and pids in its cgroup.subtree_control and the "
+        "ranks in a child of it (systemd: Delegate=yes); v1, a memory and a pids cgroup they own and run in",
+        warn=True,
+    )
+
+
 def diagnose(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Check]:
-    return [*versions(), devices(cfg), etcd(cfg), dock_ports(cfg, lay), host_memory(cfg, arch, lay), shm(cfg)]
+    jail = [tool_jail(cfg)] if cfg.rollout.environment == "python" else []
+    return [*versions(), devices(cfg), etcd(cfg), dock_ports(cfg, lay), host_memory(cfg, arch, lay), shm(cfg), *jail]
