@@ -51,7 +51,7 @@ from spmd_rl.dock.fetch import Peer
 from spmd_rl.dock.columns import columns_for
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
-from spmd_rl.elastic.quorum import QuorumLost
+from spmd_rl.elastic.quorum import NotAMember, QuorumLost
 from spmd_rl.elastic.replica_group import ReplicaGroup
 from spmd_rl.elastic.replicas import Replicas
 from spmd_rl.elastic.replicated_step import sum_gradients
@@ -218,6 +218,32 @@ def for_replica(cfg):
     )
 
 
+def _replica_local_group(cfg) -> dist.ProcessGroup:
+    """The replica's own group for its lead's answers and its ranks' votes, with a timeout above
+    the longest the lead may take (agreeing on a generation, ``elastic.startup_timeout_s``) plus
+    a collective's (``timeout_s``): its other ranks wait in it meanwhile, and a timeout there is
+    a crash, not the ``ReplicaLost`` or ``QuorumLost`` the lead's answer carries."""
+    wait = cfg.elastic.startup_timeout_s + cfg.elastic.replicas.timeout_s + 60.0
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait))
+
+
+def _replica_layout(cfg, peer: Peer) -> dict:
+    """What every replica of a job must share: its ranks and layouts, the batch and its deal,
+    the algorithm and the model's dtype (a heal copies tensors one by one, the deal cuts the
+    same global batch)."""
+    return {
+        "ranks": peer.world,
+        "parallel": cfg.parallel.model_dump(mode="json"),
+        "actor.backend": cfg.actor.backend,
+        "data.global_batch_size": cfg.data.global_batch_size,
+        "actor.mini_batch_size": cfg.actor.mini_batch_size,
+        "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "rollout.n": cfg.rollout.n,
+        "algorithm.name": cfg.algorithm.name,
+        "model.dtype": cfg.model.dtype,
+    }
+
+
 def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, start: int) -> tuple:
     """With ``elastic.replicas``: (this replica's side, the first iteration to run). The first
     replicas wait for ``count`` of them; one arriving at a running job heals from a member
@@ -235,8 +261,9 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
         r.join_window_s,
         r.min_replicas,
         r.timeout_s,
-        local_pg=dist.new_group(backend="gloo") if peer.world > 1 else None,
+        local_pg=_replica_local_group(cfg) if peer.world > 1 else None,
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
+        layout=_replica_layout(cfg, peer),
     )
     replicas = Replicas(group, cfg.data.global_batch_size, cfg.actor.mini_batch_size, deal_unit(lay))
     for engine in trained(roles):
@@ -244,7 +271,10 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
     if group.running():
         start = join_running(replicas, trained(roles), sampler, start)
     else:
-        replicas.start(r.count)
+        try:
+            replicas.start(r.count)
+        except NotAMember:  # started with the first ones, after count of them formed generation 0: join
+            start = join_running(replicas, trained(roles), sampler, start)
     if peer.rank == 0:
         log.info("replica %s: %d of %d replicas (generation %d)", r.name, group.rank, group.world, group.gen.number)
     return replicas, start

@@ -180,17 +180,23 @@ class ReplicasConfig(Section):
     lease_s: float = Field(
         5.0,
         ge=1.0,
-        description="Lease of each replica's membership in etcd: a replica that stops answering (SIGSTOP, a hung "
-        "node) is dropped after about this long.",
+        description="Lease of each replica's membership in etcd, renewed every third of it: a replica that stops "
+        "answering (SIGSTOP, a hung node) is dropped once it lapses; one that is only slow (a longer generation, a "
+        "pause shorter than this) is waited for, however long. A killed replica is noticed at once (its store port "
+        "refuses).",
     )
     join_window_s: float = Field(
-        1.0, gt=0.0, description="How long the survivors of a loss wait for each other before agreeing."
+        1.0,
+        gt=0.0,
+        description="Once every live member of the last generation asked for the next one, how long it waits for "
+        "other live replicas (joiners) to ask too.",
     )
     timeout_s: float = Field(
-        5.0,
+        120.0,
         gt=0.0,
-        description="Timeout of the collectives across replicas (the normaliser, the gradient, the commit): a "
-        "replica that stops answering fails them after this long; a killed one at once.",
+        description="Timeout of a collective across replicas (the normaliser, the gradient, the commit, a heal) once "
+        "every member has reached it: the time to move its data. Members wait for each other before it for as long "
+        "as their leases hold (lease_s).",
     )
 
 

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import requests
 from etcd3gw.client import Etcd3Client
+from etcd3gw.lease import Lease
 from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
@@ -68,6 +69,24 @@ class LeaseId:
     key that expires with that lease (``dock.node_lease``)."""
 
     id: int
+
+
+@dataclass(frozen=True)
+class StoreLease:
+    """A lease this process holds, renewed and revoked through its store's ``_call``: the same
+    retry and endpoint failover as every other call, not the one client (and endpoint) that
+    granted it. A lease is etcd's, not an endpoint's: any member of the cluster renews it, so
+    losing the endpoint it was granted through costs one failover, not the lease."""
+
+    id: int
+    store: "MetadataStore"
+
+    def refresh(self) -> int:
+        """The lease's new TTL; <= 0 once it expired (its keys are gone)."""
+        return self.store._call(lambda c: Lease(self.id, c).refresh())
+
+    def revoke(self) -> None:
+        self.store._call(lambda c: Lease(self.id, c).revoke())
 
 
 def _tls_failure(exc: BaseException) -> BaseException | None:
@@ -148,9 +167,9 @@ class MetadataStore:
         else:
             self._call(lambda c: c.put(key, value, lease=lease))
 
-    def lease(self, ttl_s: int):
+    def lease(self, ttl_s: int) -> "StoreLease":
         """A new lease; keep it alive with ``lease.refresh()`` (returns the TTL, <= 0 once expired)."""
-        return self._call(lambda c: c.lease(ttl_s))
+        return StoreLease(self._call(lambda c: c.lease(ttl_s)).id, self)
 
     def get(self, key: str) -> bytes | None:
         got = self._call(lambda c: c.get(key))

@@ -41,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -48,11 +49,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
+from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.elastic.quorum import Generation, NotAMember, Quorum, QuorumLost
+from spmd_rl.elastic.arrivals import Arrivals
+from spmd_rl.elastic.quorum import Generation, LayoutMismatch, NotAMember, Quorum, QuorumLost, gone
 
 _LOST = b"!quorum-lost:"
 """Prefix of the lead's answer when no generation could be agreed (``QuorumLost``'s message follows)."""
+_MISMATCH = b"!layout:"
+"""Prefix of the lead's answer when this replica's layout differs from the job's (``LayoutMismatch``)."""
 
 
 StateFn = Callable[[], Iterable[torch.Tensor]]
@@ -76,18 +81,25 @@ class ReplicaGroup:
         timeout_s: float = 5.0,
         local_pg: dist.ProcessGroup | None = None,
         quorum_timeout_s: float = 60.0,
+        layout: dict | None = None,
     ):
         from torchft.process_group import ProcessGroupGloo  # 0.6 s of imports: only where replicas are elastic
 
-        self.replica, self.job, self.local_pg = replica, store.job, local_pg
+        self.replica, self.job, self.local_pg, self.store = replica, store.job, local_pg, store
         self.local_rank = 0 if local_pg is None else local_pg.rank()
         self.quorum = None
         if self.local_rank == 0:  # the replica's lead: its lease, its store, its side of the quorum
             self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             address = f"{host}:{self.tcp.port}"
-            self.quorum = Quorum(store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s)
+            self.quorum = Quorum(
+                store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s, layout=layout
+            )
+        self.timeout_s, self.patience_s = timeout_s, quorum_timeout_s
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
+        self.arrivals: Arrivals | None = None
+        self._torn = False
+        """Whether a heal into this replica was cut short: its state is a mix of two members'."""
         self.places_differed = False
         """Whether the members of the last generation formed were at different places (a split
         commit, healed from the furthest)."""
@@ -109,8 +121,7 @@ class ReplicaGroup:
         """A replica arriving at a running job: register, ask for the next generation (the
         members agree on it at their next step boundary, ``joiners_waiting``) and overwrite
         ``state`` with a member's (``progress``: this replica's place, behind every member's)."""
-        if self.quorum is not None:
-            self.quorum.register()
+        self._decided(lambda q: (q.register(), q.current())[1])
         return self._rejoin(state, progress)
 
     def running(self) -> bool:
@@ -132,10 +143,12 @@ class ReplicaGroup:
         ahead (``_heal_from_furthest``). A member of the new generation lost while it forms:
         agree on the one after. Left out of it (its peers decided before this replica asked):
         join the one after as a new replica does, healing ``state`` from a member."""
-        before = set(self.gen.members)
+        if self.arrivals is not None:  # this generation is over: members waiting at its arrivals leave it too
+            self.arrivals.leave()
+        before, since = set(self.gen.members), time.monotonic()
         while True:
             try:
-                gen = self._decided(lambda q: q.agree(self.gen.number + 1))
+                gen = self._decided(lambda q: self._agree_within(q, self.gen.number + 1, since))
             except NotAMember:
                 return self._rejoin(state, progress)
             try:
@@ -147,30 +160,47 @@ class ReplicaGroup:
 
     def _heal_from_furthest(self, state: StateFn, progress: torch.Tensor | None, grew: bool) -> None:
         """Every member and joiner of a new generation, at the same point: heal all from the
-        first member whose ``progress`` is the furthest (element-wise MAX) when the generation
-        grew or the members' progress differs; without ``progress``, from member 0 when it grew."""
-        src, self.places_differed = 0, False
+        first whole member whose ``progress`` is the furthest (element-wise MAX) when the
+        generation grew, the members' progress differs, or a member's last heal was cut short
+        (``_torn``: the source died mid-way; its counter came first, so its progress says
+        nothing); without ``progress``, from the first whole member when it grew. No whole
+        member: ``QuorumLost`` (the state is only in the checkpoints)."""
+        torn = torch.tensor([1.0 if self._torn else 0.0])
+        any_torn = self.allreduce(torn.clone(), dist.ReduceOp.MAX).item() > 0
+        mine = None
         if progress is not None:
             mine = progress.to(torch.float64).reshape(-1)
-            top, low = self.allreduce(mine.clone(), dist.ReduceOp.MAX), self.allreduce(mine.clone(), dist.ReduceOp.MIN)
-            first = self.allreduce(
-                torch.tensor([float(self.rank if torch.equal(mine, top) else self.world)]), dist.ReduceOp.MIN
+            place = torch.full_like(mine, -1.0) if self._torn else mine  # a torn member is at no place
+            top, low = (
+                self.allreduce(place.clone(), dist.ReduceOp.MAX),
+                self.allreduce(place.clone(), dist.ReduceOp.MIN),
             )
-            src, self.places_differed = int(first.item()), not torch.equal(top, low)
-            grew = grew or self.places_differed
-            if src >= self.world:
-                raise RuntimeError(f"generation {self.gen.number}: no member is at the furthest place {top.tolist()}")
-        if grew:
+            eligible = not self._torn and torch.equal(place, top)
+            self.places_differed = not torch.equal(top, low)
+        else:
+            eligible, self.places_differed = not self._torn, False
+        first = self.allreduce(torch.tensor([float(self.rank if eligible else self.world)]), dist.ReduceOp.MIN)
+        src = int(first.item())
+        if src >= self.world:
+            raise QuorumLost(
+                f"generation {self.gen.number}: no member holds a whole training state (a heal was cut short by its "
+                "source's loss): restart the job from its checkpoint"
+            )
+        if grew or self.places_differed or any_torn:
+            receiving = self.rank != src and (mine is None or self._torn or not torch.equal(mine, top))
+            self._torn = self._torn or receiving
             self.heal(state(), src)
+            self._torn = False
 
     def _rejoin(self, state: StateFn, progress: torch.Tensor | None = None) -> Generation:
         """Join the generation after the current one and heal from a member of it; a member lost
         while it forms or heals (the members recover the same way), or decided without this
         replica: join the one after."""
+        since = time.monotonic()
         while True:
             before = self._decided(lambda q: q.current())
             try:
-                gen = self._configure(self._decided(lambda q: q.agree(before.number + 1)))
+                gen = self._configure(self._decided(lambda q: self._agree_within(q, before.number + 1, since)))
                 if gen.members[0] not in before.members:
                     raise QuorumLost(
                         f"generation {gen.number} {list(gen.members)} holds no replica of generation {before.number} "
@@ -180,6 +210,19 @@ class ReplicaGroup:
                 return gen
             except (ReplicaLost, NotAMember):
                 continue
+
+    def _agree_within(self, quorum: Quorum, number: int, since: float) -> Generation:
+        """``quorum.agree(number)`` unless generations have formed and broken since ``since`` for
+        longer than ``quorum_timeout_s`` (``QuorumLost``): replicas that reach etcd but not
+        each other (a partition between them, a replica publishing an address others cannot
+        reach: ``dock.interface``) would otherwise form a new one every few seconds, forever.
+        The lead decides, so every rank of the replica stops together."""
+        if time.monotonic() - since > self.patience_s:
+            raise QuorumLost(
+                f"replica {self.replica}: no generation of replicas held together for {self.patience_s:g}s (each "
+                "formed and broke: can every replica reach the others' dock.interface?): restart from the checkpoint"
+            )
+        return quorum.agree(number)
 
     def _decided(self, agree: Callable[[Quorum], Generation]) -> Generation:
         """``agree`` run by the lead, its answer handed to the replica's other ranks (JSON bytes
@@ -192,11 +235,15 @@ class ReplicaGroup:
                 payload = b""
             except QuorumLost as exc:  # raised on every rank of the replica, not on the lead alone
                 payload = _LOST + str(exc).encode()
+            except LayoutMismatch as exc:
+                payload = _MISMATCH + str(exc).encode()
         payload = self._bytes_from_lead(payload)
         if not payload:
             raise NotAMember(f"replica {self.replica} was left out of the generation its peers agreed on")
         if payload.startswith(_LOST):
             raise QuorumLost(payload[len(_LOST) :].decode())
+        if payload.startswith(_MISMATCH):
+            raise LayoutMismatch(payload[len(_MISMATCH) :].decode())
         return Generation.decode(payload)
 
     def _bytes_from_lead(self, payload: bytes) -> bytes:
@@ -213,24 +260,42 @@ class ReplicaGroup:
         return tensor
 
     def _configure(self, gen: Generation) -> Generation:
-        self.gen = gen
+        self.gen, self.arrivals = gen, None
         column = "" if self.local_pg is None else f"/col{self.local_rank}"
-        address = f"{gen.store_address}/{self.job}/gen{gen.number}{column}"
-        self._voted(
-            lambda: self.pg.configure(address, self.replica, gen.rank_of(self.replica), len(gen.members)),
-            f"forming generation {gen.number} {list(gen.members)}",
-        )
+        prefix = f"{self.job}/gen{gen.number}{column}"
+
+        def form() -> None:
+            self.pg.configure(
+                f"{gen.store_address}/{prefix}", self.replica, gen.rank_of(self.replica), len(gen.members)
+            )
+            self.arrivals = Arrivals(
+                gen.store_address, f"{prefix}/arrive", len(gen.members), self._gone, self.timeout_s, self.patience_s
+            )
+
+        self._voted(form, f"forming generation {gen.number} {list(gen.members)}", meet=False)
         return gen
 
-    def _voted(self, collective: Callable[[], None], what: str) -> None:
-        """Run a cross-replica collective; every rank of this replica learns whether all of
-        theirs succeeded (MIN over ``local_pg``), and on a failure all raise ``ReplicaLost``
-        with this generation's group closed at once: a member blocked on this one (not on the
-        dead one) sees its sockets close now, not when this one has agreed again."""
+    def _gone(self) -> list[str]:
+        """The members of this generation no longer alive (``quorum.gone``); none while etcd
+        cannot be read (no verdict: keep waiting)."""
+        try:
+            return gone(self.store, self.gen, self.replica)
+        except DockUnavailable:
+            return []
+
+    def _voted(self, collective: Callable[[], None], what: str, meet: bool = True) -> None:
+        """Run a cross-replica collective once every member arrived at it (``meet``:
+        ``elastic.arrivals``); every rank of this replica learns whether all of theirs
+        succeeded (MIN over ``local_pg``), and on a failure all raise ``ReplicaLost`` with this
+        generation's group closed at once: a member blocked on this one (not on the dead one)
+        sees its sockets close now, not when this one has agreed again; one waiting at an
+        arrival sees the generation marked broken."""
         error = None
         try:
+            if meet:
+                self.arrivals.meet()
             collective()
-        except (RuntimeError, socket.error) as exc:
+        except (RuntimeError, socket.error) as exc:  # MemberLost, torch's DistError, gloo's errors
             error = exc
         ok = error is None
         if self.local_pg is not None:
@@ -238,6 +303,8 @@ class ReplicaGroup:
             dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.local_pg)
             ok = vote.item() > 0
         if not ok:
+            if self.arrivals is not None:
+                self.arrivals.leave()
             self.pg.abort()
             raise ReplicaLost(f"{what}: {error or 'another rank of this replica failed'}") from error
 
@@ -258,8 +325,10 @@ class ReplicaGroup:
     def heal(self, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` on every member with member ``src``'s (a joiner's state), one
         at a time: an iterator may decide what follows from what it already received."""
+        what = f"healing in generation {self.gen.number}"
+        self._voted(lambda: None, what)  # every member is here; the tensors then follow back to back
         for t in tensors:
-            self._voted(lambda t=t: self.pg.broadcast_one(t, src).wait(), f"healing in generation {self.gen.number}")
+            self._voted(lambda t=t: self.pg.broadcast_one(t, src).wait(), what, meet=False)
 
     def close(self) -> None:
         if self.quorum is not None:

@@ -11,11 +11,12 @@ share of the global batch and is redone, with the next generation's deal, when a
                     dock, agree on the survivors, redo it
 
 Each optimizer step is taken only after every replica committed to it, so with one step per
-iteration nothing is stepped before a loss. With several (``actor.ppo_epochs`` > 1 or
-``actor.mini_batch_size`` < G), the steps committed before the loss are undone from the copy
-kept at the iteration's start (``IterationStart``: this rank's shards of the actor's (and
-critic's) parameters and AdamW moments on host, 3x the shards' fp32 bytes), so the survivors redo the whole iteration
-from the state it started from, with the new deal.
+iteration nothing is stepped before a loss. With several (``actor.ppo_epochs`` > 1,
+``actor.mini_batch_size`` < G, or PPO's critic, which steps before the actor), the steps
+committed before the loss are undone from the copy kept at the iteration's start
+(``IterationStart``: this rank's shards of the actor's (and critic's) parameters and AdamW
+moments on host, 3x the shards' fp32 bytes), so the survivors redo the whole iteration from the
+state it started from, with the new deal.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class IterationStart:
     """The trained engines' state as an iteration started, for a redo after a loss that came
     after some of their optimizer steps: every parameter and optimizer state tensor of this rank
     (``state_tensors``: the local shards) copied to host, the learning rates, the schedule and
-    the step count of each. Kept only where an iteration takes several steps (``steps`` > 1)."""
+    the step count of each. Kept only where an iteration takes several steps (``steps`` > 1,
+    counted over every trained engine: PPO's critic steps before the actor, so with one actor
+    step a loss between the two finds the critic a step ahead, and it must be put back too)."""
 
     def __init__(self, engines: list, steps: int, resident: Callable[[], None]):
         self.engines, self.steps, self.resident = engines, steps, resident
@@ -204,7 +207,7 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
     reps, base, engines = run.replicas, run.cfg, trained(run.roles)
     start = SamplerState(run.sampler.state.epoch, run.sampler.state.offset)
     resident = make_resident(run)
-    kept = IterationStart(engines, base.actor.ppo_epochs * mini_batch_count(base), resident)
+    kept = IterationStart(engines, len(engines) * base.actor.ppo_epochs * mini_batch_count(base), resident)
     boundary = True
     while True:
         try:

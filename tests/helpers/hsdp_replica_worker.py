@@ -43,7 +43,6 @@ def main() -> None:
         name,
         lease_s=LEASE_S,
         join_window_s=0.5,
-        timeout_s=LEASE_S,
         local_pg=dist.group.WORLD,
     )
     step = torch.zeros(1, dtype=torch.float64)

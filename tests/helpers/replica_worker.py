@@ -28,7 +28,11 @@ B = 12
 DATA = 64
 PACE_S = 0.05
 LEASE_S = 2.0
-"""The liveness lease, and the collective timeout: a stopped replica is dropped after it."""
+"""The membership lease: a stopped replica is dropped once it lapses; the collective timeout is
+the default users get."""
+SLOW = "REPLICA_SLOW"
+"""``STEP:SECONDS``: this replica sleeps that long before its share of that step (once), as a
+replica with a longer generation reaches the collective later."""
 
 
 def problem() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
@@ -51,7 +55,7 @@ def main() -> None:
     etcd, job, name, mode = sys.argv[1:5]
     steps, out = (int(sys.argv[6]), sys.argv[7]) if mode == "start" else (int(sys.argv[5]), sys.argv[6])
     model, opt, x, y = problem()
-    group = ReplicaGroup(MetadataStore([etcd], job), name, lease_s=LEASE_S, join_window_s=0.5, timeout_s=LEASE_S)
+    group = ReplicaGroup(MetadataStore([etcd], job), name, lease_s=LEASE_S, join_window_s=0.5)
     step = torch.zeros(1, dtype=torch.float64)
     log = open(out, "a", buffering=1)
     if mode == "start":
@@ -65,7 +69,15 @@ def main() -> None:
     def event(kind: str) -> None:
         log.write(json.dumps({"event": kind, "gen": group.gen.number, "world": group.world, "t": time.time()}) + "\n")
 
-    loss = lambda s, r, w: share_loss(model, x, y, s, r, w)  # noqa: E731
+    slow_step, slow_s = (float(v) for v in os.environ.get(SLOW, "-1:0").split(":"))
+
+    def loss(s: int, r: int, w: int) -> torch.Tensor:
+        nonlocal slow_step
+        if s == slow_step:
+            slow_step = -1
+            time.sleep(slow_s)
+        return share_loss(model, x, y, s, r, w)
+
     for s in committed_steps(group, model, opt, loss, B, step, steps, event):
         row = {"step": s, "gen": group.gen.number, "world": group.world, "pid": os.getpid(), "t": time.time()}
         log.write(json.dumps(row) + "\n")

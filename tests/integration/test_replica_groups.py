@@ -43,12 +43,12 @@ def _steps(path) -> list[dict]:
     return [r for r in _rows(path) if "step" in r]
 
 
-def _replica(etcd, tmp_path, name: str, *mode: str) -> subprocess.Popen:
-    args = [etcd.endpoint, "replicas", name, *mode, str(STEPS), str(tmp_path / f"{name}.jsonl")]
+def _replica(etcd, tmp_path, name: str, *mode: str, job: str = "replicas", env=None) -> subprocess.Popen:
+    args = [etcd.endpoint, job, name, *mode, str(STEPS), str(tmp_path / f"{name}.jsonl")]
     return subprocess.Popen(
         [sys.executable, str(REPO / "tests/helpers/replica_worker.py"), *args],
         cwd=REPO,
-        env=subprocess_env(),
+        env=subprocess_env() | (env or {}),
         stdout=open(tmp_path / f"{name}.log", "w"),
         stderr=subprocess.STDOUT,
     )
@@ -112,6 +112,33 @@ def test_survivors_keep_their_processes_and_end_with_the_uninterrupted_weights(e
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (got - want).abs().max()
     assert (got - torch.cat([p.detach().reshape(-1) for p in problem()[0].parameters()])).abs().max() > 1e-3
     record_property("seconds_from_sigkill_to_next_step", round([r["t"] for r in a if r["world"] == 2][0] - killed, 2))
+
+
+@pytest.mark.slow
+def test_a_slow_replica_is_waited_for_not_dropped(etcd, tmp_path):
+    """b reaches step 20's collectives 8 s after a (past the 5 s collective timeout replicas had,
+    four leases), while its lease holds: a waits, nobody recovers, the generation never changes,
+    and both end with the uninterrupted run's weights. (Before, a dropped b after the timeout and
+    redid the step alone; b, left out, rejoined.)"""
+    slow = {"REPLICA_SLOW": "20:8"}
+    procs = {n: _replica(etcd, tmp_path, n, "start", "2", job="slow", env=slow if n == "b" else None) for n in "ab"}
+    try:
+        for n in "ab":
+            assert procs[n].wait(timeout=180) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            p.kill()
+    for n in "ab":
+        rows = _rows(tmp_path / f"{n}.jsonl")
+        assert not [r for r in rows if "event" in r], (n, [r for r in rows if "event" in r])
+        steps = [r for r in rows if "step" in r]
+        assert [r["step"] for r in steps] == list(range(STEPS)) and {(r["gen"], r["world"]) for r in steps} == {(0, 2)}
+    a = _steps(tmp_path / "a.jsonl")
+    assert a[20]["t"] - a[19]["t"] > 7  # a did wait at step 20
+    finals = {n: [r for r in _rows(tmp_path / f"{n}.jsonl") if "final" in r][0]["final"] for n in "ab"}
+    assert finals["a"] == finals["b"]
+    got = torch.tensor([float.fromhex(v) for v in finals["a"]], dtype=torch.float64)
+    assert torch.allclose(got, _reference_final(), rtol=1e-10, atol=1e-12)
 
 
 HSDP_STEPS = 30

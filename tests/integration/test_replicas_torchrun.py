@@ -289,16 +289,20 @@ def test_a_loss_after_a_committed_mini_batch_undoes_it_and_matches_one_job(tiny_
 
 @pytest.mark.slow
 def test_ppo_replicas_undo_the_critic_too_and_heal_a_joiner_with_it(tiny_model, tmp_path, etcd):
-    """PPO (a critic, GAE whitened over the whole batch) in two mini-batches: c is SIGKILLed
-    before iteration 1's second commit vote, after both the actor and the critic stepped once;
-    the survivors put both back and redo it, and d, started meanwhile, is healed with both
-    models' weights and AdamW state. a, b and d end bit-identical, at the one job's weights."""
-    ppo = ("algorithm.name=ppo", "algorithm.critic_lr=1e-4", "actor.mini_batch_size=3", "trainer.iterations=3")
+    """PPO (a critic, GAE whitened over the whole batch) with one optimizer step per iteration:
+    c is SIGKILLed before iteration 1's second commit vote, the actor's, after the critic
+    stepped; the survivors put the critic back and redo it, and d, started meanwhile, is healed
+    with both models' weights and AdamW state. a, b and d end bit-identical, at the one job's
+    weights. (Before, only iterations of several actor steps kept their start, and ``adopt``
+    found every survivor's critic a step ahead: all of them died.)"""
+    ppo = ("algorithm.name=ppo", "algorithm.critic_lr=1e-4", "trainer.iterations=3")
     one_job(tmp_path / "solo_ppo", etcd, "solo_ppo", *ppo)
     tmp, faults, at_commit = tmp_path / "ppo", tmp_path / "faults", tmp_path / "commit"
     faults.mkdir(), at_commit.mkdir()
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
-    plan = {"kind": "pause", "dir": str(at_commit), "points": ["commit"], "min_iteration": 1, "world": 1, "skip": 1}
+    # the first commit vote labelled iteration 1 is the actor's of iteration 1 (a vote is labelled with the last
+    # actor update started, so the critic's of iteration 1 still reads 0): the critic has stepped, the actor not
+    plan = {"kind": "pause", "dir": str(at_commit), "points": ["commit"], "min_iteration": 1, "world": 1}
     procs = {n: replica(tmp, etcd, "ppo", n, plan if n == "c" else hold, *ppo) for n in "abc"}
     err = {n: tmp_path / f"ppo-{n}.err" for n in "abcd"}
     with reaped(procs) as seen:
@@ -311,6 +315,7 @@ def test_ppo_replicas_undo_the_critic_too_and_heal_a_joiner_with_it(tiny_model, 
         for n in "abd":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "abd"}
+    assert json.loads((at_commit / "commit.reached").read_text())["iteration"] == 1
     assert logs["a"][1]["replica_redone"] == 1 and logs["d"][0]["iteration"] in (1, 2)
     assert all("value_loss" in r for r in logs["a"])  # the critic trained every iteration
     solo = model_weights(tmp_path / "solo_ppo/ckpt/iter_000003")
