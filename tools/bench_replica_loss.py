@@ -1,10 +1,12 @@
 """How long survivors take to step again after a replica is lost (``spmd_rl.elastic``): three
 replicas (``tests/helpers/replica_worker.py``: a small model, AdamW, ``replicated_step``)
 against one embedded etcd; one is SIGKILLed (its sockets close) or SIGSTOPped (it stops
-answering, its sockets stay open) mid-run; the time is
-from the signal to the survivors' first committed step in the generation without it. Median of
-``--runs`` per kind; printed against the liveness lease, the bound a stopped node cannot beat
-(its peers wait for the collective timeout, set to the lease). The processes are never restarted.
+answering, its sockets stay open) mid-run, or SIGKILLed while survivor b is 3 s late to the
+next step (the survivors notice the loss at different times); the time is from the signal to
+the survivors' first committed step in the generation without it, and the generations they
+formed (1: b, late, was not dropped as well). Median of ``--runs`` per kind; printed against
+the membership lease, the bound a stopped node cannot beat (its peers wait for it while its
+lease holds). The processes are never restarted.
 Run from the repository root: ``python tools/bench_replica_loss.py``."""
 
 from __future__ import annotations
@@ -33,27 +35,33 @@ def steps(path: Path) -> list[dict]:
     return [r for r in rows if "step" in r]
 
 
-def one_loss(endpoint: str, tmp: Path, job: str, sig: int) -> float:
-    """Seconds from ``sig`` to the survivors' first step without the lost replica."""
+def one_loss(endpoint: str, tmp: Path, job: str, sig: int, late_s: float = 0.0) -> tuple[float, int]:
+    """(seconds from ``sig`` to the survivors' first step without the lost replica, the
+    generations the survivors formed). ``late_s``: survivor b reaches the step after the loss
+    that much later than a (``REPLICA_SLOW``), so the two notice the loss at different times."""
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    at = 20 if not late_s else 24
     procs = {
         n: subprocess.Popen(
             [sys.executable, str(REPO / "tests/helpers/replica_worker.py"), endpoint, job, n, "start", "3", "100000"]
             + [str(tmp / f"{job}-{n}.jsonl")],
-            env=env,
+            env=env | ({"REPLICA_SLOW": f"{at + 1}:{late_s}"} if late_s and n == "b" else {}),
             stdout=subprocess.DEVNULL,
             stderr=open(tmp / f"{job}-{n}.log", "w"),
         )
         for n in "abc"
     }
     try:
-        while not all(len(steps(tmp / f"{job}-{n}.jsonl")) >= 20 for n in "abc"):
+        while not all(len(steps(tmp / f"{job}-{n}.jsonl")) >= at for n in "abc"):
             time.sleep(0.05)
         procs["c"].send_signal(sig)
         t0 = time.time()
         while not all(any(r["world"] == 2 for r in steps(tmp / f"{job}-{n}.jsonl")) for n in "ab"):
             time.sleep(0.02)
-        return max(min(r["t"] for r in steps(tmp / f"{job}-{n}.jsonl") if r["world"] == 2) for n in "ab") - t0
+        time.sleep(1.0)  # a few more steps: a survivor dropped for being late would show a later generation
+        survivors = [steps(tmp / f"{job}-{n}.jsonl") for n in "ab"]
+        first = max(min(r["t"] for r in rows if r["world"] == 2) for rows in survivors)
+        return first - t0, max(r["gen"] for rows in survivors for r in rows)
     finally:
         for p in procs.values():
             p.kill()
@@ -66,18 +74,24 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-replica-loss-"))
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "")
+    kinds = (
+        ("SIGKILL", signal.SIGKILL, 0.0),
+        ("SIGSTOP", signal.SIGSTOP, 0.0),
+        ("SIGKILL, b 3 s late", signal.SIGKILL, 3.0),
+    )
     with EmbeddedEtcd() as etcd:
         rows = {
-            name: [one_loss(etcd.endpoint, tmp, f"{name}{k}", sig) for k in range(args.runs)]
-            for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP))
+            name: [one_loss(etcd.endpoint, tmp, f"k{i}r{k}", sig, late) for k in range(args.runs)]
+            for i, (name, sig, late) in enumerate(kinds)
         }
     print(
         f"# {cpu or platform.machine()}, {os.cpu_count()} CPUs; 3 replicas, lease {LEASE_S:g} s; median of {args.runs}"
     )
-    print(f"{'lost by':8} {'to next step s':>15} {'/ lease':>8}  runs")
-    for name, values in rows.items():
-        med = statistics.median(values)
-        print(f"{name:8} {med:15.2f} {med / LEASE_S:8.2f}  {' '.join(f'{v:.2f}' for v in values)}")
+    print(f"{'lost by':20} {'to next step s':>15} {'/ lease':>8} {'generations':>12}  runs")
+    for name, got in rows.items():
+        med = statistics.median(v for v, _ in got)
+        gens = max(g for _, g in got)
+        print(f"{name:20} {med:15.2f} {med / LEASE_S:8.2f} {gens:12d}  {' '.join(f'{v:.2f}' for v, _ in got)}")
 
 
 if __name__ == "__main__":

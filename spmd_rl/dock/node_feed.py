@@ -51,11 +51,16 @@ class NodeFeed(RecordView):
         self._thread: threading.Thread | None = None
         client = self._connect()
         deadline = time.monotonic() + timeout_s
-        while self._feed_id is None and self._ask(client, 0.0):
-            if time.monotonic() > deadline:
-                client.close()
-                raise DockTimeout(f"{self.name} opened no record feed for iteration {iteration} in {timeout_s:.0f}s")
-            time.sleep(0.01)
+        try:
+            while self._feed_id is None and self._ask(client, 0.0):
+                if time.monotonic() > deadline:
+                    raise DockTimeout(
+                        f"{self.name} opened no record feed for iteration {iteration} in {timeout_s:.0f}s"
+                    )
+                time.sleep(0.01)
+        except BaseException:  # the client's socket goes with the feed that failed to open
+            client.close()
+            raise
         self._start(client)
 
     def _connect(self) -> WarehouseClient:

@@ -166,7 +166,16 @@ class RankBeat:
 
     def start(self) -> "RankBeat":
         """Beat, then put this rank's key under the node's lease (so the key exists when
-        ``start`` returns); a lease that lapsed in between is looked up again."""
+        ``start`` returns); a lease that lapsed in between is looked up again. A start that
+        fails closes the board it opened."""
+        try:
+            return self._start()
+        except BaseException:
+            if self.board is not None and not self._thread.is_alive():
+                self.board.close()
+            raise
+
+    def _start(self) -> "RankBeat":
         deadline = time.monotonic() + self.wait_s
         first_seen = None
         while True:
@@ -215,5 +224,7 @@ class RankBeat:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.board is not None and not self._thread.is_alive():  # never beat from its thread: close here
+            self.board.close()
         if self.own is not None:
             self.own.stop()

@@ -87,7 +87,7 @@ class ReplicaGroup:
 
         self.replica, self.job, self.local_pg, self.store = replica, store.job, local_pg, store
         self.local_rank = 0 if local_pg is None else local_pg.rank()
-        self.quorum = None
+        self.quorum, self.tcp = None, None
         if self.local_rank == 0:  # the replica's lead: its lease, its store, its side of the quorum
             self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             address = f"{host}:{self.tcp.port}"
@@ -331,6 +331,10 @@ class ReplicaGroup:
             self._voted(lambda t=t: self.pg.broadcast_one(t, src).wait(), what, meet=False)
 
     def close(self) -> None:
+        """Revoke the lease, drop the group and close the stores: the arrivals' client and, on
+        the lead, its store server (its port refuses from now on)."""
         if self.quorum is not None:
             self.quorum.close()
         self.pg.shutdown()
+        self.arrivals = None
+        self.tcp = None

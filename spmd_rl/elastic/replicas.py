@@ -73,6 +73,11 @@ class Replicas:
         """The redo's deal: the replica of each unit place of a mini-batch (``_sticky``); None:
         the generation's round-robin."""
         self.finished = FinishedGroups()
+        self.dealing: tuple[list[int], list[str]] | None = None
+        """The current iteration's rows and the replica of each unit place (``deal``)."""
+        self.committed: tuple[int, list[int], list[str]] | None = None
+        """The last committed iteration, its rows and its deal: a member lost after it
+        committed may not have recorded its share (``trainer.replica_loop``)."""
 
     @property
     def world(self) -> int:
@@ -103,15 +108,27 @@ class Replicas:
         return self.unit * len(self._units())
 
     def deal(self, rows: list[int]) -> list[int]:
-        """This replica's rows of the iteration's ``global_batch`` rows (module docstring)."""
+        """This replica's rows of the iteration's ``global_batch`` rows (module docstring); the
+        whole deal is kept (``dealing``) until the iteration commits or is redone."""
         if len(rows) != self.global_batch:
             raise ValueError(f"dealing {len(rows)} rows, not the global batch of {self.global_batch}")
+        self.dealing = (list(rows), self._dealt())
+        return self.share_of(self.group.replica, *self.dealing)
+
+    def share_of(self, replica: str, rows: list[int], owners: list[str]) -> list[int]:
+        """``replica``'s rows of a deal (``owners``: the replica of each unit place)."""
         return [
             rows[m * self.mini_batch + i * self.unit + k]
             for m in range(self.global_batch // self.mini_batch)
-            for i in self._units()
+            for i, owner in enumerate(owners)
+            if owner == replica
             for k in range(self.unit)
         ]
+
+    def commit(self, iteration: int) -> None:
+        """Iteration ``iteration`` committed on every member with the deal dealt last."""
+        self.committed = (iteration, *self.dealing) if self.dealing is not None else None
+        self.dealing = None
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the replicas, in place; ``ReplicaLost`` when a member is gone."""

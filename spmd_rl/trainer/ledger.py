@@ -69,6 +69,18 @@ class PromptLedger:
     def record(self, rec: StepRecord) -> None:
         self.meta.put(self._key(rec.iteration), json.dumps(asdict(rec), separators=(",", ":")).encode())
 
+    def record_if_absent(self, rec: StepRecord) -> bool:
+        """Write ``rec`` unless its iteration has a record (put-if-absent); whether it wrote."""
+        return self.meta.create(self._key(rec.iteration), json.dumps(asdict(rec), separators=(",", ":")).encode())
+
+    def of_replica(self, name: str, own: str) -> "PromptLedger":
+        """The ledger of replica ``name`` of this job (this one's is replica ``own``'s)."""
+        suffix = f".{own}.ledger"
+        if not self.meta.job.endswith(suffix):
+            raise ValueError(f"ledger {self.meta.job!r} is not replica {own}'s")
+        job = self.meta.job[: -len(suffix)] + f".{name}.ledger"
+        return PromptLedger(MetadataStore(self.meta.endpoints, job, self.meta.retry_s, tls=self.meta.tls))
+
     def record_weights(self, version: int, who: str, digest: str) -> None:
         """Separated placement: the digest of policy ``version`` as ``who`` ("sent" by the
         training leader, "received-<rank>" by a generator) saw it (``reshard.broadcast``)."""

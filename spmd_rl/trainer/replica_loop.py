@@ -35,6 +35,7 @@ from spmd_rl.elastic.replica_group import ReplicaLost, StateFn
 from spmd_rl.elastic.replicas import Replicas
 from spmd_rl.elastic.replicated_step import materialize, state_tensors
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.stages.minibatch import mini_batch_count
 
 log = logging.getLogger("spmd_rl")
@@ -182,8 +183,8 @@ def _adopt_at(run: Run, it: int, counter: torch.Tensor) -> bool:
     if run.peer.rank == 0:
         log.warning(
             "iteration %d: the other replicas committed it without this one (its commit vote failed, or they "
-            "went on without it); healed to their state and skipping it (what it trained of the iteration is not "
-            "in its prompt ledger)",
+            "went on without it); healed to their state and skipping it (the first member records its share in "
+            "its prompt ledger)",
             it,
         )
     return True
@@ -199,6 +200,27 @@ def join_running(replicas: Replicas, engines: list, sampler: PromptSampler, star
     counter, state = heal_state(engines, sampler, start)
     replicas.join(state, progress_of(counter))
     return adopt(engines, sampler, counter)
+
+
+def record_lost_shares(run: Run) -> None:
+    """After a loss: the last iteration this replica committed was committed by every member of
+    its generation (the commit vote is a MIN over all of them), so each member's share of it was
+    trained, even a member whose own vote then failed (a split commit: it skips the iteration).
+    A member lost since may have died before writing its ledger record, and one caught up never
+    writes it. The first member of the new generation writes, for each member of that deal
+    without a record of that iteration, its share (sampled = put = trained, ``rollout.n``
+    samples per row; put-if-absent: a record the member wrote itself stays). Every member that
+    went on had written its record before the loss, which came in a later iteration."""
+    reps = run.replicas
+    if reps.committed is None or run.ledger is None or run.peer.rank != 0 or reps.group.rank != 0:
+        return
+    it, rows, owners = reps.committed
+    n = run.cfg.rollout.n
+    for name in sorted(set(owners)):
+        share = reps.share_of(name, rows, owners)
+        record = StepRecord(it, share, share, put=share, trained_samples=len(share) * n, group_size=n)
+        if run.ledger.of_replica(name, reps.group.replica).record_if_absent(record):
+            log.warning("iteration %d: replica %s committed it and did not record it: recorded its share", it, name)
 
 
 def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], iteration: Iteration) -> dict:
@@ -217,7 +239,9 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
                 if reps.take_joiners(state, progress_of(counter)) and _adopt_at(run, it, counter):
                     return reps.metrics() | {"replica_caught_up": 1.0}
             kept.keep()
-            return iteration(replace(run, cfg=share_config(base, reps)), it, on_stage) | reps.metrics()
+            metrics = iteration(replace(run, cfg=share_config(base, reps)), it, on_stage)
+            reps.commit(it)
+            return metrics | reps.metrics()
         except ReplicaLost as exc:
             if run.peer.rank == 0:
                 log.warning("iteration %d: %s; the surviving replicas redo it", it, exc)
@@ -228,6 +252,7 @@ def replicated_iteration(run: Run, it: int, on_stage: Callable[[str], None], ite
             run.dock.commit(it)  # what the iteration wrote so far
             counter, state = heal_state(engines, run.sampler, it, resident)
             reps.recover(state, progress_of(counter))
+            record_lost_shares(run)
             if _adopt_at(run, it, counter):
                 return reps.metrics() | {"replica_caught_up": 1.0}
             if run.peer.rank == 0:

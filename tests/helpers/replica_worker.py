@@ -15,6 +15,7 @@ delegate(sets=QUIET_ENV)  # forked past torch's import when the suite's preload 
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -33,6 +34,9 @@ the default users get."""
 SLOW = "REPLICA_SLOW"
 """``STEP:SECONDS``: this replica sleeps that long before its share of that step (once), as a
 replica with a longer generation reaches the collective later."""
+SKEW = "REPLICA_SKEW"
+"""``SEED:P:SECONDS``: before each step's share, with probability P, sleep uniform(0, SECONDS)
+(a seeded stream of this replica's own): replicas reach each collective at different times."""
 
 
 def problem() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
@@ -49,6 +53,18 @@ def share_loss(model, x, y, step: int, rank: int, world: int, local: int = 0, lo
     ``local_world``-th of them from the ``local``-th, a replica's rank's part)."""
     rows = [(step * B + i) % DATA for i in range(B) if i % world == rank][local::local_world]
     return ((model(x[rows]) - y[rows]) ** 2).sum()
+
+
+def reference_final(steps: int) -> torch.Tensor:
+    """The uninterrupted run: one replica holding the whole global batch at every step."""
+    model, opt, x, y = problem()
+    for s in range(steps):
+        opt.zero_grad()
+        share_loss(model, x, y, s, 0, 1).backward()
+        for p in model.parameters():
+            p.grad /= B
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def main() -> None:
@@ -70,12 +86,16 @@ def main() -> None:
         log.write(json.dumps({"event": kind, "gen": group.gen.number, "world": group.world, "t": time.time()}) + "\n")
 
     slow_step, slow_s = (float(v) for v in os.environ.get(SLOW, "-1:0").split(":"))
+    seed, p_skew, skew_s = (float(v) for v in os.environ.get(SKEW, "0:0:0").split(":"))
+    skew = random.Random(int(seed))
 
     def loss(s: int, r: int, w: int) -> torch.Tensor:
         nonlocal slow_step
         if s == slow_step:
             slow_step = -1
             time.sleep(slow_s)
+        if skew.random() < p_skew:
+            time.sleep(skew.uniform(0, skew_s))
         return share_loss(model, x, y, s, r, w)
 
     for s in committed_steps(group, model, opt, loss, B, step, steps, event):

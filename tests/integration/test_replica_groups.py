@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, subprocess_env
-from tests.helpers.replica_worker import B, problem, share_loss
+from tests.helpers.replica_worker import problem, reference_final
 from tests.torchrun_util import kill_node, wait_for
 
 STEPS = 60
@@ -73,15 +73,7 @@ def _lose_join_stop_resume(tmp_path) -> float:
 
 
 def _reference_final(steps: int = STEPS) -> torch.Tensor:
-    """The uninterrupted run: one replica holding the whole global batch at every step."""
-    model, opt, x, y = problem()
-    for s in range(steps):
-        opt.zero_grad()
-        share_loss(model, x, y, s, 0, 1).backward()
-        for p in model.parameters():
-            p.grad /= B
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return reference_final(steps)
 
 
 @pytest.mark.slow

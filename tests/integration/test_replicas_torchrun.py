@@ -103,7 +103,7 @@ def one_job(tmp: Path, etcd, job: str, *extra: str) -> None:
 
 
 def replica(tmp: Path, etcd, job: str, name: str, faults: dict | None = None, *extra: str) -> subprocess.Popen:
-    args = [f"metadata.job={job}", "elastic.replicas.count=3", "elastic.replicas.timeout_s=30", *extra]
+    args = [f"metadata.job={job}", "elastic.replicas.count=3", *extra]  # the timeouts and lease users get
     env = ENV | ({"SPMD_RL_TEST_FAULTS": json.dumps(faults)} if faults else {})
     return subprocess.Popen(
         command(tmp, etcd, *args, f"elastic.replicas.name={name}"),
@@ -231,25 +231,35 @@ def test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job(tiny
 
 
 @pytest.mark.slow
-def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_model, tmp_path, etcd, solo):
-    tmp, faults = tmp_path / "commit", tmp_path / "faults"
+@pytest.mark.parametrize("point", ["commit", "ledger"])
+def test_a_replica_killed_between_the_gradient_and_the_commit_steps_nobody(tiny_model, tmp_path, etcd, solo, point):
+    """c is SIGKILLed before its commit vote of iteration 1 (the survivors redo iteration 1), or
+    after the vote passed and before it wrote its ledger record of it (``ledger``: iteration 1
+    is committed and its share trained; the survivors lose c in iteration 2 and redo that one).
+    Either way the merged ledgers hold every prompt of every iteration once, and the survivors
+    end at the one job's weights. (Before, a kill at ``ledger`` left c's share of iteration 1 in
+    no ledger.)"""
+    job = f"{point}-kill"
+    tmp, faults = tmp_path / job, tmp_path / "faults"
     faults.mkdir()
-    plan = {"kind": "pause", "dir": str(faults), "points": ["commit"], "min_iteration": 1, "world": 1}
-    procs = {n: replica(tmp, etcd, "commit", n, plan if n == "c" else None) for n in "abc"}
-    err = {n: tmp_path / f"commit-{n}.err" for n in "abc"}
+    plan = {"kind": "pause", "dir": str(faults), "points": [point], "min_iteration": 1, "world": 1}
+    procs = {n: replica(tmp, etcd, job, n, plan if n == "c" else None) for n in "abc"}
+    err = {n: tmp_path / f"{job}-{n}.err" for n in "abc"}
     with reaped(procs) as seen:
-        wait_while_running((faults / "commit.reached").exists, procs, err)
-        paused = json.loads((faults / "commit.reached").read_text())
+        wait_while_running((faults / f"{point}.reached").exists, procs, err)
+        paused = json.loads((faults / f"{point}.reached").read_text())
         kill_replica(procs, "c", seen)
         assert paused["pid"] in [p for p, _ in seen]  # the paused rank was c's
         for n in "ab":
             assert procs[n].wait(timeout=600) == 0, err[n].read_text()[-3000:]
+    redone = paused["iteration"] + (point == "ledger")
     logs = {n: rows(tmp / f"logs/{n}/metrics.jsonl") for n in "ab"}
     for n in "ab":
         assert [r["iteration"] for r in logs[n]] == list(range(ITERS))
-        assert logs[n][paused["iteration"]]["replica_redone"] == 1 and logs[n][-1]["replicas"] == 2
-        assert f"redoing iteration {paused['iteration']} with 2 replicas" in err[n].read_text()
-    assert_trained_once_as_one_job(etcd, "commit", "abc")
+        assert logs[n][redone]["replica_redone"] == 1 and logs[n][-1]["replicas"] == 2
+        assert f"redoing iteration {redone} with 2 replicas" in err[n].read_text()
+    assert ("recorded its share" in err["a"].read_text()) == (point == "ledger")
+    assert_trained_once_as_one_job(etcd, job, "abc")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
 
 
@@ -357,8 +367,9 @@ def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, 
     """b's commit vote of iteration 2 completes on a, which steps and goes on, and fails on b
     (``split_commit``): nobody is lost. They meet again in the next generation at different
     places (a at iteration 3, b at 2), and b is healed from a, the furthest (torchft's
-    max_step), not from member 0, and skips the iteration a committed. Both end at the one
-    job's weights; without the check, b redoes iteration 2 while a runs 3 and the two diverge."""
+    max_step), not from member 0, and skips the iteration a committed; a records b's share of
+    it in b's ledger. Both end at the one job's weights; without the check, b redoes iteration 2
+    while a runs 3 and the two diverge."""
     tmp = tmp_path / "split"
     procs = {
         n: replica(
@@ -381,6 +392,8 @@ def test_a_split_commit_heals_the_replica_behind_from_the_one_ahead(tiny_model, 
     assert [r["replica_generation"] for r in logs["a"]] == [0, 0, 0, 1, 1]
     assert "the other replicas committed it without this one" in err["b"].read_text()
     assert "redoing iteration 3 with 2 replicas" in err["a"].read_text()
+    assert "replica b committed it and did not record it" in err["a"].read_text()
+    assert_trained_once_as_one_job(etcd, "split", "ab")  # b's share of iteration 2 recorded by a
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "ab"], solo, tiny_model)
 
 
@@ -393,18 +406,18 @@ def signal_replica(proc: subprocess.Popen, sig: int) -> None:
 
 @pytest.mark.slow
 def test_a_stopped_replica_resumed_within_an_iteration_catches_up_in_its_process(tiny_model, tmp_path, etcd, solo):
-    """c is SIGSTOPped in iteration 1 (its sockets stay open): a and b fail their collective
-    after ``timeout_s``, agree without c and redo iteration 1 (held there, ``hold``). c is
-    SIGCONTed: its collective fails, it finds itself left out and asks for the next generation;
-    a and b take it in at iteration 2's start and heal it from the member furthest ahead, so c,
-    one iteration behind, takes their state and goes on from iteration 2 in the same process,
-    with no restart. All three end at the one job's weights, every prompt trained once."""
+    """c is SIGSTOPped in iteration 1 (its sockets stay open): a and b wait for it at their
+    collective until its membership lease lapses (``lease_s``, the default 5 s), agree without
+    c and redo iteration 1 (held there, ``hold``). c is SIGCONTed: it finds the generation
+    broken and itself left out, and asks for the next generation; a and b take it in at
+    iteration 2's start and heal it from the member furthest ahead, so c, one iteration behind,
+    takes their state and goes on from iteration 2 in the same process, with no restart. All
+    three end at the one job's weights, every prompt trained once."""
     tmp, faults = tmp_path / "stopped", tmp_path / "faults"
     faults.mkdir()
     (faults / "hold").write_text("")  # a and b run iteration 0, then wait at each iteration's start
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
-    fast = ("elastic.replicas.timeout_s=5",)
-    procs = {n: replica(tmp, etcd, "stopped", n, hold if n in "ab" else None, *fast) for n in "abc"}
+    procs = {n: replica(tmp, etcd, "stopped", n, hold if n in "ab" else None) for n in "abc"}
     err = {n: tmp_path / f"stopped-{n}.err" for n in "abc"}
     with reaped(procs):
         wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)

@@ -90,3 +90,41 @@ def test_the_lead_counts_silence_only_while_it_watched_itself():
         assert 0.2 < lead.silent_for()[1] < 1.0  # counted from the wake
     finally:
         lead.board.close()
+
+
+class _LapsedLeaseStore:
+    """A metadata store whose node record names a real board but whose lease is always gone."""
+
+    def __init__(self, board: PresenceBoard):
+        self.record = json.dumps({"lease": 1, "board": board.ref()}).encode()
+
+    def key(self, *parts) -> str:
+        return "/" + "/".join(map(str, parts))
+
+    def wait_for(self, key: str, timeout_s: float) -> bytes:
+        return self.record
+
+    def put(self, *args, **kwargs) -> None:
+        from spmd_rl.dock.metadata import LeaseGone
+
+        raise LeaseGone("lease not found")
+
+
+def test_a_rank_beat_that_fails_to_start_or_stops_early_leaves_no_descriptor_open():
+    """A start that times out after opening the lead's board (its lease never renewed), and a
+    stop before its beat thread ran, close the board: no fd is left per attempt (before, each
+    failed start kept one open)."""
+    from spmd_rl.dock.errors import DockTimeout
+    from spmd_rl.dock.node_lease import RankBeat
+
+    board = PresenceBoard.create(2, NAME)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            beat = RankBeat(_LapsedLeaseStore(board), 0, 1, 1, ttl_s=3, wait_s=0.3, board_name=NAME)
+            with pytest.raises(DockTimeout):
+                beat.start()
+            beat.stop()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        board.close()

@@ -11,7 +11,9 @@ subprocess's PYTHONPATH (``conftest.subprocess_env``), the preload servers' incl
 
 Plans (``dir`` is a folder the test and the workers share):
 
-- ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k, "world": w}``: in a world
+- ``{"kind": "pause", "dir": D, "points": [...], "min_iteration": k, "world": w}`` (points:
+  generate, reference, update, commit, heal, checkpoint, reward_fetch, ledger: before the
+  ledger record of a committed iteration is written): in a world
   of w (default 2; 1 for an elastic replica of one rank, whose peers are other jobs), at the
   first point (in order) without ``D/<point>.go``, from iteration k on: write
   ``D/<point>.reached`` (JSON: the iteration and this worker's pid) and wait for the test to
@@ -50,6 +52,7 @@ Plans (``dir`` is a folder the test and the workers share):
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import sys
@@ -111,10 +114,16 @@ def _pause(plan: dict) -> None:
         wrap(ReplicaGroup, "should_commit", "commit", lambda *args: updating[0])
         wrap(ReplicaGroup, "heal", "heal", lambda *args: updating[0])
 
-    def iteration_of_folder(engine, folder) -> int:  # .../iter_000012.tmp[/critic]
-        return int(next(p for p in reversed(Path(folder).parts) if p.startswith("iter_"))[5:11])
-
-    wrap(TrainEngine, "save", "checkpoint", iteration_of_folder)
+    # the checkpoint's iteration from its folder: .../iter_000012.tmp[/critic]
+    wrap(
+        TrainEngine,
+        "save",
+        "checkpoint",
+        lambda _, f: int(next(p for p in reversed(Path(f).parts) if p.startswith("iter_"))[5:11]),
+    )
+    wrap(
+        importlib.import_module("spmd_rl.trainer.ledger").PromptLedger, "record", "ledger", lambda _, rec: rec.iteration
+    )
     get, fetch = TransferDock.get, TransferDock.fetch
 
     def get_noting_stage(self, stage, *args, **kwargs):
