@@ -264,6 +264,7 @@ def _replicas(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler, 
         local_pg=_replica_local_group(cfg) if peer.world > 1 else None,
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
         layout=_replica_layout(cfg, peer),
+        max_members=cfg.actor.mini_batch_size // deal_unit(lay),  # a unit of each mini-batch each
     )
     replicas = Replicas(group, cfg.data.global_batch_size, cfg.actor.mini_batch_size, deal_unit(lay))
     for engine in trained(roles):

@@ -26,9 +26,11 @@ the joiners heal from them). Fewer than ``min_replicas`` after ``timeout_s``: ``
 and the job falls back to the checkpoint restart. When no process of generation ``k - 1`` lives
 on (the whole job relaunched under its ``metadata.job``: ``_relaunched``), generation ``k``
 waits for all of its replicas, as the first generation waits for ``count``, for up to half of
-``timeout_s``. The lease is renewed through the store's retry and endpoint failover, and a
-lease that lapsed anyway is replaced and the record published again at once
-(``Quorum._keep_alive``): a live replica unpublished would look relaunched to a joiner.
+``timeout_s``. A generation takes at most ``max_members`` (the previous generation's members
+first): a joiner beyond them is told it is not a member and waits as a spare. The lease is
+renewed through the store's retry and endpoint failover, and a lease that lapsed anyway is
+replaced and the record published again at once (``Quorum._keep_alive``): a live replica
+unpublished would look relaunched to a joiner.
 
 This is torchft's quorum (``torchft/manager.py``: ``Manager._async_quorum`` asking the
 Lighthouse, which answers with the members that joined within its join timeout, at least
@@ -97,7 +99,7 @@ class Generation:
 class Quorum:
     """One replica's side of the agreement (module docstring)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         store: MetadataStore,
         replica: str,
@@ -107,6 +109,7 @@ class Quorum:
         min_replicas: int = 1,
         timeout_s: float = 60.0,
         layout: dict | None = None,
+        max_members: int | None = None,
     ):
         if "/" in replica or not replica:
             raise ValueError(f"replica name {replica!r}: must be non-empty and hold no '/'")
@@ -114,6 +117,9 @@ class Quorum:
         self.lease_s, self.join_window_s = lease_s, join_window_s
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.layout = layout or {}
+        self.max_members = max_members
+        """The most replicas a generation takes (the units of each mini-batch): joiners beyond
+        it wait as spares, taken in when a member is lost."""
         self._lease = None
         self._stop = threading.Event()
 
@@ -201,6 +207,7 @@ class Quorum:
         before = self._generation(number - 1)
         old = set(before.members) if before else set()
         window_from = None if old else asked_at  # the join window runs once the last generation's live members asked
+        members_from = None  # when the first member of the last generation was seen asking
         while True:
             decided = self.store.get(self._key("gen", f"{number:08d}"))
             if decided is not None:
@@ -213,16 +220,20 @@ class Quorum:
             alive = ready | {r for r in set(live) - ready if not refuses(live[r])}
             if window_from is None and old & alive <= ready:
                 window_from = time.monotonic()
+            if members_from is None and old & ready:
+                members_from = time.monotonic()
             want = expected
             if want is None and before is not None and _relaunched(before, live):
                 # the whole job relaunched: wait for the last launch's replicas, for half the timeout
                 want = len(old) if time.monotonic() - asked_at < self.timeout_s / 2 else self.min_replicas
-            overdue = time.monotonic() - asked_at > self.timeout_s
+            # a live member that has not asked timeout_s after the first member did is hung (not a joiner's wait)
+            overdue = members_from is not None and time.monotonic() - members_from > self.timeout_s
             if ready and min(ready) == self.replica and self._decides(ready, alive, old, window_from, want, overdue):
-                gen = Generation(number, self._ordered(old, ready), {r: live[r] for r in ready})
+                members = self._ordered(old, ready)[: self.max_members]
+                gen = Generation(number, members, {r: live[r] for r in members})
                 self.store.create(self._key("gen", f"{number:08d}"), gen.encode())
                 continue  # read back what was written first, by this replica or another
-            if overdue and len(ready) < self.min_replicas:
+            if time.monotonic() - asked_at > self.timeout_s and len(ready) < self.min_replicas:
                 raise QuorumLost(
                     f"generation {number}: {len(ready)} replica(s) {sorted(ready)} agreed within "
                     f"{self.timeout_s:g}s, fewer than min_replicas={self.min_replicas}: restart from the checkpoint"
@@ -251,8 +262,9 @@ class Quorum:
         """Whether the smallest asker may write the generation now (module docstring). ``alive``:
         the replicas whose lease holds and whose process was not found gone (``refuses``);
         ``old``: the previous generation's members; ``window_from``: when every live one of them
-        had asked; ``overdue``: ``timeout_s`` passed since this replica asked (a live member
-        that never asks is hung, and is left out)."""
+        had asked; ``overdue``: ``timeout_s`` passed since the first of them asked (a live
+        member that has not asked by then is hung, and is left out; a joiner's own wait for
+        the members' boundary does not count)."""
         if len(ready) < self.min_replicas:
             return False
         if old & alive and not old & ready:  # joiners alone while members live: they take them in at a boundary

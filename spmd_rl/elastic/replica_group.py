@@ -14,8 +14,12 @@ rendezvous: no store lives on a node whose loss would take it down for everyone.
 
 Invariants:
 
-- a collective that fails (a peer's sockets closed: SIGKILL; or no answer within ``timeout_s``:
-  a stopped node) raises ``ReplicaLost``; the caller redoes its step after ``recover()``;
+- before each collective the members meet (``elastic.arrivals``) and wait for each other as long
+  as every member's membership lease holds: a slow member is never taken for a lost one. A
+  member whose lease lapses (a stopped node) or whose store refuses (a killed one), a gloo error
+  (a peer's sockets closed), or a collective that outlasts ``timeout_s`` once all arrived
+  raises ``ReplicaLost``; the caller redoes its step after ``recover()``. The defaults are the
+  config's (``elastic.replicas.timeout_s``, ``elastic.startup_timeout_s``);
 - ``should_commit``: an optimizer step is taken only when every member of the generation got
   through the step's collectives and says so (torchft's ``Manager.should_commit``: a MIN
   all-reduce of each member's flag); a failure in between is a "no" for everyone;
@@ -78,10 +82,11 @@ class ReplicaGroup:
         lease_s: float = 5.0,
         join_window_s: float = 1.0,
         min_replicas: int = 1,
-        timeout_s: float = 5.0,
+        timeout_s: float = 120.0,
         local_pg: dist.ProcessGroup | None = None,
-        quorum_timeout_s: float = 60.0,
+        quorum_timeout_s: float = 600.0,
         layout: dict | None = None,
+        max_members: int | None = None,
     ):
         from torchft.process_group import ProcessGroupGloo  # 0.6 s of imports: only where replicas are elastic
 
@@ -92,8 +97,9 @@ class ReplicaGroup:
             self.tcp = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             address = f"{host}:{self.tcp.port}"
             self.quorum = Quorum(
-                store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s, layout=layout
+                store, replica, address, lease_s, join_window_s, min_replicas, quorum_timeout_s, layout, max_members
             )
+        self.max_members = max_members
         self.timeout_s, self.patience_s = timeout_s, quorum_timeout_s
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
@@ -132,7 +138,8 @@ class ReplicaGroup:
     def joiners_waiting(self) -> bool:
         """Whether a replica asked for the next generation: every member checks at the same
         step boundary and, when one did, all call ``recover`` there (so all enter it)."""
-        asked = self.quorum is not None and bool(self.quorum.asking(self.gen.number + 1))
+        full = self.max_members is not None and self.world >= self.max_members  # joiners wait as spares
+        asked = self.quorum is not None and not full and bool(self.quorum.asking(self.gen.number + 1))
         flag = self._from_lead(torch.tensor([1.0 if asked else 0.0]))
         return self.allreduce(flag, dist.ReduceOp.MAX).item() > 0
 

@@ -112,6 +112,7 @@ class Replicas:
         whole deal is kept (``dealing``) until the iteration commits or is redone."""
         if len(rows) != self.global_batch:
             raise ValueError(f"dealing {len(rows)} rows, not the global batch of {self.global_batch}")
+        self._units()  # none left for this replica: the fix, by name
         self.dealing = (list(rows), self._dealt())
         return self.share_of(self.group.replica, *self.dealing)
 

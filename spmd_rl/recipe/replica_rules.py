@@ -12,6 +12,7 @@ prompt groups, at least one per replica (``Replicas.deal``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
 
 from spmd_rl.config.errors import Violation
@@ -50,7 +51,48 @@ def check_replicas(cfg: Config, lay: Layouts) -> list[Violation]:
     ]
     if r.min_replicas > r.count:
         out.append(Violation(f"{field}.min_replicas", r.min_replicas, f"above {field}.count={r.count}", "lower it"))
-    return out + _check_units(cfg, lay)
+    return out + _check_units(cfg, lay) + _check_network(cfg)
+
+
+def _loopback(host: str) -> bool:
+    host = host.removeprefix("https://").removeprefix("http://").strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_network(cfg: Config) -> list[Violation]:
+    """Each replica's store (a generation's rendezvous) listens on ``dock.interface``: on loopback
+    while etcd is elsewhere, other hosts cannot reach it (generations would form and break until
+    ``QuorumLost``); off loopback, torch's store and gloo authenticate nobody, so the job needs
+    etcd under TLS (whose member records say which addresses a generation trusts) and a
+    network only its nodes reach (docs/operations.md, security model)."""
+    hosts = [e.rpartition(":")[0] for e in cfg.metadata.endpoints]
+    if _loopback(cfg.dock.interface):
+        if any(h and not _loopback(h) for h in hosts):
+            return [
+                Violation(
+                    "dock.interface",
+                    cfg.dock.interface,
+                    f"elastic.replicas on several hosts (etcd at {cfg.metadata.endpoints}) meet on each other's stores "
+                    "at dock.interface, which other hosts cannot reach on loopback",
+                    "set dock.interface to this node's address on the cluster's private network",
+                )
+            ]
+        return []
+    if cfg.metadata.ca_file is None:
+        return [
+            Violation(
+                "dock.interface",
+                cfg.dock.interface,
+                "elastic.replicas' stores and gloo groups authenticate no peer: off loopback they need etcd under "
+                "TLS and a private network",
+                "set metadata.ca_file, cert_file and key_file (launch/make_certs.sh) and keep dock.interface on a "
+                "network only the job's nodes reach",
+            )
+        ]
+    return []
 
 
 def _check_units(cfg: Config, lay: Layouts) -> list[Violation]:

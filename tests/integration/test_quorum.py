@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.elastic.quorum import Quorum, QuorumLost
+from spmd_rl.elastic.quorum import NotAMember, Quorum, QuorumLost
 
 OPEN: list[socket.socket] = []
 
@@ -58,7 +58,9 @@ def test_a_joiner_waits_for_the_members_and_is_not_member_zero(etcd):
             joiner = pool.submit(q["a"].agree, 1)
             time.sleep(1.5)  # three join windows: the members are between steps
             assert not joiner.done() and q["m"].latest().number == 0
-            gens = [f.result() for f in [pool.submit(q[n].agree, 1) for n in "mn"] + [joiner]]
+            m = pool.submit(q["m"].agree, 1)
+            time.sleep(0.5)  # n asks after m, the joiner long past its own timeout: n is still waited for
+            gens = [f.result() for f in [m, pool.submit(q["n"].agree, 1), joiner]]
         assert all(g == gens[0] for g in gens)  # one decision, read by all
         assert gens[0].members == ("m", "n", "a") and gens[0].store_address == q["m"].address
     finally:
@@ -209,3 +211,22 @@ def test_leases_survive_losing_the_endpoint_they_were_granted_through(etcd):
         assert MetadataStore([etcd.endpoint], job="quorum-failover").get_prefix("/quorum-failover/elastic/members/")
     finally:
         q.close()
+
+
+def test_a_generation_takes_no_more_replicas_than_units_and_a_spare_waits(etcd):
+    """With a unit of each mini-batch per replica and two units, generation 1 of {m, n} and a
+    joiner a is {m, n}: a is told it is not a member (it waits as a spare) instead of being
+    healed into a deal with nothing left for it (before: healed, then a crash in ``_units``)."""
+    q = quorums(etcd, "quorum-full", "mna", max_members=2)
+    first_generation(q, "mn")
+    q["a"].register()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            a = pool.submit(q["a"].agree, 1)
+            gens = [f.result() for f in [pool.submit(q[n].agree, 1) for n in "mn"]]
+            assert {g.members for g in gens} == {("m", "n")}
+            with pytest.raises(NotAMember):
+                a.result(timeout=10)
+    finally:
+        for x in q.values():
+            x.close()

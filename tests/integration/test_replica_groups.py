@@ -133,6 +133,27 @@ def test_a_slow_replica_is_waited_for_not_dropped(etcd, tmp_path):
     assert torch.allclose(got, _reference_final(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
+def test_a_short_soak_with_skew_kills_stops_and_a_joiner():
+    """``tools/soak_replicas.py``'s short variant (about 35 s): three replicas that reach each
+    collective up to 1 s apart (a fifth of the steps), one SIGKILL, one SIGSTOP shorter than the
+    lease, one of three leases and one joiner at seeded points: no replica dropped without a
+    real loss, none crashed, every step committed once, the end one job's weights (the tool's
+    own checks; exit 1 on any). Lateness past the old 5 s timeout: the test above."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools/soak_replicas.py"), "--seed", "1", "--steps", "60", "--events", "4"]
+        + ["--skew-p", "0.2", "--skew-s", "1"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr[-3000:]
+    for kind in ("kill", "short_stop", "long_stop", "join"):
+        assert f"'{kind}'" in done.stdout
+
+
 HSDP_STEPS = 30
 
 

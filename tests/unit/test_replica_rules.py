@@ -54,6 +54,8 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
         (("elastic.replicas.count=5",), "elastic.replicas.count"),  # 8 groups, units of lcm(2, 2) = 2: 4 shares
         (("elastic.replicas.min_replicas=3",), "elastic.replicas.min_replicas"),
         (("elastic.replicas.name=a/b",), "elastic.replicas.name"),
+        (("metadata.endpoints=[10.0.0.1:2379]",), "other hosts cannot reach on loopback"),
+        (("dock.interface=10.0.0.2",), "authenticate no peer"),
     ],
     ids=[
         "unit-per-replica",
@@ -64,6 +66,8 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
         "too-many",
         "min",
         "name",
+        "loopback-store-remote-etcd",
+        "off-loopback-without-tls",
     ],
 )
 def test_what_a_survivor_cannot_redo_exits_2_naming_the_field(in_repo, tiny_model, overrides, field):
