@@ -4,7 +4,9 @@
   new, the rest old): it counts as at no place and is never a source, so with no whole member
   left the next generation raises ``QuorumLost`` (the checkpoint restart) instead of training
   on with a mix of two states (before, the retry saw equal, stale progress and did not heal);
-- a replica whose layout differs from a live member's is refused by name when it registers.
+- a replica whose layout differs from a live member's is refused by name when it registers;
+- generations that form in etcd and break at their rendezvous, again and again, end in
+  ``QuorumLost`` after ``quorum_timeout_s`` (without the deadline the test never ends).
 """
 
 from __future__ import annotations
@@ -62,3 +64,32 @@ def test_a_replica_of_another_layout_is_refused_by_name(etcd):
         same.close()
     finally:
         m.close()
+
+
+def test_generations_that_keep_breaking_end_in_quorum_lost(etcd):
+    """b cannot form any group with a (as when a replica publishes an address the others cannot
+    reach): every generation forms in etcd and breaks at its rendezvous. Both stop with
+    ``QuorumLost`` (the checkpoint restart) once ``quorum_timeout_s`` has passed since the loss,
+    instead of forming a new generation every few seconds for ever."""
+    groups = {
+        n: ReplicaGroup(
+            MetadataStore([etcd.endpoint], "breaking"), n, lease_s=2, join_window_s=0.3, timeout_s=2, quorum_timeout_s=4
+        )
+        for n in "ab"
+    }
+    with ThreadPoolExecutor(2) as pool:
+        assert [f.result().members for f in [pool.submit(groups[n].start, 2) for n in "ab"]] == [("a", "b")] * 2
+
+    def unreachable(*args, **kwargs):
+        raise RuntimeError("connect: no route to host")
+
+    groups["b"].pg.configure = unreachable
+    state = {n: [torch.zeros(2)] for n in "ab"}
+    with ThreadPoolExecutor(2) as pool:
+        got = [pool.submit(groups[n].recover, lambda n=n: iter(state[n]), torch.tensor([1.0])) for n in "ab"]
+        for f in got:
+            with pytest.raises(QuorumLost, match="no generation of replicas held together"):
+                f.result(timeout=120)
+    assert groups["a"].gen.number >= 2  # several generations formed and broke before it gave up
+    for g in groups.values():
+        g.close()
