@@ -117,14 +117,23 @@ def test_a_rank_beat_that_fails_to_start_or_stops_early_leaves_no_descriptor_ope
     from spmd_rl.dock.errors import DockTimeout
     from spmd_rl.dock.node_lease import RankBeat
 
+    def boards_open() -> int:  # descriptors of this process on the board (other tests' fds come and go)
+        out = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out += os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{NAME} (deleted)"
+            except OSError:
+                pass
+        return out
+
     board = PresenceBoard.create(2, NAME)
     try:
-        before = len(os.listdir("/proc/self/fd"))
+        assert boards_open() == 1
         for _ in range(3):
             beat = RankBeat(_LapsedLeaseStore(board), 0, 1, 1, ttl_s=3, wait_s=0.3, board_name=NAME)
             with pytest.raises(DockTimeout):
                 beat.start()
             beat.stop()
-        assert len(os.listdir("/proc/self/fd")) == before
+        assert boards_open() == 1
     finally:
         board.close()
