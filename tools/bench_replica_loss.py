@@ -1,7 +1,7 @@
 """How long survivors take to step again after a replica is lost (``spmd_rl.elastic``): three
 replicas (``tests/helpers/replica_worker.py``: a small model, AdamW, ``replicated_step``)
 against one embedded etcd; one is SIGKILLed (its sockets close) or SIGSTOPped (it stops
-answering, its sockets stay open) mid-run, or SIGKILLed while survivor b is 3 s late to the
+answering, its sockets stay open) mid-run, or SIGKILLed while survivor b is 6 s late to the
 next step (the survivors notice the loss at different times); the time is from the signal to
 the survivors' first committed step in the generation without it, and the generations they
 formed (1: b, late, was not dropped as well). Median of ``--runs`` per kind; printed against
@@ -45,7 +45,7 @@ def one_loss(endpoint: str, tmp: Path, job: str, sig: int, late_s: float = 0.0) 
         n: subprocess.Popen(
             [sys.executable, str(REPO / "tests/helpers/replica_worker.py"), endpoint, job, n, "start", "3", "100000"]
             + [str(tmp / f"{job}-{n}.jsonl")],
-            env=env | ({"REPLICA_SLOW": f"{at + 1}:{late_s}"} if late_s and n == "b" else {}),
+            env=env | ({"REPLICA_SLOW": f"{at}:{late_s}"} if late_s and n == "b" else {}),
             stdout=subprocess.DEVNULL,
             stderr=open(tmp / f"{job}-{n}.log", "w"),
         )
@@ -77,7 +77,7 @@ def main() -> None:
     kinds = (
         ("SIGKILL", signal.SIGKILL, 0.0),
         ("SIGSTOP", signal.SIGSTOP, 0.0),
-        ("SIGKILL, b 3 s late", signal.SIGKILL, 3.0),
+        ("SIGKILL, b 6 s late", signal.SIGKILL, 6.0),
     )
     with EmbeddedEtcd() as etcd:
         rows = {
