@@ -38,7 +38,7 @@ MAX_POLL_S = 0.05
 
 
 class MemberLost(RuntimeError):
-    """A member of the generation is gone, or another member left it (``what`` says which)."""
+    """A member of the generation is gone, or another member left it (the message says which)."""
 
 
 class Arrivals:

@@ -172,8 +172,7 @@ class ReplicaGroup:
         (``_torn``: the source died mid-way; its counter came first, so its progress says
         nothing); without ``progress``, from the first whole member when it grew. No whole
         member: ``QuorumLost`` (the state is only in the checkpoints)."""
-        torn = torch.tensor([1.0 if self._torn else 0.0])
-        any_torn = self.allreduce(torn.clone(), dist.ReduceOp.MAX).item() > 0
+        any_torn = self.allreduce(torch.tensor([1.0 if self._torn else 0.0]), dist.ReduceOp.MAX).item() > 0
         mine = None
         if progress is not None:
             mine = progress.to(torch.float64).reshape(-1)
