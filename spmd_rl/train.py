@@ -44,7 +44,7 @@ from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import replica_group, train_mesh
 from spmd_rl.distributed.sides import init_sides
-from spmd_rl.distributed.timeouts import set_collective_timeout
+from spmd_rl.distributed.timeouts import group_with_own_timeout, set_collective_timeout
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
@@ -222,9 +222,9 @@ def _replica_local_group(cfg) -> dist.ProcessGroup:
     """The replica's own group for its lead's answers and its ranks' votes, with a timeout above
     the longest the lead may take (agreeing on a generation, ``elastic.startup_timeout_s``) plus
     a collective's (``timeout_s``): its other ranks wait in it meanwhile, and a timeout there is
-    a crash, not the ``ReplicaLost`` or ``QuorumLost`` the lead's answer carries."""
-    wait = cfg.elastic.startup_timeout_s + cfg.elastic.replicas.timeout_s + 60.0
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait))
+    a crash, not the ``ReplicaLost`` or ``QuorumLost`` the lead's answer carries. Its timeout is
+    its own: the phases' ``set_collective_timeout`` leaves it alone."""
+    return group_with_own_timeout(cfg.elastic.startup_timeout_s + cfg.elastic.replicas.timeout_s + 60.0)
 
 
 def _replica_layout(cfg, peer: Peer) -> dict:

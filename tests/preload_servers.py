@@ -55,6 +55,9 @@ PER_TEST_VARIABLES = [
     "CONFIG",
     "WANDB_SILENT",
     "BENCH_INTERFACE",
+    "REPLICA_SLOW",
+    "REPLICA_SKEW",
+    "REPLICA_STOP_INSIDE",
 ]
 """Variables a test sets per run (pytest's own, the tests/helpers workers' parameters,
 ``launch/multi_node.sh``'s, which a simulated node's agent passes on to its ranks; wandb's): a

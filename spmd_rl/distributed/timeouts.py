@@ -7,7 +7,9 @@ peer is noticed sooner than either through the liveness keys (``dock.heartbeat.P
 so the long phases cost nothing on a node loss.
 
 torch sets a group's timeout at creation; ``set_collective_timeout`` changes it for every
-process group of this process (the default group and the device-mesh subgroups).
+process group of this process (the default group and the device-mesh subgroups) except those
+made by ``group_with_own_timeout``, whose waits are bounded by something else (a replica's
+ranks waiting for their lead to agree on a generation: ``elastic.startup_timeout_s``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,26 @@ import contextlib
 import datetime
 from collections.abc import Iterator
 
+import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+
+_OWN_TIMEOUT: list = []
+"""The groups ``set_collective_timeout`` leaves alone."""
+
+
+def group_with_own_timeout(seconds: float, backend: str = "gloo"):
+    """A new group of every rank (``dist.new_group``) whose timeout stays ``seconds``."""
+    group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
+    _OWN_TIMEOUT.append(group)
+    return group
 
 
 def set_collective_timeout(seconds: float) -> None:
     """Uses torch's ``_set_pg_timeout`` (private, present since torch 2.3) on every group."""
     timeout = datetime.timedelta(seconds=seconds)
     for group in list(c10d._world.pg_map):
-        if not c10d._rank_not_in_group(group):
+        if not c10d._rank_not_in_group(group) and not any(group is own for own in _OWN_TIMEOUT):
             c10d._set_pg_timeout(timeout, group)
 
 

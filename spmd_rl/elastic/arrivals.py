@@ -15,11 +15,14 @@ member has arrived at it: collective ``s`` of a generation is preceded by
              left the generation (a failed collective, or any ``recover``) sets "broken", and
              every waiter, and every later arrival, then raises too
 
-Invariant: a member waits at an arrival for as long as every member's lease holds (bounded
-only by ``patience_s``, for a member that is alive but hung), and raises ``ReplicaLost`` within
-``CHECK_S`` of a member's lease lapsing or its process dying. Once all arrived, the collective
-itself runs under gloo's timeout (``elastic.replicas.timeout_s``): the time to move the data,
-not to wait for a peer. This is torchft's liveness moved from a collective timeout to the
+and the collective itself is waited for the same way (``wait``): a member can stop (SIGSTOP, a
+hung node) after it arrived, inside the collective, where gloo alone would wait out its timeout.
+
+Invariant: a member waits at an arrival, or in the collective after it, for as long as every
+member's lease holds (bounded only by ``patience_s`` at an arrival, for a member alive but hung,
+and by gloo's timeout, ``elastic.replicas.timeout_s``, in the collective: the time to move the
+data), and raises ``ReplicaLost`` within ``CHECK_S`` of a member's lease lapsing or its process
+dying. This is torchft's liveness moved from a collective timeout to the
 membership lease (its Lighthouse evicts a replica by missed heartbeats, not by a slow step).
 """
 
@@ -88,6 +91,26 @@ class Arrivals:
                 raise MemberLost(f"member(s) {lost} no longer alive (membership lease lapsed or process gone)")
             if now - start > self.patience_s:
                 raise MemberLost(f"a member alive but not at collective {s} after {self.patience_s:g}s (hung)")
+
+    def wait(self, work) -> None:
+        """Until ``work`` (a gloo collective every member entered) completes, raising its error;
+        ``MemberLost`` when a member is no longer alive or left the generation meanwhile,
+        checked every ``CHECK_S``.
+        The work is then still running: its group must be kept until it ends (``ReplicaGroup``
+        does), since dropping a gloo group joins its worker thread."""
+        while True:
+            try:
+                work.wait(timedelta(seconds=CHECK_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed, or ended as the wait timed out: its own verdict
+                    work.wait()
+                    return
+            if self.store.check(["broken"]):  # a member that left keeps its end of the group open
+                raise MemberLost("another member left the generation")
+            lost = self.check()
+            if lost:
+                raise MemberLost(f"member(s) {lost} no longer alive (membership lease lapsed or process gone)")
 
     def leave(self) -> None:
         """Mark the generation broken, so members waiting at an arrival raise too."""

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
+from spmd_rl.distributed import teardown
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.elastic.arrivals import Arrivals
@@ -104,6 +105,12 @@ class ReplicaGroup:
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.gen: Generation | None = None
         self.arrivals: Arrivals | None = None
+        self._running = None
+        """The gloo work of the collective in progress, if any."""
+        self._abandoned: list[tuple[object, object]] = []
+        """(group, work) of generations left while a collective still ran in them (a member stopped
+        inside it): held until the work ends, as dropping a gloo group joins its worker thread,
+        blocked until gloo's timeout."""
         self._torn = False
         """Whether a heal into this replica was cut short: its state is a mix of two members'."""
         self.places_differed = False
@@ -311,14 +318,28 @@ class ReplicaGroup:
         if not ok:
             if self.arrivals is not None:
                 self.arrivals.leave()
-            self.pg.abort()
+            self._abort()
             raise ReplicaLost(f"{what}: {error or 'another rank of this replica failed'}") from error
+
+    def _abort(self) -> None:
+        """Abort this generation's group, keeping it (``_abandoned``) while a collective runs in it."""
+        self._abandoned = [(pg, work) for pg, work in self._abandoned if not work.is_completed()]
+        if self._running is not None and not self._running.is_completed():
+            self._abandoned.append((self.pg._pg, self._running))  # torchft's wrapper drops it in abort()
+        self._running = None
+        self.pg.abort()
+
+    def _waited(self, work) -> None:
+        """Wait for a collective as long as every member lives (``Arrivals.wait``)."""
+        self._running = work
+        self.arrivals.wait(work)
+        self._running = None
 
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In place over this generation's members; ``ReplicaLost`` when a member is gone."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._voted(lambda: self.pg.allreduce([tensor], opts).wait(), f"generation {self.gen.number}")
+        self._voted(lambda: self._waited(self.pg.allreduce([tensor], opts)), f"generation {self.gen.number}")
         return tensor
 
     def should_commit(self, ok: bool = True) -> bool:
@@ -334,13 +355,17 @@ class ReplicaGroup:
         what = f"healing in generation {self.gen.number}"
         self._voted(lambda: None, what)  # every member is here; the tensors then follow back to back
         for t in tensors:
-            self._voted(lambda t=t: self.pg.broadcast_one(t, src).wait(), what, meet=False)
+            self._voted(lambda t=t: self._waited(self.pg.broadcast_one(t, src)), what, meet=False)
 
     def close(self) -> None:
         """Revoke the lease, drop the group and close the stores: the arrivals' client and, on
-        the lead, its store server (its port refuses from now on)."""
+        the lead, its store server (its port refuses from now on). A group abandoned with its
+        collective still running is held until the process exits (``keep_until_exit``)."""
         if self.quorum is not None:
             self.quorum.close()
+        for kept in self._abandoned:
+            if not kept[1].is_completed():
+                teardown.keep_until_exit(kept, None)
         self.pg.shutdown()
         self.arrivals = None
         self.tcp = None

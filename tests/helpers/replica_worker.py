@@ -16,12 +16,14 @@ delegate(sets=QUIET_ENV)  # forked past torch's import when the suite's preload 
 import json
 import os
 import random
+import signal
 import sys
 import time
 
 import torch
 
 from spmd_rl.dock.metadata import MetadataStore
+from spmd_rl.elastic.arrivals import Arrivals
 from spmd_rl.elastic.replica_group import ReplicaGroup
 from spmd_rl.elastic.replicated_step import committed_steps, materialize, state_tensors
 
@@ -37,6 +39,9 @@ replica with a longer generation reaches the collective later."""
 SKEW = "REPLICA_SKEW"
 """``SEED:P:SECONDS``: before each step's share, with probability P, sleep uniform(0, SECONDS)
 (a seeded stream of this replica's own): replicas reach each collective at different times."""
+STOP_INSIDE = "REPLICA_STOP_INSIDE"
+"""``STEP``: this replica SIGSTOPs itself right after it arrived at that step's first collective,
+so its peers, arrived too, wait inside the gloo collective (its lease lapses meanwhile)."""
 
 
 def problem() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
@@ -88,9 +93,21 @@ def main() -> None:
     slow_step, slow_s = (float(v) for v in os.environ.get(SLOW, "-1:0").split(":"))
     seed, p_skew, skew_s = (float(v) for v in os.environ.get(SKEW, "0:0:0").split(":"))
     skew = random.Random(int(seed))
+    stop_step, stopping = int(os.environ.get(STOP_INSIDE, "-1")), [False]
+    meet = Arrivals.meet
+
+    def meet_then_stop(arrivals: Arrivals) -> None:
+        meet(arrivals)
+        if stopping[0]:
+            stopping[0] = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    Arrivals.meet = meet_then_stop
 
     def loss(s: int, r: int, w: int) -> torch.Tensor:
-        nonlocal slow_step
+        nonlocal slow_step, stop_step
+        if s == stop_step:
+            stop_step, stopping[0] = -1, True
         if s == slow_step:
             slow_step = -1
             time.sleep(slow_s)

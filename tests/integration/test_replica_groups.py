@@ -7,8 +7,9 @@ float64 model with AdamW, each step the mean over the same global batch whatever
   the dead one and redo the interrupted step: every step is committed once, none skipped;
 - a replica started later heals weights, AdamW state and step counter from a survivor over the
   new group (no checkpoint);
-- a replica that stops answering (SIGSTOP) is dropped once the collective timeout passes; run
-  again (SIGCONT), it finds itself left out, joins again and heals, in the same process;
+- a replica that stops answering (SIGSTOP: between steps, at an arrival, or inside a collective)
+  is dropped once its membership lease lapses, a slow one never; run again (SIGCONT), it finds
+  itself left out, joins again and heals, in the same process;
 - every replica ends with the same bytes, and those are the uninterrupted run's within float64
   round-off: no step was taken on a partial gradient or twice;
 - the same with replicas of two ranks each (one torchrun per replica, FSDP2 inside it, each
@@ -127,6 +128,36 @@ def test_a_slow_replica_is_waited_for_not_dropped(etcd, tmp_path):
         assert [r["step"] for r in steps] == list(range(STEPS)) and {(r["gen"], r["world"]) for r in steps} == {(0, 2)}
     a = _steps(tmp_path / "a.jsonl")
     assert a[20]["t"] - a[19]["t"] > 7  # a did wait at step 20
+    finals = {n: [r for r in _rows(tmp_path / f"{n}.jsonl") if "final" in r][0]["final"] for n in "ab"}
+    assert finals["a"] == finals["b"]
+    got = torch.tensor([float.fromhex(v) for v in finals["a"]], dtype=torch.float64)
+    assert torch.allclose(got, _reference_final(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_replica_stopped_inside_a_collective_is_dropped_when_its_lease_lapses(etcd, tmp_path):
+    """b stops (SIGSTOP) right after it arrived at step 10's gradient sum, so a, arrived too, waits
+    inside the gloo collective, whose timeout is the default users get (120 s). a drops b once
+    b's 2 s lease lapses (``Arrivals.wait``), not after gloo's timeout, and steps alone. b is then
+    resumed: its collective ends on a's abandoned group, its commit vote finds the generation
+    broken, and it rejoins, healed from a. Both end with the uninterrupted run's weights.
+    (Before, a waited out gloo's 120 s before stepping alone.)"""
+    stop = {"REPLICA_STOP_INSIDE": "10"}
+    procs = {n: _replica(etcd, tmp_path, n, "start", "2", job="inside", env=stop if n == "b" else None) for n in "ab"}
+    try:
+        a = lambda: _steps(tmp_path / "a.jsonl")  # noqa: E731
+        wait_for(lambda: any(r["world"] == 1 for r in a()), 60, "a stepping alone, well before gloo's 120 s")
+        assert [r["step"] for r in _steps(tmp_path / "b.jsonl")] == list(range(10))  # b stopped inside step 10
+        os.kill(_steps(tmp_path / "b.jsonl")[0]["pid"], signal.SIGCONT)
+        for n in "ab":
+            assert procs[n].wait(timeout=120) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            p.kill()
+    events = [r["event"] for r in _rows(tmp_path / "a.jsonl") if "event" in r]
+    assert events[:2] == ["lost", "recovered"] and "grew" in events, events
+    steps = _steps(tmp_path / "a.jsonl")
+    assert [r["step"] for r in steps] == list(range(STEPS)) and steps[10]["world"] == 1
     finals = {n: [r for r in _rows(tmp_path / f"{n}.jsonl") if "final" in r][0]["final"] for n in "ab"}
     assert finals["a"] == finals["b"]
     got = torch.tensor([float.fromhex(v) for v in finals["a"]], dtype=torch.float64)

@@ -407,7 +407,8 @@ def signal_replica(proc: subprocess.Popen, sig: int) -> None:
 @pytest.mark.slow
 def test_a_stopped_replica_resumed_within_an_iteration_catches_up_in_its_process(tiny_model, tmp_path, etcd, solo):
     """c is SIGSTOPped in iteration 1 (its sockets stay open), after it reached the iteration's
-    first collective: a and b fail it after ``timeout_s``, agree without c and redo iteration 1
+    first collective: a and b, inside it, drop c once its lease lapses (``lease_s``, the 5 s users
+    get, not gloo's 120 s timeout), agree without c and redo iteration 1
     (held there, ``hold``). c is SIGCONTed: it finds the generation broken and itself left out,
     and asks for the next generation; a and b take it in at iteration 2's start and heal it from
     the member furthest ahead, so c, one iteration behind, takes their state and goes on from
@@ -418,10 +419,9 @@ def test_a_stopped_replica_resumed_within_an_iteration_catches_up_in_its_process
     (faults / "hold").write_text("")  # a and b run iteration 0, then wait at each iteration's start
     hold = {"kind": "pause", "dir": str(faults), "points": [], "min_iteration": 0, "world": 1}
     # c, ahead of the held a and b, waits at iteration 1's first arrival when it is stopped: it has
-    # arrived, so a and b pass the arrival and wait in the collective itself, bounded by timeout_s
-    # (120 s by default; the lease bounds only the wait at an arrival): 5 s keeps the test short
-    fast = ("elastic.replicas.timeout_s=5",)
-    procs = {n: replica(tmp, etcd, "stopped", n, hold if n in "ab" else None, *fast) for n in "abc"}
+    # arrived, so a and b pass the arrival and wait in the collective itself, for as long as c's
+    # lease holds (``Arrivals.wait``)
+    procs = {n: replica(tmp, etcd, "stopped", n, hold if n in "ab" else None) for n in "abc"}
     err = {n: tmp_path / f"stopped-{n}.err" for n in "abc"}
     with reaped(procs):
         wait_while_running(lambda: rows(tmp / "logs/c/metrics.jsonl"), procs, err)
@@ -448,6 +448,8 @@ def test_a_stopped_replica_resumed_within_an_iteration_catches_up_in_its_process
         (4, 0),
     ]
     assert err["c"].read_text().count("training from iteration") == 1 and len(worker) == 1
+    # dropped for its lapsed lease, not gloo's timeout ("Timed out waiting ... for recv")
+    assert any("member(s) ['c'] no longer alive" in err[n].read_text() for n in "ab")
     assert_trained_once_as_one_job(etcd, "stopped", "abc")
     assert_matches_one_job([model_weights(tmp / f"ckpt/{n}/iter_{ITERS:06d}") for n in "abc"], solo, tiny_model)
 
