@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.algos.registry import user_function
+from spmd_rl.catalog import user_function
 from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
 from spmd_rl.config.loader import load_config
@@ -48,7 +48,8 @@ from spmd_rl.distributed.timeouts import group_with_own_timeout, set_collective_
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import EtcdTLS, MetadataStore
 from spmd_rl.elastic.quorum import NotAMember, QuorumLost
@@ -103,7 +104,7 @@ def build(cfg, peer: Peer) -> tuple[Run, int]:
     endpoints, meta, token = _metadata(cfg, peer)
     modes = Modes.of(cfg)
     graph = stages_for(cfg)
-    dock = TransferDock(cfg.dock, meta, columns_for(graph), peer, token).start(cfg.elastic.heartbeat_ttl_s)
+    dock = TransferDock(cfg.dock, meta, specs_of(column_decls(graph)), peer, token).start(cfg.elastic.heartbeat_ttl_s)
     # separated placement: "gen" hosts only vLLM, "train" only the training roles
     side = init_sides(lay, peer.rank).side
     tok = load_tokenizer(cfg)

@@ -62,7 +62,9 @@ from spmd_rl.config.layout import Layout  # noqa: E402
 from spmd_rl.config.loader import load_config  # noqa: E402
 from spmd_rl.config.schema import DockConfig  # noqa: E402
 from spmd_rl.dock.client import TransferDock  # noqa: E402
-from spmd_rl.dock.columns import COLUMNS, columns_for  # noqa: E402
+from spmd_rl.dock.columns import specs_of  # noqa: E402
+from spmd_rl.recipe.columns import column_decls  # noqa: E402
+from spmd_rl.recipe.graph import COLUMNS  # noqa: E402
 from spmd_rl.dock.etcd_server import EmbeddedEtcd  # noqa: E402
 from spmd_rl.dock.fetch import Peer  # noqa: E402
 from spmd_rl.dock.metadata import MetadataStore  # noqa: E402
@@ -172,7 +174,7 @@ def flow(args) -> dict:
     """The stage graph, the column specs, and the sizes of one run of the harness."""
     cfg = load_config(PAPER_CONFIG, [f"rollout.n={args.N}"])
     graph = stages_for(cfg)
-    return {"graph": graph, "specs": columns_for(graph), "cfg": cfg}
+    return {"graph": graph, "specs": specs_of(column_decls(graph)), "cfg": cfg}
 
 
 def synthetic(name: str, spec, n: int, PL: int, SL: int) -> object:

@@ -1,4 +1,4 @@
-"""The reshard gather: one all-gather per bucket (``reshard.bucket_gather``, what the resharder
+"""The reshard gather: one all-gather per bucket (``engines.fsdp.bucket_gather``, what the resharder
 runs) against one ``full_tensor()`` per parameter (the previous path), in the same run.
 
     python tools/bench_gather.py [--out runs/bench-gather] [--nproc 2] [--bucket-mib 16] [--dtype bfloat16]
@@ -38,7 +38,7 @@ from spmd_rl.distributed.mesh import train_mesh  # noqa: E402
 from spmd_rl.distributed.teardown import exit_after  # noqa: E402
 from spmd_rl.engines.hf_weights import build_sharded  # noqa: E402
 from spmd_rl.engines.fsdp.parallelize import parallelize  # noqa: E402
-from spmd_rl.reshard import bucket_gather  # noqa: E402
+from spmd_rl.engines.fsdp import bucket_gather  # noqa: E402
 
 
 def per_parameter(named, dtype: torch.dtype, limit: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,8 +4,9 @@
 Deterministic for a given seed and torch build. Writes a standard HF folder (Qwen2
 architecture, safetensors, fast tokenizer with pad/eos and a chat template) loadable by
 ``transformers`` and by vLLM, plus ``train.jsonl`` / ``test.jsonl`` with ``prompt`` and
-``answer`` columns for the task "a+b=" with 0 <= a, b < 100, and the tiny reward model in
-``<out>/reward_model`` (``tools/make_tiny_reward_model.py``). ``--arch qwen3_moe`` builds the
+``answer`` columns for the task "a+b=" with 0 <= a, b < 100. The tiny reward model is built
+from it by ``tools/make_tiny_reward_model.py --model <out>`` (into ``<out>/reward_model``), which
+imports this module (not the other way round). ``--arch qwen3_moe`` builds the
 MoE sibling instead (Qwen3-MoE: the same width, depth and tokenizer, head_dim 32 as vLLM's CPU
 attention needs, 4 experts of which 2 are routed per token, each half the dense MLP's width, so
 a token computes what a dense token does; trained with the load-balancing loss; no reward model).
@@ -234,12 +235,6 @@ def parser() -> argparse.ArgumentParser:
         help="Take the warm-started weights from this file (tools/tiny_weights/, written by tools/tiny_weights.py "
         "pack) instead of training them; everything else is built as without it.",
     )
-    ap.add_argument(
-        "--no-reward-model",
-        dest="reward_model",
-        action="store_false",
-        help="Skip the tiny reward model (<out>/reward_model, tools/make_tiny_reward_model.py).",
-    )
     return ap
 
 
@@ -313,10 +308,6 @@ def main() -> None:
         f"{full_acc:.3f} after {steps} SFT steps",
         flush=True,
     )
-    if args.reward_model and args.arch == "qwen2":
-        from make_tiny_reward_model import build  # tools/ is the script's folder
-
-        build(args.out, args.out / "reward_model", args.seed)
 
 
 if __name__ == "__main__":

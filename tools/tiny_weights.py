@@ -66,7 +66,7 @@ class Asset:
         return WEIGHTS / f"{self.name}.safetensors"
 
 
-POLICY = Asset("tiny-qwen2", "tiny-qwen2", "make_tiny_model.py", ("--out", "{root}/tiny-qwen2", "--no-reward-model"))
+POLICY = Asset("tiny-qwen2", "tiny-qwen2", "make_tiny_model.py", ("--out", "{root}/tiny-qwen2"))
 REWARD = Asset(
     "tiny-qwen2-reward",
     "tiny-qwen2/reward_model",
@@ -152,7 +152,7 @@ def builder_args(asset: Asset, root: Path) -> dict:
     sys.path.insert(0, str(TOOLS))
     module = __import__(asset.builder.removesuffix(".py"))
     ns = vars(module.parser().parse_args(asset.argv(root)))
-    return {k: v for k, v in sorted(ns.items()) if k not in ("out", "model", "weights", "reward_model")}
+    return {k: v for k, v in sorted(ns.items()) if k not in ("out", "model", "weights")}
 
 
 def first_losses(asset: Asset, root: Path, steps: int = FIRST_STEPS) -> list[float]:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from spmd_rl.algos.core import grpo_advantages
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 
 SeqEstimator = Callable[[torch.Tensor, int, bool], torch.Tensor]
 """(rewards [B] float64, group size N, norm_adv_by_std) -> advantages [B]."""

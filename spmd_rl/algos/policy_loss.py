@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.algos.specs import POLICY_LOSSES
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -72,8 +72,7 @@ class PolicyLossOut:
 
 
 PolicyLoss = Callable[..., PolicyLossOut]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-register_policy_loss = POLICY_LOSSES.register
+register_policy_loss = POLICY_LOSSES.register  # the built-ins are declared in algos.specs
 get_policy_loss = POLICY_LOSSES.lookup
 
 
@@ -112,7 +111,6 @@ def _finish(
     return PolicyLossOut(aggregate(per_token, mask, clip.agg_mode, norm), clipped)
 
 
-@register_policy_loss("vanilla")
 def vanilla_ppo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -131,7 +129,6 @@ def vanilla_ppo(
     return _finish(per_token, active, mask, clip, norm, weight)
 
 
-@register_policy_loss("gspo")
 def gspo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -154,7 +151,6 @@ def gspo(
     return _finish(per_token, active, mask, clip, norm, weight)
 
 
-@register_policy_loss("cispo")
 def cispo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

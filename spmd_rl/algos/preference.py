@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 
 
 @dataclass(frozen=True)

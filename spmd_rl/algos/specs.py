@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd_rl.algos.registry import Registry, findable
+from spmd_rl.catalog import Registry, findable
 
 AdvantageKind = Literal["sequence", "token", "gae", "preference"]
 
@@ -125,9 +125,12 @@ def spec_named(name: str) -> AlgorithmSpec:
     return spec
 
 
-POLICY_LOSS_NAMES = ("vanilla", "gspo", "cispo")
-"""The policy objectives ``algos.policy_loss`` registers, by name, for the torch-free config
-check (a test keeps the two equal)."""
+POLICY_LOSSES: Registry = Registry("policy loss", "; or a user's module:function")
+"""``actor.policy_loss`` -> the objective (``algos.policy_loss``, imported by the ranks only);
+declared here so that the torch-free config check reads the names from the table itself."""
+POLICY_LOSSES.declare("vanilla", "spmd_rl.algos.policy_loss:vanilla_ppo")
+POLICY_LOSSES.declare("gspo", "spmd_rl.algos.policy_loss:gspo")
+POLICY_LOSSES.declare("cispo", "spmd_rl.algos.policy_loss:cispo")
 
 
 def check_policy_loss(name: str) -> str:
@@ -135,9 +138,9 @@ def check_policy_loss(name: str) -> str:
     signature (``algos.policy_loss``), whose module can be found (it is imported by the ranks
     only: it may import torch). ValueError naming what is wrong otherwise."""
     if ":" not in name:
-        if name not in POLICY_LOSS_NAMES:
+        if name not in POLICY_LOSSES:
             raise ValueError(
-                f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSS_NAMES)}; or a user's module:function"
+                f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSSES)}; or a user's module:function"
             )
         return name
     if not findable(name):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd_rl.algos.policy_loss import LossNorm, aggregate
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 
 
 @dataclass(frozen=True)

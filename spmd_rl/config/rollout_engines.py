@@ -1,4 +1,6 @@
-"""What each built-in rollout engine can do (``rollout.engine``), declared once and torch-free:
+"""``rollout.engine`` -> the rollout engine (verl's ``BaseRollout`` registry), declared once and
+torch-free: each built-in engine's class as a ``module:Class`` the ranks import only when it is
+chosen (so a run of one never imports the other), with what it can do as the entry's metadata.
 ``spmd-rl validate`` refuses a config that needs what its engine lacks, and the engine classes
 (``engines.vllm.engine``, ``engines.hf.rollout``) carry these same objects as their
 ``capabilities``. A user's ``module:Class`` engine declares its own; the rank checks it when it
@@ -7,6 +9,8 @@ builds the engine (``engines.rollouts``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from spmd_rl.catalog import Registry
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,17 @@ class RolloutCapabilities:
     notes: dict[str, str] = field(default_factory=dict)
 
 
-CAPABILITIES = {
-    "vllm": RolloutCapabilities(
-        adapters=True, routes=True, own_process=True, tensor_parallel=True, releases_memory=True
-    ),
-    "hf": RolloutCapabilities(
+ROLLOUTS: Registry = Registry("rollout engine", "; or a user's module:Class (docs/extending.md)")
+"""name -> the engine's ``Rollout`` class; ``ROLLOUTS.meta[name]``: its ``RolloutCapabilities``."""
+ROLLOUTS.declare(
+    "vllm",
+    "spmd_rl.engines.vllm.engine:VllmRollout",
+    RolloutCapabilities(adapters=True, routes=True, own_process=True, tensor_parallel=True, releases_memory=True),
+)
+ROLLOUTS.declare(
+    "hf",
+    "spmd_rl.engines.hf.rollout:HfRollout",
+    RolloutCapabilities(
         own_process=True,
         releases_memory=True,
         notes={
@@ -40,9 +50,7 @@ CAPABILITIES = {
             "tensor_parallel": "one model per generation rank; set parallel.gen.tp=1 (gen.dp replicates it)",
         },
     ),
-}
-ROLLOUT_ENGINES = tuple(CAPABILITIES)
-"""The registered rollout engines (``engines.rollouts.ROLLOUTS``, which a test keeps equal)."""
+)
 
 
 def missing(caps: RolloutCapabilities, needs: dict[str, bool]) -> list[tuple[str, str]]:

@@ -97,7 +97,7 @@ class ReshardConfig(Section):
         256 << 20,
         gt=0,
         description="Bound on the gather's temporary bytes for generation: two buckets in flight (one all-gather each, "
-        "reshard.bucket_gather), or twice a lone tensor that alone exceeds half of it.",
+        "engines.fsdp.bucket_gather), or twice a lone tensor that alone exceeds half of it.",
     )
 
 

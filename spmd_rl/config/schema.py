@@ -22,9 +22,9 @@ from spmd_rl.config.runtime_schema import (
     StreamConfig,
     TrainerConfig,
 )
-from spmd_rl.config.rollout_engines import ROLLOUT_ENGINES
+from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.config.section import Section
-from spmd_rl.algos.registry import findable
+from spmd_rl.catalog import findable
 from spmd_rl.algos.specs import check_policy_loss, spec_named
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -64,9 +64,9 @@ class DataConfig(Section):
 
 def check_rollout_engine(name: str) -> str:
     """A registered engine, or a user's findable ``module:Class``."""
-    if name not in ROLLOUT_ENGINES and not findable(name):
+    if name not in ROLLOUTS and not findable(name):
         raise ValueError(
-            f"unknown rollout engine {name!r}; registered: {', '.join(ROLLOUT_ENGINES)}; or a user's module:Class "
+            f"unknown rollout engine {name!r}; registered: {', '.join(ROLLOUTS)}; or a user's module:Class "
             "(a subclass of spmd_rl.engines.base.Rollout, docs/extending.md)"
         )
     return name
@@ -243,9 +243,10 @@ class ActorConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the sharded master parameters, grads and optimizer states."
     )
-    backend: Literal["fsdp", "megatron"] = Field(
+    backend: str = Field(
         "fsdp",
-        description="Training backend of the actor and the reference: fsdp = FSDP2 + DTensor TP (every role and head); "
+        description="Training backend of the actor and the reference, a registered one (recipe/train_backends.py; "
+        "validate lists them): fsdp = FSDP2 + DTensor TP (every role and head); "
         "megatron = megatron-core GPTModel with TP (+ `parallel.train.sequence_parallel`), Megatron DDP and the "
         "distributed optimizer, dense Qwen2/Qwen3/Llama (engines/megatron).",
     )
@@ -299,7 +300,8 @@ class RewardConfig(Section):
     model_path: str | None = Field(
         None,
         description="Reward-model HF folder (a sequence classifier with one label and the policy's tokenizer), "
-        "required when `kind: model`; tools/make_tiny_model.py builds one in <out>/reward_model.",
+        "required when `kind: model`; tools/make_tiny_reward_model.py --model <policy> builds one in "
+        "<policy>/reward_model.",
     )
     rule_weight: float = Field(
         0.0,

@@ -1,18 +1,18 @@
-"""Column declarations of the sample flow: dtype, ragged or fixed trailing shape, writer stage.
+"""Column specs of the dock: dtype, ragged or fixed trailing shape, writer stage. Which
+columns a run has is the caller's (``recipe.columns``): the dock stores what it is given.
 
 Ragged columns (token sequences and per-token values) are stored unpadded, one 1-D tensor per
-sample; fixed columns store one tensor of ``shape`` per sample. Token ids are int32 (the
-paper's B = 4 bytes), per-token values float32.
+sample; fixed columns store one tensor of ``shape`` per sample.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spmd_rl.recipe.graph import COLUMNS, DATA_COLUMNS, PARTIAL_COLUMNS, PREFIX_EXTRA, Stage
 from spmd_rl.dock.errors import DockRequestError
 
 
@@ -26,35 +26,10 @@ class ColumnSpec:
     """Per-sample trailing shape of a fixed column; () for a scalar. Unused when ragged."""
 
 
-_DTYPES = {
-    "prompt_ids": torch.int32,
-    "answer": torch.uint8,
-    "response_ids": torch.int32,
-    "response_length": torch.int32,
-    "response_version": torch.int32,
-    "prompt_row": torch.int32,
-    "prefix_ids": torch.int32,
-    "prefix_version": torch.int32,
-    "prefix_done": torch.int32,
-    "rollout_routes": torch.uint8,
-    "prefix_routes": torch.uint8,
-    "response_mask": torch.uint8,
-    "prefix_mask": torch.uint8,
-}
-
-
-def columns_for(stages: list[Stage]) -> dict[str, ColumnSpec]:
-    """Specs of every column written by ``stages`` and by the data loader (``DATA_COLUMNS``, and
-    the ``PARTIAL_COLUMNS`` the rollout reads under partial rollout)."""
-    writers = dict.fromkeys(
-        DATA_COLUMNS + tuple(c for c in PARTIAL_COLUMNS + PREFIX_EXTRA if stages and c in stages[0].inputs), "data"
-    )
-    for s in stages:
-        writers.update({c: s.name for c in s.outputs})
-    return {
-        name: ColumnSpec(name, _DTYPES.get(name, torch.float32), COLUMNS[name] != "scalar", writer)
-        for name, writer in writers.items()
-    }
+def specs_of(decls: Mapping[str, Any]) -> dict[str, ColumnSpec]:
+    """The specs of declared columns: each with ``name``, ``dtype`` (a torch dtype's name),
+    ``ragged`` and ``writer`` (``recipe.columns.ColumnDecl``)."""
+    return {name: ColumnSpec(name, getattr(torch, d.dtype), d.ragged, d.writer) for name, d in decls.items()}
 
 
 def as_samples(name: str, value: Any, n: int, spec: ColumnSpec) -> list[torch.Tensor]:

@@ -1,43 +1,20 @@
-"""``rollout.engine`` -> the rollout engine (verl's ``BaseRollout`` registry): one factory per
-engine, each importing its engine's package only when chosen, so a run of one never imports the
-other. A name with a colon is a user's ``module:Class`` (a ``Rollout`` subclass built from a
-``RolloutBuild``), used with no edit to the package.
+"""Build the rollout engine ``rollout.engine`` names (``config.rollout_engines.ROLLOUTS``, whose
+entries import their engine's package only when chosen). A name with a colon is a user's
+``module:Class`` (a ``Rollout`` subclass built from a ``RolloutBuild``), used with no edit to the
+package.
 
 A build that asks for what the engine does not declare (``Rollout.capabilities``) is refused
 here, naming the field that asked and the engine's reason."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from spmd_rl.algos.registry import Registry
-from spmd_rl.config.rollout_engines import missing
+from spmd_rl.config.rollout_engines import ROLLOUTS, missing
 from spmd_rl.engines.base import Rollout, RolloutBuild
-
-ROLLOUTS: Registry[Callable[[], type[Rollout]]] = Registry(
-    "rollout engine", "; or a user's module:Class (docs/extending.md)"
-)
-"""name -> a loader of the engine's class (importing its package only then)."""
-
-
-@ROLLOUTS.register("vllm")
-def _vllm() -> type[Rollout]:
-    from spmd_rl.engines.vllm.engine import VllmRollout
-
-    return VllmRollout
-
-
-@ROLLOUTS.register("hf")
-def _hf() -> type[Rollout]:
-    from spmd_rl.engines.hf.rollout import HfRollout
-
-    return HfRollout
 
 
 def rollout_class(name: str) -> type[Rollout]:
     """The class ``rollout.engine`` names: a registered engine's, or a user's ``module:Class``."""
-    found = ROLLOUTS.lookup(name)
-    cls = found if isinstance(found, type) else found()
+    cls = ROLLOUTS.lookup(name)
     if not (isinstance(cls, type) and issubclass(cls, Rollout)):
         raise ValueError(f"rollout.engine={name!r}: {cls!r} is not a subclass of spmd_rl.engines.base.Rollout")
     return cls

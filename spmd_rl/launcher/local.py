@@ -19,7 +19,7 @@ from pathlib import Path
 
 from spmd_rl.config.schema import Config
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
-from spmd_rl.engines.orphan_watch import OrphanWatch
+from spmd_rl.distributed.orphan_watch import OrphanWatch
 
 GRACE_S = 30.0
 """Seconds torchrun gets after Ctrl-C to stop its workers before the watcher kills the tree."""

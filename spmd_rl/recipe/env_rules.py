@@ -3,7 +3,7 @@ rest of the config, and the combinations this version refuses with the reason.""
 
 from __future__ import annotations
 
-from spmd_rl.algos.registry import findable
+from spmd_rl.catalog import findable
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import Config, RolloutConfig

@@ -94,7 +94,7 @@ def fsdp_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
         if lora is not None
         else (0, train_numel)
     )
-    # reshard.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
+    # engines.fsdp.bucket_gather: two buckets in flight within bucket_bytes, unless the largest tensor
     # alone (its gather output plus this rank's 1/dp input) exceeds half of it
     lone = arch.largest_tensor_numel() * gb * (1 + (1 / lay.train.dp if lay.train.dp > 1 else 0))
     temp = max(cfg.reshard.bucket_bytes, int(2 * lone))

@@ -19,6 +19,7 @@ from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.graph import Modes, algorithm
+from spmd_rl.recipe.train_backends import TRAIN_BACKENDS, train_backend
 
 
 def deal_unit(lay: Layouts) -> int:
@@ -32,7 +33,13 @@ def check_replicas(cfg: Config, lay: Layouts) -> list[Violation]:
         return []
     modes, field = Modes.of(cfg), "elastic.replicas"
     off = [
-        (cfg.actor.backend != "fsdp", "actor.backend", cfg.actor.backend, "use actor.backend=fsdp"),
+        (
+            not train_backend(cfg).elastic_replicas,
+            "actor.backend",
+            cfg.actor.backend,
+            "use a backend whose gradients are summed across replicas: "
+            + ", ".join(n for n, b in sorted(TRAIN_BACKENDS.items()) if b.elastic_replicas),
+        ),
         (
             algorithm(cfg).advantage == "preference",
             "algorithm.name",

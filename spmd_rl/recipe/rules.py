@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from spmd_rl.algos.registry import findable
+from spmd_rl.catalog import findable
 from spmd_rl.algos.specs import AlgorithmSpec
 from spmd_rl.recipe.backend_rules import check_gen_experts, check_router_replay
 from spmd_rl.recipe.dpo_rules import check_dpo
@@ -21,14 +21,14 @@ from spmd_rl.recipe.replica_rules import check_replicas
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
-from spmd_rl.config.rollout_engines import CAPABILITIES, missing
+from spmd_rl.config.rollout_engines import ROLLOUTS, missing
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.graph import Modes, algorithm, data_columns, fused_stages, stages_for
 from spmd_rl.recipe.stream_rules import check_partial, check_separated
-from spmd_rl.recipe.train_backends import train_backend
+from spmd_rl.recipe.train_backends import check_backend, train_backend
 from spmd_rl.data.files import check_safetensors, sniff_dataset
+from spmd_rl.rewards.registry import RULES
 
-REGISTERED_RULES = ("exact_match", "math_verify")
 _ENDPOINT = re.compile(r"^(https?://)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -264,7 +264,7 @@ def _check_reward_model(cfg: Config) -> list[Violation]:
                 "reward.model_path",
                 None,
                 "reward.kind: model needs the reward model's folder",
-                "set reward.model_path (tools/make_tiny_model.py writes <out>/reward_model)",
+                "set reward.model_path (tools/make_tiny_reward_model.py --model <policy> writes <policy>/reward_model)",
             )
         ]
     conf = Path(r.model_path) / "config.json"
@@ -341,7 +341,7 @@ def _check_reward(cfg: Config) -> list[Violation]:
                 )
     if out:
         return out
-    if r.rule in REGISTERED_RULES:
+    if r.rule in RULES:
         return []
     if r.format_score != 0:
         return [
@@ -359,7 +359,7 @@ def _check_reward(cfg: Config) -> list[Violation]:
                 "reward.rule",
                 r.rule,
                 "neither a registered rule nor module:function",
-                f"use one of {', '.join(REGISTERED_RULES)} or my_pkg.rewards:score",
+                f"use one of {', '.join(RULES)} or my_pkg.rewards:score",
             )
         ]
     if not findable(r.rule):
@@ -757,7 +757,7 @@ def _check_tls(cfg: Config) -> list[Violation]:
 def _check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
     """A built-in engine must have every capability the run needs (``config.rollout_engines``);
     a user's ``module:Class`` is checked by the rank that builds it."""
-    caps = CAPABILITIES.get(cfg.rollout.engine)
+    caps = ROLLOUTS.meta.get(cfg.rollout.engine)
     if caps is None:
         return []
     m = Modes.of(cfg)
@@ -776,6 +776,8 @@ def _check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
 def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = None) -> tuple[Layouts, list[Violation]]:
     """All cross-field violations of ``cfg`` for the given world size (default: the config's)."""
     lay, out = resolve_layouts(cfg, world, nproc_per_node)
+    if bad := check_backend(cfg):  # every rule below reads the backend's entry
+        return lay, out + bad
     if not out:
         out += _check_batches(cfg, lay)
     out += _check_model(cfg, lay)

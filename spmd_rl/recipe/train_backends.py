@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 from spmd_rl.recipe.backend_rules import fsdp_rules, megatron_rules
 from spmd_rl.config.errors import Violation
 from spmd_rl.recipe.estimates import (
@@ -47,6 +47,8 @@ class TrainBackend:
     """How the training state is held, as ``plan`` prints it."""
     preference_pairs: bool
     """Trains DPO's pairs (``algorithm.name: dpo``)."""
+    elastic_replicas: bool
+    """Its gradients can be summed across elastic replicas (``Engine.gradient_sync``)."""
 
 
 def _fsdp_reference(cfg: Config, arch: ModelArch, lay: Layouts) -> int:
@@ -66,6 +68,7 @@ for backend in (
         describe=lambda lay: f"dp_shard={lay.train.dp} tp={lay.train.tp}",
         state="AdamW",
         preference_pairs=True,
+        elastic_replicas=True,
     ),
     TrainBackend(
         "megatron",
@@ -77,6 +80,7 @@ for backend in (
         describe=lambda lay: f"megatron-core dp={lay.train.dp} pp={lay.train.pp} tp={lay.train.tp}",
         state="AdamW, megatron distributed optimizer: float32 grad buffer, moments over dp",
         preference_pairs=False,
+        elastic_replicas=False,
     ),
 ):
     TRAIN_BACKENDS[backend.name] = backend
@@ -84,6 +88,15 @@ for backend in (
 
 def train_backend(cfg: Config) -> TrainBackend:
     return TRAIN_BACKENDS.lookup(cfg.actor.backend)
+
+
+def check_backend(cfg: Config) -> list[Violation]:
+    """``actor.backend`` names a registered backend (the schema takes any name: this table is
+    the one list of them)."""
+    if cfg.actor.backend in TRAIN_BACKENDS:
+        return []
+    names = ", ".join(sorted(TRAIN_BACKENDS))
+    return [Violation("actor.backend", cfg.actor.backend, "not a registered training backend", f"use one of {names}")]
 
 
 def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:

@@ -70,7 +70,7 @@ class Resharder:
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor in the generation dtype) from the actor's engine (the FSDP
-        engine: one all-gather per bucket, ``reshard.bucket_gather``). Every rank must consume it
+        engine: one all-gather per bucket, ``engines.fsdp.bucket_gather``). Every rank must consume it
         in the same order (the gathers are collectives). Shards are cast to the generation dtype
         before the gather (a cast is elementwise, so the result is the same bits as
         gather-then-cast): a bf16 rollout moves half the bytes of an fp32 master, and no full

@@ -1,7 +1,7 @@
 """Rule rewards: ``fn(response_text, answer) -> float``.
 
-- ``exact_match``: 1.0 if the response (stripped, up to the first whitespace-separated token
-  that parses as a number) equals the numeric answer, else 0.0.
+- ``exact_match``: 1.0 if the whole response (stripped, thousands commas dropped) is a number
+  equal to the numeric answer (or, for a non-numeric answer, the same text), else 0.0.
 - ``math_verify``: 1.0 if ``math-verify`` judges the response's final LaTeX answer equal to the
   reference (install ``math-verify``).
 - ``module:function``: any importable function with the same signature.
@@ -14,9 +14,10 @@ from it) but wrong, else 0. A user function's score is used as it is.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 
-from spmd_rl.algos.registry import user_function
+from spmd_rl.catalog import Registry, user_function
 
 RewardFn = Callable[[str, str], float]
 
@@ -57,22 +58,33 @@ def parses_as_math(response: str) -> bool:
     return len(parse(response)) > 0
 
 
-REGISTRY: dict[str, tuple[RewardFn, Callable[[str], bool]]] = {
-    "exact_match": (exact_match, is_number),
-    "math_verify": (math_verify, parses_as_math),
-}
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: ``correct(response, answer)`` in [0, 1], and ``formed(response)``,
+    whether the response is a well-formed answer (``reward.format_score``)."""
+
+    correct: RewardFn
+    formed: Callable[[str], bool]
+
+
+RULES: Registry[Rule] = Registry("reward rule", "; or a user's module:function (response, answer) -> float")
+"""``reward.rule`` -> its ``Rule``; the config check reads the names from here."""
+RULES.register("exact_match")(Rule(exact_match, is_number))
+RULES.register("math_verify")(Rule(math_verify, parses_as_math))
 
 
 def get_reward(rule: str, format_score: float = 0.0) -> RewardFn:
-    if rule in REGISTRY:
-        correct, formed = REGISTRY[rule]
-        if format_score == 0:
-            return correct
+    """The reward ``reward.rule`` names: a registered rule (scored 1 if correct, else
+    ``format_score`` if well formed, else 0), or a user's ``module:function`` as it is."""
+    if ":" in rule:
+        return user_function(rule, f"reward.rule={rule!r}")
+    found = RULES.lookup(rule)
+    if format_score == 0:
+        return found.correct
 
-        def scored(response: str, answer: str) -> float:
-            if correct(response, answer) > 0.5:
-                return 1.0
-            return format_score if formed(response) else 0.0
+    def scored(response: str, answer: str) -> float:
+        if found.correct(response, answer) > 0.5:
+            return 1.0
+        return format_score if found.formed(response) else 0.0
 
-        return scored
-    return user_function(rule, f"reward.rule={rule!r}")
+    return scored

@@ -26,7 +26,8 @@ from spmd_rl.recipe.graph import Stage
 from spmd_rl.distributed.teardown import exit_after
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.metadata import MetadataStore
 
 TOKEN = "integration-test-token-0123456789"
@@ -57,7 +58,7 @@ def main() -> None:
         Stage("actor_rollout", ("prompt_ids",), ("response_ids", "rollout_log_prob")),
         Stage("reward", (), ("reward",)),
     ]
-    specs = columns_for(stages)
+    specs = specs_of(column_decls(stages))
     meta = MetadataStore([os.environ["SPMD_RL_ETCD"]], job=f"dock-test-{os.environ['DOCK_MODE']}-w{writers}")
     relay_min = int(os.environ.get("RELAY_MIN", DockConfig.model_fields["tp_relay_min_bytes"].default))
     cfg = DockConfig(mode=os.environ["DOCK_MODE"], port=0, get_timeout_s=60, tp_relay_min_bytes=relay_min)

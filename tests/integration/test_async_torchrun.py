@@ -80,7 +80,7 @@ def test_a_generator_engine_samples_from_the_weights_it_was_sent(tiny_model):
     T = 0.7 equal an HF float32 forward of the perturbed model, and not of the original."""
     with OwnShm() as shm:
         got = run_helper("rollout_logprobs.py", tiny_model, 0.7, "published")
-        # the engine core's message queues (/dev/shm/psm_*) go with it (engines.orphan_watch)
+        # the engine core's message queues (/dev/shm/psm_*) go with it (distributed.orphan_watch)
         wait_for(lambda: not shm.leaked(), 15, f"the engine's shared memory to be unlinked: {shm.leaked()}")
     assert shm.seen, "the sampler saw none of the engine's segments"
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

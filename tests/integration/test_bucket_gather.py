@@ -1,4 +1,4 @@
-"""One all-gather per bucket (``reshard.bucket_gather``): the shard layout it assumes is
+"""One all-gather per bucket (``engines.fsdp.bucket_gather``): the shard layout it assumes is
 torch.chunk's, the plan covers every tensor once in order within half the bound, and under a
 real 2-rank torchrun (FSDP and TP) the gathered tensors equal ``full_tensor()`` cast to the
 generation dtype bit for bit, with one collective per bucket and the live bytes the gather
@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 
 def test_chunk_len_is_torch_chunk():
-    from spmd_rl.reshard.bucket_gather import chunk_len
+    from spmd_rl.engines.fsdp.bucket_gather import chunk_len
 
     for n in range(0, 40):
         for parts in range(1, 9):
@@ -28,7 +28,7 @@ def test_plan_covers_every_tensor_once_within_half_the_bound(world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from spmd_rl.reshard.bucket_gather import in_flight, plan
+    from spmd_rl.engines.fsdp.bucket_gather import in_flight, plan
 
     mesh = init_device_mesh("cpu", (1,))
     shapes = [(272, 128), (128,), (384, 128), (128, 384), (3, 5), (1000, 64), (7,)]

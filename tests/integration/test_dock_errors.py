@@ -13,7 +13,8 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockRequestError, DockTimeout, DockUnavailable
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.dock.metadata import MetadataStore
@@ -30,7 +31,7 @@ def dock(etcd, request):
     d = TransferDock(
         DockConfig(port=0, get_timeout_s=1.0),
         meta,
-        columns_for(STAGES),
+        specs_of(column_decls(STAGES)),
         Peer(0, 1, 0, 0, 1),
         TOKEN,
         in_process=request.param,
@@ -131,9 +132,9 @@ def test_lost_rank_fails_fast_instead_of_waiting(etcd):
     from spmd_rl.dock.errors import DockUnavailable
 
     meta = MetadataStore([etcd.endpoint], job="errors-lost-rank")
-    d = TransferDock(DockConfig(port=0, get_timeout_s=60), meta, columns_for(STAGES), Peer(0, 2, 0, 0, 2), TOKEN).start(
-        heartbeat_ttl_s=2
-    )
+    d = TransferDock(
+        DockConfig(port=0, get_timeout_s=60), meta, specs_of(column_decls(STAGES)), Peer(0, 2, 0, 0, 2), TOKEN
+    ).start(heartbeat_ttl_s=2)
     try:
         d.begin_iteration(0, 4)
         import time
@@ -154,8 +155,8 @@ def test_fetch_from_a_lost_warehouse_fails_at_once(etcd):
 
     meta = MetadataStore([etcd.endpoint], job="lost-warehouse")
     cfg = DockConfig(port=0, get_timeout_s=600)
-    a = TransferDock(cfg, meta, columns_for(STAGES), Peer(0, 2, 0, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
-    b = TransferDock(cfg, meta, columns_for(STAGES), Peer(1, 2, 1, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
+    a = TransferDock(cfg, meta, specs_of(column_decls(STAGES)), Peer(0, 2, 0, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
+    b = TransferDock(cfg, meta, specs_of(column_decls(STAGES)), Peer(1, 2, 1, 0, 1), TOKEN).start(heartbeat_ttl_s=3)
     try:
         for d in (a, b):
             d.begin_iteration(0, 2)

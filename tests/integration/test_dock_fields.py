@@ -11,7 +11,8 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockTimeout
 from spmd_rl.dock.metadata import MetadataStore
 
@@ -24,7 +25,7 @@ def test_interface_bucket_and_timeout(etcd):
     meta = MetadataStore([etcd.endpoint], job="dock-fields")
     cfg = DockConfig(port=0, interface="127.0.0.3", bucket_bytes=16, get_timeout_s=1.0)
     d = TransferDock(
-        cfg, meta, columns_for(STAGES), Peer(0, 1, 0, 0, 1), TOKEN, in_process=False
+        cfg, meta, specs_of(column_decls(STAGES)), Peer(0, 1, 0, 0, 1), TOKEN, in_process=False
     ).start()  # over the wire: the chunks
     try:
         assert d.server.address.startswith("tcp://127.0.0.3:")  # bound where the config says

@@ -15,7 +15,8 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import ColumnSpec, columns_for
+from spmd_rl.dock.columns import ColumnSpec, specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockRequestError, DockUnavailable
 from spmd_rl.dock.local import InProcessWarehouse
 from spmd_rl.dock.metadata import MetadataStore
@@ -29,7 +30,7 @@ ONE = Layout(1, 1)
 
 
 def make_dock(etcd, job: str, in_process: bool, **cfg) -> TransferDock:
-    specs = columns_for(STAGES) | {"odd": ColumnSpec("odd", torch.complex64, True, "data")}
+    specs = specs_of(column_decls(STAGES)) | {"odd": ColumnSpec("odd", torch.complex64, True, "data")}
     meta = MetadataStore([etcd.endpoint], job=job)
     d = TransferDock(
         DockConfig(port=0, get_timeout_s=2.0, **cfg), meta, specs, Peer(0, 1, 0, 0, 1), TOKEN, in_process=in_process

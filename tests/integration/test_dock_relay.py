@@ -22,7 +22,8 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockUnavailable
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.relay import plan_relay
@@ -48,7 +49,7 @@ def four_ranks(etcd, job: str, relay_min: int | None, ttl: int | None = None) ->
         d = TransferDock(
             cfg,
             MetadataStore([etcd.endpoint], job=job),
-            columns_for(STAGES),
+            specs_of(column_decls(STAGES)),
             Peer(rank, 4, rank // 2, rank % 2, 2),
             TOKEN,
         )

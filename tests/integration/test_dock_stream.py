@@ -14,7 +14,8 @@ from spmd_rl.config.schema import DockConfig
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockTimeout
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.dock.records import PutRecord
@@ -33,7 +34,11 @@ def docks(etcd, request):
     for rank in (0, 1):
         meta = MetadataStore([etcd.endpoint], job=f"stream-{request.node.name}")
         d = TransferDock(
-            DockConfig(port=0, get_timeout_s=2.0), meta, columns_for(STAGES), Peer(rank, 2, 0, rank, 2), TOKEN
+            DockConfig(port=0, get_timeout_s=2.0),
+            meta,
+            specs_of(column_decls(STAGES)),
+            Peer(rank, 2, 0, rank, 2),
+            TOKEN,
         ).start()
         d.begin_iteration(0, 8)
         out.append(d)

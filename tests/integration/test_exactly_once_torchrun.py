@@ -102,7 +102,7 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
             kill_tree(proc)
     text = (tmp_path / "run.log").read_text()
     assert "resumed from" in text  # the kill did force a restart
-    # nothing of the run outlives it: not even the killed rank's engine processes (engines.orphan_watch)
+    # nothing of the run outlives it: not even the killed rank's engine processes (distributed.orphan_watch)
     wait_for(lambda: not left_behind(TOKEN), 30, f"processes with the run's token to exit: {left_behind(TOKEN)}")
     # nor the shared memory of the killed engines, whose creators could not unlink it
     wait_for(lambda: not shm.leaked(), 15, f"the run's shared memory to be unlinked: {shm.leaked()}")

@@ -19,14 +19,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rl.config.loader import load_config
-from spmd_rl.config.rollout_engines import ROLLOUT_ENGINES
+from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.engines.base import RolloutBuild, SamplingSpec
 from spmd_rl.engines.hf.rollout import HfRollout, truncate
 from spmd_rl.engines.logprobs import build_batch, response_logprobs
-from spmd_rl.engines.rollouts import ROLLOUTS, build_rollout_engine, rollout_class
+from spmd_rl.engines.rollouts import build_rollout_engine, rollout_class
 from spmd_rl.engines.token_logprob import SamplingPolicy
 from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.stages import StageCall, stage_fn
@@ -170,8 +170,8 @@ def test_a_dummy_start_refuses_to_generate_and_loads_every_weight(tiny_model, pr
         dummy.update_weights([("nope", torch.zeros(1))])
 
 
-def test_the_registry_and_the_config_name_the_same_engines_and_refuse_what_an_engine_lacks(tiny_model):
-    assert sorted(ROLLOUTS) == sorted(ROLLOUT_ENGINES)
+def test_the_one_table_names_the_engines_their_classes_carry_its_capabilities_and_lacks_are_refused(tiny_model):
+    assert sorted(ROLLOUTS) == ["hf", "vllm"] and ROLLOUTS.meta["hf"] is HfRollout.capabilities
     assert (
         rollout_class("hf") is HfRollout
         and rollout_class("tests.helpers.rollouts:EchoRollout").__name__ == "EchoRollout"

@@ -19,7 +19,8 @@ import torch
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import DockConfig
 from spmd_rl.dock.client import TransferDock
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.errors import DockRequestError
 from spmd_rl.dock.etcd_server import EmbeddedEtcd
 from spmd_rl.dock.feed import RecordFeed
@@ -62,7 +63,7 @@ def docks(etcd, request):
         d = TransferDock(
             DockConfig(port=0, get_timeout_s=20, records_group_nodes=group),
             meta,
-            columns_for(STAGES),
+            specs_of(column_decls(STAGES)),
             Peer(rank, 4, rank // 2, rank % 2, 2),
             TOKEN,
         ).start()

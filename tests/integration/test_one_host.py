@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rl.engines.orphan_watch import start_time
+from spmd_rl.distributed.orphan_watch import start_time
 from spmd_rl.launcher.preload import ENV as PRELOAD_ENV
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import descendants, kill_tree, metric_rows, wait_for, workers_of

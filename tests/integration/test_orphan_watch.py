@@ -1,4 +1,4 @@
-"""engines.orphan_watch with real processes: a SIGKILLed "rank" takes the children it handed
+"""distributed.orphan_watch with real processes: a SIGKILLed "rank" takes the children it handed
 to its watcher (and their descendants) with it, and the names of the shared memory they had
 mapped; a pid whose start time does not match (a reused pid) is left alone."""
 
@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from spmd_rl.engines.orphan_watch import POLL_S
+from spmd_rl.distributed.orphan_watch import POLL_S
 from tests.conftest import REPO, subprocess_env
 from tests.torchrun_util import wait_for
 
@@ -38,7 +38,7 @@ time.sleep(600)
 """
 RANK = """
 import subprocess, sys, time
-from spmd_rl.engines.orphan_watch import OrphanWatch, children
+from spmd_rl.distributed.orphan_watch import OrphanWatch, children
 before = children()
 ENGINE = ("import subprocess, sys, time; "
           "w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdin=subprocess.PIPE, "
@@ -112,7 +112,7 @@ def test_a_killed_rank_takes_its_engine_and_the_engines_children_with_it():
 
 
 def test_a_pid_with_another_start_time_is_not_killed():
-    from spmd_rl.engines.orphan_watch import OrphanWatch, start_time
+    from spmd_rl.distributed.orphan_watch import OrphanWatch, start_time
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

@@ -19,7 +19,8 @@ import torch
 from spmd_rl.config.loader import load_config
 from spmd_rl.recipe.rules import check
 from spmd_rl.recipe.graph import PARTIAL_COLUMNS, stages_for
-from spmd_rl.dock.columns import columns_for
+from spmd_rl.dock.columns import specs_of
+from spmd_rl.recipe.columns import column_decls
 from spmd_rl.dock.metadata import MetadataStore
 from spmd_rl.engines.base import Sample
 from spmd_rl.trainer.carry import CarriedGroup, Piece
@@ -112,7 +113,7 @@ def test_partial_rollout_graph_reads_the_prefix_and_versions():
     graph = stages_for(cfg)
     assert set(PARTIAL_COLUMNS) <= set(graph[0].inputs) and "response_version" in graph[0].outputs
     assert "response_version" in graph[-1].inputs  # the update logs each token's policy lag
-    specs = columns_for(graph)
+    specs = specs_of(column_decls(graph))
     assert {c: specs[c].writer for c in PARTIAL_COLUMNS} == dict.fromkeys(PARTIAL_COLUMNS, "data")
     assert (
         specs["prefix_ids"].ragged
@@ -120,7 +121,7 @@ def test_partial_rollout_graph_reads_the_prefix_and_versions():
         and specs["response_version"].dtype == torch.int32
     )
     plain = stages_for(load_config(REPO / "configs/quickstart.yaml"))
-    assert not set(PARTIAL_COLUMNS) & set(columns_for(plain))
+    assert not set(PARTIAL_COLUMNS) & set(specs_of(column_decls(plain)))
 
 
 def test_a_piece_finishes_on_a_stop_or_at_the_limit():

@@ -27,7 +27,6 @@ def test_builder_writes_loadable_folder(tmp_path):
             "5",
             "--n-test",
             "50",
-            "--no-reward-model",
         ],
         check=True,
         capture_output=True,

@@ -130,11 +130,16 @@ def test_a_spec_whose_estimator_cannot_be_found_is_refused(monkeypatch):
         spec_named("tests.helpers.algorithms:LOST")
 
 
-def test_the_torch_free_policy_loss_names_are_the_registered_ones():
-    from spmd_rl.algos.policy_loss import POLICY_LOSSES
-    from spmd_rl.algos.specs import POLICY_LOSS_NAMES
+def test_every_declared_policy_loss_is_a_function_of_algos_policy_loss():
+    """One table (``algos.specs.POLICY_LOSSES``): the config check reads its names, the ranks
+    import what each names."""
+    from spmd_rl.algos import policy_loss
+    from spmd_rl.algos.specs import POLICY_LOSSES
 
-    assert sorted(POLICY_LOSS_NAMES) == sorted(POLICY_LOSSES)
+    assert sorted(POLICY_LOSSES) == ["cispo", "gspo", "vanilla"]
+    for name in POLICY_LOSSES:
+        fn = POLICY_LOSSES.lookup(name)
+        assert callable(fn) and fn.__module__ == policy_loss.__name__, name
 
 
 @pytest.mark.parametrize(

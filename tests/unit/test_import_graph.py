@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 from tests.conftest import REPO
 
 PKG = REPO / "spmd_rl"
@@ -67,6 +69,29 @@ def test_no_import_circle():
     assert cycle is None, " -> ".join(cycle)
 
 
+def _tools_graph() -> dict[str, set[str]]:
+    """tools/*.py by module name: a script imports a sibling by its bare name (``tools/`` is the
+    script's folder) or as ``tools.<name>``."""
+    names = {p.stem: p for p in (REPO / "tools").glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets.append(node.module)
+            deps |= {t.removeprefix("tools.") for t in targets} & set(names)
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_circle_among_the_tools():
+    graph = _tools_graph()
+    assert "make_tiny_model" in graph["make_tool_model"]  # the check sees the scripts' imports
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
 def test_the_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
@@ -100,7 +125,8 @@ def _layers() -> dict[str, int]:
 
 def test_imports_follow_the_layers_docs_design_states():
     """Every package of spmd_rl has a layer in docs/design.md, and every import goes to the
-    importer's layer or below."""
+    importer's own package or a lower layer (none to a package beside it: two packages of one
+    layer that import each other are one circle away from a loop)."""
     layers, graph = _layers(), _graph()
     top = lambda module: module.split(".")[1] if "." in module else None  # noqa: E731  spmd_rl.x.y -> x
     tops = {top(m) for m in graph} - {None}
@@ -109,9 +135,9 @@ def test_imports_follow_the_layers_docs_design_states():
         f"{m} -> {d}"
         for m, deps in graph.items()
         for d in deps
-        if top(m) and top(d) and layers[top(d)] > layers[top(m)]
+        if top(m) and top(d) and top(d) != top(m) and layers[top(d)] >= layers[top(m)]
     )
-    assert not upward, "imports reaching up a layer:\n" + "\n".join(upward)
+    assert not upward, "imports reaching up a layer or beside it:\n" + "\n".join(upward)
 
 
 def test_the_layer_check_finds_an_upward_import(monkeypatch):
@@ -124,3 +150,13 @@ def test_the_layer_check_finds_an_upward_import(monkeypatch):
         assert "spmd_rl.algos.x -> spmd_rl.trainer.y" in str(e)
     else:
         raise AssertionError("an upward import passed")
+
+
+def test_the_layer_check_finds_an_import_beside_it(monkeypatch):
+    import tests.unit.test_import_graph as me
+
+    beside = {"spmd_rl.trainer.x": {"spmd_rl.report.y", "spmd_rl.trainer.z"}, "spmd_rl.report.y": set()}
+    monkeypatch.setattr(me, "_graph", lambda: beside | {"spmd_rl.trainer.z": set()})
+    with pytest.raises(AssertionError) as e:
+        test_imports_follow_the_layers_docs_design_states()
+    assert "spmd_rl.trainer.x -> spmd_rl.report.y" in str(e.value) and "trainer.z" not in str(e.value)

@@ -58,7 +58,7 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
     import vllm
 
     from spmd_rl.distributed.accelerator import Accelerator
-    from spmd_rl.engines import orphan_watch
+    from spmd_rl.distributed import orphan_watch
     from spmd_rl.engines.vllm import engine as rollout, shm as vllm_shm
 
     seen = {}

@@ -1,27 +1,29 @@
-"""``recipe.train_backends``: the schema offers exactly the registered backends, each names an
-engine class with the one ``from_config`` signature, and what ``validate`` and ``plan`` say
-about a backend comes from its object: a backend registered here with its own rules, memory
-model and description is what they print, with no other edit."""
+"""``recipe.train_backends``: ``validate`` accepts exactly the registered backends (the table is
+the one list: the schema takes any name), each names an engine class with the one
+``from_config`` signature, and what ``validate`` and ``plan`` say about a backend comes from its
+object: a backend registered here with its own rules, memory model, description and replica
+support is what they print, with no other edit (no schema ``Literal`` to extend)."""
 
 from __future__ import annotations
 
 import inspect
-from typing import get_args
 
-from spmd_rl.algos.registry import user_function
+from spmd_rl.catalog import user_function
 from spmd_rl.config.errors import Violation
 from spmd_rl.recipe.estimates import RankMemory
 from spmd_rl.config.loader import load_config
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.recipe.plan import render
 from spmd_rl.recipe.rules import check
-from spmd_rl.config.schema import ActorConfig
 from spmd_rl.recipe.train_backends import TRAIN_BACKENDS, TrainBackend, role_bytes
 from tests.conftest import REPO
 
 
-def test_the_schema_offers_the_registered_backends_and_each_engine_has_one_constructor():
-    assert sorted(get_args(ActorConfig.model_fields["backend"].annotation)) == sorted(TRAIN_BACKENDS)
+def test_validate_names_the_registered_backends_and_each_engine_has_one_constructor():
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["actor.backend=nope"])
+    assert [str(v) for v in check(cfg)[1]] == [
+        "actor.backend='nope': not a registered training backend -> use one of fsdp, megatron"
+    ]
     signatures = set()
     for backend in TRAIN_BACKENDS.values():
         engine = user_function(backend.engine, f"backend {backend.name}")
@@ -42,6 +44,7 @@ def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
         describe=lambda lay: f"toy dp={lay.train.dp}",
         state="no optimizer at all",
         preference_pairs=False,
+        elastic_replicas=True,
     )
     monkeypatch.setitem(TRAIN_BACKENDS, "toy", toy)
     base = load_config(REPO / "configs/quickstart.yaml")
@@ -56,3 +59,7 @@ def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
     assert roles["actor"] == 9 * 2**30 and roles["ref"] == 7 * 4 and roles["rollout"] == 2**30
     dpo = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"name": "dpo"})})
     assert any(v.field == "actor.backend" and "DPO runs on" in v.problem for v in check(dpo)[1])
+    replicas = load_config(
+        REPO / "configs/quickstart.yaml", ["actor.backend=toy", "elastic.replicas.count=2", "elastic.replicas.name=a"]
+    )
+    assert [v.field for v in check(replicas)[1]] == ["actor.backend"]  # its own rule only: replicas are fine

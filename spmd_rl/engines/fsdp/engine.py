@@ -37,7 +37,7 @@ from spmd_rl.engines.packing import packed_for, packed_response_logprobs, packed
 from spmd_rl.engines.fsdp.parallelize import parallelize
 from spmd_rl.engines.schedule import lr_factor
 from spmd_rl.engines.token_logprob import SamplingPolicy
-from spmd_rl.reshard import bucket_gather
+from spmd_rl.engines.fsdp import bucket_gather
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -269,7 +269,7 @@ class TrainEngine(Engine):
         return [s for name, p in self._base_parameters() for s in fused_experts.split_shape(name, list(p.shape))]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """One all-gather per bucket of FSDP2 shards (``reshard.bucket_gather``), in checkpoint
+        """One all-gather per bucket of FSDP2 shards (``engines.fsdp.bucket_gather``), in checkpoint
         names; with LoRA's ``sync: merged`` each adapted weight merged, W + (alpha / r) B A
         (``engines.lora``), with ``sync: adapter`` the base weights (``adapter_tensors`` go apart)."""
         buckets = bucket_gather.plan(self._base_parameters(), dtype.itemsize, bucket_bytes)

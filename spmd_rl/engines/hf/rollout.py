@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.config.rollout_engines import CAPABILITIES
+from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.engines.base import DTYPES, Rollout, RolloutBuild, Sample, SamplingSpec
 
 log = logging.getLogger("spmd_rl")
@@ -64,7 +64,7 @@ def truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class HfRollout(Rollout):
-    capabilities = CAPABILITIES["hf"]
+    capabilities = ROLLOUTS.meta["hf"]
 
     def __init__(self, build: RolloutBuild):
         """In the rank's own process even under separated placement: it forms no process group,

@@ -24,10 +24,11 @@ from collections.abc import Iterable
 import torch
 
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.config.rollout_engines import CAPABILITIES
+from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.distributed import teardown
 from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
-from spmd_rl.engines import orphan_watch, weight_file
+from spmd_rl.distributed import orphan_watch
+from spmd_rl.engines import weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
 from spmd_rl.engines.vllm.adapter_sync import AdapterSync
 from spmd_rl.engines.vllm import compat, cpu_kernels
@@ -103,7 +104,7 @@ def _freeze_import_heap() -> None:
 
 
 class VllmRollout(Rollout):
-    capabilities = CAPABILITIES["vllm"]
+    capabilities = ROLLOUTS.meta["vllm"]
 
     def __init__(self, build: RolloutBuild):
         """See ``RolloutBuild``. With ``record_routes`` prefix caching is off on CPU and before vLLM
@@ -156,7 +157,7 @@ class VllmRollout(Rollout):
         """Unfinished requests: vLLM's external id -> (key, context, internal id, n)."""
         if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm.options)
             self.llm.collective_rpc("start_routes")
-        if own_process:  # the engine core must not outlive this rank (engines.orphan_watch)
+        if own_process:  # the engine core must not outlive this rank (distributed.orphan_watch)
             self._watch = orphan_watch.OrphanWatch()
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
         else:  # every rank has mapped its communicators' segments: their names must not outlive it

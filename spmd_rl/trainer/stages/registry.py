@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 from spmd_rl.recipe.graph import Stage
 from spmd_rl.trainer.context import Run
 
