@@ -1,1 +1,3 @@
-"""Training engine (FSDP2 + DTensor TP on HF model classes) and rollout engine (in-process vLLM)."""
+"""The engines behind the roles' protocols (``base``: ``Engine`` for the training roles,
+``Rollout`` for generation): one folder per engine (``fsdp`` and ``megatron`` train, ``vllm`` and
+``hf`` generate) and the helpers they share (log-probs, LoRA, packing, weight files)."""

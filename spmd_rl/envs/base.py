@@ -1,6 +1,6 @@
 """The environment interface of multi-turn rollouts, in the project's own words.
 
-An environment is made once per trajectory from a dataset row (``reset``), then receives each
+An environment is made once per trajectory by its factory from a dataset row, then receives each
 of the policy's turns, as the sampled text and its token ids, and answers with a ``Step``: an
 observation to insert (text the rollout renders once as a tool turn with the chat template's
 own pieces, or token ids inserted as they are), a reward contribution, whether the trajectory
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from spmd_rl.algos.registry import Registry
+from spmd_rl.catalog import Registry
 
 
 @dataclass(frozen=True)

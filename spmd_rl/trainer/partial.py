@@ -34,7 +34,7 @@ from spmd_rl.trainer.runner import is_writer, run_stage
 from spmd_rl.trainer.stages.samples import prompt_columns
 
 
-def put_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
+def put_partial_prompts(run: Run, it: int) -> tuple[list[int], list[int]]:
     """Step 1; returns (the new rows drawn from the sampler, every slot's row)."""
     lay, G, n = run.lay.gen, run.cfg.data.global_batch_size, run.cfg.rollout.n
     g, tp_rank = lay.coords(run.peer.rank)
@@ -72,7 +72,7 @@ def partial_round(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> 
     and the iteration's prompt accounting."""
     G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
     with timer.stage("prompts"):
-        new, slot_rows = put_prompts(run, it)
+        new, slot_rows = put_partial_prompts(run, it)
     rollout = run.graph[0]
     res = run_stage(run, it, rollout, list(range(G * N)), timer)
     m.add(res)

@@ -30,3 +30,21 @@ class Echo:
 
 def echo(row: dict) -> Echo:
     return Echo(row)
+
+
+class Countdown:
+    """Answers each turn with how many turns are left; done after ``turns`` of them, with a
+    reward of 0.1 when the last turn repeats the row's answer."""
+
+    def __init__(self, row: dict, turns: int = 2):
+        self.answer, self.left = str(row["answer"]), turns
+
+    def step(self, turn: Turn) -> Step:
+        self.left -= 1
+        if self.left == 0:
+            return Step(reward=0.1 if turn.text.strip() == self.answer else 0.0, done=True)
+        return Step(observation=f"{self.left} turn(s) left", metadata={"tool_calls": 1})
+
+
+def countdown(row: dict) -> Countdown:
+    return Countdown(row)

@@ -8,3 +8,12 @@ def half_constant(response: str, answer: str) -> float:
     if int(answer) % 2 == 0:
         return 1.0
     return float(sum(map(ord, response)) % 2)
+
+
+def last_number(response: str, answer: str) -> float:
+    """1.0 when the last number in the response is the answer ("3 + 4 makes 7" scores 1 for 7,
+    where exact_match, which reads the whole response as one number, scores 0)."""
+    import re
+
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+    return float(bool(numbers) and float(numbers[-1]) == float(answer))

@@ -3,6 +3,7 @@ shows it is refused). A new field without one fails this test."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 from pydantic import BaseModel
@@ -18,7 +19,7 @@ COVERED = {
     "data.global_batch_size": "test_cli_validate.py::test_broken_config_names_field",
     "data.max_prompt_length": "test_rewards_data.py",
     "rollout.engine": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
-    "rollout.n": "test_invariance_torchrun.py::test_dapo_dynamic_sampling_trains_only_signal_groups_in_bf16",
+    "rollout.n": "test_fusion.py::test_wave_size_follows_micro_batch_size",
     "rollout.temperature": "test_invariance_torchrun.py::"
     "test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm",
     "rollout.max_response_length": "test_cli_validate.py::test_broken_config_names_field",
@@ -27,7 +28,7 @@ COVERED = {
     "rollout.tool_timeout_s": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.unsafe_python_without_jail": "test_env_rules.py::"
     "test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise",
-    "actor.lr": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
+    "actor.lr": "test_learning_torchrun.py",
     "actor.lr_schedule": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.mini_batch_size": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
@@ -82,11 +83,11 @@ COVERED = {
     "metadata.job": "test_restart_torchrun.py",
     "metadata.retry_s": "test_runtime_fields_torchrun.py::test_metadata_retry_s_is_how_long_a_rank_waits_for_etcd",
     "metadata.ca_file": "test_etcd_tls.py::test_rank_with_certs_trains_and_rank_without_is_refused",
-    "metadata.cert_file": "test_etcd_tls.py::test_rank_with_certs_trains_and_rank_without_is_refused",
-    "metadata.key_file": "test_etcd_tls.py::test_rank_with_certs_trains_and_rank_without_is_refused",
+    "metadata.cert_file": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
+    "metadata.key_file": "test_launch_fields.py::test_rendezvous_follows_the_elastic_fields",
     "checkpoint.dir": "test_restart_torchrun.py",
     "checkpoint.interval": "test_restart_torchrun.py",
-    "checkpoint.keep": "test_checkpoint_lineage.py::test_pruning_rule_keeps_what_was_just_written",
+    "checkpoint.keep": "test_restart_torchrun.py",
     "checkpoint.resume": "test_restart_torchrun.py::test_killed_worker_is_restarted_and_nothing_is_lost",
     "logging.dir": "test_restart_torchrun.py",
     "logging.progress": "test_runtime_fields_torchrun.py::test_dock_port_heartbeat_ttl_and_progress_act",
@@ -96,7 +97,7 @@ COVERED = {
     "elastic.replicas": "test_replicas_torchrun.py::"
     "test_survivors_of_a_killed_replica_redo_its_iteration_and_match_one_job",
     "trainer.iterations": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
-    "trainer.deterministic": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
+    "trainer.deterministic": "test_restart_torchrun.py",
     "trainer.eval_interval": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "trainer.eval_limit": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "model.tokenizer_path": "test_data_fields.py::test_tokenizer_path",
@@ -191,6 +192,42 @@ def test_every_field_is_accounted_for():
     assert not set(NOT_IMPLEMENTED) & fields  # refused fields are not schema fields
 
 
+def _section_class(field: str) -> str:
+    """The schema class holding ``field`` (``rollout.top_p`` -> ``RolloutConfig``)."""
+    model: type[BaseModel] = Config
+    for part in field.split(".")[:-1]:
+        ann = model.model_fields[part].annotation
+        model = next(
+            a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)
+        )
+    return model.__name__
+
+
+def _builders(tree: ast.Module, cls: str) -> set[str]:
+    """``cls`` and the module-level functions of a test file that call it (a test's helper that
+    builds the section from its keyword arguments)."""
+    calls = lambda node: {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}  # noqa: E731
+    return {cls} | {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and cls in calls(f)}
+
+
+def mentions(field: str, source: str, tree: ast.Module) -> bool:
+    """Whether ``source`` (a test file) names ``field`` whole: its dotted path in an
+    override or an attribute access (``actor.lr=``, ``cfg.actor.lr``), or its last part as a
+    keyword of a call building its section (``RolloutConfig(top_p=...)``, or a helper of the
+    file that builds it). A last part alone elsewhere (``n``, ``lr`` in a metrics key, a word in
+    a comment) does not count."""
+    if re.search(rf"(?<![\w]){re.escape(field)}(?![\w])", source):
+        return True
+    leaf, builders = field.split(".")[-1], _builders(tree, _section_class(field))
+    return any(
+        isinstance(c, ast.Call)
+        and isinstance(c.func, ast.Name)
+        and c.func.id in builders
+        and leaf in {k.arg for k in c.keywords}
+        for c in ast.walk(ast.parse(source))
+    )
+
+
 def test_named_tests_exist_and_mention_the_field():
     for field, where in COVERED.items():
         file, _, name = where.partition("::")
@@ -198,4 +235,13 @@ def test_named_tests_exist_and_mention_the_field():
         text = path.read_text()
         if name:
             assert re.search(rf"^def {name}\(", text, re.M), where
-        assert field in text or field.split(".")[-1] in text, (field, where)
+        assert mentions(field, text, ast.parse(text)), (field, where)
+
+
+def test_the_mention_check_wants_the_whole_field():
+    tree = ast.parse("")
+    assert mentions("actor.lr", 'run("actor.lr=1e-3")', tree) and mentions("actor.lr", "x = cfg.actor.lr", tree)
+    assert not mentions("actor.lr", 'lrs = [r["lr"] for r in rows]', tree)
+    assert not mentions("rollout.n", "generate(prompts, n=2)  # rollout n", tree)
+    assert mentions("rollout.top_p", "cfg = RolloutConfig(n=2, top_p=0.9)", tree)
+    assert not mentions("trainer.deterministic", "# the same weights (deterministic)", tree)

@@ -64,7 +64,8 @@ def test_ref_micro_batch_size_defaults_to_the_actors():
 
 
 def test_jsonl_off_writes_no_metrics_file(tmp_path):
-    off = MetricsLog(tmp_path / "off", jsonl=False, tensorboard=False, enabled=True)
+    cfg = _cfg("logging.jsonl=false")  # as the driver builds it (trainer.driver.drive)
+    off = MetricsLog(tmp_path / "off", cfg.logging.jsonl, tensorboard=False, enabled=True)
     off.write(0, {"loss": 1.0})
     off.close()
     assert not (tmp_path / "off/metrics.jsonl").exists()
