@@ -105,6 +105,18 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
     return norms
 
 
+def float64_logprobs(model: str, batch) -> torch.Tensor:
+    """[B, R] log-probs of the batch's response tokens under the HF model in float64 (0 where
+    masked): the reference both backends' float32 round-off is measured against."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    rows = torch.log_softmax(logits, -1).gather(1, batch.predictor[:, :, None].expand(-1, -1, logits.shape[-1]))
+    return rows.gather(2, batch.targets[:, :, None]).squeeze(2) * batch.mask
+
+
 def weights(engine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.full_weights(torch.float32, float("inf"))[1]}
 
@@ -255,6 +267,10 @@ def main():  # noqa: PLR0915
     full_f = torch.cat([torch.tensor(everyone[r][0]) for r in range(0, world, world // fdp)])
     full_m = torch.cat([torch.tensor(everyone[r][1]) for r in range(0, world, world // mdp)])
     out["logprob_diff_before"] = float((full_f - full_m).abs().max())
+    if not mega.shape.experts:  # dense: each backend's float32 round-off against HF's forward in float64
+        exact = float64_logprobs(model, batch)  # (HF's grouped expert matmul has no float64 kernel)
+        out["logprob_err_fsdp"] = float((full_f.double() - exact).abs().max())
+        out["logprob_err_megatron"] = float((full_m.double() - exact).abs().max())
     before_f = full_f
     sf, _ = step(fsdp, fdp, 4)
     sm, _ = step(mega, mdp, 2)  # another micro-batch split: the objective is split-invariant

@@ -53,7 +53,12 @@ def test_megatron_equals_fsdp(layouts, layout):
     tp, pp = LAYOUTS[layout]
     for rank in range(2):
         r = json.loads((layouts / layout / f"rank{rank}.json").read_text())
-        assert r["logprob_diff_before"] < 1e-5, r
+        # float32 round-off, measured against HF's forward in float64 (megatron_worker's
+        # float64_logprobs): FSDP (HF's own modules) is 1.35e-5 from it in every layout on a 2-core
+        # AVX512-BF16 EPYC, megatron 1.35e-5, and 2.1e-5 with TP 2 + SP, whose all-reduces sum in
+        # another order (1.56x; the two were 1.14e-5 apart on an AVX2-only EPYC, past the 1e-5 this
+        # once was). A wrong rope, norm or shard is off by 1e-2 or more
+        assert r["logprob_err_megatron"] <= 3 * r["logprob_err_fsdp"] and r["logprob_err_fsdp"] < 1e-4, r
         # the gradient norm sees the loss scale (Adam alone would not): the micro-batch and DP
         # normalisations of both backends agree
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
