@@ -5,13 +5,12 @@ graph (``recipe.graph``), make its roles resident and run it (``runner.run_stage
            -> [critic_value] -> advantage -> [critic_update] -> actor_update -> commit
            -> [final eval, after the last iteration] -> [checkpoint]
 
-With ``stream.fuse`` the fused stages (``recipe.graph.fused_stages``) run inside the rollout
-on the groups already generated (``trainer.fusion``) and are not run again after it. With
-``stream.partial_tokens`` the round is ``trainer.partial``'s: only the groups that finished are
-rewarded and trained.
-
-The per-round stages repeat while DAPO dynamic sampling still lacks G prompt groups with
-signal (``algos.dynamic_sampling``); the later stages read only the selected groups.
+The rounds before the update are the run's strategy, chosen once (``trainer.rounds``): one
+round, DAPO's dynamic sampling (rounds until G groups carry signal; the later stages read only
+the selected groups), or a partial rollout's round (``trainer.partial``: only the groups that
+finished are rewarded and trained). With ``stream.fuse`` the fused stages
+(``recipe.graph.fused_stages``) run inside the rollout on the groups already generated
+(``trainer.fusion``) and are not run again after it.
 """
 
 from __future__ import annotations
@@ -24,90 +23,24 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from spmd_rl.algos.dynamic_sampling import GroupSelection
 from spmd_rl.distributed import sides, timeline
 from spmd_rl.distributed.timeouts import generation_phase
 from spmd_rl.trainer import async_loop
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.driver import drive
 from spmd_rl.trainer.evaluate import eval_accuracy
-from spmd_rl.trainer.fusion import run_fused
-from spmd_rl.trainer.partial import partial_round
 from spmd_rl.trainer.replica_loop import replicated_iteration
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
-from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.observed import trained_groups
 from spmd_rl.trainer.metrics import StageTimer, global_maxes, throughput, truncate_from
 from spmd_rl.trainer.runner import run_stage
-from spmd_rl.trainer.stages.samples import put_prompts
+from spmd_rl.trainer.rounds import Rounds, rounds_for
 
 log = logging.getLogger("spmd_rl")
 
 
-def _next_rows(run: Run, groups: int) -> list[int]:
-    """The round's dataset rows: the sampler's next ``groups``, or with elastic replicas this
-    replica's deal of the next global batch (``Replicas.deal``; ``groups`` is then its share)."""
-    if run.replicas is None:
-        return run.sampler.next_batch(groups)
-    return run.replicas.deal(run.sampler.next_batch(run.replicas.global_batch))
-
-
-def _rounds(run: Run, it: int, timer: StageTimer, m: IterationMetrics) -> tuple[list[int], StepRecord]:
-    """Round r's prompt p is group r * G + p, its samples (r * G + p) * N + k. Returns the
-    sample indices the later stages train on, and the iteration's prompt accounting."""
-    if run.modes.partial_rollout:
-        return partial_round(run, it, timer, m)
-    G, N = run.cfg.data.global_batch_size, run.cfg.rollout.n
-    select = GroupSelection(G) if run.modes.dynamic_sampling else None
-    rows: list[int] = []  # dataset row of group q, as the sampler handed it out
-    put: list[int] = []  # and as the putters wrote it
-    for r in range(run.modes.generation_rounds):
-        expected = list(range(r * G * N, (r + 1) * G * N))
-        with timer.stage("prompts"):
-            rows += _next_rows(run, G)
-            put += put_prompts(run, it, rows[r * G :], first_group=r * G)
-        inside = [run.graph[0], *run.fused] if run.fused else []  # the rollout with the stages fused into it
-        results = run_fused(run, it, run.graph[0], run.fused, expected, timer) if run.fused else []
-        results += [run_stage(run, it, s, expected, timer) for s in run.graph if s.per_round and s not in inside]
-        for res in results:
-            m.add(res)
-        if select is None:
-            return list(range(G * N)), StepRecord(
-                it, rows, [], put=put
-            )  # trained: what the update reads (run_iteration)
-        rewards = next(res.rewards for res in results if res.rewards is not None)
-        dist.all_reduce(rewards)
-        select.add_round(list(range(r * G, (r + 1) * G)), rewards, N)
-        if select.done:
-            break
-    groups, short = select.final()
-    if short and run.peer.rank == 0:
-        log.warning(
-            "dynamic sampling: only %d of %d groups carried signal after %d rounds; topped up with %d constant groups "
-            "(raise algorithm.max_extra_rounds)",
-            G - short,
-            G,
-            select.rounds,
-            short,
-        )
-    m.final |= {
-        "dapo_rounds": select.rounds,
-        "dapo_kept_groups": G - short,
-        "dapo_discarded_groups": select.rounds * G - G + short,
-        "dapo_filler_groups": short,
-    }
-    kept = set(groups)
-    signal = set(select.kept)
-    dropped = {
-        str(rows[q]): "dynamic sampling: "
-        + ("beyond the iteration's G groups with signal" if q in signal else "constant reward in its group")
-        for q in range(len(rows))
-        if q not in kept
-    }
-    return [q * N + k for q in groups for k in range(N)], StepRecord(it, rows, [], dropped=dropped, put=put)
-
-
-def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = None) -> dict[str, float]:
+def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None, rounds: Rounds) -> dict[str, float]:
+    """One iteration (module docstring); ``rounds``: the run's strategy (``rounds_for``)."""
     cfg, timer, m = run.cfg, StageTimer(on_stage), IterationMetrics()
     t0 = time.perf_counter()
     with timeline.span("begin", "stage"):
@@ -117,7 +50,7 @@ def run_iteration(run: Run, it: int, on_stage: Callable[[str], None] | None = No
             with timer.stage("eval"):
                 run.residency.enter("eval", ("rollout",))
                 m.final["eval_accuracy"] = eval_accuracy(run, it)
-        train_idx, record = _rounds(run, it, timer, m)
+        train_idx, record = rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)
     consumed: list[tuple[int, int]] = []
@@ -175,15 +108,16 @@ def train(run: Run, start_iteration: int) -> None:
         return async_loop.generate(run, start_iteration)
     if side == "train":
         return async_loop.train_side(run, start_iteration)
-    iteration = partial(_colocated_iteration, run)
+    colocated = partial(_colocated_iteration, rounds=rounds_for(run))  # the strategy, chosen once
+    iteration = partial(colocated, run)
     if run.replicas is not None:  # redone by the survivors when a replica is lost
-        iteration = partial(replicated_iteration, run, iteration=_colocated_iteration)
+        iteration = partial(replicated_iteration, run, iteration=colocated)
     drive(run, start_iteration, run.peer.rank == 0, iteration)
 
 
-def _colocated_iteration(run: Run, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:
+def _colocated_iteration(run: Run, it: int, on_stage: Callable[[str], None], rounds: Rounds) -> dict[str, float]:
     """One iteration on every rank, and after the last the final held-out evaluation."""
-    m = run_iteration(run, it, on_stage)
+    m = run_iteration(run, it, on_stage, rounds)
     if it + 1 == run.cfg.trainer.iterations and run.held_out is not None:
         m["final_eval_accuracy"] = final_eval(run, on_stage)
     return m
