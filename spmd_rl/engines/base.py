@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.rollout_engines import RolloutCapabilities
 from spmd_rl.data.sampling import Sample, SamplingSpec
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.engines.route_replay import RouterObjective
 
 __all__ = ["Engine", "Rollout", "RolloutBuild", "RolloutCapabilities", "Sample", "SamplingSpec"]
 
@@ -68,9 +69,12 @@ class Engine(ABC):
         policy, per-token values [B, R] of a critic, scores [B] of a reward model."""
 
     @abstractmethod
-    def train_step(self, micro_batches: list, loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list, loss_fn: LossFn, with_entropy: bool = False, router: RouterObjective | None = None
+    ) -> dict[str, float]:
         """Backward over the micro-batches, clip, optimizer and schedule step; loss, grad_norm, lr.
-        ``loss_fn`` receives the same outputs as ``infer`` (with gradients) per micro-batch."""
+        ``loss_fn`` receives the same outputs as ``infer`` (with gradients) per micro-batch;
+        ``router``: the MoE router terms added to the objective (``engines.route_replay``)."""
 
     @abstractmethod
     def weight_shapes(self) -> list[tuple[str, list[int]]]:

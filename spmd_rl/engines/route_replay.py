@@ -13,12 +13,12 @@ own top-k and then asks ``choose(layer, own)`` which experts to use:
 - otherwise its own top-k. Positions without a recorded route are padding and each sample's
   last token, whose output no log-prob reads.
 
-Router objectives (``algos.router_loss``, set per mini-batch with ``set_objective``): each
-router adds its layer's share of this forward's tokens to the gradient by attaching it to its
-gate weights (``_Attach``: the identity forward, and the term's gradient injected in backward,
-as mcore's ``MoEAuxLossAutoScaler``), so the term follows the gate weights through activation
-checkpointing (a recomputed router attaches again; the forward whose graph is backpropagated
-injects once).
+Router objectives (``algos.router_loss``, per mini-batch: ``Engine.train_step``'s ``router``,
+held by ``objective``): each router adds its layer's share of this forward's tokens to the
+gradient by attaching it to its gate weights (``_Attach``: the identity forward, and the
+term's gradient injected in backward, as mcore's ``MoEAuxLossAutoScaler``), so the term follows
+the gate weights through activation checkpointing (a recomputed router attaches again; the
+forward whose graph is backpropagated injects once).
 
 Statistics, counted once per layer and forward (a backward's recompute does not count again):
 
@@ -148,10 +148,16 @@ def choose(layer: int, own: torch.Tensor) -> torch.Tensor:
     return own
 
 
-def set_objective(objective: RouterObjective | None) -> None:
-    """The router terms of the coming training forwards (None: none)."""
+@contextlib.contextmanager
+def objective(router: RouterObjective | None):
+    """The router terms of the training forwards inside the block (None: none): an engine's
+    ``train_step`` holds it around its micro-batches, restoring the previous one after."""
     global _objective
-    _objective = objective
+    before, _objective = _objective, router
+    try:
+        yield
+    finally:
+        _objective = before
 
 
 def attach(layer: int, logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -82,12 +82,11 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
     for engine, dp, size in ((fsdp, fdp, 4), (mega, mdp, 2)):
         mine, a = share(dp)
         micros = split(mine, size)
+        router = None
         if objective:
             counts = router_loss.load_fractions(batch.routes, 4)
-            route_replay.set_objective(
-                route_replay.RouterObjective(
-                    0.5, 0.05, (counts / counts.sum(1, keepdim=True)).float(), float(batch.attention_mask.sum()), 4, dp
-                )
+            router = route_replay.RouterObjective(
+                0.5, 0.05, (counts / counts.sum(1, keepdim=True)).float(), float(batch.attention_mask.sum()), 4, dp
             )
 
         def loss_fn(lp, ent, k, micros=micros, a=a, dp=dp, size=size):
@@ -95,10 +94,7 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
                 return (lp * 0).sum()
             return -(lp * a[k * size : (k + 1) * size, None] * micros[k].mask.to(lp.dtype)).sum() / tokens * dp
 
-        try:
-            norms.append(engine.train_step(micros, loss_fn)["grad_norm"])
-        finally:
-            route_replay.set_objective(None)
+        norms.append(engine.train_step(micros, loss_fn, router=router)["grad_norm"])
     if objective:
         sums = route_replay.take_sums()
         norms += [sums["aux"], sums["z"]]

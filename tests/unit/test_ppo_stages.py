@@ -21,7 +21,7 @@ class FakeCritic:
         self.values = values.clone().requires_grad_(True)
         self.first = None
 
-    def train_step(self, micro_batches, loss_fn, with_entropy=False):
+    def train_step(self, micro_batches, loss_fn, with_entropy=False, router=None):
         self.values.grad = None
         for k, micro in enumerate(micro_batches):
             loss_fn(self.values[rows_of(micro)], None, k).backward()

@@ -32,7 +32,7 @@ class TinyEngine(Engine):
     def infer(self, micro_batches, with_entropy=False):
         raise NotImplementedError
 
-    def train_step(self, micro_batches, loss_fn, with_entropy=False):
+    def train_step(self, micro_batches, loss_fn, with_entropy=False, router=None):
         raise NotImplementedError
 
     def weight_shapes(self):

@@ -254,13 +254,10 @@ def test_the_attached_router_terms_give_the_formulas_gradient(tiny_moe):
     valid = torch.tensor([True] * 7 + [False] * 2)
     f = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 4)
     obj = route_replay.RouterObjective(aux_coef=0.3, z_coef=0.05, fractions=f, tokens=20.0, layers=4, scale=2.0)
-    route_replay.set_objective(obj)
-    try:
-        with route_replay.feeding(None, valid, replay=False):
-            _, weights, _ = router(x)
-            (weights * 0).sum().backward()
-    finally:
-        route_replay.set_objective(None)
+    with route_replay.objective(obj), route_replay.feeding(None, valid, replay=False):
+        _, weights, _ = router(x)
+        (weights * 0).sum().backward()
+    assert route_replay._objective is None  # put back after the block
     got = router.weight.grad.clone()
     w = router.weight.detach().clone().requires_grad_(True)
     logits = x @ w.T

@@ -63,7 +63,7 @@ class FakeEngine:
         self.ent = ent.clone().requires_grad_(True)
         self.first: tuple | None = None
 
-    def train_step(self, micro_batches, loss_fn, with_entropy=False):
+    def train_step(self, micro_batches, loss_fn, with_entropy=False, router=None):
         self.lp.grad = self.ent.grad = None
         self._step(micro_batches, loss_fn)
         if self.first is None:

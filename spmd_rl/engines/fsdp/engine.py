@@ -198,10 +198,15 @@ class TrainEngine(Engine):
 
     # -- update -------------------------------------------------------------------------------
     def train_step(
-        self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False
+        self,
+        micro_batches: list[SeqBatch],
+        loss_fn: LossFn,
+        with_entropy: bool = False,
+        router: route_replay.RouterObjective | None = None,
     ) -> dict[str, float]:
-        """Backward over all micro-batches (the loss function scales for accumulation), clip the
-        global grad norm to ``grad_clip``, AdamW step, LR schedule step."""
+        """Backward over all micro-batches (the loss function scales for accumulation, ``router``
+        adds the MoE router terms), clip the global grad norm to ``grad_clip``, AdamW step, LR
+        schedule step."""
         assert self.optimizer is not None and self.scheduler is not None, "reference engine has no optimizer"
         self.model.train()
         losses: list[torch.Tensor] = []  # summed once after the last backward: no host read per micro-batch
@@ -214,7 +219,7 @@ class TrainEngine(Engine):
                     self.model.set_reshard_after_forward(False)
                     self.model.set_requires_gradient_sync(last)
                     self.model.set_reshard_after_backward(last)
-                with self._routes(micro), timeline.span("forward_backward"):
+                with self._routes(micro), route_replay.objective(router), timeline.span("forward_backward"):
                     lp, ent = self._forward(micro, with_entropy)
                     loss = loss_fn(lp, ent, k)
                     loss.backward()

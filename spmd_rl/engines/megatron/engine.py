@@ -276,7 +276,11 @@ class MegatronEngine(Engine):
         return lp, ent
 
     def train_step(
-        self, micro_batches: list[SeqBatch], loss_fn: LossFn, with_entropy: bool = False
+        self,
+        micro_batches: list[SeqBatch],
+        loss_fn: LossFn,
+        with_entropy: bool = False,
+        router: route_replay.RouterObjective | None = None,
     ) -> dict[str, float]:
         assert self.optimizer is not None, "a frozen role has no optimizer"
         self.model.train()
@@ -299,7 +303,7 @@ class MegatronEngine(Engine):
         lr = self.cfg.lr * lr_factor(self.step_count, self.cfg.lr_schedule, self.cfg.warmup_steps, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with timeline.span("forward_backward"):
+        with route_replay.objective(router), timeline.span("forward_backward"):
             self._run(micro_batches, False, loss_of)
         if self.pp > 1:  # loss_fn's contract: called once per micro-batch on every rank, the stages without outputs too
             got = self.stages.from_last(

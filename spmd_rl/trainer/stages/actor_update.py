@@ -98,11 +98,8 @@ def actor_update(call: StageCall) -> StageResult:
             def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
                 return objective.loss(lp, ent, micros[k], norm, sums, first_epoch)
 
-            route_replay.set_objective(router_objective(run, seqs, sl))
-            try:
-                out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True)
-            finally:
-                route_replay.set_objective(None)
+            router = router_objective(run, seqs, sl)
+            out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True, router=router)
             steps.grad_norm += out["grad_norm"]
             steps.lr = out["lr"]
             steps.count += 1
