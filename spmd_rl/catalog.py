@@ -57,12 +57,18 @@ class Registry(dict[str, F], Generic[F]):
         return found
 
 
+def _attribute(path: str):
+    """The attribute ``module:attribute`` names, imported; None when the module lacks it."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr, None)
+
+
 def resolve(path: str, what: str) -> Any:
     """The attribute ``module:attribute`` names, imported; ValueError naming ``what`` when the
     module lacks it."""
-    module, _, attr = path.partition(":")
-    found = getattr(importlib.import_module(module), attr, None)
+    found = _attribute(path)
     if found is None:
+        module, _, attr = path.partition(":")
         raise ValueError(f"{what}: {module} has no attribute {attr!r}")
     return found
 
@@ -70,9 +76,9 @@ def resolve(path: str, what: str) -> Any:
 def user_function(path: str, what: str) -> Callable:
     """A user's ``module:function``, imported; ValueError ``<what>: <module> has no function``
     when the module lacks it."""
-    module, _, attr = path.partition(":")
-    fn = getattr(importlib.import_module(module), attr, None)
+    fn = _attribute(path)
     if not callable(fn):
+        module, _, attr = path.partition(":")
         raise ValueError(f"{what}: {module} has no function {attr!r}")
     return fn
 

@@ -84,11 +84,7 @@ class Arrivals:
             if now - checked < CHECK_S:
                 continue
             checked = now
-            if self.store.check(["broken"]):
-                raise MemberLost("another member left the generation")
-            lost = self.check()
-            if lost:
-                raise MemberLost(f"member(s) {lost} no longer alive (membership lease lapsed or process gone)")
+            self._raise_if_lost()
             if now - start > self.patience_s:
                 raise MemberLost(f"a member alive but not at collective {s} after {self.patience_s:g}s (hung)")
 
@@ -106,11 +102,15 @@ class Arrivals:
                 if work.is_completed():  # it failed, or ended as the wait timed out: its own verdict
                     work.wait()
                     return
-            if self.store.check(["broken"]):  # a member that left keeps its end of the group open
-                raise MemberLost("another member left the generation")
-            lost = self.check()
-            if lost:
-                raise MemberLost(f"member(s) {lost} no longer alive (membership lease lapsed or process gone)")
+            self._raise_if_lost()  # "broken" too: a member that left keeps its end of the group open
+
+    def _raise_if_lost(self) -> None:
+        """``MemberLost`` when another member left the generation or one is no longer alive."""
+        if self.store.check(["broken"]):
+            raise MemberLost("another member left the generation")
+        lost = self.check()
+        if lost:
+            raise MemberLost(f"member(s) {lost} no longer alive (membership lease lapsed or process gone)")
 
     def leave(self) -> None:
         """Mark the generation broken, so members waiting at an arrival raise too."""

@@ -330,7 +330,8 @@ class ReplicaGroup:
         self.pg.abort()
 
     def _waited(self, work) -> None:
-        """Wait for a collective as long as every member lives (``Arrivals.wait``)."""
+        """Wait for a collective as long as every member lives (``Arrivals.wait``); when that
+        raises, ``_running`` stays set, so ``_abort`` keeps the group the work still runs in."""
         self._running = work
         self.arrivals.wait(work)
         self._running = None

@@ -9,6 +9,7 @@ import ast
 import pytest
 
 from tests.conftest import REPO
+from tools import house_census
 
 PKG = REPO / "spmd_rl"
 
@@ -69,26 +70,13 @@ def test_no_import_circle():
     assert cycle is None, " -> ".join(cycle)
 
 
-def _tools_graph() -> dict[str, set[str]]:
-    """tools/*.py by module name: a script imports a sibling by its bare name (``tools/`` is the
-    script's folder) or as ``tools.<name>``."""
-    names = {p.stem: p for p in (REPO / "tools").glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in names.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                targets.append(node.module)
-            deps |= {t.removeprefix("tools.") for t in targets} & set(names)
-        graph[name] = deps - {name}
-    return graph
-
-
 def test_no_import_circle_among_the_tools():
-    graph = _tools_graph()
-    assert "make_tiny_model" in graph["make_tool_model"]  # the check sees the scripts' imports
-    cycle = _cycle(graph)
+    """tools/*.py, whose scripts import a sibling by its bare name (``tools/`` is the script's
+    folder), read as ``tools.<name>`` by the census's graph."""
+    graph = house_census.import_graph(house_census.sources())
+    assert "tools.make_tiny_model" in graph["tools.make_tool_model"]  # the check sees the scripts' imports
+    tools = {m: {d for d in deps if d.startswith("tools.")} for m, deps in graph.items() if m.startswith("tools.")}
+    cycle = _cycle(tools)
     assert cycle is None, " -> ".join(cycle)
 
 
@@ -112,22 +100,11 @@ def test_the_launcher_and_validate_import_no_torch():
     assert res.stdout.strip() == "[]", res.stdout
 
 
-def _layers() -> dict[str, int]:
-    """docs/design.md's layer list: package -> layer number (1 is the bottom)."""
-    import re
-
-    text = (REPO / "docs/design.md").read_text()
-    block = text[text.index("<!-- layers -->") : text.index("<!-- /layers -->")]
-    return {
-        name.strip(): int(n) for n, names in re.findall(r"^(\d+)\. (.+)$", block, re.M) for name in names.split(",")
-    }
-
-
 def test_imports_follow_the_layers_docs_design_states():
     """Every package of spmd_rl has a layer in docs/design.md, and every import goes to the
     importer's own package or a lower layer (none to a package beside it: two packages of one
     layer that import each other are one circle away from a loop)."""
-    layers, graph = _layers(), _graph()
+    layers, graph = house_census.layers(), _graph()
     top = lambda module: module.split(".")[1] if "." in module else None  # noqa: E731  spmd_rl.x.y -> x
     tops = {top(m) for m in graph} - {None}
     assert tops <= set(layers), f"packages without a layer in docs/design.md: {sorted(tops - set(layers))}"

@@ -43,17 +43,22 @@ def _worker(rank: int, init: str, out: dict) -> None:
     os._exit(0)  # skip destroy: the other rank may be gone
 
 
-def test_steady_timeout_fires_and_long_phase_waits(tmp_path):
+def _two_ranks(worker, tmp_path) -> dict:
+    """What ``worker(rank, init, out)`` wrote into ``out`` on two spawned gloo ranks."""
     init = f"file://{tmp_path / 'store'}"  # a file store: no port to race for
     with mp.Manager() as m:
         out = m.dict()
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, init, out)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, init, out)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(timeout=90)
-        got = dict(out)
+        return dict(out)
+
+
+def test_steady_timeout_fires_and_long_phase_waits(tmp_path):
+    got = _two_ranks(_worker, tmp_path)
     assert got.get("long_ok_0") and got.get("long_ok_1"), got  # 3 s late under a 30 s timeout: fine
     assert got.get("steady_0") == "timeout", got  # 4 s late under 1 s: rank 0 gives up
 
@@ -84,14 +89,5 @@ def _replica_worker(rank: int, init: str, out: dict) -> None:
 
 
 def test_a_replicas_own_group_waits_for_its_lead_past_the_steady_timeout(tmp_path):
-    init = f"file://{tmp_path / 'store'}"
-    with mp.Manager() as m:
-        out = m.dict()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_replica_worker, args=(r, init, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=90)
-        got = dict(out)
+    got = _two_ranks(_replica_worker, tmp_path)
     assert got == {"answer_0": 7.0, "answer_1": 7.0}, got  # before: rank 1 timed out after 1 s
