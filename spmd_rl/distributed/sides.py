@@ -4,12 +4,13 @@ Colocated, every rank runs every stage and a stage's collectives (metric sums, t
 normalisers, checkpoint barriers) span the world. Separated (``parallel.placement:
 separated``), the generation side [0, gen_ranks) and the training side run different
 iterations at the same time, so each side's collectives must span only that side:
-``side_group()`` is the group every such collective passes (None = the world), and
-``side_leader()`` the rank that writes a side's files and metadata (rank 0 colocated). The
+``Sides.group`` is the group every such collective passes (None = the world), and
+``Sides.leader`` the rank that writes a side's files and metadata (rank 0 colocated). The
 weights travel on the sync group: the training leader plus every generator.
 
 ``torch.distributed.new_group`` is collective over the world, so ``init_sides`` runs on every
-rank with the same layouts, before anything else creates groups.
+rank with the same layouts, before anything else creates groups. The run holds the result
+(``trainer.context.Run.sides``); nothing here is a module global.
 """
 
 from __future__ import annotations
@@ -33,33 +34,12 @@ class Sides:
     train_leader: int = 0
 
 
-_current = Sides("both")
-
-
 def init_sides(lay: Layouts, rank: int) -> Sides:
-    """Create the groups of ``lay``'s placement on every rank (collective) and make this
-    rank's side current."""
-    global _current
+    """Create the groups of ``lay``'s placement on every rank (collective); returns this rank's."""
     if not lay.separated:
-        _current = Sides("both")
-        return _current
+        return Sides("both")
     gen, train = list(lay.gen.ranks), list(lay.train.ranks)
     groups = {"gen": dist.new_group(gen), "train": dist.new_group(train)}
     sync = dist.new_group([train[0], *gen])
     side = lay.side_of(rank)
-    _current = Sides(side, groups[side], (gen if side == "gen" else train)[0], sync, train[0])
-    return _current
-
-
-def current() -> Sides:
-    return _current
-
-
-def side_group():
-    """The group of this rank's side (None = the world, the colocated placement)."""
-    return _current.group
-
-
-def side_leader() -> int:
-    """The global rank that writes this side's files and metadata (rank 0 colocated)."""
-    return _current.leader
+    return Sides(side, groups[side], (gen if side == "gen" else train)[0], sync, train[0])

@@ -74,7 +74,7 @@ def span(name: str, cat: str = "part"):
 
 def record(name: str, cat: str, start_us: int) -> None:
     """A span from ``start_us`` to now, for a part whose end is not the end of a block (a
-    checkpoint's span closes before its commit, ``trainer.driver``)."""
+    checkpoint's span closes before its commit, ``trainer.trainer.Trainer.train``)."""
     global _recorded
     _spans.append((name, cat, start_us, now_us(), None, None))
     _recorded += 1

@@ -99,12 +99,13 @@ class Engine(ABC):
         """Local storage of the optimizer states (none for a frozen role)."""
 
     @abstractmethod
-    def save(self, folder: str | Path) -> None:
-        """Write this role's state (collective over the role's ranks)."""
+    def save(self, folder: str | Path, group=None) -> None:
+        """Write this role's state; collective over ``group``, the ranks that hold the role (the
+        training side, ``Run.sides.group``; None = the world)."""
 
     @abstractmethod
-    def load(self, folder: str | Path) -> None:
-        """Read a state written by ``save`` in any layout."""
+    def load(self, folder: str | Path, group=None) -> None:
+        """Read a state written by ``save`` in any layout (``group``: see ``save``)."""
 
 
 @dataclass(frozen=True)

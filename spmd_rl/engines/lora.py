@@ -209,8 +209,8 @@ class BaseModelView(Engine):
     def optimizer_tensors(self) -> list[torch.Tensor]:
         return []
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, group=None) -> None:
         raise TypeError("the LoRA reference has no state of its own: the base model folder is its checkpoint")
 
-    def load(self, folder: str | Path) -> None:
+    def load(self, folder: str | Path, group=None) -> None:
         raise TypeError("the LoRA reference has no state of its own: the base model folder is its checkpoint")

@@ -3,7 +3,6 @@ this version, and the fields that only one backend reads."""
 
 from __future__ import annotations
 
-from spmd_rl.algos.specs import spec_named
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.model_arch import ModelArch
@@ -99,27 +98,9 @@ def megatron_rules(cfg: Config, arch: ModelArch | None, train: Layout) -> list[V
 
 
 def _fsdp_only_rules(cfg: Config) -> list[Violation]:
-    """Roles and engine settings that only the FSDP backend has: a critic, a reward model,
-    ``actor.accumulate_unsharded`` and ``actor.compile``."""
+    """Engine settings that only the FSDP backend has: ``actor.accumulate_unsharded`` and
+    ``actor.compile`` (the roles it lacks are ``train_backends.check_roles``')."""
     a, out = cfg.actor, []
-    if spec_named(cfg.algorithm.name).critic:
-        out.append(
-            Violation(
-                _BACKEND,
-                "megatron",
-                f"{cfg.algorithm.name}'s critic (a value head) runs on the FSDP backend only",
-                f"use algorithm.name: grpo or dapo, {_OR_FSDP}",
-            )
-        )
-    if cfg.reward.kind == "model":
-        out.append(
-            Violation(
-                _BACKEND,
-                "megatron",
-                "the reward model (a score head) runs on the FSDP backend only",
-                f"use reward.kind: rule, {_OR_FSDP}",
-            )
-        )
     for name in ("accumulate_unsharded", "compile"):
         if getattr(a, name):
             out.append(

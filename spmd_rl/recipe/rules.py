@@ -17,7 +17,7 @@ from spmd_rl.config.layout import Layouts, resolve_layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.recipe.stream_rules import check_partial, check_separated
-from spmd_rl.recipe.train_backends import check_backend, train_backend
+from spmd_rl.recipe.train_backends import check_backend, check_roles, train_backend
 from spmd_rl.recipe.batch_rules import check_batches
 from spmd_rl.recipe.model_rules import check_files, check_model, check_reward
 from spmd_rl.recipe.algorithm_rules import check_algorithm
@@ -37,6 +37,7 @@ def check(cfg: Config, world: int | None = None, nproc_per_node: int | None = No
         return lay, out + bad
     if not out:
         out += check_batches(cfg, lay)
+    out += check_roles(cfg)
     out += check_model(cfg, lay)
     out += check_files(cfg)
     out += check_reward(cfg)

@@ -1,12 +1,15 @@
 """``actor.backend`` -> ``TrainBackend``: what the package knows about a training backend, in
 one object (torchtitan's ``ModelSpec``, verl's engine registry): the engine class the ranks
-build (``engine``, a ``module:Class`` imported only by the ranks), its per-rank memory model
-(``memory``, for ``plan`` and the residency estimates), and its refusals (``rules``, for
-``validate``). ``train.py``, ``recipe/estimates.py``, ``recipe/plan.py`` and the rules read the
-object, never the backend's name. Adding a backend is one engine folder and one entry here.
+build for the actor and its reference (``engine``, a ``module:Class`` imported only by the
+ranks), the builders of the other trained roles it offers (``roles``), its per-rank memory
+model (``memory``, for ``plan`` and the residency estimates), and its refusals (``rules``, for
+``validate``). ``trainer/build.py``, ``recipe/estimates.py``, ``recipe/plan.py`` and the rules
+read the object, never the backend's name. Adding a backend is one engine folder and one
+entry here.
 
 The engine class offers ``from_config(cfg, acc, mesh, policy, *, trainable=True,
-total_steps=None)``: one signature for every backend."""
+total_steps=None)``; a role builder is ``fn(cfg, acc, mesh, total_steps) -> Engine``: one
+signature each for every backend."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from spmd_rl.recipe.estimates import (
 from spmd_rl.config.layout import Layout, Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.config.schema import Config
+from spmd_rl.recipe.graph import stages_for
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class TrainBackend:
     """Trains DPO's pairs (``algorithm.name: dpo``)."""
     elastic_replicas: bool
     """Its gradients can be summed across elastic replicas (``Engine.gradient_sync``)."""
+    roles: dict[str, str]
+    """The trained roles it builds beyond the actor and the reference: role -> ``module:function``
+    (``critic``: PPO's value model, ``reward_model``: a score model). A run that needs one it
+    lacks is refused by ``validate`` (``check_backend``)."""
 
 
 def _fsdp_reference(cfg: Config, arch: ModelArch, lay: Layouts) -> int:
@@ -69,6 +77,10 @@ for backend in (
         state="AdamW",
         preference_pairs=True,
         elastic_replicas=True,
+        roles={
+            "critic": "spmd_rl.engines.fsdp.heads:critic",
+            "reward_model": "spmd_rl.engines.fsdp.heads:reward_model",
+        },
     ),
     TrainBackend(
         "megatron",
@@ -81,6 +93,7 @@ for backend in (
         state="AdamW, megatron distributed optimizer: float32 grad buffer, moments over dp",
         preference_pairs=False,
         elastic_replicas=False,
+        roles={},
     ),
 ):
     TRAIN_BACKENDS[backend.name] = backend
@@ -90,6 +103,13 @@ def train_backend(cfg: Config) -> TrainBackend:
     return TRAIN_BACKENDS.lookup(cfg.actor.backend)
 
 
+ROLE_NEEDS = {
+    "critic": ("algorithm.name", "a critic (a value model)", "an algorithm without a critic (grpo, dapo)"),
+    "reward_model": ("reward.kind", "a reward model (a score model)", "reward.kind: rule"),
+}
+"""role -> (the field that asks for it, what it is, the way out without it)."""
+
+
 def check_backend(cfg: Config) -> list[Violation]:
     """``actor.backend`` names a registered backend (the schema takes any name: this table is
     the one list of them)."""
@@ -97,6 +117,25 @@ def check_backend(cfg: Config) -> list[Violation]:
         return []
     names = ", ".join(sorted(TRAIN_BACKENDS))
     return [Violation("actor.backend", cfg.actor.backend, "not a registered training backend", f"use one of {names}")]
+
+
+def check_roles(cfg: Config) -> list[Violation]:
+    """The backend builds every trained role the stage graph uses beyond the actor and the
+    reference (``TrainBackend.roles``)."""
+    needed = {r for s in stages_for(cfg) for r in s.roles}
+    backend, out = train_backend(cfg), []
+    for role in sorted(needed & ROLE_NEEDS.keys() - backend.roles.keys()):
+        field, what, instead = ROLE_NEEDS[role]
+        builders = sorted(n for n in TRAIN_BACKENDS if role in TRAIN_BACKENDS.lookup(n).roles)
+        out.append(
+            Violation(
+                "actor.backend",
+                backend.name,
+                f"{field} needs {what}, which the {backend.name} backend does not build",
+                f"use {instead}, or actor.backend: {' or '.join(builders) or '(none builds it)'}",
+            )
+        )
+    return out
 
 
 def rank_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:

@@ -17,8 +17,8 @@ i + 1 .. i + k runs while iteration i trains. Both sides derive the same publish
 trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides
 share no other collective until the final barrier; each iteration's generator metrics (held-out accuracy,
 generation time, version) reach the training leader through etcd next to the iteration's
-put-records. The trainers' iteration runs in ``trainer.driver``'s loop, as the colocated one does
-(one place logs, checkpoints and flushes traces).
+put-records. The trainers' iteration (``train_half``) is the step of ``trainer.trainer.Trainer``,
+whose loop logs, checkpoints and flushes traces for both placements.
 """
 
 from __future__ import annotations
@@ -28,15 +28,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 
 import torch.distributed as dist
 
-from spmd_rl.distributed import sides, timeline
+from spmd_rl.distributed import timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
-from spmd_rl.trainer.driver import drive
 from spmd_rl.trainer.evaluate import eval_accuracy
 from spmd_rl.trainer.iteration_metrics import IterationMetrics, turn_metrics
 from spmd_rl.trainer.ledger import StepRecord
@@ -67,7 +65,7 @@ def _waiting(run: Run):
 
 def publish(run: Run, version: int) -> None:
     """Every trainer: gather the actor's weights; the leader broadcasts them and records the digest."""
-    s, res = sides.current(), run.residency
+    s, res = run.sides, run.residency
     res.enter("publish", ("actor",))
     with _waiting(run):
         sent = broadcast.send(
@@ -87,7 +85,7 @@ def publish(run: Run, version: int) -> None:
 def receive(run: Run) -> None:
     """A generator: stream the next published version into its engine (one bucket at a time);
     the side's leader records the digest of what arrived."""
-    s = sides.current()
+    s = run.sides
     with _waiting(run):
         version, meta, weights = broadcast.receive(
             run.cfg.reshard.bucket_bytes, s.train_leader, s.sync_group, run.acc.device
@@ -109,7 +107,7 @@ def _generator_key(run: Run, it: int) -> str:
 
 def generate(run: Run, start: int) -> None:
     """The generators' loop (module docstring)."""
-    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
+    cfg, leader = run.cfg, run.peer.rank == run.sides.leader
     G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
     run.progress.policy_version = -1  # nothing received yet: the engine holds the base model, not version `start`
     receive(run)
@@ -126,7 +124,7 @@ def generate(run: Run, start: int) -> None:
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
-        out |= turn_metrics(global_sums(res.sums))  # multi-turn counts, summed over the generators
+        out |= turn_metrics(global_sums(res.sums, run.sides.group))  # multi-turn counts, summed over the generators
         with timeline.span("commit", "stage"):
             run.dock.release(it)
             if leader:
@@ -158,20 +156,19 @@ def _generator_report(run: Run, it: int) -> tuple[dict[str, float], list[int]]:
     return {k: float(v) for k, v in report.items()}, put
 
 
-def train_side(run: Run, start: int) -> None:
-    """The trainers' loop (module docstring): every stage after the rollout, over the training layout."""
-    publish(run, start)
-    drive(run, start, run.peer.rank == sides.side_leader(), partial(_train_iteration, run, start))
+def finish(run: Run) -> None:
+    """A trainer after its last iteration: meet the generators' final barrier (``generate``)."""
     with _waiting(run):
         dist.barrier()
 
 
-def _train_iteration(run: Run, start: int, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:
-    """The trainers' half of iteration ``it``: the stages after the rollout on the groups the
-    generators put, the commit (with the generators' report), and the weights published."""
-    cfg, leader = run.cfg, run.peer.rank == sides.side_leader()
+def train_half(run: Run, start: int, it: int, on_stage: Callable[[str], None]) -> dict[str, float]:
+    """The trainers' half of iteration ``it`` (the ``Trainer``'s step; ``publish`` ran before
+    the first): the stages after the rollout on the groups the generators put, the commit (with
+    the generators' report), and the weights published."""
+    cfg, leader = run.cfg, run.peer.rank == run.sides.leader
     G, N, k = cfg.data.global_batch_size, cfg.rollout.n, cfg.stream.max_policy_lag
-    t0, timer, m = time.perf_counter(), StageTimer(on_stage), IterationMetrics()
+    t0, timer, m = time.perf_counter(), StageTimer(on_stage), IterationMetrics(run.sides.group)
     run.dock.begin_iteration(it, G * N)
     rows = run.sampler.next_batch(G)  # what the generators should have drawn: the same sampler, the same order
     consumed: list[tuple[int, int]] = []
@@ -179,10 +176,10 @@ def _train_iteration(run: Run, start: int, it: int, on_stage: Callable[[str], No
         res = run_stage(run, it, stage, list(range(G * N)), timer)
         m.add(res)
         consumed += res.consumed or []
-    trained, read = trained_groups(consumed, G * N, N)  # observed in the dock (trainer.observed)
+    trained, read = trained_groups(consumed, G * N, N, run.sides.group)  # observed in the dock (trainer.observed)
     with timeline.span("commit", "stage"):
         out = m.finish()
-        dist.barrier(group=sides.side_group())
+        dist.barrier(group=run.sides.group)
         gen, put = _generator_report(run, it) if leader else ({}, [])
         if leader:
             run.dock.commit(it, alone=True)
@@ -201,7 +198,7 @@ def _train_iteration(run: Run, start: int, it: int, on_stage: Callable[[str], No
         gen |= _generator_report(run, it + 1)[0]  # the generators' final_eval_accuracy
     seconds = time.perf_counter() - t0
     out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}
-    out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]))
+    out |= global_maxes(run.residency.iteration_memory([s.name for s in run.graph[1:]]), run.sides.group)
     out["throughput_eq5"] = throughput(
         G, N, cfg.data.max_prompt_length, cfg.rollout.max_response_length, run.lay.world, seconds
     )

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.sides import side_group, side_leader
 from spmd_rl.engines.safe_dcp import read_full_state
 
 _NAME = re.compile(r"^iter_(\d{6})$")
@@ -114,22 +113,25 @@ def save(
     trainer_state: dict,
     keep: int,
     before_commit: Callable[[], None] | None = None,
+    group=None,
+    leader: int = 0,
 ) -> Path:
     """Write ``iter_NNNNNN`` atomically with the state of every role of ``SAVED_ROLES`` in
     ``roles``, then prune (module docstring). ``trainer_state`` carries ``origin`` (the lineage).
     ``before_commit`` runs on every rank after its writes and before the folder becomes the
     newest complete checkpoint: what must be on disk whenever that checkpoint is (a resumed
-    run does not redo its iterations)."""
+    run does not redo its iterations). Collective over ``group``, the training side's ranks
+    (``Run.sides``), whose rank ``leader`` writes the folder and the trainer state."""
     final = folder_for(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    leader, group = dist.get_rank() == side_leader(), side_group()  # the training side's ranks save
+    leader = dist.get_rank() == leader
     if leader:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
     for role in SAVED_ROLES:
         if role in roles:
-            roles[role].save(role_folder(tmp, role))
+            roles[role].save(role_folder(tmp, role), group)
     if before_commit is not None:
         before_commit()
     dist.barrier(group=group)

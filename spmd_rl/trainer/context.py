@@ -13,6 +13,7 @@ from spmd_rl.config.schema import Config
 from spmd_rl.data.prompts import PromptSet
 from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.accelerator import Accelerator
+from spmd_rl.distributed.sides import Sides
 from spmd_rl.dock.client import TransferDock
 from spmd_rl.dock.fetch import Peer
 from spmd_rl.elastic.replicas import Replicas
@@ -46,7 +47,7 @@ class HeldOut:
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
-    """Built once per process with keywords (``train.build``) and never reassigned; what changes
+    """Built once per process with keywords (``trainer.trainer.Trainer``) and never reassigned; what changes
     over the run lives in ``progress``."""
 
     cfg: Config
@@ -54,6 +55,8 @@ class Run:
     peer: Peer
     acc: Accelerator
     dock: TransferDock
+    sides: Sides
+    """This rank's side of the placement: its group, whose rank writes its files (``distributed.sides``)."""
     modes: Modes
     """What the run is (``recipe.graph.Modes.of``), derived once from the config."""
     graph: list[Stage]

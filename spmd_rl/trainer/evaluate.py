@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed import sides
 from spmd_rl.trainer.context import Run
 
 RECORD = "eval_prompts.jsonl"
@@ -46,9 +45,9 @@ def eval_accuracy(run: Run, iteration: int) -> float:
     if tp_rank == 0:  # a generation group's TP ranks produced the same texts
         for t, i in zip(texts, mine):
             hits[i] = float(correct_fn(t, test.answers[i]) > 0.5)
-    dist.all_reduce(hits, group=sides.side_group())
+    dist.all_reduce(hits, group=run.sides.group)
     correct = hits.nonzero().flatten().tolist()
-    if run.peer.rank == sides.side_leader():
+    if run.peer.rank == run.sides.leader:
         folder = Path(run.cfg.logging.dir)
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / RECORD, "a") as f:

@@ -32,7 +32,9 @@ def turn_metrics(g: dict[str, float]) -> dict[str, float]:
 
 
 class IterationMetrics:
-    def __init__(self) -> None:
+    def __init__(self, group) -> None:
+        """``group``: the ranks the sums and maxima are reduced over (``Run.sides.group``)."""
+        self.group = group
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
         self.final: dict[str, float] = {}
@@ -46,7 +48,7 @@ class IterationMetrics:
 
     def finish(self) -> dict[str, float]:
         """Collective: every rank calls it with the same keys."""
-        g = global_sums(self.sums)
+        g = global_sums(self.sums, self.group)
         n = max(1.0, g.get("generated", 0.0))
         out = {name: g[s] / max(1.0, g[c]) for name, (s, c) in _MEANS.items() if s in g and c in g}
         if "reward_sq" in g:  # absent when no group was rewarded (partial rollout with none finished)
@@ -58,5 +60,5 @@ class IterationMetrics:
             var_e = g["resid_sq"] / t - (g["resid_sum"] / t) ** 2
             out["value_explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
         out |= turn_metrics(g)
-        out |= global_maxes(self.maxes)
+        out |= global_maxes(self.maxes, self.group)
         return out | self.final

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.distributed import timeline
-from spmd_rl.distributed.sides import side_group
 
 
 def throughput(G: int, N: int, PL: int, SL: int, devices: int, seconds: float) -> float:
@@ -22,28 +21,29 @@ def throughput(G: int, N: int, PL: int, SL: int, devices: int, seconds: float) -
     return G * N * (PL + SL) / devices / seconds
 
 
-def global_sums(values: dict[str, float]) -> dict[str, float]:
-    """All-reduce a dict of sums over this rank's side (the world colocated; each rank adds
-    only what it owns)."""
+def global_sums(values: dict[str, float], group) -> dict[str, float]:
+    """All-reduce a dict of sums over ``group``, this rank's side (``Run.sides.group``: None,
+    the world, colocated); each rank adds only what it owns."""
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, group=side_group())
+    dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
 
 
-def global_max(value: float) -> float:
+def global_max(value: float, group) -> float:
+    """The maximum of ``value`` over ``group`` (``global_sums``)."""
     t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
-def global_maxes(values: dict[str, float], mins: dict[str, float] | None = None) -> dict[str, float]:
-    """All-reduce a dict of values to their maxima over this rank's side, and ``mins`` to their
+def global_maxes(values: dict[str, float], group, mins: dict[str, float] | None = None) -> dict[str, float]:
+    """All-reduce a dict of values to their maxima over ``group`` (``global_sums``), and ``mins`` to their
     minima (min x = -max(-x)), in one collective. Keys must not repeat between the two."""
     mins = mins or {}
     keys, low = sorted(values), sorted(mins)
     t = torch.tensor([float(values[k]) for k in keys] + [-float(mins[k]) for k in low], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     got = t.tolist()
     return dict(zip(keys, got)) | {k: -v for k, v in zip(low, got[len(keys) :])}
 

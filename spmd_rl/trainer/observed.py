@@ -13,19 +13,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.sides import side_group
 
-
-def trained_groups(consumed: list[tuple[int, int]], size: int, n: int) -> tuple[list[int], int]:
-    """Collective over this side's ranks, with every rank's ``consumed`` pairs (empty on
-    non-writers) and the iteration's number of sample indices ``size``: (the row of each
+def trained_groups(consumed: list[tuple[int, int]], size: int, n: int, group=None) -> tuple[list[int], int]:
+    """Collective over ``group``, this side's ranks (``Run.sides.group``), with every rank's
+    ``consumed`` pairs (empty on non-writers) and the iteration's number of sample indices ``size``: (the row of each
     (prompt group q = index // n, row) pair read, in group order; the number of samples read,
     repeats included)."""
     buf = torch.zeros(2, size, dtype=torch.int64)  # row + 1 summed, reads
     for index, row in consumed:
         buf[0, index] += row + 1
         buf[1, index] += 1
-    dist.all_reduce(buf, group=side_group())
+    dist.all_reduce(buf, group=group)
     read = buf[1].nonzero().flatten().tolist()
     pairs = sorted({(i // n, int(buf[0, i]) // int(buf[1, i]) - 1) for i in read})
     return [row for _, row in pairs], int(buf[1].sum())

@@ -21,10 +21,10 @@ def _rank(rank: int, init: str, out) -> None:
     dist.init_process_group(host_half, init_method=init, rank=rank, world_size=2)
     try:
         out[rank] = (
-            global_sums({"a": 1.5 * (rank + 1), "b": 2.0}),
-            global_max(3.0 + rank),
+            global_sums({"a": 1.5 * (rank + 1), "b": 2.0}, None),
+            global_max(3.0 + rank, None),
             # maxima and minima in one collective; a minimum comes back with its own sign
-            global_maxes({"m": 2.0 - rank, "a": -1.0 + 3 * rank}, mins={"g": 0.25 + rank}),
+            global_maxes({"m": 2.0 - rank, "a": -1.0 + 3 * rank}, None, mins={"g": 0.25 + rank}),
         )
     finally:
         dist.destroy_process_group()

@@ -111,7 +111,9 @@ def test_the_advantage_stage_runs_the_users_token_estimator(world_of_one):
         name="tests.helpers.algorithms:TOTAL", kl_coef=beta, kl_estimator="k1", gamma=0.5, norm_adv_by_std=True
     )
     cfg = SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=2))
-    run = SimpleNamespace(cfg=cfg, lay=SimpleNamespace(train=SimpleNamespace(group=1)), replicas=None)
+    run = SimpleNamespace(
+        cfg=cfg, lay=SimpleNamespace(train=SimpleNamespace(group=1)), sides=SimpleNamespace(group=None), replicas=None
+    )
     out = advantage(SimpleNamespace(run=run, batch=batch))
     total = [s - beta * float((o.double() - r.double()).sum()) for s, o, r in zip(scores, old, ref)]
     flat = [t for t, n in zip(total, lengths) for _ in range(n)]

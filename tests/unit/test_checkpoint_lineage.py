@@ -38,7 +38,7 @@ def test_pruning_rule_keeps_what_was_just_written(tmp_path, monkeypatch):
     import spmd_rl.trainer.checkpoint as ck
 
     class Engine:
-        def save(self, folder):
+        def save(self, folder, group=None):
             Path(folder).mkdir(exist_ok=True)
 
     monkeypatch.setattr(ck.dist, "get_rank", lambda: 0)

@@ -1,5 +1,6 @@
-"""Dependencies point at the engine interface: only the composition root (``spmd_rl/train.py``)
-names an engine class; the resharder, the elastic replicas and every module under ``trainer/``
+"""Dependencies point at the engine interface: no module names an engine class but the
+registries that declare them (``recipe.train_backends``, ``config.rollout_engines``, by
+``module:attr`` string); the resharder, the elastic replicas and every module under ``trainer/``
 (its stages included) import ``engines.base`` at most, never a concrete engine's package. And
 every registered training backend's engine implements the whole interface itself (each
 abstract method overridden, so it is instantiable and nothing falls back to a stub)."""

@@ -64,7 +64,7 @@ def test_ref_micro_batch_size_defaults_to_the_actors():
 
 
 def test_jsonl_off_writes_no_metrics_file(tmp_path):
-    cfg = _cfg("logging.jsonl=false")  # as the driver builds it (trainer.driver.drive)
+    cfg = _cfg("logging.jsonl=false")  # as the driver builds it (trainer.trainer.Trainer.train)
     off = MetricsLog(tmp_path / "off", cfg.logging.jsonl, tensorboard=False, enabled=True)
     off.write(0, {"loss": 1.0})
     off.close()

@@ -50,10 +50,10 @@ class TinyEngine(Engine):
     def optimizer_tensors(self):
         return []
 
-    def save(self, folder):
+    def save(self, folder, group=None):
         raise NotImplementedError
 
-    def load(self, folder):
+    def load(self, folder, group=None):
         raise NotImplementedError
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+from spmd_rl.distributed.sides import Sides
+
 import pytest
 import torch
 
@@ -111,6 +113,7 @@ def _run(cfg, dock, engine, **roles):
         cfg=cfg,
         lay=lay,
         peer=SimpleNamespace(rank=0, world=1),
+        sides=Sides("both"),
         dock=dock,
         roles={"actor": engine, **roles},
         tokenizer=tok,

@@ -69,7 +69,7 @@ def test_a_cpu_span_is_the_host_clock(tmp_path):
 
 def test_a_recorded_span_ends_when_recorded_and_is_flushed_with_the_iteration(tmp_path):
     """``record``: the checkpoint's span, closed before its commit so the iteration's line is
-    written first (``trainer.driver``); it spans from the given start to the call."""
+    written first (``trainer.trainer.Trainer.train``); it spans from the given start to the call."""
     timeline.use_device_events("cpu")
     t0 = timeline.now_us()
     with timeline.span("update", "stage"):

@@ -64,7 +64,7 @@ def test_steady_timeout_fires_and_long_phase_waits(tmp_path):
 
 
 def _replica_worker(rank: int, init: str, out: dict) -> None:
-    from spmd_rl.train import _replica_local_group
+    from spmd_rl.trainer.build import replica_local_group as _replica_local_group
 
     over = [
         "elastic.replicas.count=2",

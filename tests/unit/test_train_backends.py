@@ -7,6 +7,8 @@ support is what they print, with no other edit (no schema ``Literal`` to extend)
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
+from types import SimpleNamespace
 
 from spmd_rl.catalog import user_function
 from spmd_rl.config.errors import Violation
@@ -45,6 +47,7 @@ def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
         state="no optimizer at all",
         preference_pairs=False,
         elastic_replicas=True,
+        roles={"critic": "tests.unit.test_train_backends:toy_critic"},
     )
     monkeypatch.setitem(TRAIN_BACKENDS, "toy", toy)
     base = load_config(REPO / "configs/quickstart.yaml")
@@ -63,3 +66,41 @@ def test_validate_and_plan_read_the_backend_object(tiny_model, monkeypatch):
         REPO / "configs/quickstart.yaml", ["actor.backend=toy", "elastic.replicas.count=2", "elastic.replicas.name=a"]
     )
     assert [v.field for v in check(replicas)[1]] == ["actor.backend"]  # its own rule only: replicas are fine
+
+
+def toy_critic(cfg, acc, mesh, total_steps):
+    return ("toy critic", cfg.algorithm.critic_lr, total_steps)
+
+
+def test_the_backend_builds_every_trained_role_and_validate_refuses_the_ones_it_lacks(tiny_model, monkeypatch):
+    """A backend's ``roles`` is what builds the critic and the reward model (``trainer.build``
+    names no engine); a role a needed stage uses and the backend lacks is refused by
+    ``validate``, naming the backends that build it."""
+    from spmd_rl.recipe.graph import Modes, stages_for
+    from spmd_rl.trainer import build
+
+    toy = replace(
+        TRAIN_BACKENDS.lookup("fsdp"), name="toy", rules=lambda *a: [], roles={"critic": f"{__name__}:toy_critic"}
+    )
+    monkeypatch.setitem(TRAIN_BACKENDS, "toy", toy)
+    base = ["actor.backend=toy", "algorithm.name=ppo", "algorithm.critic_lr=0.25"]
+    cfg = load_config(REPO / "configs/quickstart.yaml", base)
+    assert check(cfg)[1] == []
+    built = []
+    monkeypatch.setattr(build, "user_function", lambda path, what: built.append(path) or _builder_of(path))
+    roles = build.build_roles(cfg, Modes.of(cfg), None, None, stages_for(cfg))
+    assert roles["critic"] == ("toy critic", 0.25, build.total_steps(cfg)) and built[-1] == f"{__name__}:toy_critic"
+    judged = load_config(
+        REPO / "configs/quickstart.yaml", [*base, "reward.kind=model", f"reward.model_path={tiny_model}/reward_model"]
+    )
+    assert [str(v) for v in check(judged)[1]] == [
+        "actor.backend='toy': reward.kind needs a reward model (a score model), which the toy backend does not "
+        "build -> use reward.kind: rule, or actor.backend: fsdp"
+    ]
+
+
+def _builder_of(path):
+    """The actor's engine as a stub (its class is FSDP's, not built here); any role builder as named."""
+    if path.endswith(":TrainEngine"):
+        return SimpleNamespace(from_config=lambda *a, **k: SimpleNamespace(model=None))
+    return user_function(path, "test")

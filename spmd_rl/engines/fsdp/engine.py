@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import fused_experts, lora, route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
 from spmd_rl.engines.hf_weights import build_sharded
@@ -329,19 +328,19 @@ class TrainEngine(Engine):
             "steps": self.step_count,
         }
 
-    def save(self, folder: str | Path) -> None:
-        """Collective over this side's ranks (the world, or the training side when separated). A LoRA
+    def save(self, folder: str | Path, group=None) -> None:
+        """Collective over ``group`` (``Engine.save``). A LoRA
         actor writes its adapters, their AdamW states and the schedule only."""
-        dcp.save(self.state_dict(), checkpoint_id=str(folder), process_group=side_group())
+        dcp.save(self.state_dict(), checkpoint_id=str(folder), process_group=group)
 
-    def load(self, folder: str | Path) -> None:
+    def load(self, folder: str | Path, group=None) -> None:
         """Load a DCP checkpoint; DCP reshards it onto the current mesh. Nothing but DCP
         metadata classes is unpickled (``engines.safe_dcp``)."""
         from spmd_rl.engines.safe_dcp import SafeLoadPlanner, SafeReader, verify
 
         verify(folder)
         state = self.state_dict()
-        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=group)
         set_state_dict(
             self.model,
             self.optimizer or [],

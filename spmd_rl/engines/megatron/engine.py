@@ -32,7 +32,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed import timeline
-from spmd_rl.distributed.sides import side_group
 from spmd_rl.distributed.accelerator import Accelerator
 from spmd_rl.engines import route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn
@@ -399,15 +398,15 @@ class MegatronEngine(Engine):
 
         return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), "cpu")
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, group=None) -> None:
         """HF-named float32 masters and AdamW moments through DCP (``megatron.checkpoint``),
-        streamed to the host a parameter at a time; collective over this side's ranks."""
+        streamed to the host a parameter at a time; collective over ``group`` (``Engine.save``)."""
         state = checkpoint.state_dict(self, self._host_tp_mesh())
-        dcp.save(state, checkpoint_id=str(folder), process_group=side_group())
+        dcp.save(state, checkpoint_id=str(folder), process_group=group)
 
-    def load(self, folder: str | Path) -> None:
+    def load(self, folder: str | Path, group=None) -> None:
         """A checkpoint of any TP / DP layout; nothing but DCP metadata classes is unpickled."""
         verify(folder)
         state = checkpoint.empty_state_dict(self, self._host_tp_mesh())  # the layout to read into
-        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=side_group())
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), process_group=group)
         checkpoint.load_into(self, state)

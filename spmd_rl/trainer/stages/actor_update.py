@@ -13,7 +13,6 @@ import torch.distributed as dist
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.policy_loss import get_policy_loss
 from spmd_rl.recipe.graph import advantage_column
-from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines import route_replay
 from spmd_rl.trainer.metrics import global_max
 from spmd_rl.trainer.stages.micro import micro_plan
@@ -36,9 +35,9 @@ def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | Non
         counts = router_loss.load_fractions(seqs[sl].routes or [], arch.num_experts)
         if not counts.numel():
             counts = torch.zeros(arch.num_layers, arch.num_experts, dtype=torch.float64)
-        dist.all_reduce(counts, group=side_group())
+        dist.all_reduce(counts, group=run.sides.group)
         fractions = (counts / counts.sum(1, keepdim=True).clamp(min=1.0)).float()
-    tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group)["tokens"]
+    tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group, run.sides.group)["tokens"]
     return route_replay.RouterObjective(
         a.moe_aux_loss_coef, a.moe_z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp
     )
@@ -88,12 +87,14 @@ def actor_update(call: StageCall) -> StageResult:
     run, cfg, lay = call.run, call.run.cfg, call.run.lay.train
     seqs, objective = objective_inputs(call)
     minis = mini_batches(cfg, lay.dp, len(call.batch))
-    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size)
+    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, run.sides.group)
     sums, steps = UpdateSums(), Steps()
     route_replay.take_sums()  # the router metrics are the first epoch's (as the mismatch's)
     for epoch in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.group, run.replicas.sum if run.replicas else None)
+            norm = mini_batch_norm(
+                seqs.mask[sl], lay.group, run.sides.group, run.replicas.sum if run.replicas else None
+            )
 
             def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
                 return objective.loss(lp, ent, micros[k], norm, sums, first_epoch)
@@ -112,7 +113,7 @@ def actor_update(call: StageCall) -> StageResult:
 
 def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: int, plan: list) -> dict[str, float]:
     """Collective: the update's metrics, per optimizer step, the same on every rank."""
-    cfg, lay, batch = call.run.cfg, call.run.lay.train, call.batch
+    cfg, lay, batch, side = call.run.cfg, call.run.lay.train, call.batch, call.run.sides.group
     a = cfg.actor
     final = {}
     if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
@@ -120,9 +121,9 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
             torch.cat(batch.columns["response_version"]) if len(batch) else torch.zeros(0, dtype=torch.int32)
         )
         acc |= {"lag_sum": float(lag.sum()), "lag_tokens": float(lag.numel())}
-        final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0)}
+        final = {"policy_lag_max": global_max(float(lag.max()) if lag.numel() else 0.0, side)}
     acc |= {f"route_{k}": v for k, v in steps.routing.items()}
-    g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.group)
+    g = dp_sums({k: acc[k] for k in acc if k != "mismatch_max"}, lay.group, side)
     if final:
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag
@@ -145,7 +146,7 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
         "kl": g["kl"] / tokens,
         "entropy": g["entropy"] / tokens,
         "logprob_mismatch_mean": g["mismatch_sum"] / mt,
-        "logprob_mismatch_max": global_max(acc["mismatch_max"]),
+        "logprob_mismatch_max": global_max(acc["mismatch_max"], side),
         "rollout_kl": g["rollout_kl"] / mt,
         **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.icepop_band else {}),
         **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.mis_band else {}),

@@ -74,7 +74,7 @@ def batch_moments(run, moments) -> tuple[float, float, float]:
     the DP ranks (a DP group's ranks hold the same samples: counted once) and, with elastic
     replicas, over the replicas (each holds its share of the global batch), so the whitening
     is the one job's whatever the split."""
-    g = dp_sums(dict(zip(("n", "s", "q"), (float(m) for m in moments))), run.lay.train.group)
+    g = dp_sums(dict(zip(("n", "s", "q"), (float(m) for m in moments))), run.lay.train.group, run.sides.group)
     if run.replicas is None:
         return g["n"], g["s"], g["q"]
     n, s, q = run.replicas.sum(torch.tensor([g["n"], g["s"], g["q"]], dtype=torch.float64)).tolist()

@@ -22,12 +22,14 @@ def critic_update(call: StageCall) -> StageResult:
     seqs, old_values, returns = seqs[order], old_values[order], returns[order]
     objective = get_value_loss("clipped")
     minis = mini_batches(cfg, lay.dp, len(batch))
-    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size)
+    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, run.sides.group)
     acc = {"value_loss": 0.0, "value_clipped": 0.0, "value_tokens": 0.0, "value_err_sq": 0.0}
     steps, grad_norm, lr = 0, 0.0, 0.0
     for _ in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(seqs.mask[sl], lay.group, run.replicas.sum if run.replicas else None)
+            norm = mini_batch_norm(
+                seqs.mask[sl], lay.group, run.sides.group, run.replicas.sum if run.replicas else None
+            )
 
             def loss_fn(values, _ent, k, micros=micros, norm=norm):
                 s = micros[k]
@@ -52,7 +54,7 @@ def critic_update(call: StageCall) -> StageResult:
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
-    g = dp_sums(acc, lay.group)
+    g = dp_sums(acc, lay.group, run.sides.group)
     tokens = max(g["value_tokens"], 1.0)
     return StageResult(
         final={

@@ -25,7 +25,9 @@ def forward_stage(call: StageCall) -> StageResult:
     seqs = seq_batch(run, batch)
     order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order and micro-batches
     seqs = seqs[order]
-    plan = micro_plan(run.cfg, seqs.attention_mask.sum(1), mini_batches(run.cfg, run.lay.train.dp, len(batch)), micro)
+    plan = micro_plan(
+        run.cfg, seqs.attention_mask.sum(1), mini_batches(run.cfg, run.lay.train.dp, len(batch)), micro, run.sides.group
+    )
     got, _ = run.roles[role].infer([seqs[s] for mini in plan for s in mini])
     out = torch.empty_like(got)
     out[order] = got

@@ -65,14 +65,16 @@ def split_to(runs: list[slice], lengths: Sequence[int], count: int, packed: bool
     return runs
 
 
-def micro_plan(cfg: Config, lengths: torch.Tensor, minis: Sequence[slice], max_samples: int) -> list[list[slice]]:
+def micro_plan(
+    cfg: Config, lengths: torch.Tensor, minis: Sequence[slice], max_samples: int, group=None
+) -> list[list[slice]]:
     """Each mini-batch's micro-batches as row slices of this rank's ordered rows. Collective over
-    the training side when ``actor.micro_batch_tokens`` is set (every rank calls it with the same
-    number of mini-batches)."""
+    the training side (``group``, ``Run.sides.group``) when ``actor.micro_batch_tokens`` is set
+    (every rank calls it with the same number of mini-batches)."""
     budget, packed = cfg.actor.micro_batch_tokens, cfg.actor.pack_sequences
     rows = [lengths[sl].tolist() for sl in minis]
     runs = [token_runs(r, max_samples, budget, packed) for r in rows]
     if budget is not None and runs:
-        most = global_maxes({f"mini{j:05d}": len(r) for j, r in enumerate(runs)})
+        most = global_maxes({f"mini{j:05d}": len(r) for j, r in enumerate(runs)}, group)
         runs = [split_to(r, rows[j], int(most[f"mini{j:05d}"]), packed) for j, r in enumerate(runs)]
     return [[slice(sl.start + r.start, sl.start + r.stop) for r in mini] for sl, mini in zip(minis, runs)]

@@ -19,19 +19,20 @@ from spmd_rl.config.schema import Config
 from spmd_rl.trainer.metrics import global_sums
 
 
-def dp_sums(values: dict[str, float], group: int) -> dict[str, float]:
-    """Sums over all ranks, each DP group counted once (``group``: its ranks, which hold
-    identical data: ``Layout.group``)."""
-    return {k: v / group for k, v in global_sums(values).items()}
+def dp_sums(values: dict[str, float], copies: int, group) -> dict[str, float]:
+    """Sums over the ranks of ``group`` (the training side, ``Run.sides.group``), each DP group
+    counted once (``copies``: its ranks, which hold identical data: ``Layout.group``)."""
+    return {k: v / copies for k, v in global_sums(values, group).items()}
 
 
 def mini_batch_norm(
-    mask: torch.Tensor, group: int, replica_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    mask: torch.Tensor, copies: int, group, replica_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> LossNorm:
     """Global response-token and sequence counts of a mini-batch whose DP shares are spread
     over the ranks (``mask`` is this rank's share); with elastic replicas, summed over the
-    replicas too (``replica_sum``: each replica holds its share of the global batch)."""
-    g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, group)
+    replicas too (``replica_sum``: each replica holds its share of the global batch);
+    ``copies``, ``group``: see ``dp_sums``."""
+    g = dp_sums({"tokens": float(mask.sum()), "seqs": float(mask.shape[0])}, copies, group)
     if replica_sum is None:
         return LossNorm(g["tokens"], g["seqs"])
     total = replica_sum(torch.tensor([g["tokens"], g["seqs"]], dtype=torch.float64))

@@ -68,7 +68,7 @@ def dpo_update(call: StageCall) -> StageResult:
     for epoch in range(a.ppo_epochs):
         for start in range(0, n, per_rank):
             pairs = range(start, min(start + per_rank, n))
-            total = dp_sums({"pairs": float(len(pairs))}, lay.group)["pairs"]
+            total = dp_sums({"pairs": float(len(pairs))}, lay.group, run.sides.group)["pairs"]
             micros = [range(s, min(s + micro, pairs.stop)) for s in range(pairs.start, pairs.stop, micro)]
 
             def loss_fn(lp, ent, k, micros=micros, total=total, first=epoch == 0):
@@ -88,7 +88,7 @@ def dpo_update(call: StageCall) -> StageResult:
             out = run.roles["actor"].train_step([seqs[2 * s.start : 2 * s.stop] for s in micros], loss_fn)
             grad_norm, lr, steps = grad_norm + out["grad_norm"], out["lr"], steps + 1
     run.residency.weights_changed()
-    g = dp_sums(on_host(acc), lay.group)
+    g = dp_sums(on_host(acc), lay.group, run.sides.group)
     p = max(g["pairs"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
     return StageResult(

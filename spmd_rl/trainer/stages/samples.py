@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.sides import side_group
 from spmd_rl.engines.logprobs import SeqBatch, build_batch
 from spmd_rl.trainer.context import Run
 
@@ -68,7 +67,7 @@ def put_prompts(run: Run, it: int, prompt_positions: list[int], first_group: int
         cols = prompt_columns(run, rows)
         run.dock.put("data", it, cols, [(first_group + p) * n + k for p in mine for k in range(n)])
         put[g * per : (g + 1) * per] = cols["prompt_row"][::n].long() + 1
-    dist.all_reduce(put, group=side_group())
+    dist.all_reduce(put, group=run.sides.group)
     return [int(r) - 1 for r in put]
 
 

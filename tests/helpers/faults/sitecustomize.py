@@ -61,7 +61,7 @@ from pathlib import Path
 
 
 def _pause(plan: dict) -> None:
-    import spmd_rl.trainer.loop as loop
+    import spmd_rl.trainer.trainer as loop
     from spmd_rl.dock.client import TransferDock
     from spmd_rl.trainer.stages import REGISTRY
     from spmd_rl.engines.fsdp.engine import TrainEngine
