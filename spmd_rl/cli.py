@@ -199,7 +199,7 @@ def export(
     if not is_checkpoint(checkpoint_dir):
         typer.echo(f"INVALID {checkpoint_dir}: not a complete checkpoint (no trainer_state.json)", err=True)
         raise typer.Exit(code=2)
-    from spmd_rl.engines.safe_dcp import BadCheckpoint
+    from spmd_rl.engines.training.safe_dcp import BadCheckpoint
 
     try:
         typer.echo(f"wrote {export_ckpt(checkpoint_dir, out, merged=merged)}")
@@ -265,7 +265,7 @@ def evaluate(  # noqa: PLR0913
 def _hf_folder(model: Path, tmp: Path) -> Path:
     """``model`` itself when it is an HF folder; a checkpoint exported (merged) under ``tmp``;
     else exit 2 naming it."""
-    from spmd_rl.engines.safe_dcp import BadCheckpoint
+    from spmd_rl.engines.training.safe_dcp import BadCheckpoint
     from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
 
     if is_checkpoint(model):

@@ -36,7 +36,7 @@ from spmd_rl.config.layout import Layout  # noqa: E402
 from spmd_rl.distributed.accelerator import detect  # noqa: E402
 from spmd_rl.distributed.mesh import train_mesh  # noqa: E402
 from spmd_rl.distributed.teardown import exit_after  # noqa: E402
-from spmd_rl.engines.hf_weights import build_sharded  # noqa: E402
+from spmd_rl.engines.training.hf_weights import build_sharded  # noqa: E402
 from spmd_rl.engines.fsdp.parallelize import parallelize  # noqa: E402
 from spmd_rl.engines.fsdp import bucket_gather  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Peak memory of building the training engine's model: sharded (engines.hf_weights, what
+"""Peak memory of building the training engine's model: sharded (engines.training.hf_weights, what
 TrainEngine uses) vs whole (the old path: from_pretrained on every rank, then shard).
 
     python tools/bench_sharded_load.py [--out runs/bench-load] [--nproc 2]
@@ -29,7 +29,7 @@ from spmd_rl.config.layout import Layout
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines.hf_weights import SafetensorsFolder, build_sharded
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder, build_sharded
 from spmd_rl.engines.fsdp.parallelize import parallelize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -90,7 +90,7 @@ def build_model(folder: Path, args) -> int:
 def batch(args):
     import torch
 
-    from spmd_rl.engines.logprobs import build_batch, split
+    from spmd_rl.engines.training.logprobs import build_batch, split
 
     g = torch.Generator().manual_seed(1)
     lens = (

@@ -7,7 +7,7 @@ parameters in 64 tensors) with ``reshard.broadcast.send``; rank 1 receives them 
 safetensors file, as a generator does before its vLLM engine loads it, in two modes:
 
 - ``stream`` (what ``async_loop.receive`` does): ``broadcast.receive`` yields one bucket at a
-  time and ``engines.weight_file.write`` writes each tensor as it arrives;
+  time and ``engines.vllm.weight_file.write`` writes each tensor as it arrives;
 - ``whole`` (the baseline, the previous path): every tensor is received into a list, then
   ``safetensors.torch.save_file`` writes the dict.
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from spmd_rl.dock.etcd_server import free_port
-from spmd_rl.engines import weight_file
+from spmd_rl.engines.vllm import weight_file
 from spmd_rl.reshard import broadcast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -5,13 +5,14 @@ in one process that owns every core, with none of spmd-rl around them.
 - generation: vLLM ``LLM.generate`` of the iteration's G prompts x N samples (same sampling,
   same SL, same dtype), after one warm-up call;
 - training: one optimizer step of plain HF ``AutoModelForCausalLM`` on those samples (right
-  padded, longest first as the trainer orders them; the response log-probs of ``engines.logprobs``, a token-mean
-  policy-gradient loss, backward in micro-batches of ``actor.micro_batch_size x train DP`` samples, and at most
+  padded, longest first as the trainer orders them; the response log-probs of
+  ``engines.training.logprobs``, a token-mean policy-gradient loss, backward in micro-batches of
+  ``actor.micro_batch_size x train DP`` samples, and at most
   ``actor.micro_batch_tokens x train DP`` tokens when that is set; AdamW), after one warm-up
   step. Master weights in ``actor.param_dtype``; compute under autocast when ``model.dtype``
   differs, as the FSDP engine's mixed precision does; decoder layers compiled when
   ``actor.compile``; each micro-batch packed padding-free when ``actor.pack_sequences``
-  (``engines.packing``, as the engine does) (vLLM's own compilation follows
+  (``engines.fsdp.packing``, as the engine does) (vLLM's own compilation follows
   ``rollout.enforce_eager``).
 
 floor = generation + training. Prints one JSON line (seconds, medians over ``--repeats``).
@@ -47,9 +48,9 @@ from spmd_rl.config.loader import load_config  # noqa: E402
 from spmd_rl.data.prompts import load_tokenizer, prompts_for  # noqa: E402
 from spmd_rl.engines.base import DTYPES  # noqa: E402
 from spmd_rl.engines.fsdp.parallelize import apply_compile  # noqa: E402
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs  # noqa: E402
-from spmd_rl.engines.packing import packed_response_logprobs  # noqa: E402
-from spmd_rl.engines.token_logprob import SamplingPolicy  # noqa: E402
+from spmd_rl.engines.training.logprobs import build_batch, lm_response_logprobs  # noqa: E402
+from spmd_rl.engines.fsdp.packing import packed_response_logprobs  # noqa: E402
+from spmd_rl.engines.training.token_logprob import SamplingPolicy  # noqa: E402
 from spmd_rl.trainer.stages.micro import token_runs  # noqa: E402
 
 

@@ -218,9 +218,10 @@ class ActorConfig(Section):
     )
     router_replay: Literal["none", "record", "rollout"] = Field(
         "none",
-        description="MoE models only (engines.route_replay): record = the rollout engine returns the experts it chose "
-        "for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's prefix caching is off "
-        "while it records) and every iteration logs router_agreement (fraction of token-layer top-k sets the trainer "
+        description="MoE models only (engines.training.route_replay): record = the rollout engine returns the "
+        "experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's "
+        "prefix caching is off while it records) and every iteration logs router_agreement (fraction of "
+        "token-layer top-k sets the trainer "
         "chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also "
         "replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the "
         "router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert "
@@ -270,7 +271,7 @@ class ActorConfig(Section):
     )
     lora: LoRAConfig | None = Field(
         None,
-        description="LoRA RL (engines.lora, FSDP backend, parallel.train.tp 1): the base weights frozen in "
+        description="LoRA RL (engines.training.lora, FSDP backend, parallel.train.tp 1): the base weights frozen in "
         "model.dtype, only the adapters in AdamW and in checkpoints; the reference is the base model with adapters off "
         "(no second copy); the rollout engine gets the adapters alone or the merged weights (`sync`); `export` writes "
         "the adapter folder (PEFT layout) and, with --merged, the merged HF model; null = full fine-tuning.",

@@ -18,7 +18,7 @@ Invariants a rollout engine keeps:
 
 - a sample's ``logprobs`` are the log-probabilities of its tokens under the distribution they
   were drawn from: softmax(logits / T), renormalised over the top-k / top-p set when those are
-  on (what the trainer's ``engines.token_logprob`` computes from the same weights);
+  on (what the trainer's ``engines.training.token_logprob`` computes from the same weights);
 - a request seeded ``s`` samples the same tokens every time from the same weights and context,
   whatever else is in the batch; at temperature 0 it is greedy;
 - ``update_weights`` takes every weight the actor's ``full_weights`` yields (HF names, full
@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.rollout_engines import RolloutCapabilities
 from spmd_rl.data.sampling import Sample, SamplingSpec
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines.route_replay import RouterObjective
+from spmd_rl.engines.training.route_replay import RouterObjective
 
 __all__ = ["Engine", "Rollout", "RolloutBuild", "RolloutCapabilities", "Sample", "SamplingSpec"]
 
@@ -74,7 +74,7 @@ class Engine(ABC):
     ) -> dict[str, float]:
         """Backward over the micro-batches, clip, optimizer and schedule step; loss, grad_norm, lr.
         ``loss_fn`` receives the same outputs as ``infer`` (with gradients) per micro-batch;
-        ``router``: the MoE router terms added to the objective (``engines.route_replay``)."""
+        ``router``: the MoE router terms added to the objective (``engines.training.route_replay``)."""
 
     @abstractmethod
     def weight_shapes(self) -> list[tuple[str, list[int]]]:

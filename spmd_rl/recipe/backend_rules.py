@@ -162,7 +162,7 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _check_lora(cfg: Config, arch: ModelArch | None, train_tp: int) -> list[Violation]:
-    """LoRA (``engines.lora``) adapts nn.Linear layers of an FSDP actor without a TP plan."""
+    """LoRA (``engines.training.lora``) adapts nn.Linear layers of an FSDP actor without a TP plan."""
     lora = cfg.actor.lora
     if lora is None:
         return []
@@ -243,7 +243,7 @@ def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation
 def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
     """``actor.router_replay`` needs a MoE model whose expert ids fit the routes column's uint8,
     and the in-process rollout engine whose routers ``engines.vllm.route_capture`` hooks; the router
-    losses need a MoE model whose routers ``engines.route_replay`` patches (not compiled), the
+    losses need a MoE model whose routers ``engines.training.route_replay`` patches (not compiled), the
     load-balancing one the rollout's routes."""
     a = cfg.actor
     if arch is None:
@@ -308,7 +308,7 @@ def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
                 Violation(
                     field,
                     coef,
-                    "compiled decoder layers keep their routers unpatched (engines.route_replay)",
+                    "compiled decoder layers keep their routers unpatched (engines.training.route_replay)",
                     "set actor.compile: false",
                 )
             )

@@ -110,7 +110,7 @@ def fsdp_memory(cfg: Config, arch: ModelArch, lay: Layouts) -> RankMemory:
 
 def lora_numels(arch: ModelArch, rank: int, targets: list[str]) -> list[int]:
     """Elements of each adapter tensor (A: r x in, B: out x r) of every targeted dense linear
-    layer (``engines.lora``; fused MoE experts are never adapted)."""
+    layer (``engines.training.lora``; fused MoE experts are never adapted)."""
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     f = arch.intermediate_size
     shapes = {

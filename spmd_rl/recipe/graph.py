@@ -175,7 +175,7 @@ class Modes:
 
 def reference_roles(cfg: Config) -> tuple[str, ...]:
     """What the reference pass makes resident: the frozen reference, or with ``actor.lora`` the
-    actor itself (the reference is the actor with adapters off, ``engines.lora``)."""
+    actor itself (the reference is the actor with adapters off, ``engines.training.lora``)."""
     return ("actor",) if cfg.actor.lora else ("ref",)
 
 

@@ -30,9 +30,9 @@ from spmd_rl.elastic.replica_group import ReplicaGroup
 from spmd_rl.elastic.replicas import Replicas
 from spmd_rl.elastic.replicated_step import sum_gradients
 from spmd_rl.engines.base import Rollout, RolloutBuild
-from spmd_rl.engines.lora import lora_modules
+from spmd_rl.engines.training.lora import lora_modules
 from spmd_rl.engines.rollouts import build_rollout_engine
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.recipe.estimates import unsharded_accumulation_bytes
 from spmd_rl.recipe.graph import Modes, pinned_roles
 from spmd_rl.recipe.replica_rules import deal_unit

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.engines.safe_dcp import read_full_state
+from spmd_rl.engines.training.safe_dcp import read_full_state
 
 _NAME = re.compile(r"^iter_(\d{6})$")
 SAVED_ROLES = ("actor", "critic")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rl.engines import fused_experts, lora
+from spmd_rl.engines.training import fused_experts, lora
 from spmd_rl.trainer.checkpoint import model_weights, read_state
 
 
@@ -46,7 +46,7 @@ def export(checkpoint_dir: str | Path, out: str | Path, merged: bool = False) ->
 
 @torch.no_grad()
 def merge_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor], cfg: dict) -> None:
-    """W += (alpha / r) B A for every adapted linear layer, in float32 (``engines.lora``)."""
+    """W += (alpha / r) B A for every adapted linear layer, in float32 (``engines.training.lora``)."""
     params = dict(model.named_parameters())
     scale = cfg["alpha"] / cfg["rank"]
     for name in sorted(n[: -len(".lora_A")] for n in adapters if n.endswith(".lora_A")):
@@ -57,7 +57,7 @@ def merge_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor], cf
 
 
 def write_adapter(adapters: dict[str, torch.Tensor], state: dict, out: Path) -> Path:
-    """PEFT's adapter folder (``engines.lora.write_peft_folder``) with the tokenizer beside it."""
+    """PEFT's adapter folder (``engines.training.lora.write_peft_folder``) with the tokenizer beside it."""
     cfg = state["lora"]
     lora.write_peft_folder(
         out,

@@ -25,7 +25,7 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.training.logprobs import build_batch, split
 from spmd_rl.engines.fsdp.engine import TrainEngine
 
 GATHERS = {"n": 0}

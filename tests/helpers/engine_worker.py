@@ -24,9 +24,9 @@ from spmd_rl.config.schema import ActorConfig, ReshardConfig, RolloutConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines.logprobs import build_batch
+from spmd_rl.engines.training.logprobs import build_batch
 from spmd_rl.engines.vllm.engine import VllmRollout
-from spmd_rl.engines.logprobs import split
+from spmd_rl.engines.training.logprobs import split
 from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.engines.base import local
 from spmd_rl.reshard.allgather_swap import Resharder

@@ -33,10 +33,10 @@ from spmd_rl.config.schema import ActorConfig, LoRAConfig, ReshardConfig, Rollou
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines import lora
+from spmd_rl.engines.training import lora
 from spmd_rl.engines.base import local
-from spmd_rl.engines.hf_weights import SafetensorsFolder
-from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder
+from spmd_rl.engines.training.logprobs import build_batch, split
 from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.reshard.allgather_swap import Resharder

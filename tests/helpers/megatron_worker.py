@@ -27,8 +27,8 @@ from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.distributed.mesh import train_mesh
 from spmd_rl.distributed.teardown import exit_after
-from spmd_rl.engines.hf_weights import SafetensorsFolder
-from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder
+from spmd_rl.engines.training.logprobs import build_batch, split
 from spmd_rl.engines.megatron.engine import MegatronEngine
 from spmd_rl.engines.fsdp.engine import TrainEngine
 
@@ -54,7 +54,7 @@ def with_random_routes(batch, layers: int, experts: int, k: int, seed: int):
 def replayed_logprobs(fsdp, mega, share, fdp: int, mdp: int) -> dict:
     """Both engines, fresh (an update moves rarely chosen experts apart: Adam's first step),
     replay the same random routes: their log-probs, without routes too, and router statistics."""
-    from spmd_rl.engines import route_replay
+    from spmd_rl.engines.training import route_replay
 
     out = {}
     for name, engine, dp in (("fsdp", fsdp, fdp), ("megatron", mega, mdp)):
@@ -76,7 +76,7 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
     policy term times 0, so a wrong scale, f, T or layer mean shows in full), their f and T the
     whole batch's (what the update stage hands them, ``actor_update.router_objective``)."""
     from spmd_rl.algos import router_loss
-    from spmd_rl.engines import route_replay
+    from spmd_rl.engines.training import route_replay
 
     norms = []
     for engine, dp, size in ((fsdp, fdp, 4), (mega, mdp, 2)):

@@ -1,7 +1,7 @@
 """Routing replay against vLLM on the tiny Qwen3-MoE (one process: vLLM, then HF). Samples with
 routes recorded (``VllmRollout.build(record_routes=True)``), then scores the samples with an HF
 float32 forward three ways: the model's own routing, the project's replay
-(``engines.route_replay``, padded and packed layouts), and an independent replay written here
+(``engines.training.route_replay``, padded and packed layouts), and an independent replay written here
 (each MoE block recomputed from the recorded experts). Prints one JSON line.
 Args: FOLDER DTYPE [near-tie] (near-tie: run on ``near_tie_copy`` of the model, below)."""
 
@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines import route_replay
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs
-from spmd_rl.engines.packing import pack, packed_response_logprobs
+from spmd_rl.engines.training import route_replay
+from spmd_rl.engines.training.logprobs import build_batch, lm_response_logprobs
+from spmd_rl.engines.fsdp.packing import pack, packed_response_logprobs
 from spmd_rl.engines.vllm.engine import VllmRollout
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spmd_rl.algos.policy_loss import ClipConfig, LossNorm, get_policy_loss
 from spmd_rl.config.schema import RolloutConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, logit_window
+from spmd_rl.engines.training.logprobs import build_batch, lm_response_logprobs, logit_window
 from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.engines.vllm.logs import quiet_vllm
 from spmd_rl.envs.base import Step, Turn

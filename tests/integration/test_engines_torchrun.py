@@ -25,7 +25,7 @@ from tests.torchrun_util import QUIET_CHILD_ENV, OwnShm, run_nodes
 )
 def test_reshard_swap_rollout(request, tmp_path, model, train_dp, train_tp, gen_tp):
     """``moe``: the tiny Qwen3-MoE, whose experts the trainer holds fused per layer and the sync
-    sends one by one under the checkpoint's names (``engines.fused_experts``)."""
+    sends one by one under the checkpoint's names (``engines.training.fused_experts``)."""
     tiny_model = request.getfixturevalue("tiny_model" if model == "dense" else "tiny_moe")
     env = QUIET_CHILD_ENV | {
         "MODEL": str(tiny_model),

@@ -1,6 +1,6 @@
 """``rollout.engine: hf`` (engines.hf.rollout) on the tiny model, against independent references:
 its log-probs are the trainer's of the same tokens under the same policy (temperature, top-k,
-top-p: an HF float32 forward through ``engines.logprobs``), its greedy tokens are transformers'
+top-p: an HF float32 forward through ``engines.training.logprobs``), its greedy tokens are transformers'
 own ``generate``, a seeded request samples the same tokens alone or in a batch, a prompt samples
 the same tokens whichever share of the iteration it is dealt into, and new weights
 reach the next sample. The registry and the config agree on the engines; a build asking for what
@@ -25,9 +25,9 @@ from spmd_rl.distributed.accelerator import detect
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.engines.base import RolloutBuild, SamplingSpec
 from spmd_rl.engines.hf.rollout import HfRollout, truncate
-from spmd_rl.engines.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.training.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.rollouts import build_rollout_engine, rollout_class
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.stages import StageCall, stage_fn
 from tests.conftest import REPO, subprocess_env

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.dock.metadata import MetadataStore
-from spmd_rl.engines.logprobs import build_batch, response_logprobs
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.trainer.ledger import PromptLedger, problems
 from tests.conftest import run_helper
 from tests.trainer_util import G, N, train

@@ -233,7 +233,7 @@ def test_the_policy_learns_the_prompts_it_trains_on(request, record_property, tr
             "megatron-moe-ep2": "tp=1 sequence_parallel=False pp=1 dp=2 ep=2 (4 experts)",
         }[mode]
         assert f"actor: megatron-core GPTModel {layout}" in (tmp_path / mode / "stderr.log").read_text()
-        from spmd_rl.engines.safe_dcp import verify
+        from spmd_rl.engines.training.safe_dcp import verify
 
         assert "optim.step" in verify(tmp_path / mode / f"ckpt/iter_{iters:06d}").state_dict_metadata
 

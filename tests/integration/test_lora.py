@@ -1,4 +1,4 @@
-"""LoRA (``engines.lora``): the layer against its formula in float64, the injection's errors,
+"""LoRA (``engines.training.lora``): the layer against its formula in float64, the injection's errors,
 and a LoRA actor under torchrun against HF forwards and vLLM (``helpers/lora_worker.py``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from spmd_rl.engines import lora
+from spmd_rl.engines.training import lora
 from tests.conftest import REPO
 from tests.torchrun_util import QUIET_CHILD_ENV, run_nodes
 

@@ -14,7 +14,7 @@ import torch
 
 from spmd_rl.recipe.estimates import lora_numels
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.engines.safe_dcp import verify
+from spmd_rl.engines.training.safe_dcp import verify
 from tests.conftest import REPO, subprocess_env
 from tests.trainer_util import train
 

@@ -26,7 +26,7 @@ from spmd_rl.config.loader import load_config
 from spmd_rl.recipe.train_backends import role_bytes
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.recipe.graph import resident_roles, stages_for
-from spmd_rl.engines.safe_dcp import read_full_state
+from spmd_rl.engines.training.safe_dcp import read_full_state
 from spmd_rl.reshard.ledger import ROLE_CATEGORIES
 from spmd_rl.trainer.checkpoint import role_folder
 from tests.conftest import REPO

@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.training.logprobs import build_batch, split
 from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.rewards.registry import exact_match
 from spmd_rl.reshard.ledger import ROLE_CATEGORIES

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch, response_logprobs
-from spmd_rl.engines.schedule import lr_factor
+from spmd_rl.engines.training.logprobs import build_batch, response_logprobs
+from spmd_rl.engines.training.schedule import lr_factor
 from spmd_rl.reshard.ledger import Ledger
 from spmd_rl.reshard.swap import HostSwap, balanced_groups, resident_bytes
 

@@ -1,6 +1,6 @@
 """The tiny Qwen3-MoE against its own HF files: the parameter inventory ``plan`` and ``validate``
 use lists exactly the checkpoint's tensors, and the fused in-memory expert layout
-(``engines.fused_experts``) is read from and split back into the checkpoint's per-expert
+(``engines.training.fused_experts``) is read from and split back into the checkpoint's per-expert
 tensors bit for bit, equal to what transformers itself loads."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.config.model_arch import ModelArch
-from spmd_rl.engines import fused_experts
-from spmd_rl.engines.hf_weights import SafetensorsFolder
+from spmd_rl.engines.training import fused_experts
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder
 
 
 def test_the_inventory_is_the_checkpoint(tiny_moe):

@@ -1,4 +1,4 @@
-"""Padding-free micro-batches (``engines.packing``): the layout keeps every sample whole and
+"""Padding-free micro-batches (``engines.fsdp.packing``): the layout keeps every sample whole and
 apart, and the packed forward gives the padded forward's log-probs, entropies and gradients,
 checked against a float64 HF forward; ``actor.pack_sequences`` really changes what the model
 sees and nothing it learns."""
@@ -20,9 +20,9 @@ from transformers import (
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
 from spmd_rl.engines.base import local
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, split
-from spmd_rl.engines.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.logprobs import build_batch, lm_response_logprobs, split
+from spmd_rl.engines.fsdp.packing import pack, packed_response_logprobs, packed_scores, packed_values, place
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.engines.fsdp.engine import TrainEngine
 
 
@@ -74,7 +74,7 @@ def _long_tail_batch(vocab: int, n: int = 9, seed: int = 0):
 def test_a_flash_attention_model_gets_every_sample_in_one_row(tiny_model):
     """HF's flash path sees packed samples only in a one-row batch: the layout for a flash model
     is one row whose positions restart at every sample (its varlen boundaries)."""
-    from spmd_rl.engines import packing
+    from spmd_rl.engines.fsdp import packing
 
     b = build_batch(
         [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9])],
@@ -91,7 +91,7 @@ def test_a_flash_attention_model_gets_every_sample_in_one_row(tiny_model):
 
 @pytest.mark.parametrize("temperature,one_row", [(1.0, False), (0.7, False), (1.0, True)])
 def test_packed_logprobs_entropies_and_grads_equal_the_padded_forward(tiny_model, temperature, one_row, monkeypatch):
-    from spmd_rl.engines import packing
+    from spmd_rl.engines.fsdp import packing
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").float()
     model.config.use_cache = False
@@ -149,7 +149,7 @@ def test_packed_values_and_their_grads_equal_the_padded_value_head(tiny_model):
     padded forward's, gradients included."""
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(tiny_model)
-    config.num_labels, config.classifier_dropout = 1, 0.0  # as engines.hf_weights builds the critic
+    config.num_labels, config.classifier_dropout = 1, 0.0  # as engines.training.hf_weights builds the critic
     model = AutoModelForTokenClassification.from_pretrained(tiny_model, config=config).float()
     torch.nn.init.normal_(model.score.weight, std=0.5)  # a checkpoint's head; a fresh critic's is zero
     batch = _long_tail_batch(model.config.vocab_size, seed=5).trim()

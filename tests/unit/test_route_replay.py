@@ -1,4 +1,4 @@
-"""Routing replay's logic without vLLM (engines.route_replay, the routes column, the carry, the
+"""Routing replay's logic without vLLM (engines.training.route_replay, the routes column, the carry, the
 rules and the graph): replayed rows take the recorded experts and only those, the statistics
 count each (token, layer) once and compare expert sets, the patched HF router equals
 transformers' own when nothing is replayed, and a carried response's routes keep the rows of
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from spmd_rl.cli import app
 from spmd_rl.config.loader import load_config
 from spmd_rl.recipe.graph import stages_for
-from spmd_rl.engines import route_replay
-from spmd_rl.engines.logprobs import build_batch
+from spmd_rl.engines.training import route_replay
+from spmd_rl.engines.training.logprobs import build_batch
 from spmd_rl.engines.base import Sample
 from spmd_rl.trainer.carry import Piece
 from tests.conftest import REPO

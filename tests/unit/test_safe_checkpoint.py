@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from spmd_rl.engines.safe_dcp import BadCheckpoint, read_full_state
+from spmd_rl.engines.training.safe_dcp import BadCheckpoint, read_full_state
 from spmd_rl.trainer.checkpoint import model_weights
 
 

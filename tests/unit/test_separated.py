@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from spmd_rl.config.loader import load_config
 from spmd_rl.recipe.rules import check
 from spmd_rl.recipe.graph import stages_for
-from spmd_rl.engines import weight_file
+from spmd_rl.engines.vllm import weight_file
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.async_loop import generation_version, published
 from spmd_rl.trainer.ledger import StepRecord, problems

@@ -1,4 +1,4 @@
-"""The fused, chunked log-prob / entropy (engines.token_logprob) against float64 autograd of
+"""The fused, chunked log-prob / entropy (engines.training.token_logprob) against float64 autograd of
 the textbook formula, its gradient by finite differences, and its memory invariant: no
 float32 [N, V] is saved for backward. The windowed LM path (logits_to_keep) equals the full
 forward of an HF model."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_rl.engines.logprobs import build_batch, lm_response_logprobs, logit_window, response_logprobs
-from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
+from spmd_rl.engines.training.logprobs import build_batch, lm_response_logprobs, logit_window, response_logprobs
+from spmd_rl.engines.training.token_logprob import SamplingPolicy, token_logprob
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float):

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed.accelerator import detect
-from spmd_rl.engines.logprobs import build_batch, split
+from spmd_rl.engines.training.logprobs import build_batch, split
 from spmd_rl.engines.fsdp.engine import TrainEngine
 from spmd_rl.engines.base import local
 
@@ -74,7 +74,7 @@ def test_bf16_compute_runs_the_lm_head_in_bf16_and_stays_near_float64(tiny_model
     of a float64 HF forward."""
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.engines.logprobs import lm_response_logprobs
+    from spmd_rl.engines.training.logprobs import lm_response_logprobs
     from spmd_rl.engines.fsdp.parallelize import decoder_layers
 
     e = _engine(tiny_model, compute="bfloat16")

@@ -1,5 +1,5 @@
 """The FSDP2 engine: an HF model built on the meta device, parallelized with DTensor TP +
-FSDP2 over the training mesh and loaded shard by shard (``engines.hf_weights``); inference in
+FSDP2 over the training mesh and loaded shard by shard (``engines.training.hf_weights``); inference in
 micro-batches, loss backward with gradient accumulation, AdamW with grad-norm clipping and an
 LR schedule, DCP state dicts.
 
@@ -28,14 +28,14 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines import fused_experts, lora, route_replay
+from spmd_rl.engines.training import fused_experts, lora, route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn, local
-from spmd_rl.engines.hf_weights import build_sharded
-from spmd_rl.engines.logprobs import SeqBatch, lm_response_logprobs
-from spmd_rl.engines.packing import packed_for, packed_response_logprobs, packed_scores, packed_values
+from spmd_rl.engines.training.hf_weights import build_sharded
+from spmd_rl.engines.training.logprobs import SeqBatch, lm_response_logprobs
+from spmd_rl.engines.fsdp.packing import packed_for, packed_response_logprobs, packed_scores, packed_values
 from spmd_rl.engines.fsdp.parallelize import parallelize
-from spmd_rl.engines.schedule import lr_factor
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.schedule import lr_factor
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.engines.fsdp import bucket_gather
 
 
@@ -82,8 +82,8 @@ class TrainEngine(Engine):
         seed: int = 0,
     ):
         """``policy``: the rollout's sampling policy (temperature, top-k, top-p); every log-prob
-        and entropy is of that distribution (``engines.token_logprob``). A trainable LM with
-        ``cfg.lora`` trains adapters only (``engines.lora``; ``seed`` draws them)."""
+        and entropy is of that distribution (``engines.training.token_logprob``). A trainable LM with
+        ``cfg.lora`` trains adapters only (``engines.training.lora``; ``seed`` draws them)."""
         self.head = head
         self.acc = acc
         self.cfg = cfg
@@ -127,11 +127,11 @@ class TrainEngine(Engine):
         else:
             self.model.requires_grad_(False)
         self.routers = route_replay.patch_hf(self.model) if trainable and head == "lm" and not cfg.compile else 0
-        """The actor's MoE routers go through ``engines.route_replay`` (replay, router metrics)."""
+        """The actor's MoE routers go through ``engines.training.route_replay`` (replay, router metrics)."""
 
     # -- forward ------------------------------------------------------------------------------
     def _routes(self, micro: SeqBatch):
-        """An MoE actor's routers see the micro-batch's routes (``engines.route_replay``) in the
+        """An MoE actor's routers see the micro-batch's routes (``engines.training.route_replay``) in the
         forward's layout, through the forward and the backward inside this context."""
         if not self.routers:
             return contextlib.nullcontext()
@@ -150,7 +150,7 @@ class TrainEngine(Engine):
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
         padding that no sample uses), packed when ``cfg.pack_sequences``
-        (``engines.packing``), and padded back to the micro-batch's response width."""
+        (``engines.fsdp.packing``), and padded back to the micro-batch's response width."""
         width = micro.mask.shape[1]
         if self.cfg.pack_sequences:
             micro, dev = micro.trim(), self.acc.device
@@ -269,13 +269,13 @@ class TrainEngine(Engine):
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
         """Checkpoint names and full shapes (a DTensor's shape is the full one; fused MoE experts
-        one expert at a time, ``engines.fused_experts``)."""
+        one expert at a time, ``engines.training.fused_experts``)."""
         return [s for name, p in self._base_parameters() for s in fused_experts.split_shape(name, list(p.shape))]
 
     def full_weights(self, dtype: torch.dtype, bucket_bytes: float) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """One all-gather per bucket of FSDP2 shards (``engines.fsdp.bucket_gather``), in checkpoint
         names; with LoRA's ``sync: merged`` each adapted weight merged, W + (alpha / r) B A
-        (``engines.lora``), with ``sync: adapter`` the base weights (``adapter_tensors`` go apart)."""
+        (``engines.training.lora``), with ``sync: adapter`` the base weights (``adapter_tensors`` go apart)."""
         buckets = bucket_gather.plan(self._base_parameters(), dtype.itemsize, bucket_bytes)
         peak = max(bucket_gather.in_flight(buckets, dtype.itemsize), default=0)
         deltas = lora.merge_deltas(self.model) if self.lora and self.lora.sync == "merged" else {}
@@ -295,7 +295,7 @@ class TrainEngine(Engine):
         return {n: lora.full(p).detach().to(dtype) for n, p in self.model.named_parameters() if lora.is_adapter(n)}
 
     def reference(self) -> Engine:
-        """The reference policy of a LoRA actor: this engine with adapters off (``engines.lora``)."""
+        """The reference policy of a LoRA actor: this engine with adapters off (``engines.training.lora``)."""
         assert self.lora is not None, "only a LoRA actor holds its reference"
         return lora.BaseModelView(self)
 
@@ -335,8 +335,8 @@ class TrainEngine(Engine):
 
     def load(self, folder: str | Path, group=None) -> None:
         """Load a DCP checkpoint; DCP reshards it onto the current mesh. Nothing but DCP
-        metadata classes is unpickled (``engines.safe_dcp``)."""
-        from spmd_rl.engines.safe_dcp import SafeLoadPlanner, SafeReader, verify
+        metadata classes is unpickled (``engines.training.safe_dcp``)."""
+        from spmd_rl.engines.training.safe_dcp import SafeLoadPlanner, SafeReader, verify
 
         verify(folder)
         state = self.state_dict()

@@ -42,7 +42,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy |
     so tied embeddings stay one parameter). Under mixed precision every unit computes in the
     low dtype, the LM head too, as vLLM's does: in float32 it was the costliest matmul per
     response token (hidden x vocab) and saved float32 logits for backward. Its logits are cast
-    to float32 chunk by chunk inside the fused log-prob kernel (``engines.token_logprob``), so
+    to float32 chunk by chunk inside the fused log-prob kernel (``engines.training.token_logprob``), so
     the log-softmax, entropy and every reduction stay float32."""
     kw = {"mesh": dp_mesh, "reshard_after_forward": True, **({"mp_policy": mp} if mp is not None else {})}
     for layer in decoder_layers(model):

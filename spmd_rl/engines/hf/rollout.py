@@ -8,7 +8,7 @@ request's tokens would depend on its neighbours in the batch, and the seeded-req
 that partial rollouts and resumes rely on (``engines.base``) would not hold. Here sample i of a
 request seeded s draws from its own ``torch.Generator`` seeded ``s * SEED_STRIDE + i``.
 
-The policy (vLLM's, ``engines.token_logprob``): x = logits / T in float32; top-k keeps the tokens
+The policy (vLLM's, ``engines.training.token_logprob``): x = logits / T in float32; top-k keeps the tokens
 whose x is at least the k-th largest; top-p sorts the kept x ascending and drops every token
 whose cumulative probability is <= 1 - p, always keeping the largest. The token is drawn from
 softmax(x) over the kept set and its log-prob is that distribution's. T = 0 is greedy: the

@@ -9,10 +9,10 @@ entropies as the FSDP engine's; the schedule divides each micro-batch's loss by 
 micro-batches (its legacy two-value contract), which ``train_step`` undoes, so the gradient is
 the objective's whatever the split. Clipping is mcore's (coefficient max_norm / (norm + 1e-6),
 as the FSDP engine's), AdamW with decoupled weight decay on every parameter (no bias / norm
-exemption: the FSDP engine decays all), and the LR schedule is ``engines.schedule``'s.
+exemption: the FSDP engine decays all), and the LR schedule is ``engines.training.schedule``'s.
 
 Log-probs. The LM head's logits are gathered over TP (``runtime_gather_output``) and go
-through the same fused kernel (``engines.token_logprob``) with the rollout's sampling policy,
+through the same fused kernel (``engines.training.token_logprob``) with the rollout's sampling policy,
 on the positions that predict a response token only.
 
 Mixed precision is mcore's: under bf16 the model holds bf16 parameters (``Float16Module``) and
@@ -33,16 +33,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmd_rl.config.schema import ActorConfig
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import Accelerator
-from spmd_rl.engines import route_replay
+from spmd_rl.engines.training import route_replay
 from spmd_rl.engines.base import DTYPES, Engine, LossFn
-from spmd_rl.engines.logprobs import SeqBatch, logit_window, response_logprobs
+from spmd_rl.engines.training.logprobs import SeqBatch, logit_window, response_logprobs
 from spmd_rl.engines.megatron import checkpoint, cpu_compat
 from spmd_rl.engines.megatron.hf_map import to_hf, tp_join
 from spmd_rl.engines.megatron.model import build_model, init_groups
 from spmd_rl.engines.megatron.pipeline import StageWeights, stage_of, to_global
-from spmd_rl.engines.safe_dcp import SafeLoadPlanner, SafeReader, verify
-from spmd_rl.engines.schedule import lr_factor
-from spmd_rl.engines.token_logprob import SamplingPolicy
+from spmd_rl.engines.training.safe_dcp import SafeLoadPlanner, SafeReader, verify
+from spmd_rl.engines.training.schedule import lr_factor
+from spmd_rl.engines.training.token_logprob import SamplingPolicy
 
 
 def _mindspeed_adaptor() -> None:
@@ -126,7 +126,7 @@ class MegatronEngine(Engine):
         )
         self.stages = StageWeights(path, self.shape, model.config, pp, acc.device, ep)
         self.routers = route_replay.patch_mcore(model) if trainable and self.shape.experts else 0
-        """The actor's MoE routers go through ``engines.route_replay`` (replay, router metrics)."""
+        """The actor's MoE routers go through ``engines.training.route_replay`` (replay, router metrics)."""
         model.to(acc.device)
         self.optimizer = None
         self.mixed = trainable and compute != master
@@ -232,7 +232,7 @@ class MegatronEngine(Engine):
             route_replay.stop()
 
     def _feed_routes(self, micro: SeqBatch) -> None:
-        """An MoE actor's routers see this micro-batch's routes (``engines.route_replay``) until
+        """An MoE actor's routers see this micro-batch's routes (``engines.training.route_replay``) until
         the next one's: mcore runs a micro-batch's backward (and its recompute) before the next
         forward. mcore flattens tokens sequence-first: token t of sample b is row t * b_count + b
         (MoE runs without TP, so without sequence parallelism's split)."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from spmd_rl.engines.hf_weights import SafetensorsFolder
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder
 from spmd_rl.engines.megatron import cpu_compat
 from spmd_rl.engines.megatron.attention import SdpaAttention
 from spmd_rl.engines.megatron.hf_map import Shape, mcore_names, to_mcore, tp_dim, tp_slice
@@ -111,7 +111,7 @@ def _moe(hc, s: Shape, ep: int) -> dict:
     (``norm_topk_prob``) equals mcore's top-k of the logits then softmax over the k; without
     renormalising, mcore's ``moe_router_pre_softmax``. Experts of ``moe_intermediate_size``,
     one SequentialMLP each (no grouped GEMM), no load-balancing loss in the objective. Each
-    router gets mcore's ``RouterReplay`` hook, through which ``engines.route_replay`` replays
+    router gets mcore's ``RouterReplay`` hook, through which ``engines.training.route_replay`` replays
     the rollout's experts and counts the router metrics."""
     if not s.experts:
         return {}

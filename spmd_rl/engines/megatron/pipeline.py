@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.engines.hf_weights import SafetensorsFolder
+from spmd_rl.engines.training.hf_weights import SafetensorsFolder
 from spmd_rl.engines.megatron.hf_map import Shape, mcore_names, to_mcore
 
 TIED_COPY = "output_layer.weight"

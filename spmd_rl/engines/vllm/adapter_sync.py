@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from spmd_rl.engines import lora
+from spmd_rl.engines.training import lora
 from spmd_rl.engines.vllm import shm as vllm_shm
 
 

@@ -28,7 +28,7 @@ from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.distributed import teardown
 from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
 from spmd_rl.distributed import orphan_watch
-from spmd_rl.engines import weight_file
+from spmd_rl.engines.vllm import weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
 from spmd_rl.engines.vllm.adapter_sync import AdapterSync
 from spmd_rl.engines.vllm import compat, cpu_kernels
@@ -243,7 +243,7 @@ class VllmRollout(Rollout):
     ) -> None:
         """Load new full weights and drop cached prefixes. In-process they are consumed lazily,
         one at a time. An engine in its own process reads them from a private file streamed
-        here (``engines.weight_file``: header from ``meta`` [(name, dtype, shape)] in the
+        here (``engines.vllm.weight_file``: header from ``meta`` [(name, dtype, shape)] in the
         iteration order, then one tensor at a time), so neither process holds the whole model
         twice."""
         is_cpu = self.acc.kind == "cpu"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from spmd_rl.algos import router_loss
 from spmd_rl.algos.policy_loss import get_policy_loss
 from spmd_rl.recipe.graph import advantage_column
-from spmd_rl.engines import route_replay
+from spmd_rl.engines.training import route_replay
 from spmd_rl.trainer.metrics import global_max
 from spmd_rl.trainer.stages.micro import micro_plan
 from spmd_rl.trainer.stages.minibatch import dp_sums, length_order, mini_batch_norm, mini_batches
@@ -78,7 +78,7 @@ class Steps:
     grad_norm: float = 0.0
     lr: float = 0.0
     routing: dict[str, float] = field(default_factory=dict)
-    """The router metrics' sums of the first epoch (``engines.route_replay``)."""
+    """The router metrics' sums of the first epoch (``engines.training.route_replay``)."""
 
 
 @register("actor_update")

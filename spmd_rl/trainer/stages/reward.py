@@ -17,7 +17,7 @@ import torch
 
 from spmd_rl.algos.core import overlong_penalty
 from spmd_rl.recipe.graph import algorithm, ref_micro_batch_size
-from spmd_rl.engines.logprobs import split
+from spmd_rl.engines.training.logprobs import split
 from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import decode_text, seq_batch

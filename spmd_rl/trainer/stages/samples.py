@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.engines.logprobs import SeqBatch, build_batch
+from spmd_rl.engines.training.logprobs import SeqBatch, build_batch
 from spmd_rl.trainer.context import Run
 
 

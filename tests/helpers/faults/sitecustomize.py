@@ -196,7 +196,7 @@ def _dump(plan: dict) -> None:
 def _dump_routes(folder: Path, rank: str) -> None:
     import torch
 
-    from spmd_rl.engines import logprobs
+    from spmd_rl.engines.training import logprobs
     from spmd_rl.engines.vllm.engine import VllmRollout
     from spmd_rl.trainer.stages import samples
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.engines.logprobs import SeqBatch
-from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
+from spmd_rl.engines.training.logprobs import SeqBatch
+from spmd_rl.engines.training.token_logprob import SamplingPolicy, token_logprob
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Rollout routing replay (R3) and the router statistics of a training forward.
 
 A forward's MoE routers see its tokens flattened in the engine's layout: rows of the right-padded
-[B, T] batch, the packed rows (``engines.packing``), or megatron's sequence-first [T, B]. The
+[B, T] batch, the packed rows (``engines.fsdp.packing``), or megatron's sequence-first [T, B]. The
 engine lays the rollout's routes out the same way (``place``) and makes them current for the
 forward (``feeding``). Each router, patched once (``patch_hf``, ``patch_mcore``), computes its
 own top-k and then asks ``choose(layer, own)`` which experts to use:

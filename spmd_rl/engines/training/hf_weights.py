@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from spmd_rl.data.files import safetensors_header
-from spmd_rl.engines import fused_experts
+from spmd_rl.engines.training import fused_experts
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -118,7 +118,7 @@ actor's trunk), they start at zero, so every first value is 0."""
 
 def attention_for(device: torch.device) -> str:
     """HF attention implementation: flash-attn 2 on CUDA where it is installed (its varlen
-    kernel serves packed micro-batches, ``engines.packing``), else SDPA."""
+    kernel serves packed micro-batches, ``engines.fsdp.packing``), else SDPA."""
     import importlib.util
 
     return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rl.engines.token_logprob import SamplingPolicy, token_logprob
+from spmd_rl.engines.training.token_logprob import SamplingPolicy, token_logprob
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SeqBatch:
     mask: torch.Tensor  # [B, R] bool, True for sampled response tokens (real, and not inserted)
     routes: list[torch.Tensor] | None = None
     """The rollout's routes of each sample ([positions, layers, top_k] uint8, positions 0 ..
-    P + R - 2), kept on the host; ``engines.route_replay`` lays them out per forward."""
+    P + R - 2), kept on the host; ``engines.training.route_replay`` lays them out per forward."""
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.attention_mask, self.predictor, self.targets, self.mask)
