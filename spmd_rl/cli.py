@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 ConfigArg = typer.Argument(..., help="YAML config file.", show_default=False)
-OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. actor.lr=1e-5 rollout.n=8.", show_default=False)
+OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. actor.optim.lr=1e-5 rollout.n=8.", show_default=False)
 WorldOpt = typer.Option(
     None, "--world-size", help="World size to validate for (default: parallel.nnodes x nproc_per_node)."
 )

@@ -39,15 +39,15 @@ SEPARATED = [
     "parallel.gen_ranks=1",
     "parallel.gen.dp=1",
     "parallel.train.dp_shard=1",
-    "actor.tis_cap=2.0",
+    "actor.correction.tis_cap=2.0",
 ]
 """AsyncFlow's separated placement with k = 1: rank 0 generates, rank 1 trains."""
 MODES = {  # mode: (speed overrides, quickstart overrides)
     "sync": ([], []),
     "fuse": (["stream.fuse=true"], ["stream.fuse=true"]),
     "partial": (
-        ["stream.partial_tokens={budget}", "actor.tis_cap=2.0"],
-        ["stream.partial_tokens=4", "actor.tis_cap=2.0"],
+        ["stream.partial_tokens={budget}", "actor.correction.tis_cap=2.0"],
+        ["stream.partial_tokens=4", "actor.correction.tis_cap=2.0"],
     ),
     "async": (SEPARATED, SEPARATED),
 }

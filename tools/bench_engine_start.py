@@ -4,7 +4,7 @@ allocated) and the first and second generation, each variant in fresh processes,
 
 - ``compiled-1GiB``: the baseline, as before: vLLM compiles its sampler helpers on the
   first call (``torch.compile`` whatever ``enforce_eager`` says) and a 1 GiB KV cache;
-- ``eager-1GiB``: ``rollout.enforce_eager`` keeps them eager (``vllm_options.eager_sampler``);
+- ``eager-1GiB``: ``rollout.vllm.enforce_eager`` keeps them eager (``vllm_options.eager_sampler``);
 - ``eager-<kv>GiB``: and the quickstart's smaller KV cache (the CPU worker zeroes all of it);
 - ``eager-<kv>GiB-unfrozen``: the same without freezing the import heap first
   (``rollout._freeze_import_heap``), so vLLM's model load walks it in full collections.

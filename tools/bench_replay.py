@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rollout routing replay (``actor.router_replay``) on the MoE quickstart, measured in one run:
+"""Rollout routing replay (``actor.moe.router_replay``) on the MoE quickstart, measured in one run:
 the same config trained with each replay mode (``none``, ``record``, ``rollout`` by default),
 rounds alternating. Printed per mode: the held-out greedy accuracy every ``--eval-interval``
 iterations (the learning curve), the rollout / trainer log-prob mismatch (mean over
@@ -35,7 +35,7 @@ def run(args, mode: str) -> list[dict]:
             "train",
             args.config,
             *args.overrides,
-            f"actor.router_replay={mode}",
+            f"actor.moe.router_replay={mode}",
             f"trainer.iterations={args.iterations}",
             f"checkpoint.dir={tmp}/ckpt",
             "checkpoint.interval=0",

@@ -172,7 +172,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         conf = GRPOConfig(
             output_dir=tmp,
-            learning_rate=cfg.actor.lr,
+            learning_rate=cfg.actor.optim.lr,
             lr_scheduler_type="constant",
             beta=0.0,
             num_generations=n,
@@ -180,7 +180,7 @@ def main() -> None:
             gradient_accumulation_steps=g * n // (micro * world),
             max_completion_length=sl,
             temperature=cfg.rollout.temperature,
-            max_grad_norm=cfg.actor.grad_clip,
+            max_grad_norm=cfg.actor.optim.grad_clip,
             max_steps=args.steps + 1,
             logging_steps=1,
             save_strategy="no",

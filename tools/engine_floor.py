@@ -13,7 +13,7 @@ in one process that owns every core, with none of spmd-rl around them.
   differs, as the FSDP engine's mixed precision does; decoder layers compiled when
   ``actor.compile``; each micro-batch packed padding-free when ``actor.pack_sequences``
   (``engines.fsdp.packing``, as the engine does) (vLLM's own compilation follows
-  ``rollout.enforce_eager``).
+  ``rollout.vllm.enforce_eager``).
 
 floor = generation + training. Prints one JSON line (seconds, medians over ``--repeats``).
 
@@ -76,7 +76,7 @@ def generation(cfg, prompts: list[list[int]], repeats: int, flat: bool = False) 
         dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
         seed=cfg.trainer.seed,
-        enforce_eager=cfg.rollout.enforce_eager,
+        enforce_eager=cfg.rollout.vllm.enforce_eager,
         enable_prefix_caching=False,
     )
     outs: list = []
@@ -118,7 +118,7 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
     model.config.use_cache = False
     if cfg.actor.compile:
         apply_compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.optim.lr, foreach=False)
     ps = [torch.tensor(p) for p in prompts for _ in range(cfg.rollout.n)]
     batch = build_batch(ps, [torch.tensor(r) for r in responses], pad_id)
     adv = torch.randn(len(batch), 1).expand(-1, batch.mask.shape[1])
@@ -141,7 +141,7 @@ def training(cfg, prompts: list[list[int]], responses: list[list[int]], pad_id: 
             with cast:
                 lp, _ = logprobs(model, m, False, policy)
             (-(lp * adv[r, : lp.shape[1]] * m.mask).sum() / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -11,7 +11,7 @@ generation when there are two ranks or more):
 - ``naive``: the training state stays resident through generation;
 - ``swap``: allgather-swap, 2 iterations with a checkpoint after each;
 - ``resume``: ``swap`` resumed from its checkpoint for a third iteration;
-- ``graphs`` (devices only; CPU vLLM has no graph capture): ``rollout.enforce_eager=false``;
+- ``graphs`` (devices only; CPU vLLM has no graph capture): ``rollout.vllm.enforce_eager=false``;
 - ``megatron``: ``swap`` with the megatron-core backend (actor and reference; sequence
   parallelism with TP 2);
 - ``separated`` (3 ranks or more): two generators in their own engine processes, the rest train.
@@ -66,7 +66,7 @@ def layout(n: int, separated: bool) -> list[str]:
             "parallel.gen_ranks=2",
             "parallel.gen.dp=null",
             "parallel.train.dp_shard=null",
-            "actor.tis_cap=2.0",
+            "actor.correction.tis_cap=2.0",
         ]
     return out + [f"parallel.train.dp_shard={n // tp}", f"parallel.gen.dp={n // tp}"]
 
@@ -141,7 +141,9 @@ def main() -> int:
         table["graphs"] = (
             "skipped: CPU vLLM has no graph capture"
             if args.device == "cpu"
-            else run("graphs", args, args.out / "graphs", *plain, "rollout.enforce_eager=false", "trainer.iterations=1")
+            else run(
+                "graphs", args, args.out / "graphs", *plain, "rollout.vllm.enforce_eager=false", "trainer.iterations=1"
+            )
         )
         table["megatron"] = run(
             "megatron",

@@ -4,11 +4,11 @@ partial rollout and the separated placement). Per token, log rho_t = old_logp_t 
 (the proximal policy over the behaviour policy). Every output is a detached weight multiplying
 the token's loss, so the loss normaliser (and the split invariance, ``policy_loss``) is unchanged.
 
-- TIS (``actor.tis_cap`` c): w_t = min(rho_t, c) (``policy_loss.tis_weight``).
-- IcePop (``actor.icepop_band`` [a, b]; Ling team 2025): the importance weight, with tokens whose
+- TIS (``actor.correction.tis_cap`` c): w_t = min(rho_t, c) (``policy_loss.tis_weight``).
+- IcePop (``actor.correction.icepop_band`` [a, b]; Ling team 2025): the importance weight, with tokens whose
   rho_t lies outside [a, b] masked out: w_t = rho_t [a <= rho_t <= b]. It is itself an importance
   weight, so it replaces TIS (the config refuses both).
-- MIS, sequence-level masked importance sampling / rejection (``actor.mis_band`` [a, b];
+- MIS, sequence-level masked importance sampling / rejection (``actor.correction.mis_band`` [a, b];
   verl's rollout_rs "geometric"): a sample whose geometric-mean ratio
   rho_b = exp(mean_t log rho_t) lies outside [a, b] is rejected: w_{b,t} = [a <= rho_b <= b].
 

@@ -126,7 +126,7 @@ def spec_named(name: str) -> AlgorithmSpec:
 
 
 POLICY_LOSSES: Registry = Registry("policy loss", "; or a user's module:function")
-"""``actor.policy_loss`` -> the objective (``algos.policy_loss``, imported by the ranks only);
+"""``actor.loss.policy_loss`` -> the objective (``algos.policy_loss``, imported by the ranks only);
 declared here so that the torch-free config check reads the names from the table itself."""
 POLICY_LOSSES.declare("vanilla", "spmd_rl.algos.policy_loss:vanilla_ppo")
 POLICY_LOSSES.declare("gspo", "spmd_rl.algos.policy_loss:gspo")

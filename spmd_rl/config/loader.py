@@ -1,6 +1,6 @@
 """YAML file + dotted ``key=value`` overrides -> a typed :class:`Config`.
 
-Override values are parsed as YAML scalars/flow collections, so ``actor.lr=1e-5`` is a float,
+Override values are parsed as YAML scalars/flow collections, so ``actor.optim.lr=1e-5`` is a float,
 ``metadata.endpoints=[a:2379,b:2379]`` a list and ``checkpoint.interval=null`` is None.
 """
 
@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from spmd_rl.config.errors import ConfigError, Violation
+from spmd_rl.config.renamed import rename_path, rename_tree
 from spmd_rl.config.schema import NOT_IMPLEMENTED, Config
 
 _MISSING = "<missing>"
@@ -40,7 +41,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(
-            [Violation(text, text, "override is not of the form section.field=value", "write it like actor.lr=1e-5")],
+            [
+                Violation(
+                    text, text, "override is not of the form section.field=value", "write it like actor.optim.lr=1e-5"
+                )
+            ],
             source="overrides",
         )
     try:
@@ -56,6 +61,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     out = yaml.safe_load(yaml.safe_dump(tree)) or {}
     for text in overrides:
         path, value = parse_override(text)
+        path = rename_path(path)
         node = out
         for part in path[:-1]:
             if not isinstance(node.get(part), dict):
@@ -171,5 +177,5 @@ def build_config(tree: dict[str, Any], source: str = "config") -> Config:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override and type-check a config (cross-field rules are in ``rules.check``)."""
-    tree = apply_overrides(read_yaml(path), overrides or [])
+    tree = apply_overrides(rename_tree(read_yaml(path), str(path)), overrides or [])
     return build_config(tree, str(path))

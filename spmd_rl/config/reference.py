@@ -12,6 +12,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from spmd_rl.config.renamed import RENAMED, UNTIL
 from spmd_rl.config.schema import Config
 
 HEADER = """# Configuration reference
@@ -87,4 +88,9 @@ def render() -> str:
         out.append(f"\n## `{section}`{' (required)' if info.is_required() else ''}\n")
         out.append("| field | type | default | range | description |\n|---|---|---|---|---|")
         out += _rows(model, f"{section}.")
+    out.append(
+        f"\n## Renamed fields\n\nRead under their old names, with a warning naming the new one, until {UNTIL}.\n"
+    )
+    out.append("| old | new |\n|---|---|")
+    out += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
     return "\n".join(out) + "\n"

@@ -21,13 +21,15 @@ class RolloutCapabilities:
     adapters: bool = False
     """Serves LoRA adapters over frozen base weights (``actor.lora.sync: adapter``)."""
     routes: bool = False
-    """Records the MoE experts of every token (``actor.router_replay``)."""
+    """Records the MoE experts of every token (``actor.moe.router_replay``)."""
     own_process: bool = False
     """Serves separated placement (a generation rank outside the training world)."""
     tensor_parallel: bool = False
     """Shards one model over several ranks (``parallel.gen.tp`` > 1)."""
     releases_memory: bool = False
     """``sleep`` frees device memory (weights and KV cache)."""
+    settings: str | None = None
+    """The section of ``rollout`` with the settings only this engine reads (``rollout.vllm``)."""
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -36,7 +38,9 @@ ROLLOUTS: Registry = Registry("rollout engine", "; or a user's module:Class (doc
 ROLLOUTS.declare(
     "vllm",
     "spmd_rl.engines.vllm.engine:VllmRollout",
-    RolloutCapabilities(adapters=True, routes=True, own_process=True, tensor_parallel=True, releases_memory=True),
+    RolloutCapabilities(
+        adapters=True, routes=True, own_process=True, tensor_parallel=True, releases_memory=True, settings="vllm"
+    ),
 )
 ROLLOUTS.declare(
     "hf",
@@ -46,7 +50,7 @@ ROLLOUTS.declare(
         releases_memory=True,
         notes={
             "adapters": "LoRA adapters are served by vLLM only; set actor.lora.sync=merge",
-            "routes": "MoE routes are recorded by vLLM only; set actor.router_replay=none",
+            "routes": "MoE routes are recorded by vLLM only; set actor.moe.router_replay=none",
             "tensor_parallel": "one model per generation rank; set parallel.gen.tp=1 (gen.dp replicates it)",
         },
     ),

@@ -126,7 +126,7 @@ class StreamConfig(Section):
         description="Partial rollout: each response generates at most this many tokens per iteration. A prompt group "
         "with an unfinished response is not trained in that iteration; its responses are continued in the next one, "
         "after the weight update, keeping each token's behaviour log-prob and policy version (the TIS weight, "
-        "actor.tis_cap, corrects the older tokens). 0 = off.",
+        "actor.correction.tis_cap, corrects the older tokens). 0 = off.",
     )
 
 

@@ -72,6 +72,16 @@ def check_rollout_engine(name: str) -> str:
     return name
 
 
+class VllmConfig(Section):
+    """``rollout.vllm``: what only the vLLM rollout engine reads (``engines.vllm.options``); the
+    catalog entry of ``rollout.engine: vllm`` names this section (``config.rollout_engines``)."""
+
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, lt=1.0, description="Fraction of device memory vLLM may take on CUDA/NPU (weights + KV cache)."
+    )
+    enforce_eager: bool = Field(True, description="Disable graph capture in vLLM (faster start, slower decode).")
+
+
 class RolloutConfig(Section):
     engine: Annotated[str, AfterValidator(check_rollout_engine)] = Field(
         "vllm",
@@ -95,10 +105,9 @@ class RolloutConfig(Section):
         description="KV-cache size per generation rank in GiB, fractions too (vLLM's kv_cache_memory_bytes, on CPU as "
         "on devices).",
     )
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, lt=1.0, description="Fraction of device memory vLLM may take on CUDA/NPU (weights + KV cache)."
+    vllm: VllmConfig = Field(
+        default_factory=VllmConfig, description="Settings only the vLLM engine reads (rollout.engine: vllm)."
     )
-    enforce_eager: bool = Field(True, description="Disable graph capture in vLLM (faster start, slower decode).")
     environment: str | None = Field(
         None,
         description="Multi-turn, tool-using rollouts: a registered environment (`calculator`, `python`) or a user's "
@@ -149,12 +158,111 @@ class LoRAConfig(Section):
     )
 
 
-class ActorConfig(Section):
+class OptimConfig(Section):
+    """``actor.optim``: AdamW and its learning-rate schedule (``engines.training.schedule``)."""
+
     lr: float = Field(1e-6, gt=0.0, description="Peak learning rate of AdamW.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear LR warm-up.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
+
+
+class PolicyLossConfig(Section):
+    """``actor.loss``: the policy objective (``algos.policy_loss``) and how its per-token terms reduce."""
+
+    policy_loss: Annotated[str, AfterValidator(check_policy_loss)] = Field(
+        "vanilla",
+        description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high "
+        "(DAPO clip-higher when high > low); gspo = sequence-level ratio; cispo = MiniMax-M1's clipped, detached "
+        "importance weight times the log-prob (every token keeps a gradient); or a user's `module:function` with "
+        "their signature (docs/extending.md).",
+    )
+    clip_ratio_low: float = Field(
+        0.2, gt=0.0, lt=1.0, description="PPO clip: ratio is clipped below at 1 - clip_ratio_low."
+    )
+    clip_ratio_high: float = Field(
+        0.2, gt=0.0, description="PPO clip: ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: > low)."
+    )
+    clip_ratio_c: float | None = Field(
+        3.0, gt=1.0, description="Dual-clip bound c for negative advantages; null disables dual clip."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient in the policy loss.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description="How per-token losses reduce to one scalar, normalised over the whole mini-batch (all DP ranks): "
+        "token-mean divides by its token count, the seq-mean modes by its sequence count.",
+    )
+
+
+class CorrectionConfig(Section):
+    """``actor.correction``: the rollout-training mismatch corrections (``algos.rollout_correction``);
+    each weighs a token's loss by its ratio pi_old / pi_rollout, at most one of them per run."""
+
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is "
+        "weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged).",
+    )
+    icepop_band: tuple[Ratio, Ratio] | None = Field(
+        None,
+        description="IcePop rollout correction (algos.rollout_correction): each token's loss is weighted by its ratio "
+        "rho = pi_old / pi_rollout, and tokens whose rho lies outside [low, high] get weight 0 (logged as "
+        "icepop_masked_frac); e.g. [0.5, 2.0]; replaces tis_cap (both are refused); null disables.",
+    )
+    mis_band: tuple[Ratio, Ratio] | None = Field(
+        None,
+        description="Sequence-level masked importance sampling (algos.rollout_correction): a sample whose "
+        "geometric-mean ratio exp(mean_t log(pi_old / pi_rollout)) lies outside [low, high] is rejected, all its "
+        "tokens weight 0 (logged as mis_rejected_frac); e.g. [0.5, 2.0]; null disables.",
+    )
+
+
+class MoEConfig(Section):
+    """``actor.moe``: MoE models' routing replay and router losses (``engines.training.route_replay``,
+    ``algos.router_loss``)."""
+
+    router_replay: Literal["none", "record", "rollout"] = Field(
+        "none",
+        description="MoE models only (engines.training.route_replay): record = the rollout engine returns the "
+        "experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's "
+        "prefix caching is off while it records) and every iteration logs router_agreement (fraction of "
+        "token-layer top-k sets the trainer "
+        "chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also "
+        "replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the "
+        "router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert "
+        "load (expert_load_max_mean) is logged for every MoE actor but a compiled one (actor.compile).",
+    )
+    aux_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="MoE models: coefficient of the load-balancing loss in the update's objective (algos.router_loss: "
+        "Switch's E sum_e f_e P_e, mean over layers; f counted from the rollout's routes of the whole mini-batch, P "
+        "over its real tokens on every DP rank, so the micro-batch and DP split does not change it); logged as "
+        "moe_aux_loss. Needs actor.moe.router_replay record or rollout; 0 disables.",
+    )
+    z_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="MoE models: coefficient of the router z-loss (ST-MoE: mean over the mini-batch's real tokens and "
+        "the layers of logsumexp(router logits)^2) in the update's objective; logged as moe_z_loss; 0 disables.",
+    )
+
+
+class ActorConfig(Section):
+    """The policy's training: its batching, the parts below (``optim``, ``loss``, ``correction``,
+    ``moe``) and the engine settings (``backend`` and the system knobs)."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and its learning-rate schedule.")
+    loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig, description="The policy objective and its aggregation."
+    )
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig, description="Rollout-training mismatch corrections (TIS, IcePop, MIS)."
+    )
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="MoE routing replay and router losses.")
     mini_batch_size: int = Field(
         gt=0,
         description="Prompts per optimizer step (times N samples); must divide `data.global_batch_size`. Mini-batch j "
@@ -175,72 +283,6 @@ class ActorConfig(Section):
         "null = `micro_batch_size` samples each. At least data.max_prompt_length + rollout.max_response_length.",
     )
     ppo_epochs: int = Field(1, gt=0, description="Passes over the iteration's samples in the update stage.")
-    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
-    clip_ratio_low: float = Field(
-        0.2, gt=0.0, lt=1.0, description="PPO clip: ratio is clipped below at 1 - clip_ratio_low."
-    )
-    clip_ratio_high: float = Field(
-        0.2, gt=0.0, description="PPO clip: ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: > low)."
-    )
-    clip_ratio_c: float | None = Field(
-        3.0, gt=1.0, description="Dual-clip bound c for negative advantages; null disables dual clip."
-    )
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient in the policy loss.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean",
-        description="How per-token losses reduce to one scalar, normalised over the whole mini-batch (all DP ranks): "
-        "token-mean divides by its token count, the seq-mean modes by its sequence count.",
-    )
-    policy_loss: Annotated[str, AfterValidator(check_policy_loss)] = Field(
-        "vanilla",
-        description="Registered policy objective (algos.policy_loss): vanilla = PPO clip with clip_ratio_low/high "
-        "(DAPO clip-higher when high > low); gspo = sequence-level ratio; cispo = MiniMax-M1's clipped, detached "
-        "importance weight times the log-prob (every token keeps a gradient); or a user's `module:function` with "
-        "their signature (docs/extending.md).",
-    )
-    tis_cap: float | None = Field(
-        None,
-        gt=0.0,
-        description="Truncated importance sampling against the rollout engine's log-probs: each token's loss is "
-        "weighted by min(exp(old - rollout), tis_cap); null disables (the mismatch is still logged).",
-    )
-    icepop_band: tuple[Ratio, Ratio] | None = Field(
-        None,
-        description="IcePop rollout correction (algos.rollout_correction): each token's loss is weighted by its ratio "
-        "rho = pi_old / pi_rollout, and tokens whose rho lies outside [low, high] get weight 0 (logged as "
-        "icepop_masked_frac); e.g. [0.5, 2.0]; replaces tis_cap (both are refused); null disables.",
-    )
-    mis_band: tuple[Ratio, Ratio] | None = Field(
-        None,
-        description="Sequence-level masked importance sampling (algos.rollout_correction): a sample whose "
-        "geometric-mean ratio exp(mean_t log(pi_old / pi_rollout)) lies outside [low, high] is rejected, all its "
-        "tokens weight 0 (logged as mis_rejected_frac); e.g. [0.5, 2.0]; null disables.",
-    )
-    router_replay: Literal["none", "record", "rollout"] = Field(
-        "none",
-        description="MoE models only (engines.training.route_replay): record = the rollout engine returns the "
-        "experts it chose for every token (dock column rollout_routes, layers x top_k bytes per token; vLLM's "
-        "prefix caching is off while it records) and every iteration logs router_agreement (fraction of "
-        "token-layer top-k sets the trainer "
-        "chooses equally) and routes_differ_tokens (tokens with a different set in at least one layer); rollout = also "
-        "replay those experts in the trainer's old-log-prob and update forwards (R3: rollout routing replay), the "
-        "router's weights still learning through the replayed experts' gate probabilities; none = neither. Per-expert "
-        "load (expert_load_max_mean) is logged for every MoE actor but a compiled one (actor.compile).",
-    )
-    moe_aux_loss_coef: float = Field(
-        0.0,
-        ge=0.0,
-        description="MoE models: coefficient of the load-balancing loss in the update's objective (algos.router_loss: "
-        "Switch's E sum_e f_e P_e, mean over layers; f counted from the rollout's routes of the whole mini-batch, P "
-        "over its real tokens on every DP rank, so the micro-batch and DP split does not change it); logged as "
-        "moe_aux_loss. Needs actor.router_replay record or rollout; 0 disables.",
-    )
-    moe_z_loss_coef: float = Field(
-        0.0,
-        ge=0.0,
-        description="MoE models: coefficient of the router z-loss (ST-MoE: mean over the mini-batch's real tokens and "
-        "the layers of logsumexp(router logits)^2) in the update's objective; logged as moe_z_loss; 0 disables.",
-    )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the sharded master parameters, grads and optimizer states."
     )

@@ -161,33 +161,34 @@ def check_objective_terms(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
 def check_correction(cfg: Config, spec: AlgorithmSpec) -> list[Violation]:
     """Rollout correction (TIS, IcePop, MIS bands) and DAPO's clip-higher."""
     out = []
-    if cfg.actor.icepop_band is not None and cfg.actor.tis_cap is not None:
+    if cfg.actor.correction.icepop_band is not None and cfg.actor.correction.tis_cap is not None:
         out.append(
             Violation(
-                "actor.tis_cap",
-                cfg.actor.tis_cap,
+                "actor.correction.tis_cap",
+                cfg.actor.correction.tis_cap,
                 "IcePop's weight is already the importance ratio (inside its band); TIS would apply it twice",
-                "remove actor.tis_cap with actor.icepop_band (or the band, to truncate instead of mask)",
+                "remove actor.correction.tis_cap with actor.correction.icepop_band (or the band, to truncate "
+                "instead of mask)",
             )
         )
     for field in ("icepop_band", "mis_band"):
-        band = getattr(cfg.actor, field)
+        band = getattr(cfg.actor.correction, field)
         if band is not None and not band[0] < 1.0 < band[1]:
             out.append(
                 Violation(
-                    f"actor.{field}",
+                    f"actor.correction.{field}",
                     list(band),
                     "the band must hold ratio 1 strictly inside ([low, high], low < 1 < high)",
                     "e.g. [0.5, 2.0]",
                 )
             )
-    if cfg.actor.clip_ratio_high < cfg.actor.clip_ratio_low and spec.dapo:
+    if cfg.actor.loss.clip_ratio_high < cfg.actor.loss.clip_ratio_low and spec.dapo:
         out.append(
             Violation(
-                "actor.clip_ratio_high",
-                cfg.actor.clip_ratio_high,
+                "actor.loss.clip_ratio_high",
+                cfg.actor.loss.clip_ratio_high,
                 "DAPO's clip-higher needs clip_ratio_high >= clip_ratio_low",
-                f"set it >= {cfg.actor.clip_ratio_low}, e.g. 0.28",
+                f"set it >= {cfg.actor.loss.clip_ratio_low}, e.g. 0.28",
             )
         )
     return out

@@ -137,13 +137,13 @@ def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) ->
             )
         )
     out += _check_moe(arch, train, ep)
-    if arch is not None and arch.is_moe and a.moe_z_loss_coef and not arch.norm_topk_prob:
+    if arch is not None and arch.is_moe and a.moe.z_loss_coef and not arch.norm_topk_prob:
         out.append(
             Violation(
-                "actor.moe_z_loss_coef",
-                a.moe_z_loss_coef,
+                "actor.moe.z_loss_coef",
+                a.moe.z_loss_coef,
                 "without norm_topk_prob mcore's router hands over probabilities, not logits",
-                "use actor.backend: fsdp, or moe_z_loss_coef: 0",
+                "use actor.backend: fsdp, or actor.moe.z_loss_coef: 0",
             )
         )
     if arch is not None and arch.vocab_size % train_tp:
@@ -241,7 +241,7 @@ def _check_moe(arch: ModelArch | None, train: Layout, ep: int) -> list[Violation
 
 
 def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
-    """``actor.router_replay`` needs a MoE model whose expert ids fit the routes column's uint8,
+    """``actor.moe.router_replay`` needs a MoE model whose expert ids fit the routes column's uint8,
     and the in-process rollout engine whose routers ``engines.vllm.route_capture`` hooks; the router
     losses need a MoE model whose routers ``engines.training.route_replay`` patches (not compiled), the
     load-balancing one the rollout's routes."""
@@ -249,18 +249,18 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
     if arch is None:
         return []
     out = _check_router_losses(cfg, arch)
-    mode, field = a.router_replay, "actor.router_replay"
+    mode, field = a.moe.router_replay, "actor.moe.router_replay"
     if mode == "none":
         return out
     if not arch.is_moe:
-        return out + [Violation(field, mode, "the model has no experts to route", "set actor.router_replay: none")]
+        return out + [Violation(field, mode, "the model has no experts to route", "set actor.moe.router_replay: none")]
     if arch.num_experts > 256:
         out.append(
             Violation(
                 field,
                 mode,
                 f"routes are stored as uint8 expert ids; the model has {arch.num_experts} experts",
-                "set actor.router_replay: none",
+                "set actor.moe.router_replay: none",
             )
         )
     if Modes.of(cfg).separated:
@@ -270,7 +270,7 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
                 mode,
                 "routes are recorded by the in-process rollout engine; the separated placement runs vLLM in its own "
                 "process",
-                "use parallel.placement: colocated, or actor.router_replay: none",
+                "use parallel.placement: colocated, or actor.moe.router_replay: none",
             )
         )
     if arch.sparse_layers != tuple(range(arch.num_layers)):
@@ -280,7 +280,7 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
                 mode,
                 "routes are laid out one row per decoder layer; this model has dense layers (mlp_only_layers / "
                 "decoder_sparse_step)",
-                "set actor.router_replay: none",
+                "set actor.moe.router_replay: none",
             )
         )
     if a.compile:
@@ -289,7 +289,7 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
                 "actor.compile",
                 True,
                 "compiled decoder layers keep their routers unpatched: nothing would be replayed",
-                "set actor.compile: false, or actor.router_replay: none",
+                "set actor.compile: false, or actor.moe.router_replay: none",
             )
         )
     return out
@@ -297,10 +297,10 @@ def check_router_replay(cfg: Config, arch: ModelArch | None) -> list[Violation]:
 
 def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
     a, out = cfg.actor, []
-    for name, coef in (("moe_aux_loss_coef", a.moe_aux_loss_coef), ("moe_z_loss_coef", a.moe_z_loss_coef)):
+    for name, coef in (("aux_loss_coef", a.moe.aux_loss_coef), ("z_loss_coef", a.moe.z_loss_coef)):
         if not coef:
             continue
-        field = f"actor.{name}"
+        field = f"actor.moe.{name}"
         if not arch.is_moe:
             out.append(Violation(field, coef, "the model has no router", f"set {field}: 0"))
         elif a.compile:
@@ -312,13 +312,13 @@ def _check_router_losses(cfg: Config, arch: ModelArch) -> list[Violation]:
                     "set actor.compile: false",
                 )
             )
-    if arch.is_moe and a.moe_aux_loss_coef and a.router_replay == "none":
+    if arch.is_moe and a.moe.aux_loss_coef and a.moe.router_replay == "none":
         out.append(
             Violation(
-                "actor.moe_aux_loss_coef",
-                a.moe_aux_loss_coef,
+                "actor.moe.aux_loss_coef",
+                a.moe.aux_loss_coef,
                 "the load fractions f are counted from the rollout's routes",
-                "set actor.router_replay: record (or rollout)",
+                "set actor.moe.router_replay: record (or rollout)",
             )
         )
     return out

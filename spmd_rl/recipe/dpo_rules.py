@@ -54,7 +54,7 @@ def check_dpo(cfg: Config) -> list[Violation]:
         "stream.partial_tokens": (m.partial_rollout, cfg.stream.partial_tokens, generates),
         "stream.fuse": (cfg.stream.fuse, True, generates),
         "rollout.environment": (m.multi_turn, cfg.rollout.environment, generates),
-        "actor.router_replay": (m.records_routes, cfg.actor.router_replay, generates),
+        "actor.moe.router_replay": (m.records_routes, cfg.actor.moe.router_replay, generates),
         "algorithm.kl_coef": (al.kl_coef > 0, al.kl_coef, "DPO's tie to the reference is algorithm.dpo_beta"),
         "actor.backend": (
             not train_backend(cfg).preference_pairs,

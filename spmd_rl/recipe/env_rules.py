@@ -40,10 +40,10 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     if m.records_routes:
         out.append(
             Violation(
-                "actor.router_replay",
-                cfg.actor.router_replay,
+                "actor.moe.router_replay",
+                cfg.actor.moe.router_replay,
                 "routes are recorded per request, and a trajectory is several requests",
-                "set actor.router_replay: none with rollout.environment",
+                "set actor.moe.router_replay: none with rollout.environment",
             )
         )
     if gen.tp > 1 and cfg.stream.partial_tokens:

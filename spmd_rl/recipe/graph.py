@@ -129,7 +129,7 @@ class Modes:
     separated: bool
     """``parallel.placement: separated``: generation on ranks of its own."""
     records_routes: bool
-    """The rollout writes ``rollout_routes``: ``actor.router_replay`` record or rollout."""
+    """The rollout writes ``rollout_routes``: ``actor.moe.router_replay`` record or rollout."""
     multi_turn: bool
     """Rollouts are multi-turn trajectories: ``rollout.environment`` is set (``envs.multi_turn``)."""
     off_policy: bool
@@ -153,7 +153,7 @@ class Modes:
             dynamic_sampling=dynamic,
             partial_rollout=cfg.stream.partial_tokens > 0,
             separated=cfg.parallel.placement == "separated",
-            records_routes=cfg.actor.router_replay != "none",
+            records_routes=cfg.actor.moe.router_replay != "none",
             multi_turn=cfg.rollout.environment is not None,
             off_policy=cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size,
             kl_in_reward=reference and not cfg.algorithm.use_kl_loss,
@@ -217,7 +217,7 @@ def stages_for(cfg: Config) -> list[Stage]:
         else:
             update_extra += ("ref_log_prob",)
     if m.needs_old_log_prob:
-        replayed = routes if cfg.actor.router_replay == "rollout" else ()
+        replayed = routes if cfg.actor.moe.router_replay == "rollout" else ()
         out.append(Stage("actor_logprob", seq + replayed, ("old_log_prob",), ("actor",), mini_batched=True))
         if m.off_policy:
             update_extra += ("old_log_prob",)

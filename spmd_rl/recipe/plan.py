@@ -206,7 +206,7 @@ def flow_lines(cfg: Config, lay: Layouts, bandwidth_gb_s: float) -> list[str]:
 
 
 def _routes_lines(cfg: Config, stages: list) -> list[str]:
-    """``actor.router_replay``'s column, outside the paper's formulas (one byte per expert id)."""
+    """``actor.moe.router_replay``'s column, outside the paper's formulas (one byte per expert id)."""
     if not Modes.of(cfg).records_routes:
         return []
     arch = ModelArch.from_folder(cfg.model.path)
@@ -219,7 +219,7 @@ def _routes_lines(cfg: Config, stages: list) -> list[str]:
     )
     total = routes_bytes(G, N, PL, SL, arch.num_layers, arch.experts_per_token, reads)
     return [
-        f"  rollout_routes (actor.router_replay): G x N x (PL + SL - 1) x {arch.num_layers} layers x "
+        f"  rollout_routes (actor.moe.router_replay): G x N x (PL + SL - 1) x {arch.num_layers} layers x "
         f"{arch.experts_per_token} experts "
         f"x 1 B, written once, read by {reads} stage(s): at most {total / GB:.6f} GB per iteration, "
         f"{total / GB / max(1, cfg.parallel.nnodes):.6f} GB per warehouse"

@@ -218,10 +218,23 @@ def check_tls(cfg: Config) -> list[Violation]:
 
 def check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
     """A built-in engine must have every capability the run needs (``config.rollout_engines``);
-    a user's ``module:Class`` is checked by the rank that builds it."""
+    a user's ``module:Class`` is checked by the rank that builds it. An engine's own settings
+    (``RolloutCapabilities.settings``, e.g. ``rollout.vllm``) set for another engine are refused:
+    nothing would read them."""
     caps = ROLLOUTS.meta.get(cfg.rollout.engine)
+    out = [
+        Violation(
+            f"rollout.{section}.{field}",
+            getattr(getattr(cfg.rollout, section), field),
+            f"read only by the {section} engine; rollout.engine is {cfg.rollout.engine}",
+            f"remove it, or set rollout.engine: {section}",
+        )
+        for section in sorted({c.settings for c in ROLLOUTS.meta.values() if c.settings})
+        if caps is None or caps.settings != section
+        for field in sorted(getattr(cfg.rollout, section).model_fields_set)
+    ]
     if caps is None:
-        return []
+        return out
     m = Modes.of(cfg)
     needs = {
         "adapters": cfg.actor.lora is not None and cfg.actor.lora.sync == "adapter",
@@ -229,7 +242,7 @@ def check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
         "own_process": m.separated,
         "tensor_parallel": lay.gen.tp > 1,
     }
-    return [
+    return out + [
         Violation("rollout.engine", cfg.rollout.engine, f"the engine lacks {name}, which this run needs", note)
         for name, note in missing(caps, needs)
     ]

@@ -186,8 +186,8 @@ def resume(cfg, peer: Peer, roles: dict, sampler, group) -> tuple[dict | None, i
 
 def build_rollout(cfg, modes: Modes, acc, lay, peer: Peer, side: str) -> Rollout | None:
     """The rollout engine ``rollout.engine`` names, built before every training role (vLLM's
-    start-up check wants ``rollout.gpu_memory_utilization`` of the device free). A colocated engine starts from dummy
-    weights (the first gather overwrites them) and sleeps at once, dropping them, so the
+    start-up check wants ``rollout.vllm.gpu_memory_utilization`` of the device free). A colocated
+    engine starts from dummy weights (the first gather overwrites them) and sleeps at once, dropping them, so the
     training roles load into a free device."""
     if side == "train":
         return None

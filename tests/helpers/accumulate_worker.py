@@ -54,7 +54,7 @@ def main() -> None:
     report = {"rank": rank}
     dist.all_gather_single = counting
     for name, accumulate in (("plain", False), ("accumulate", True)):
-        cfg = ActorConfig(mini_batch_size=1, micro_batch_size=2, lr=1e-3, accumulate_unsharded=accumulate)
+        cfg = ActorConfig(mini_batch_size=1, micro_batch_size=2, optim={"lr": 1e-3}, accumulate_unsharded=accumulate)
         engine = TrainEngine(os.environ["MODEL"], acc, mesh, cfg, "float32", total_steps=10)
         first = engine.train_step(micro, lambda lp, ent, k: -lp.sum())
         GATHERS["n"] = 0

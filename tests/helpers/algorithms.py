@@ -1,7 +1,7 @@
 """A user's algorithms (``algorithm.name: tests.helpers.algorithms:MEDIAN``, a sequence
 estimator; ``tests.helpers.algorithms:TOTAL``, a token estimator; ``...:SHORTER``, an advantage
 stage of its own that reads the response lengths) and policy loss
-(``actor.policy_loss: tests.helpers.algorithms:plain_pg``), defined the way a user defines them
+(``actor.loss.policy_loss: tests.helpers.algorithms:plain_pg``), defined the way a user defines them
 in their own module, with no edit to the package: a spec naming its estimator as
 ``module:function``, and a loss with the registered losses' signature."""
 

@@ -73,7 +73,7 @@ def main():  # noqa: PLR0915
         )
         for q in QUESTIONS
     ]
-    actor_cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, lr=1e-3, grad_clip=1.0)
+    actor_cfg = ActorConfig(mini_batch_size=1, micro_batch_size=4, optim={"lr": 1e-3, "grad_clip": 1.0})
     engine = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)
     twin = TrainEngine(MODEL, acc, mesh, actor_cfg, "float32", total_steps=10)  # same steps, never swapped
     rollout = VllmRollout.build(

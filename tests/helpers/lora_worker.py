@@ -77,8 +77,7 @@ def main():  # noqa: PLR0915
     cfg = ActorConfig(
         mini_batch_size=1,
         micro_batch_size=4,
-        lr=2e-2,
-        grad_clip=1.0,
+        optim={"lr": 2e-2, "grad_clip": 1.0},
         pack_sequences=False,
         lora=LoRAConfig(
             rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], sync=os.environ["LORA_SYNC"]

@@ -72,7 +72,7 @@ def replayed_grad_norms(fsdp, mega, share, tokens, fdp: int, mdp: int, batch, ob
     """One update of each engine replaying the routes, FSDP in micro-batches of 4 and megatron
     of 2: the gradient reaches the routers through the replayed experts' gate weights (mcore's
     softmax of the chosen logits, HF's renormalised probabilities). With ``objective``, the
-    router terms of actor.moe_aux_loss_coef = 0.5 and actor.moe_z_loss_coef = 0.05 alone (the
+    router terms of actor.moe.aux_loss_coef = 0.5 and actor.moe.z_loss_coef = 0.05 alone (the
     policy term times 0, so a wrong scale, f, T or layer mean shows in full), their f and T the
     whole batch's (what the update stage hands them, ``actor_update.router_objective``)."""
     from spmd_rl.algos import router_loss
@@ -200,10 +200,8 @@ def main():  # noqa: PLR0915
     cfg = ActorConfig(
         mini_batch_size=1,
         micro_batch_size=4,
-        lr=1e-3,
-        grad_clip=1e9,
-        weight_decay=0.01,
-        router_replay="rollout" if routes else "none",
+        optim={"lr": 1e-3, "grad_clip": 1e9, "weight_decay": 0.01},
+        moe={"router_replay": "rollout" if routes else "none"},
     )
     fsdp = TrainEngine(model, acc, train_mesh(acc, Layout(world, 1)), cfg, dtype, total_steps=4)
     mega = MegatronEngine(

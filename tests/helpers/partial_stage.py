@@ -33,7 +33,7 @@ cfg = load_config(
         "rollout.n=2",
         f"rollout.max_response_length={limit}",
         f"stream.partial_tokens={budget}",
-        "actor.tis_cap=2",
+        "actor.correction.tis_cap=2",
     ],
 )
 engine = VllmRollout.build(

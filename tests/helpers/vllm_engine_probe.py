@@ -4,7 +4,7 @@ whether building it left the process's float32 matmul precision alone, then over
 updates: which layers vLLM's layerwise reload logs as "Failed to load weights", whether vLLM's
 LM head is the embedding's storage and holds the new weights, and whether greedy generation
 equals HF's on the same perturbed weights; how many parameters the rotary embedding has; and how
-many frames torch.compile compiled while it generated (``rollout.enforce_eager``: none); the
+many frames torch.compile compiled while it generated (``rollout.vllm.enforce_eager``: none); the
 bytes of KV cache it allocated for a budget of a sixteenth of a GiB; and, as the process ends
 through ``teardown.exit_after`` as a rank's does, whether vLLM's engine-core finalizer was found
 and detached (the exit frees what its shutdown would).
@@ -106,7 +106,7 @@ def measure(engine: VllmRollout, folder: str, out: dict) -> None:
     engine.generate([prompt], n=4, max_tokens=4, temperature=1.0, seed=1)  # the random sampler too
     from torch._dynamo.utils import counters
 
-    out["compiled_frames"] = sum(counters["frames"].values())  # rollout.enforce_eager: vLLM's sampler ran eagerly
+    out["compiled_frames"] = sum(counters["frames"].values())  # rollout.vllm.enforce_eager: vLLM's sampler ran eagerly
     rotary = [m for m in vm.modules() if type(m).__name__ == "RotaryEmbedding"]
     out["rotary_parameters"] = sum(p.numel() for m in rotary for p in m.parameters()) if rotary else -1
 

@@ -45,7 +45,9 @@ def test_floor_training_step_runs_and_updates(tiny_model):
 
     import engine_floor
 
-    cfg = load_config(REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "rollout.n=2", "actor.lr=1e-2"])
+    cfg = load_config(
+        REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "rollout.n=2", "actor.optim.lr=1e-2"]
+    )
     prompts = [[5, 6, 7], [8, 9]]
     responses = [[11, 12], [13], [14, 15, 16], [17]]
     from transformers import AutoModelForCausalLM
@@ -102,6 +104,7 @@ def test_floor_flat_generation_has_the_same_tokens_and_no_tail(tiny_model):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["samples"] == 8 and r["flat_response_lengths"] == [max(1, round(r["response_tokens"] / 8))]
     want = (r["floor_generation_s"] + r["floor_training_s"]) / (r["flat_generation_s"] + r["floor_training_s"])
+    # python float64, the same quotient recomputed from the printed fields: a few ulp; approx's default
     assert r["streaming_bound"] == pytest.approx(want)
 
 
@@ -158,6 +161,7 @@ def test_bench_replay_summary_leaves_out_the_first_iteration_and_keeps_the_curve
     s = bench_replay.summary(rows)
     assert s["curve"] == [(0, 0.25), (2, 0.5)] and s["iteration_s"] == 2.0 and s["update_s"] == 1.0
     assert (
+        # ratios of small counts in float64 (this and the next 2 lines): a rounding each; approx's default
         s["mismatch"] == pytest.approx(0.2)
         and s["agreement"] == pytest.approx(0.8)
         and s["differ"] == pytest.approx(0.3)

@@ -117,11 +117,14 @@ def test_the_cost_model_recovers_known_coefficients():
             }
         )
     model = bench.fit(rows)
+    # float64 least squares on exact data (this and the next 3 lines): cond ~1e4 x eps 2.2e-16 << rel 1e-6; abs 1e-6
+    # where a coefficient is 0
     assert model["etcd_writes_per_it"] == pytest.approx([4.5, 1.0])
     assert model["etcd_watch_events_per_it"] == pytest.approx([4.5, 0.0], abs=1e-6)
     assert model["etcd_etcd_cpu_s_per_it"] == pytest.approx([2e-6, 3e-3])
     assert model["keepalives_per_node_s"] == pytest.approx([1.0])
     (at,) = bench.extrapolate(model, None, 100.0, [1024], ranks_per_node=8)
+    # the fitted coefficients (rel ~1e-12) evaluated at 1024 ranks (this and the next 2 lines); approx's default
     assert at["writes_s"] == pytest.approx((4.5 * 1024 + 1) / 100)
     assert at["etcd_cpu_share"] == pytest.approx((2e-6 * 1024**2 + 3e-3 * 1024) / 100)
     assert at["keepalives_s"] == pytest.approx(1024 / 8)  # one lease per node of 8 ranks

@@ -74,7 +74,7 @@ def test_sigkill_at_a_random_point_trains_every_prompt_once(tiny_model, tmp_path
         "actor.mini_batch_size=8",
         "actor.micro_batch_size=8",
         *MODES[mode],
-        "actor.tis_cap=2.0",
+        "actor.correction.tis_cap=2.0",
         "checkpoint.interval=1",
         "checkpoint.keep=10",
         f"metadata.job={job}",

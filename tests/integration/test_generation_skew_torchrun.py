@@ -34,7 +34,7 @@ def test_generation_slower_than_the_collective_timeout_finishes_without_a_restar
         "trainer.eval_interval=1",
         "trainer.eval_limit=4",
         "stream.partial_tokens=4",
-        "actor.tis_cap=2.0",
+        "actor.correction.tis_cap=2.0",
         "checkpoint.interval=0",
         extra_env=env,
     )

@@ -72,6 +72,7 @@ def test_sampled_logprobs_are_the_trainers_under_temperature_top_k_and_top_p(tin
         want = trainer_logprobs(model, prompt, [s.token_ids for s in group], SamplingPolicy(T, top_k, top_p))
         for s, lp in zip(group, want):
             assert len(s.logprobs) == len(s.token_ids)
+            # float32: HF generate's incremental (KV-cache) forward vs the trainer's full forward, ~1e-6-1e-5 apart
             assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
     # and not those of the untruncated policy: the check can tell top-k / top-p apart
     plain = trainer_logprobs(model, prompts[0], [s.token_ids for s in samples[:4]], SamplingPolicy(T))
@@ -96,6 +97,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engine, pr
     batched = dict(engine.step())
     assert not engine.busy()
     (got,) = batched["b"]
+    # float32: batched (padded) vs alone generation forwards, other shapes; ~1e-6
     assert got.token_ids == alone.token_ids and got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
     again = engine.continue_samples([(prompts[1], 8)], seed=6)[0]
     other = engine.continue_samples([(prompts[1], 8)], seed=5)[0]
@@ -217,3 +219,19 @@ def test_spmd_rl_eval_with_the_hf_engine_scores_what_transformers_generate_score
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 2 and "INVALID --engine=nope: unknown rollout engine 'nope'" in res.stderr
+
+
+def test_an_engines_own_settings_are_refused_for_another_engine(in_repo, tiny_model):
+    """``rollout.vllm.*`` is read by the vLLM engine only (its catalog entry names the section):
+    set beside ``rollout.engine: hf`` it is refused, naming the field; left unset it is not."""
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.recipe.rules import check
+
+    hf = ["rollout.engine=hf", "parallel.gen.tp=1"]
+    assert not [v for v in check(load_config("configs/quickstart.yaml", hf))[1] if v.field.startswith("rollout.")]
+    got = check(load_config("configs/quickstart.yaml", [*hf, "rollout.vllm.enforce_eager=false"]))[1]
+    assert [str(v) for v in got if v.field.startswith("rollout.vllm")] == [
+        "rollout.vllm.enforce_eager=False: read only by the vllm engine; rollout.engine is hf -> remove it, or set "
+        "rollout.engine: vllm"
+    ]
+    assert not check(load_config("configs/quickstart.yaml", ["rollout.vllm.enforce_eager=false"]))[1]

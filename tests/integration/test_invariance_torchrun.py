@@ -41,7 +41,7 @@ def test_micro_batch_size_does_not_change_the_objective(tiny_model, tmp_path, et
             *ONE,
             f"actor.micro_batch_size={16 if m == 'tokens' else m}",
             *extra,
-            "actor.loss_agg_mode=seq-mean-token-mean",
+            "actor.loss.loss_agg_mode=seq-mean-token-mean",
             "algorithm.kl_coef=0.05",
         )[0]
         for m, extra in split.items()
@@ -54,6 +54,8 @@ def test_micro_batch_size_does_not_change_the_objective(tiny_model, tmp_path, et
         assert (
             a["ref_resident_bytes"] == b["ref_resident_bytes"] == 0
         )  # ref.offload_to_host (default): on host between uses
+        # float32: micro-batches of 16, 4 or <= 100 tokens sum the same gradient in other orders, rel ~1e-6 (this and
+        # the next line; abs 1e-7 where the loss is ~0)
         assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
         assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
 
@@ -70,9 +72,11 @@ def test_training_layout_does_not_change_the_objective_and_logprobs_match_vllm(t
     }
     a, b = rows["fsdp"], rows["tp"]
     assert a["reward_mean"] == b["reward_mean"] and a["response_length_max"] > 1
+    # float32: FSDP vs TP sum the same gradient in other orders, rel ~1e-6 (this and the next line; abs 1e-7 at ~0)
     assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (a["grad_norm"], b["grad_norm"])
     assert _rel(a["loss"], b["loss"]) < 1e-5 or abs(a["loss"] - b["loss"]) < 1e-7, (a["loss"], b["loss"])
     for r in rows.values():  # the trainer's policy is softmax(logits / 0.7), as vLLM's sampler's
+        # float32: vLLM's CPU forward vs the trainer's, each ~1e-5 from float64 (test_megatron_torchrun); 1e-4 ~7x
         assert r["logprob_mismatch_max"] < 1e-4, r["logprob_mismatch_max"]
 
 
@@ -92,6 +96,7 @@ def test_rollout_logprobs_equal_an_hf_forward_at_the_temperature(tiny_model):
     wrong = response_logprobs(logits, batch)[0]
     for k, s in enumerate(got["samples"]):
         vllm = torch.tensor(s["logprobs"])
+        # float32: HF vs vLLM CPU forwards, each ~1e-5 from float64; 1e-4 ~7x
         assert (right[k, : len(vllm)] - vllm).abs().max() < 1e-4
     assert (
         max(
@@ -135,6 +140,7 @@ def test_rollout_logprobs_under_top_p_top_k_are_the_trainers(tiny_model, policy)
         pos = batch.predictor[k, :r]
         ref = hf[k, pos, torch.tensor(s["ids"])].float()
         assert ref.isfinite().all()  # every sampled token is in HF's kept set
+        # float32: trainer kernel / HF warpers vs vLLM CPU forwards, each ~1e-5 from float64; 1e-4 ~7x
         assert (trainer[k, :r] - vllm).abs().max() < 1e-4 and (ref - vllm).abs().max() < 1e-4
         worst_old = max(worst_old, float((untruncated[k, :r] - vllm).abs().max()))
     assert worst_old > 1e-2, worst_old

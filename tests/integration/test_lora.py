@@ -39,6 +39,7 @@ def test_lora_linear_is_the_formula_in_float64():
         m.q_proj.lora_B.normal_()
         a, b, w = m.q_proj.lora_A, m.q_proj.lora_B, m.q_proj.weight
         want = x @ w.T + m.q_proj.bias + (3.0 / 2) * (x @ a.T) @ b.T
+        # float64: the same products in another association, |y| ~ 10 x eps 2.2e-16 x 6 terms
         assert torch.allclose(m.q_proj(x), want, atol=1e-12, rtol=0)
         merged = w + lora.merge_deltas(m)["q_proj.weight"].double()
         assert torch.allclose(x @ merged.T + m.q_proj.bias, want, atol=1e-6, rtol=0)  # merge_deltas is float32
@@ -67,6 +68,7 @@ def test_dropout_acts_in_training_only():
     assert torch.equal(m.q_proj(x), m.q_proj(x))
     m.train()
     torch.manual_seed(0)
+    # dropout 0.5 changes the adapter term by O(1), far outside allclose's default
     assert not torch.allclose(m.q_proj(x), m.eval().q_proj(x))
 
 
@@ -98,14 +100,18 @@ def test_lora_actor_under_torchrun(tmp_path, tiny_model, sync):
     )
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # float32: the FSDP engine vs HF's forward in other batch shapes (~1e-6); B = 0 adds exact zeros
         assert r["initial_vs_base"] < 1e-5  # B = 0: the adapted model starts as the base model
         assert r["adapted_moved"] > 0.1  # three updates moved the policy
+        # float32: the engine with adapters off vs HF's forward in other batch shapes (~1e-6)
         assert r["reference_vs_base"] < 1e-5  # adapters off == the HF base model: the reference
         assert r["reference_reads_actor_tensors"] > 1e-3  # ... computed from the actor's own tensors, not a copy
         assert r["base_frozen_bit_exact"]  # the base weights never moved
         assert (
+            # float32: merged W + s B A (one more rounding) through HF vs the engine's adapted forward, other shapes
             r["synced_names_are_checkpoint_names"] and r["merged_vs_adapted"] < 1e-4
         )  # merged weights are the trained policy
+        # float32: vLLM's CPU forward vs the trainer's, each ~1e-5 from float64; 1e-4 ~7x
         assert max(r["vllm_vs_trainer"]) < 1e-4  # after each of two syncs vLLM samples from the trainer's policy
         if sync == "adapter":  # the base weights went to vLLM once; then only adapters, a new version per sync
             assert r["synced_is_base"] and r["full_weight_loads"] == 1 and r["adapter_versions"] == 2

@@ -59,5 +59,6 @@ def test_training_with_math_verify_on_latex_answers(tiny_model, tmp_path):
         )
     assert [r["iteration"] for r in out] == [0, 1]
     assert any(r["accuracy"] > 0 for r in out)  # the warm-started model is right ~25 % of the time
+    # means of the same 0/1 values (float32 at worst, 6e-8) vs approx's default rel 1e-6
     assert all(r["reward_mean"] == pytest.approx(r["accuracy"]) for r in out)
     assert all(r["grad_norm"] > 0 for r in out)

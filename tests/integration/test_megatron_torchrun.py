@@ -62,6 +62,7 @@ def test_megatron_equals_fsdp(layouts, layout):
         # the gradient norm sees the loss scale (Adam alone would not): the micro-batch and DP
         # normalisations of both backends agree
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
+        # float32: two backends sum ~8e5 squared gradient elements in other orders and layouts (eps 6e-8 x ~100)
         # Adam's first step is lr x g / (|g| + eps): where |g| is at float-rounding size (near
         # eps) it amplifies rounding, so a few elements may differ by a fair part of lr (2.4e-4 on
         # an Intel AMX machine, under 1e-4 on AMD). A wrong lr, weight decay or step count moves
@@ -96,6 +97,7 @@ def test_megatron_checkpoint_resumes_in_another_layout(layouts):
             r = json.loads((layouts / reader / f"rank{rank}.json").read_text())
             assert r["resumed_diff"] == 0.0 and r["steps"] == 2, (reader, r)
             assert r["second_step_moved"] > 5e-4, (reader, r)  # the second update is lr-sized (1e-3)
+            # float32: the resumed update vs the writer's from another layout; a lost moment or step is ~lr 1e-3
             assert r["second_step_diff"] < 1e-4, (reader, r)
         assert json.loads((layouts / reader / "rank0.json").read_text())["exported_diff"] == 0.0
 
@@ -125,9 +127,11 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # routing replay of random routes (far from either router's own choice): the same
         # log-probs, statistics and gradient from mcore's sequence-first layout as from HF's
+        # float32: HF vs mcore forwards of the same routes (each ~1e-5 from float64, see test_megatron_equals_fsdp)
         assert r["replay_moved_logprobs"] > 0.1 and r["replay_logprob_diff"] < 1e-5, r
+        # float32: the same gradient's norm from two backends' reduction orders (eps 6e-8 x ~100)
         assert abs(r["replay_grad_norms"][0] - r["replay_grad_norms"][1]) <= 1e-5 * r["replay_grad_norms"][0], r
-        # the router terms alone (actor.moe_aux_loss_coef 0.5, actor.moe_z_loss_coef 0.05) with
+        # the router terms alone (actor.moe.aux_loss_coef 0.5, actor.moe.z_loss_coef 0.05) with
         # the whole batch's f and T, FSDP in micro-batches of 4 and megatron of 2: the same
         # gradient (fresh engines agree to 1e-7; after three Adam steps their rarely chosen
         # experts differ, 2e-5 here; a wrong scale, f, T or layer mean moves it by far more)
@@ -135,10 +139,14 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
         assert abs(fsdp_norm - mega_norm) <= 1e-4 * fsdp_norm and aux > 0 and z > 0, r
         sf, sm = r["sums_fsdp"], r["sums_megatron"]
         assert sf["decisions"] == sm["decisions"] > 0 and sf["agree"] == sm["agree"] < 0.5 * sf["decisions"], r
+        # ratios of integer expert counts over the same routes on both backends: equal to a rounding; approx's default
         assert sf["load_ratio"] == pytest.approx(sm["load_ratio"]), r
         # after the update, the rarely chosen experts' near-eps Adam steps (below) move the
-        # log-probs a little (1.7e-5 on an Intel AMX machine)
+        # log-probs a little (1.7e-5 on an Intel AMX machine). Before it: two float32 forwards, each ~1e-5 from
+        # float64; no margin known (the dense test's direct 1e-5 bound saw 1.14e-5 on an AVX2-only EPYC)
         assert r["logprob_diff_before"] < 1e-5 and r["logprob_diff_after"] < 1e-4, r
+        # float32 grad norms of two backends (eps 6e-8 x ~100 orders); weights as in the dense test (docstring: ~1e-5 of
+        # elements past 1e-4)
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
         assert r["weight_diff_fraction"] < 1e-4 and r["weight_diff_after"] < 1e-3, r
         assert r["moved_from_checkpoint"] > 1e-4, r
@@ -173,5 +181,6 @@ def test_megatron_moe_checkpoint_resumes_in_another_expert_layout(tiny_moe, tmp_
     for rank in range(2):
         r = json.loads((tmp_path / "ep1" / f"rank{rank}.json").read_text())
         assert r["resumed_diff"] == 0.0 and r["steps"] == 2, r
+        # float32: the resumed update vs the writer's with other expert layouts; a lost moment or step is ~lr (1e-3)
         assert r["second_step_moved"] > 5e-4 and r["second_step_diff"] < 1e-4, r
     assert json.loads((tmp_path / "ep1" / "rank0.json").read_text())["exported_diff"] == 0.0

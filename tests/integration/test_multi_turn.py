@@ -60,6 +60,7 @@ def test_a_trajectory_is_sampled_turns_with_rendered_tool_turns_between_them(pro
 
 @pytest.mark.slow
 def test_the_trainer_logprobs_equal_vllm_at_sampled_positions_and_are_zero_where_inserted(probe):
+    # float32: HF vs vLLM CPU forwards over multi-turn contexts (longer than one turn's); 2x the 1e-4 elsewhere
     assert probe["hf_vs_vllm_max_abs"] < 2e-4, probe["hf_vs_vllm_max_abs"]
     assert probe["inserted_logprobs_zero"] == [True] * len(probe["echo"])
 

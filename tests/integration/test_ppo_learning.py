@@ -43,7 +43,7 @@ def test_critic_value_loss_falls_under_a_fixed_policy(tiny_model, tmp_path, etcd
         etcd.endpoint,
         *QUICKSTART,
         *PPO,
-        "actor.lr=1e-12",
+        "actor.optim.lr=1e-12",
         "algorithm.critic_lr=1e-3",
         "trainer.iterations=30",
         f"data.train_path={few}",

@@ -106,6 +106,7 @@ def test_ppo_gae_and_residency(tiny_model, tmp_path, etcd, layout):
         want_adv, want_ret = reference_gae(col)
         for i in col["advantages"]:
             assert col["advantages"][i].numel() == int(col["response_length"][i])
+            # float32 dock columns of GAE/whitening (eps 6e-8 x |A| <= ~5) vs the float64 reference (and the next line)
             torch.testing.assert_close(col["advantages"][i].double(), want_adv[i], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(col["returns"][i].double(), want_ret[i], atol=1e-5, rtol=1e-5)
 

@@ -66,6 +66,7 @@ def test_score_engine_equals_hf_forward(tiny_reward_model):
     ]
     engine = _engine(tiny_reward_model, "score")
     got, _ = engine.infer(split(build_batch(prompts, responses, tok.pad_token_id), 2))  # micro-batches pad differently
+    # float32: the score engine (FSDP, right-padded micro-batches) vs HF's unpadded forward, ~1e-6 on O(1) scores
     torch.testing.assert_close(got, _hf_scores(tiny_reward_model, prompts, responses), atol=1e-5, rtol=1e-5)
 
 
@@ -87,6 +88,7 @@ def test_value_head_zero_from_actor_and_read_from_its_own_folder(tiny_model, tmp
             .gather(1, batch.predictor)
             * batch.mask
         )
+    # float32: the value engine (FSDP, padded micro-batches) vs HF's forward of the same batch, ~1e-6 on O(1) values
     torch.testing.assert_close(values, want, atol=1e-5, rtol=1e-5)
     assert values.abs().max() > 0
 
@@ -105,7 +107,7 @@ def test_reward_model_run_scores_through_the_dock_and_rises(tiny_reward_model, t
         f"reward.rule_weight={w}",
         "reward.offload_to_host=false",
         "trainer.iterations=24",
-        "actor.lr=1e-4",
+        "actor.optim.lr=1e-4",
         "checkpoint.interval=0",
         "data.global_batch_size=16",
         "rollout.n=8",
@@ -135,6 +137,7 @@ def test_reward_model_run_scores_through_the_dock_and_rises(tiny_reward_model, t
         ]
     )
     want = _hf_scores(tiny_reward_model, prompts, responses) + w * rule
+    # float32: the run's reward-model forward (padded batch) vs HF's per-sequence forward, ~1e-6 on O(1) scores
     torch.testing.assert_close(torch.stack([col["reward"][i] for i in idx]), want.float(), atol=1e-5, rtol=1e-5)
     for rank in (0, 1):
         for row in ledger(dump, rank):

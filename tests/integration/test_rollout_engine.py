@@ -9,7 +9,7 @@ for every test here):
 - what the terminal filter (``engines.vllm.logs``) hides is true: vLLM logs the reload misses
   for exactly the tied LM head and the rotary embedding, the head is the embedding's storage
   holding the new weights, and the rotary embedding has no parameters;
-- with ``rollout.enforce_eager`` (the default) generating compiles nothing: vLLM's sampler
+- with ``rollout.vllm.enforce_eager`` (the default) generating compiles nothing: vLLM's sampler
   helpers, which it wraps in ``torch.compile`` in every mode, run eagerly (their first-call
   compile was 4.8 s of every engine's first generation on CPU);
 - the KV cache vLLM allocates is ``rollout.kv_cache_gib``, fractions of a GiB too;

@@ -21,15 +21,15 @@ from tests.trainer_util import train
 
 MOE = (
     "model.path=assets/tiny-qwen3-moe",
-    "actor.router_replay=rollout",
+    "actor.moe.router_replay=rollout",
     "stream.partial_tokens=3",
     "actor.ppo_epochs=2",
-    "actor.tis_cap=2.0",
+    "actor.correction.tis_cap=2.0",
     "trainer.iterations=4",
-    "actor.lr=0.02",
-    "actor.entropy_coef=0.5",
-    "actor.moe_aux_loss_coef=0.01",
-    "actor.moe_z_loss_coef=0.001",
+    "actor.optim.lr=0.02",
+    "actor.loss.entropy_coef=0.5",
+    "actor.moe.aux_loss_coef=0.01",
+    "actor.moe.z_loss_coef=0.001",
 )  # large steps even where every reward is equal: a continuation's recomputed routes differ
 
 

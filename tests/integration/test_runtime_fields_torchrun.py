@@ -144,7 +144,7 @@ def test_max_policy_lag_two_trains_on_samples_two_updates_old(tiny_model, tmp_pa
         "parallel.gen_ranks=1",
         "parallel.gen.dp=1",
         "parallel.train.dp_shard=1",
-        "actor.tis_cap=2.0",
+        "actor.correction.tis_cap=2.0",
         "trainer.iterations=4",
         "checkpoint.interval=0",
         "stream.max_policy_lag=2",

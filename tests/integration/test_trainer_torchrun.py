@@ -26,7 +26,7 @@ def test_two_iterations_both_modes_and_resume(tiny_model, tmp_path, etcd):
     """The distributed dock, against one run that changes two things: the centralized dock and
     stage fusion. Each only moves work (in space, in time) and neither may change a bit of the
     result, so the two runs must agree; a bug in either breaks that."""
-    sched = ("actor.lr_schedule=cosine", "actor.warmup_steps=2", "trainer.iterations=4")
+    sched = ("actor.optim.lr_schedule=cosine", "actor.optim.warmup_steps=2", "trainer.iterations=4")
     runs = {
         "distributed": train(tmp_path, "distributed", etcd.endpoint, "dock.mode=distributed", *sched),
         "centralized-fused": train(

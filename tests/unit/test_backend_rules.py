@@ -41,7 +41,13 @@ def test_what_megatron_runs_is_valid(in_repo, tiny_model, extra):
         ((*MEGA, "algorithm.name=ppo"), "actor.backend"),
         ((*MEGA, "reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"), "actor.backend"),
         (
-            (*MEGA, "parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "actor.tis_cap=2.0"),
+            (
+                *MEGA,
+                "parallel.placement=separated",
+                "parallel.gen_ranks=1",
+                "parallel.gen.dp=1",
+                "actor.correction.tis_cap=2.0",
+            ),
             "actor.backend",
         ),
         ((*MEGA, "actor.accumulate_unsharded=true"), "actor.accumulate_unsharded"),

@@ -41,7 +41,7 @@ def test_console_script_exit_codes(in_repo, tiny_model):
 BROKEN = [
     # (overrides, world size, field that must be named)
     (["rollout.n=0"], None, "rollout.n"),
-    (["actor.lr=fast"], None, "actor.lr"),
+    (["actor.optim.lr=fast"], None, "actor.optim.lr"),
     (["actor.lrr=1e-5"], None, "actor.lrr"),
     (["algorithm.name=reinforce"], None, "algorithm.name"),
     (["algorithm.name=ppo", "critic.model_path=assets/no-critic"], None, "critic.model_path"),
@@ -114,8 +114,8 @@ BROKEN = [
     ),
     (["metadata.ca_file=/no/such/ca.crt"], None, "metadata.ca_file"),
     (["model"], None, "model"),
-    (["actor.betas=[0.9,1.5]"], None, "actor.betas.1"),  # a tuple's elements are range-checked too
-    (["actor.betas=[-0.1,0.99]"], None, "actor.betas.0"),
+    (["actor.optim.betas=[0.9,1.5]"], None, "actor.optim.betas.1"),  # a tuple's elements are range-checked too
+    (["actor.optim.betas=[-0.1,0.99]"], None, "actor.optim.betas.0"),
     (["trainer.seed=-1"], None, "trainer.seed"),
     (["reward.rule_weight=-1"], None, "reward.rule_weight"),
 ]
@@ -141,10 +141,10 @@ def test_not_implemented_field_says_why(in_repo, tiny_model):
 
 
 def test_all_violations_reported_at_once(in_repo, tiny_model):
-    res = run("validate", QUICK, "rollout.n=0", "actor.lr=-1", "data.test_path=assets/missing.jsonl")
+    res = run("validate", QUICK, "rollout.n=0", "actor.optim.lr=-1", "data.test_path=assets/missing.jsonl")
     assert res.exit_code == 2
     # type errors stop before cross-field rules; both type errors appear together
-    assert "rollout.n=0" in res.output and "actor.lr=-1" in res.output
+    assert "rollout.n=0" in res.output and "actor.optim.lr=-1" in res.output
     res = run(
         "validate", QUICK, "data.global_batch_size=15", "data.test_path=assets/missing.jsonl", "rollout.temperature=0"
     )
@@ -231,6 +231,6 @@ def test_every_algorithm_that_reads_a_group_gets_whole_groups_on_every_rank(
 
 def test_icepop_beside_tis_is_refused(in_repo, tiny_model):
     """IcePop's weight is the ratio itself inside its band: with TIS the ratio would weigh twice."""
-    res = run("validate", QUICK, "actor.icepop_band=[0.5,2.0]", "actor.tis_cap=2.0")
-    assert res.exit_code == 2 and "actor.tis_cap=" in res.output and "IcePop" in res.output, res.output
-    assert run("validate", QUICK, "actor.icepop_band=[0.5,2.0]").exit_code == 0
+    res = run("validate", QUICK, "actor.correction.icepop_band=[0.5,2.0]", "actor.correction.tis_cap=2.0")
+    assert res.exit_code == 2 and "actor.correction.tis_cap=" in res.output and "IcePop" in res.output, res.output
+    assert run("validate", QUICK, "actor.correction.icepop_band=[0.5,2.0]").exit_code == 0

@@ -28,30 +28,30 @@ COVERED = {
     "rollout.tool_timeout_s": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.unsafe_python_without_jail": "test_env_rules.py::"
     "test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise",
-    "actor.lr": "test_learning_torchrun.py",
-    "actor.lr_schedule": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
-    "actor.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
+    "actor.optim.lr": "test_learning_torchrun.py",
+    "actor.optim.lr_schedule": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
+    "actor.optim.warmup_steps": "test_trainer_torchrun.py::test_two_iterations_both_modes_and_resume",
     "actor.mini_batch_size": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
     "actor.micro_batch_size": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
     "actor.micro_batch_tokens": "test_stage_fields.py::test_token_budget_splits_by_tokens_and_keeps_the_objective",
     "actor.ppo_epochs": "test_trainer_torchrun.py::test_reference_old_logprob_and_dapo_stages",
-    "actor.loss_agg_mode": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
-    "actor.policy_loss": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
-    "actor.tis_cap": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
+    "actor.loss.loss_agg_mode": "test_invariance_torchrun.py::test_micro_batch_size_does_not_change_the_objective",
+    "actor.loss.policy_loss": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
+    "actor.correction.tis_cap": "test_fields_act_torchrun.py::test_objective_and_eval_fields_act",
     "logging.wandb": "test_run_outputs_torchrun.py::test_wandb_offline_logs_the_jsonl_metrics",
-    "actor.icepop_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
-    "actor.mis_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
+    "actor.correction.icepop_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
+    "actor.correction.mis_band": "test_algorithms_torchrun.py::test_icepop_and_mis_bands_mask_and_reject",
     "actor.lora": "test_lora_torchrun.py::test_lora_run_reference_checkpoint_and_export",
     "algorithm.dpo_beta": "test_dpo_torchrun.py::test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split",
     "algorithm.dpo_label_smoothing": "test_dpo_torchrun.py::"
     "test_dpo_objective_starts_at_log2_and_does_not_depend_on_the_split",
     "data.chosen_column": "test_preference.py::test_the_run_reads_its_preference_columns",
     "data.rejected_column": "test_preference.py::test_the_run_reads_its_preference_columns",
-    "actor.router_replay": "test_route_replay_torchrun.py::"
+    "actor.moe.router_replay": "test_route_replay_torchrun.py::"
     "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
-    "actor.moe_aux_loss_coef": "test_route_replay_torchrun.py::"
+    "actor.moe.aux_loss_coef": "test_route_replay_torchrun.py::"
     "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
-    "actor.moe_z_loss_coef": "test_route_replay_torchrun.py::"
+    "actor.moe.z_loss_coef": "test_route_replay_torchrun.py::"
     "test_the_trainer_reads_the_routes_vllm_returned_across_carries",
     "reward.kind": "test_cli_validate.py::test_broken_config_names_field",
     "reward.rule": "test_math_verify.py::test_training_with_math_verify_on_latex_answers",
@@ -110,11 +110,11 @@ COVERED = {
     "rollout.top_p": "test_rollout_fields.py::test_sampling_options_apply_top_p_top_k_when_sampling",
     "rollout.top_k": "test_rollout_fields.py::test_sampling_options_apply_top_p_top_k_when_sampling",
     "rollout.kv_cache_gib": "test_rollout_fields.py::test_kv_cache_size_reaches_vllm",
-    "rollout.gpu_memory_utilization": "test_rollout_fields.py::test_engine_options_per_device_kind",
-    "rollout.enforce_eager": "test_rollout_fields.py::test_engine_options_per_device_kind",
-    "actor.weight_decay": "test_train_engine_fields.py::test_weight_decay_alone_shrinks_the_weights",
-    "actor.betas": "test_train_engine_fields.py::test_betas_and_grad_clip_set_the_first_moment",
-    "actor.grad_clip": "test_train_engine_fields.py::test_betas_and_grad_clip_set_the_first_moment",
+    "rollout.vllm.gpu_memory_utilization": "test_rollout_fields.py::test_engine_options_per_device_kind",
+    "rollout.vllm.enforce_eager": "test_rollout_fields.py::test_engine_options_per_device_kind",
+    "actor.optim.weight_decay": "test_train_engine_fields.py::test_weight_decay_alone_shrinks_the_weights",
+    "actor.optim.betas": "test_train_engine_fields.py::test_betas_and_grad_clip_set_the_first_moment",
+    "actor.optim.grad_clip": "test_train_engine_fields.py::test_betas_and_grad_clip_set_the_first_moment",
     "actor.param_dtype": "test_train_engine_fields.py::test_param_dtype_and_activation_checkpointing",
     "actor.activation_checkpointing": "test_train_engine_fields.py::test_param_dtype_and_activation_checkpointing",
     "actor.accumulate_unsharded": "test_train_engine_fields.py::test_accumulate_unsharded_gives_the_same_step",
@@ -124,10 +124,10 @@ COVERED = {
     "parallel.train.pp": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
     "parallel.train.ep": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
     "actor.pack_sequences": "test_packing.py::test_pack_sequences_changes_what_the_model_sees_and_not_the_step",
-    "actor.clip_ratio_low": "test_stage_fields.py::test_update_reads_its_fields",
-    "actor.clip_ratio_high": "test_stage_fields.py::test_update_reads_its_fields",
-    "actor.clip_ratio_c": "test_stage_fields.py::test_update_reads_its_fields",
-    "actor.entropy_coef": "test_stage_fields.py::test_update_reads_its_fields",
+    "actor.loss.clip_ratio_low": "test_stage_fields.py::test_update_reads_its_fields",
+    "actor.loss.clip_ratio_high": "test_stage_fields.py::test_update_reads_its_fields",
+    "actor.loss.clip_ratio_c": "test_stage_fields.py::test_update_reads_its_fields",
+    "actor.loss.entropy_coef": "test_stage_fields.py::test_update_reads_its_fields",
     "algorithm.kl_estimator": "test_stage_fields.py::test_update_reads_its_fields",
     "algorithm.norm_adv_by_std": "test_stage_fields.py::test_advantage_reads_norm_adv_by_std",
     "algorithm.overlong_buffer": "test_stage_fields.py::test_reward_reads_overlong_buffer_and_penalty",
@@ -212,19 +212,29 @@ def _builders(tree: ast.Module, cls: str) -> set[str]:
 
 def mentions(field: str, source: str, tree: ast.Module) -> bool:
     """Whether ``source`` (a test file) names ``field`` whole: its dotted path in an
-    override or an attribute access (``actor.lr=``, ``cfg.actor.lr``), or its last part as a
+    override or an attribute access (``actor.optim.lr=``, ``cfg.actor.optim.lr``), or its last part as a
     keyword of a call building its section (``RolloutConfig(top_p=...)``, or a helper of the
-    file that builds it). A last part alone elsewhere (``n``, ``lr`` in a metrics key, a word in
-    a comment) does not count."""
+    file that builds it), or, in a nested section, a key of the dict given for that section to
+    a call building its parent (``RolloutConfig(vllm={"enforce_eager": ...})``). A last part
+    alone elsewhere (``n``, ``lr`` in a metrics key, a word in a comment) does not count."""
     if re.search(rf"(?<![\w]){re.escape(field)}(?![\w])", source):
         return True
-    leaf, builders = field.split(".")[-1], _builders(tree, _section_class(field))
+    parts, calls = field.split("."), [c for c in ast.walk(ast.parse(source)) if isinstance(c, ast.Call)]
+    named = lambda c, builders: isinstance(c.func, ast.Name) and c.func.id in builders  # noqa: E731
+    if any(
+        named(c, _builders(tree, _section_class(field))) and parts[-1] in {k.arg for k in c.keywords} for c in calls
+    ):
+        return True
+    if len(parts) < 3:
+        return False
+    parents = _builders(tree, _section_class(".".join(parts[:-1])))
     return any(
-        isinstance(c, ast.Call)
-        and isinstance(c.func, ast.Name)
-        and c.func.id in builders
-        and leaf in {k.arg for k in c.keywords}
-        for c in ast.walk(ast.parse(source))
+        named(c, parents)
+        and k.arg == parts[-2]
+        and isinstance(k.value, ast.Dict)
+        and any(isinstance(key, ast.Constant) and key.value == parts[-1] for key in k.value.keys)
+        for c in calls
+        for k in c.keywords
     )
 
 
@@ -240,8 +250,13 @@ def test_named_tests_exist_and_mention_the_field():
 
 def test_the_mention_check_wants_the_whole_field():
     tree = ast.parse("")
-    assert mentions("actor.lr", 'run("actor.lr=1e-3")', tree) and mentions("actor.lr", "x = cfg.actor.lr", tree)
-    assert not mentions("actor.lr", 'lrs = [r["lr"] for r in rows]', tree)
+    assert mentions("actor.optim.lr", 'run("actor.optim.lr=1e-3")', tree) and mentions(
+        "actor.optim.lr", "x = cfg.actor.optim.lr", tree
+    )
+    assert not mentions("actor.optim.lr", 'lrs = [r["lr"] for r in rows]', tree)
     assert not mentions("rollout.n", "generate(prompts, n=2)  # rollout n", tree)
     assert mentions("rollout.top_p", "cfg = RolloutConfig(n=2, top_p=0.9)", tree)
+    assert mentions("rollout.vllm.enforce_eager", 'RolloutConfig(n=2, vllm={"enforce_eager": False})', tree)
+    assert not mentions("rollout.vllm.enforce_eager", 'RolloutConfig(n=2, hf={"enforce_eager": False})', tree)
+    assert not mentions("rollout.vllm.enforce_eager", "RolloutConfig(n=2, enforce_eager=False)", tree)
     assert not mentions("trainer.deterministic", "# the same weights (deterministic)", tree)

@@ -35,7 +35,7 @@ def test_every_field_is_in_the_reference_with_its_range():
     for leaf in leaves:
         assert f"| `{leaf}` |" in text, leaf
     assert "| `data.global_batch_size` | int | `required` | > 0 |" in text
-    assert "| `actor.betas` | tuple of float (>= 0.0, < 1.0), float (>= 0.0, < 1.0) | `[0.9, 0.999]` |" in text
+    assert "| `actor.optim.betas` | tuple of float (>= 0.0, < 1.0), float (>= 0.0, < 1.0) | `[0.9, 0.999]` |" in text
 
 
 def test_the_cli_prints_it():

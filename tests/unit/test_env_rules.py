@@ -28,9 +28,9 @@ def validate(config: str, *overrides: str):
             "parallel.gen_ranks=1",
             "parallel.gen.dp=1",
             "parallel.train.dp_shard=1",
-            "actor.tis_cap=2.0",
+            "actor.correction.tis_cap=2.0",
         ),
-        ("stream.partial_tokens=4", "actor.tis_cap=2.0"),
+        ("stream.partial_tokens=4", "actor.correction.tis_cap=2.0"),
         ("parallel.gen.tp=2", "parallel.gen.dp=1"),
         ("algorithm.name=ppo", "algorithm.critic_lr=1e-4"),
     ],
@@ -47,7 +47,10 @@ def test_what_multi_turn_runs_is_valid(in_repo, tiny_tools, extra):
         (("rollout.environment=abacus",), "rollout.environment"),
         (("rollout.environment=no_such_module:make",), "rollout.environment"),
         (("data.apply_chat_template=false",), "data.apply_chat_template"),
-        (("parallel.gen.tp=2", "parallel.gen.dp=1", "stream.partial_tokens=4", "actor.tis_cap=2.0"), "parallel.gen.tp"),
+        (
+            ("parallel.gen.tp=2", "parallel.gen.dp=1", "stream.partial_tokens=4", "actor.correction.tis_cap=2.0"),
+            "parallel.gen.tp",
+        ),
     ],
     ids=["unknown-name", "unknown-module", "no-chat-template", "gen-tp-partial"],
 )
@@ -66,8 +69,8 @@ def test_turn_fields_without_an_environment_are_refused(in_repo, tiny_model, fie
 def test_routing_replay_with_an_environment_is_refused(in_repo, tiny_moe, tiny_tools):
     res = validate("configs/quickstart_moe.yaml", "rollout.environment=calculator", "rollout.max_response_length=32")
     assert res.exit_code == 0, res.output
-    res = validate("configs/quickstart_moe.yaml", "rollout.environment=calculator", "actor.router_replay=record")
-    assert res.exit_code == 2 and "actor.router_replay" in res.output, res.output
+    res = validate("configs/quickstart_moe.yaml", "rollout.environment=calculator", "actor.moe.router_replay=record")
+    assert res.exit_code == 2 and "actor.moe.router_replay" in res.output, res.output
 
 
 def test_the_python_environment_without_a_jail_is_refused_unless_its_cost_is_accepted(in_repo, tiny_tools, monkeypatch):

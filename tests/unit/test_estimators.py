@@ -23,8 +23,10 @@ def test_rloo_is_the_reward_minus_the_mean_of_the_other_samples():
     for i in range(8):
         g = (i // 4) * 4
         others = [float(r[j]) for j in range(g, g + 4) if j != i]
+        # float64: a mean of 3 rewards (|r| <= 2) in another order, eps 2.2e-16 x ~4
         assert math.isclose(float(got[i]), float(r[i]) - sum(others) / 3, abs_tol=1e-12)
     # N / (N - 1) times the group-centred reward, and 0 for a constant group
+    # float64: N/(N-1) times the centred reward, a few roundings; allclose default
     assert torch.allclose(got, 4 / 3 * group_centred(r, 4))
     assert SEQ_ESTIMATORS.lookup("rloo")(torch.ones(4, dtype=D), 4, False).abs().max() == 0
 
@@ -33,6 +35,7 @@ def test_discounted_returns_by_hand_and_over_sampled_tokens_only():
     r = torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=D)
     m = torch.tensor([[1, 1, 1, 0]])
     g = 0.9
+    # float64: the same Horner sums by hand (this and the next assert); allclose default
     assert torch.allclose(
         discounted_returns(r, m, g), torch.tensor([[1 + g * (2 + g * 3), 2 + g * 3, 3.0, 0.0]], dtype=D)
     )
@@ -53,11 +56,13 @@ def test_reinforce_pp_advantages_are_whitened_returns_with_the_kl_in_the_reward(
     returns = discounted_returns(token_rewards(scores, lengths, w, kl, beta), mask, g)
     for k in range(b):  # G_t = s - beta sum_{k >= t} kl_k at gamma 1
         for t in range(int(lengths[k])):
+            # float64: <= 5 KL terms (O(0.1)) summed in another order, eps 2.2e-16 x O(1)
             assert math.isclose(
                 float(returns[k, t]), float(scores[k]) - beta * float(kl[k, t : lengths[k]].sum()), abs_tol=1e-12
             )
     vals = returns[mask]
     white = whiten(returns, mask, float(mask.sum()), float(vals.sum()), float((vals**2).sum()))
+    # float64: whiten adds eps 1e-8 to the variance (relative 5e-9 / var), the moment formula cancels little
     assert torch.allclose(white[mask], (vals - vals.mean()) / vals.std(unbiased=True), atol=1e-6)
 
 
@@ -73,6 +78,7 @@ def test_cispo_gradient_is_the_detached_clipped_weight_times_the_advantage():
     out.loss.backward()
     ratio = torch.exp(logp.detach() - old)
     want = -ratio.clamp(0.8, 1.28) * adv[:, None] / 12.0  # d/dlogp of -sg(w) A logp / T
+    # float64, the same clamp and products; allclose default
     assert torch.allclose(logp.grad, want)
     assert float(out.clipped_tokens) == 6.0  # exp(-0.5) < 0.8 and exp(0.5) > 1.28 in every row; exp(-0.1) is inside
 
@@ -88,6 +94,7 @@ def test_icepop_masks_tokens_and_mis_rejects_sequences_outside_the_band():
     # IcePop's published weight rho [a <= rho <= b] (a bare mask weighted every kept token 1): float64 formula
     rho = [[1.0, 0.4, 2.5, 1.2], [0.9, 1.1, 1.0, 1.0]]
     want = torch.tensor([[r if 0.5 <= r <= 2.0 else 0.0 for r in row] for row in rho], dtype=D)
+    # float64: exp(log rho) returns rho within a few ulp (2.2e-16), zeros exact
     assert torch.allclose(icepop_weight(old, roll, (0.5, 2.0)), want, rtol=1e-12, atol=0)
     # geometric means: (1 * 0.4 * 2.5 * 1.2)^(1/4) = 1.2^(1/4) ~ 1.047; (0.9 * 1.1 * 1.0)^(1/3) ~ 0.997
     assert mis_mask(old, roll, mask, (0.99, 1.01)).tolist() == [[0.0] * 4, [1.0] * 4]
@@ -171,6 +178,7 @@ def test_a_rank_with_no_samples_still_enters_the_whitening_all_reduce(tmp_path, 
     white = whiten(want, mask, *masked_moments(want, mask))
     assert isinstance(got[0], list), got[0]
     for k, L in enumerate(lengths.tolist()):
+        # float32 advantages from the stage (eps 6e-8 x |A| <= ~2) vs the float64 formula; measured 2.9e-8
         assert torch.allclose(torch.tensor(got[0][k], dtype=D), white[k, :L], atol=1e-6), (k, got[0][k], white[k, :L])
 
 

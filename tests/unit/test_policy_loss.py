@@ -57,6 +57,7 @@ def test_objective_is_independent_of_the_split(mode, name):
                 s = rows[k : k + micro]
                 g = _grad(logp, lambda s=s: loss(logp[s], old[s], adv[s], mask[s], clip, norm).loss * dp)
                 total += g / dp
+        # float64 round-off: O(0.1) gradients summed over <= 12 micro-batches, eps 2.2e-16 x ~10 = 1e-15 << 1e-10
         assert torch.allclose(total, whole, atol=1e-10, rtol=0), (dp, micro, (total - whole).abs().max())
 
 
@@ -64,6 +65,7 @@ def test_aggregation_uses_the_global_normaliser():
     v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=D)
     m = torch.tensor([[1, 1, 1], [1, 0, 0]])
     n = LossNorm(tokens=10.0, seqs=5.0)
+    # exact in float64 (this and the next 2 lines): small integers over 10 or 5; approx's default rel 1e-6
     assert aggregate(v, m, "token-mean", n).item() == pytest.approx(10 / 10)
     assert aggregate(v, m, "seq-mean-token-sum", n).item() == pytest.approx((6 + 4) / 5)
     assert aggregate(v, m, "seq-mean-token-mean", n).item() == pytest.approx((2 + 4) / 5)
@@ -82,12 +84,15 @@ def test_gspo_sequence_ratio_by_hand():
     adv = torch.tensor([1.0], dtype=D)
     s = math.exp(((-1.0 + 1.1) + (-2.0 + 1.9) + 0.0) / 3)  # = 1.0
     out = get_policy_loss("gspo")(logp, old, adv, m, ClipConfig(0.2, 0.2, None, "token-mean"))
+    # float64: the mean log-ratio is ~1e-17, so s = 1 to 1 ulp; approx's default rel 1e-6
     assert out.loss.item() == pytest.approx(-s)
     out.loss.backward()
+    # float64: -s/3 to a few ulp (2.2e-16); allclose default
     assert torch.allclose(logp.grad, torch.full((1, 3), -s / 3, dtype=D))
     # a sequence ratio outside the clip range: clipped for every token of the sequence
     old2 = logp.detach() - 0.5
     out = get_policy_loss("gspo")(logp, old2, adv, m, ClipConfig(0.2, 0.2, None, "token-mean"))
+    # float64: the clipped ratio is 1 + 0.2 as written, to 1 ulp; approx's default rel 1e-6
     assert out.loss.item() == pytest.approx(-1.2) and out.clipped_tokens == 3
 
 
@@ -95,12 +100,14 @@ def test_tis_weight_is_truncated_and_detached():
     old = torch.tensor([0.0, 0.0, 0.0], dtype=D, requires_grad=True)
     rollout = torch.tensor([0.0, -0.5, -3.0], dtype=D)
     w = tis_weight(old, rollout, 2.0)
+    # float64: exp(0) = 1, exp(0.5) the same libm value, the cap 2.0 exact; approx's default rel 1e-6
     assert w.tolist() == pytest.approx([1.0, math.exp(0.5), 2.0])
     assert not w.requires_grad
     logp, oldp, adv, mask = _batch(4, 5)
     clip = ClipConfig(0.2, 0.2, None, "token-mean")
     plain = get_policy_loss("vanilla")(logp, oldp, adv, mask, clip).loss
     weighted = get_policy_loss("vanilla")(logp, oldp, adv, mask, clip, weight=torch.full_like(logp, 2.0)).loss
+    # float64: a weight of 2.0 scales exactly (a power of two); approx's default rel 1e-6
     assert weighted.item() == pytest.approx(2 * plain.item())
 
 

@@ -34,7 +34,9 @@ def test_dpo_loss_is_the_formula_in_float64(eps):
     want = torch.tensor(
         [_reference(*(float(t[k]) for t in (pc, pr, rc, rr)), 0.3, eps) for k in range(7)], dtype=torch.float64
     )
+    # float64: the same log-sigmoid written another way, |loss| <= ~10 x eps 2.2e-16; measured 4.4e-16
     assert torch.allclose(out.loss, want, atol=1e-12, rtol=0)
+    # float64, the same products; allclose default
     assert torch.allclose(out.chosen_reward, 0.3 * (pc - rc)) and torch.allclose(out.rejected_reward, 0.3 * (pr - rr))
     assert get_preference_loss("dpo") is dpo
 
@@ -43,6 +45,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     pc, pr = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
     dpo(pc, pr, torch.zeros(3), torch.zeros(3), 0.5).loss.sum().backward()
     assert (pc.grad < 0).all() and (pr.grad > 0).all()  # descent raises log pi(chosen), lowers log pi(rejected)
+    # exact: beta/2 = 0.25 and sigmoid(0) = 0.5 are dyadic in float32; allclose default
     assert torch.allclose(pc.grad, torch.full((3,), -0.25)) and torch.allclose(pr.grad, -pc.grad)  # beta x sigmoid(0)
 
 
@@ -218,6 +221,7 @@ def test_sequence_logprobs_are_the_full_float64_log_softmax_at_the_response_toke
         for p, r in zip(prompts, responses):
             full = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits.double(), -1)[0]
             want.append(sum(full[len(p) - 1 + i, t] for i, t in enumerate(r)))
+    # float64 maths on the same float32 logits (same forward shapes): only float64 sum order differs, ~1e-15
     assert torch.allclose(got, torch.stack(want), rtol=0, atol=1e-9), (got, want)
 
 

@@ -26,6 +26,7 @@ def test_a_slot_is_infinitely_old_until_its_rank_beats():
         assert board.ages() == [float("inf")] * 3
         board.beat(1, now=100.0)
         ages = board.ages(now=102.5)
+        # exact in float64: 102.5 - 100.0; approx's default
         assert ages[1] == pytest.approx(2.5) and ages[0] == ages[2] == float("inf")
     finally:
         board.close()
@@ -39,6 +40,7 @@ def test_another_process_beats_on_the_leads_board_through_proc():
     )
     try:
         subprocess.run([sys.executable, "-c", code, json.dumps(board.ref()), NAME], check=True, cwd=REPO, timeout=60)
+        # exact in float64: 10.0 - 7.0; approx's default
         assert board.ages(now=10.0) == [float("inf"), pytest.approx(3.0)]
     finally:
         board.close()
@@ -82,6 +84,7 @@ def test_the_lead_counts_silence_only_while_it_watched_itself():
         now = time.monotonic()
         lead.board.beat(1, now=now - 10.0)
         lead._watching_since, lead._last_look = now - 30.0, now - 0.5  # watching all along
+        # wall clock, not round-off: silent_for reads time.monotonic() again; 0.5 s of scheduling slack
         assert lead.silent_for()[1] == pytest.approx(10.0, abs=0.5)
         assert lead.silent_for()[2] == float("inf")  # never beat: not started, never withdrawn
         lead._last_look = time.monotonic() - 10.0  # the lead itself was frozen for 10 s

@@ -50,7 +50,7 @@ def test_a_redoable_config_is_valid(in_repo, tiny_model, extra):
         (("actor.mini_batch_size=1", "elastic.replicas.count=1"), "use a multiple of 2"),  # half a unit
         (("algorithm.name=dpo",), "a preference objective"),
         (("algorithm.name=dapo", "algorithm.dynamic_sampling=true"), "algorithm.name"),
-        (("stream.partial_tokens=4", "actor.tis_cap=2.0"), "stream.partial_tokens"),
+        (("stream.partial_tokens=4", "actor.correction.tis_cap=2.0"), "stream.partial_tokens"),
         (("elastic.replicas.count=5",), "elastic.replicas.count"),  # 8 groups, units of lcm(2, 2) = 2: 4 shares
         (("elastic.replicas.min_replicas=3",), "elastic.replicas.min_replicas"),
         (("elastic.replicas.name=a/b",), "elastic.replicas.name"),

@@ -108,6 +108,7 @@ def test_long_series_are_smoothed_and_the_warm_up_is_drawn_apart():
     assert list(raw.get_ydata()) == ys and raw.get_alpha() < 1 and smooth.get_color() == raw.get_color()
     w = SMOOTHING
     closed = [(1 - w) * sum(w ** (t - k) * ys[k] for k in range(t + 1)) / (1 - w ** (t + 1)) for t in range(len(ys))]
+    # float64: an EMA of 200 values in [0, 1] vs its closed form, eps 2.2e-16 x ~200 steps; measured 3.3e-16
     assert max(abs(a - b) for a, b in zip(smooth.get_ydata(), closed)) < 1e-12
     assert smoothed([3.0])[0] == 3.0  # debiased: the first point is the first value
     stage = figure(by_name["stage_time"], rows)

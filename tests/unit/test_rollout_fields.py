@@ -20,7 +20,7 @@ from spmd_rl.engines.vllm.options import (
 
 
 def test_engine_options_per_device_kind():
-    cfg = RolloutConfig(n=2, max_response_length=4, gpu_memory_utilization=0.3, enforce_eager=False)
+    cfg = RolloutConfig(n=2, max_response_length=4, vllm={"gpu_memory_utilization": 0.3, "enforce_eager": False})
     gpu = engine_options("cuda", cfg, distributed=True)
     assert gpu["gpu_memory_utilization"] == 0.3 and gpu["enable_sleep_mode"] and gpu["enforce_eager"] is False
     assert gpu["distributed_executor_backend"] == "external_launcher"
@@ -31,7 +31,7 @@ def test_engine_options_per_device_kind():
 
 
 def test_device_options_bound_memory_and_survive_sleep():
-    cfg = RolloutConfig(n=2, max_response_length=4, kv_cache_gib=2.5, enforce_eager=False)
+    cfg = RolloutConfig(n=2, max_response_length=4, kv_cache_gib=2.5, vllm={"enforce_eager": False})
     gpu = engine_options("cuda", cfg, distributed=True, dummy_weights=True)
     assert gpu["kv_cache_memory_bytes"] == int(2.5 * 2**30)  # the KV cache `plan` budgets is the one allocated
     assert gpu["disable_custom_all_reduce"] is True  # IPC handles do not survive sleep mode with CUDA graphs
@@ -89,7 +89,7 @@ def test_the_child_process_is_spawned_with_its_device_and_the_parent_env_is_rest
         "m", Accelerator("cuda", 1), RolloutConfig(n=1, max_response_length=4), 1, "bfloat16", 64, own_process=True
     )
     assert seen["env"] == "6" and seen["kw"]["distributed_executor_backend"] == "uni"
-    # rollout.enforce_eager (the default): the child, which runs only vLLM, compiles nothing
+    # rollout.vllm.enforce_eager (the default): the child, which runs only vLLM, compiles nothing
     # (vLLM's sampler helpers; engines.vllm.options), and this process's compile stays on
     assert seen["compile_off"] == "1" and "TORCH_COMPILE_DISABLE" not in os.environ
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"

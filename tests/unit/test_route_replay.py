@@ -41,9 +41,11 @@ def test_choose_replays_recorded_rows_and_counts_each_layer_once(monkeypatch):
     s = route_replay.take_sums()
     assert (s["agree"], s["decisions"], s["differ_tokens"], s["recorded_tokens"]) == (1, 2, 1, 2)
     # load of the experts used (replayed), over the real tokens: experts 0..3 get 2, 3, 1, 0 of 6
+    # exact: a ratio of integer expert counts (max 3 over mean 1.5); approx's default
     assert s["load_ratio"] == pytest.approx(3 / 1.5) and s["load_layers"] == 1
     with route_replay.feeding(routes, torch.tensor([True, True, True]), replay=False):
         assert torch.equal(route_replay.choose(0, own), own)
+    # ratios of small integer counts: at most one float32 rounding (6e-8) vs approx's default rel 1e-6
     assert route_replay.metrics(route_replay.take_sums()) == pytest.approx(
         {"router_agreement": 0.5, "routes_differ_tokens": 0.5, "expert_load_max_mean": 2 / 1.5}
     )
@@ -81,6 +83,7 @@ def test_the_patched_hf_router_is_transformers_own_without_replay(tiny_moe):
     with route_replay.feeding(forced, torch.ones(7, dtype=torch.bool), replay=True):
         logits, weights, idx = router(x)
     probs = torch.softmax(logits, -1)[:, [3, 0]]
+    # float32, the router's own softmax and renormalisation: a few ulp vs allclose's default rtol 1e-5
     assert idx.tolist() == [[3, 0]] * 7 and torch.allclose(weights, probs / probs.sum(-1, keepdim=True))
     route_replay.take_sums()
 
@@ -111,13 +114,13 @@ def test_the_graph_carries_routes_only_where_read(in_repo):
     moe = REPO / "configs/quickstart_moe.yaml"
     none = {s.name: s for s in stages_for(load_config(moe, ["actor.ppo_epochs=2"]))}
     assert not any("rollout_routes" in s.inputs + s.outputs for s in none.values())
-    rec = {s.name: s for s in stages_for(load_config(moe, ["actor.ppo_epochs=2", "actor.router_replay=record"]))}
+    rec = {s.name: s for s in stages_for(load_config(moe, ["actor.ppo_epochs=2", "actor.moe.router_replay=record"]))}
     assert "rollout_routes" in rec["actor_rollout"].outputs and "rollout_routes" in rec["actor_update"].inputs
     assert "rollout_routes" not in rec["actor_logprob"].inputs  # recorded for the metrics, not replayed
     rep = {
         s.name: s
         for s in stages_for(
-            load_config(moe, ["actor.ppo_epochs=2", "actor.router_replay=rollout", "stream.partial_tokens=4"])
+            load_config(moe, ["actor.ppo_epochs=2", "actor.moe.router_replay=rollout", "stream.partial_tokens=4"])
         )
     }
     assert "rollout_routes" in rep["actor_logprob"].inputs and "prefix_routes" in rep["actor_rollout"].inputs
@@ -126,28 +129,28 @@ def test_the_graph_carries_routes_only_where_read(in_repo):
 @pytest.mark.parametrize(
     "overrides,field,problem",
     [
-        (("model.path=assets/tiny-qwen2",), "actor.router_replay", "the model has no experts"),
+        (("model.path=assets/tiny-qwen2",), "actor.moe.router_replay", "the model has no experts"),
         (
             ("parallel.placement=separated", "parallel.gen_ranks=1"),
-            "actor.router_replay",
+            "actor.moe.router_replay",
             "separated placement runs vLLM in its own process",
         ),
         (("actor.compile=true",), "actor.compile", "nothing would be replayed"),
         (
-            ("actor.router_replay=none", "actor.moe_aux_loss_coef=0.01"),
-            "actor.moe_aux_loss_coef",
+            ("actor.moe.router_replay=none", "actor.moe.aux_loss_coef=0.01"),
+            "actor.moe.aux_loss_coef",
             "counted from the rollout's routes",
         ),
         (
-            ("actor.router_replay=none", "model.path=assets/tiny-qwen2", "actor.moe_z_loss_coef=0.01"),
-            "actor.moe_z_loss_coef",
+            ("actor.moe.router_replay=none", "model.path=assets/tiny-qwen2", "actor.moe.z_loss_coef=0.01"),
+            "actor.moe.z_loss_coef",
             "no router",
         ),
     ],
 )
 def test_router_replay_is_refused_where_it_cannot_run(in_repo, tiny_model, tiny_moe, overrides, field, problem):
     res = CliRunner().invoke(
-        app, ["validate", "configs/quickstart_moe.yaml", "actor.router_replay=rollout", *overrides]
+        app, ["validate", "configs/quickstart_moe.yaml", "actor.moe.router_replay=rollout", *overrides]
     )
     assert res.exit_code == 2 and field in res.output and problem in res.output, res.output
 
@@ -236,6 +239,7 @@ def test_router_terms_are_the_formula_and_split_invariant():
             for l in range(layers):
                 lb += float(router_loss.load_balance_terms(p[l][part], valid[part], f[l], T, layers))
                 z += float(router_loss.z_loss_terms(logits[l][part], valid[part], T, layers))
+        # router_loss sums in float32: E=4 matmuls and <= 12-token sums, eps 6e-8 x ~10; measured rel 1e-7 (0.1)
         assert lb == pytest.approx(float(want_lb), rel=1e-6) and z == pytest.approx(float(want_z), rel=1e-6)
     slots = torch.stack([r.long() for r in routes]).permute(2, 0, 1, 3).reshape(layers, -1)
     assert torch.equal(counts, torch.stack([torch.bincount(s, minlength=experts) for s in slots]).double())
@@ -266,6 +270,7 @@ def test_the_attached_router_terms_give_the_formulas_gradient(tiny_moe):
         + 0.05 * router_loss.z_loss_terms(logits, valid, 20.0, 4)
     )
     want.backward()
+    # float32 both, the same formula's autograd; rtol 1e-5 covers another gemm blocking (eps 6e-8 x 128 terms)
     assert got.abs().max() > 0 and torch.allclose(got, w.grad, atol=1e-7, rtol=1e-5)
     sums = route_replay.take_sums()
     assert sums["aux"] > 0 and sums["z"] > 0

@@ -26,7 +26,7 @@ SEP = [
     "parallel.gen_ranks=1",
     "parallel.gen.dp=null",
     "parallel.train.dp_shard=null",
-    "actor.tis_cap=2.0",
+    "actor.correction.tis_cap=2.0",
 ]
 
 
@@ -60,7 +60,7 @@ def test_the_sides_split_the_world(in_repo):
         (["parallel.gen_ranks=2"], "parallel.gen_ranks", "leaves no rank to train"),
         (["parallel.placement=colocated"], "parallel.gen_ranks", "only used by parallel.placement: separated"),
         (["parallel.train.dp_shard=2"], "parallel.train.dp_shard", "!= training side's rank count 1"),
-        (["actor.tis_cap=null"], "parallel.placement", "must be corrected"),
+        (["actor.correction.tis_cap=null"], "parallel.placement", "must be corrected"),
         (["stream.fuse=true"], "parallel.placement", "stream.fuse"),
         (["stream.partial_tokens=2"], "parallel.placement", "stream.partial_tokens"),
         (

@@ -20,7 +20,7 @@ CONFIGS = {
     "ppo-kl-in-reward": ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"],
     "grpo-kl-in-reward": ["algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"],
     "reward-model": ["reward.kind=model", "reward.model_path=assets/tiny-qwen2/reward_model"],
-    "partial-rollout": ["stream.partial_tokens=4", "actor.tis_cap=2.0"],
+    "partial-rollout": ["stream.partial_tokens=4", "actor.correction.tis_cap=2.0"],
 }
 
 
@@ -68,7 +68,7 @@ MODES = {  # config: the modes that are on (every other bool off), generation ro
         1,
         ["parallel.placement=separated", "parallel.gen_ranks=1", "parallel.gen.dp=1", "parallel.train.dp_shard=1"],
     ),
-    "routes": ({"records_routes"}, 1, ["actor.router_replay=record"]),
+    "routes": ({"records_routes"}, 1, ["actor.moe.router_replay=record"]),
     "multi-turn": ({"multi_turn"}, 1, ["rollout.environment=calculator"]),
     "dpo": ({"needs_reference"}, 1, ["algorithm.name=dpo"]),
 }

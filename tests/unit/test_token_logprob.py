@@ -31,7 +31,9 @@ def test_values_and_gradients_match_float64_autograd(temperature, chunk_elements
     b = logits.clone().requires_grad_(True)
     rlp, rent = _reference(b, targets, temperature)
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    # float32 kernel vs float64: logits |x/T| <= ~15 rounded to float32 (|x| x 6e-8 each); measured 5.5e-6, ratio 0.53
     assert torch.allclose(lp.double(), rlp, atol=1e-5) and torch.allclose(ent.double(), rent, atol=1e-5)
+    # float32 backward vs float64 autograd, same input rounding as above; measured 8.6e-6, ratio 0.44
     assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
@@ -42,6 +44,7 @@ def test_gradcheck_finite_differences():
     logits = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 7, (4,))
     fn = lambda x: token_logprob(x, targets, SamplingPolicy(0.9), with_entropy=True, chunk_elements=14)  # noqa: E731
+    # central differences of a float32 kernel: eps_f32 x |f| / 1e-3 ~ 1e-4 plus O(1e-6) truncation (see docstring)
     assert torch.autograd.gradcheck(fn, (logits,), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=False)
 
 
@@ -73,6 +76,7 @@ def test_bf16_logits_match_the_float32_formula_of_the_same_values():
     targets = torch.randint(0, 50, (6,))
     lp, ent = token_logprob(logits, targets, SamplingPolicy(), with_entropy=True)
     rlp, rent = _reference(logits.float(), targets, 1.0)
+    # bf16 -> float32 is exact; float32 kernel vs float64 on |x| <= ~16: measured 4.4e-6, ratio 0.2
     assert torch.allclose(lp.double(), rlp, atol=1e-5) and torch.allclose(ent.double(), rent, atol=1e-5)
 
 
@@ -91,11 +95,14 @@ def test_windowed_lm_path_equals_the_full_forward(tiny_model):
     full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     rlp, rent = response_logprobs(full, batch, with_entropy=True, policy=SamplingPolicy(0.8))
     grads_full = torch.autograd.grad(rlp.sum() + rent.sum(), model.model.embed_tokens.weight)[0]
+    # float32: the LM head on the window vs the full rows (this and the next line); measured bit-equal, another gemm
+    # blocking would differ by ~eps 6e-8 x |lp|
     assert torch.allclose(lp, rlp, atol=1e-5) and torch.allclose(ent, rent, atol=1e-5)
     assert torch.allclose(grads_window, grads_full, atol=1e-5)
     for k, (p, r) in enumerate(zip(prompts, responses)):  # and both equal the float64 formula
         for j, tok in enumerate(r.tolist()):
             row = full[k, len(p) + j - 1].detach().double() / 0.8
+            # float32 kernel vs float64 on the same float32 logits, |x/T| ~ 10: eps 6e-8 x ~10; measured 6.8e-7
             assert abs(lp[k, j].item() - (row[tok] - torch.logsumexp(row, 0)).item()) < 1e-5
 
 
@@ -118,6 +125,7 @@ def test_trim_drops_only_unused_padding_and_changes_no_log_prob(tiny_model):
     with torch.no_grad():
         lp_small, _ = lm_response_logprobs(model, small)
         lp_wide, _ = lm_response_logprobs(model, micro)
+    # float32: trimming changes only the SDPA/matmul width; measured 0 (AVX512), 1.8e-7 (AVX2 kernels)
     assert torch.allclose(lp_small, lp_wide[:, :2], atol=1e-6) and (lp_wide[:, 2:] == 0).all()
 
 
@@ -174,6 +182,7 @@ def test_truncated_policy_equals_transformers_warpers(policy, chunk_elements):
     targets = torch.stack([torch.multinomial(row.exp(), 1)[0] for row in warped])  # drawn from the truncated policy
     lp, ent = token_logprob(logits, targets, policy, with_entropy=True, chunk_elements=chunk_elements)
     rlp, rent = _hf_truncated(logits, targets, policy)
+    # float32 kernel vs float64 HF warpers on |x/T| <= ~10: measured 1.3e-6, ratio 0.06
     assert torch.allclose(lp.double(), rlp, atol=1e-5) and torch.allclose(ent.double(), rent, atol=1e-5)
     plain, _ = token_logprob(logits, targets, SamplingPolicy(policy.temperature))
     assert (plain.double() - rlp).abs().max() > 1e-2  # the untruncated softmax is another distribution
@@ -194,6 +203,7 @@ def test_truncated_policy_gradients_match_float64_autograd(policy):
     b = logits.clone().requires_grad_(True)
     rlp, rent = _hf_truncated(b, targets, policy)
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    # float32 backward vs float64 autograd of the masked log_softmax; measured 8.7e-7, ratio 0.035
     assert torch.allclose(a.grad, b.grad, atol=1e-5)
     assert (a.grad[warped.isinf()] == 0).all()  # nothing flows into a dropped token
 
@@ -204,6 +214,7 @@ def test_a_target_outside_the_kept_set_stays_finite():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
     lp, ent = token_logprob(logits, torch.tensor([3]), SamplingPolicy(top_k=1), with_entropy=True)
     x = torch.tensor([5.0, -1.0])
+    # float32 both sides, the same two-term logsumexp: a few ulp; allclose default rtol 1e-5
     assert torch.allclose(lp, (x[1] - torch.logsumexp(x, 0))[None]) and ent.isfinite().all()
 
 

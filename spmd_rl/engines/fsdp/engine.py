@@ -116,13 +116,13 @@ class TrainEngine(Engine):
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
-                lr=cfg.lr,
-                betas=tuple(cfg.betas),
-                weight_decay=cfg.weight_decay,
+                lr=cfg.optim.lr,
+                betas=tuple(cfg.optim.betas),
+                weight_decay=cfg.optim.weight_decay,
                 foreach=True,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda s: lr_factor(s, cfg.lr_schedule, cfg.warmup_steps, total_steps)
+                self.optimizer, lambda s: lr_factor(s, cfg.optim.lr_schedule, cfg.optim.warmup_steps, total_steps)
             )
         else:
             self.model.requires_grad_(False)
@@ -145,7 +145,7 @@ class TrainEngine(Engine):
             size, width = micro.input_ids.numel(), micro.input_ids.shape[1]
             index = lambda b, t: b * width + t  # noqa: E731
         routes, valid = route_replay.place(lengths, size, index, micro.routes)
-        return route_replay.feeding(routes, valid, self.cfg.router_replay == "rollout", self.acc.device)
+        return route_replay.feeding(routes, valid, self.cfg.moe.router_replay == "rollout", self.acc.device)
 
     def _forward(self, micro: SeqBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs for one micro-batch, computed on its trimmed copy (no column of
@@ -231,7 +231,7 @@ class TrainEngine(Engine):
                 self._sync_gradients()
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = global_grad_norm(params)
-            coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+            coef = min(1.0, self.cfg.optim.grad_clip / (float(norm) + 1e-6))
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in params], coef)
             lr = self.scheduler.get_last_lr()[0]

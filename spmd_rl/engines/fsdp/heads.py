@@ -14,7 +14,8 @@ from spmd_rl.engines.fsdp.engine import TrainEngine
 def critic(cfg: Config, acc: Accelerator, mesh: DeviceMesh, total_steps: int) -> TrainEngine:
     """PPO's critic: a value head on ``critic.model_path`` (the policy's trunk when unset),
     trained like the actor but at ``algorithm.critic_lr`` and without LoRA."""
-    settings = cfg.actor.model_copy(update={"lr": cfg.algorithm.critic_lr, "lora": None})
+    optim = cfg.actor.optim.model_copy(update={"lr": cfg.algorithm.critic_lr})
+    settings = cfg.actor.model_copy(update={"optim": optim, "lora": None})
     path = cfg.critic.model_path or cfg.model.path
     return TrainEngine(path, acc, mesh, settings, cfg.model.dtype, total_steps=total_steps, head="value")
 

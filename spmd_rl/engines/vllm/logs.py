@@ -41,8 +41,8 @@ EXPECTED: tuple[tuple[str, str, str], ...] = (
         "CPU engines prefill whole prompts: CPU generators cannot rewind a chunked prefill's seeded sample "
         "(engines.vllm.options)",
     ),
-    ("vllm.config.vllm", "Enforce eager set", "rollout.enforce_eager (the default) says so"),
-    ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.enforce_eager"),
+    ("vllm.config.vllm", "Enforce eager set", "rollout.vllm.enforce_eager (the default) says so"),
+    ("vllm.config.vllm", "Inductor compilation was disabled", "follows from rollout.vllm.enforce_eager"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "vLLM CPU has no Triton; the V1 runner is the tested one"),
     ("vllm.platforms.cpu", "Triton is not installed", "vLLM CPU has no Triton backend"),
     (

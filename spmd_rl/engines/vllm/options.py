@@ -24,7 +24,7 @@ no detokenization (the trainer decodes the ids it needs). Routes on a device com
 ``enable_return_routed_experts`` (Model Runner V2, which needs Triton: not on this CPU);
 on the CPU from ``engines.vllm.route_capture``'s hooks on the V1 runner.
 
-``rollout.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``, around the
+``rollout.vllm.enforce_eager`` also keeps vLLM's sampler helpers eager (``eager_sampler``, around the
 engine's build and every step): vLLM 0.32 wraps two of them in ``torch.compile`` whatever the
 compilation mode, and their first call compiles them (inductor, a C++ build on CPU; 0.26's
 CPU worker already calls one in its warm-up, while the engine is built). On CPU that was 4.8 s
@@ -80,7 +80,7 @@ def engine_options(
             "CPU"
         )
     kw: dict = {
-        "enforce_eager": cfg.enforce_eager,
+        "enforce_eager": cfg.vllm.enforce_eager,
         "enable_prefix_caching": not record_routes,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": "spmd_rl.engines.vllm.worker.RolloutWorker",
@@ -99,7 +99,7 @@ def engine_options(
         kw["enable_chunked_prefill"] = False  # module docstring
     else:
         kw |= {
-            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
             "enable_sleep_mode": True,
             "disable_custom_all_reduce": True,
         }
@@ -128,7 +128,7 @@ def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens:
 def eager_sampler(cfg: RolloutConfig):
     """Context for an in-process engine's steps: with ``enforce_eager``, every ``torch.compile``
     vLLM reaches runs eagerly (module docstring); the trainer's own compile, outside, is untouched."""
-    if not cfg.enforce_eager:
+    if not cfg.vllm.enforce_eager:
         return contextlib.nullcontext()
     import torch
 
@@ -137,7 +137,7 @@ def eager_sampler(cfg: RolloutConfig):
 
 def eager_child_env(cfg: RolloutConfig) -> dict[str, str]:
     """The same for an engine-core child process, which runs only vLLM: torch.compile off."""
-    return {"TORCH_COMPILE_DISABLE": "1"} if cfg.enforce_eager else {}
+    return {"TORCH_COMPILE_DISABLE": "1"} if cfg.vllm.enforce_eager else {}
 
 
 def child_device_env(acc_kind: str, local_rank: int, environ: dict[str, str]) -> dict[str, str]:

@@ -27,11 +27,11 @@ def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | Non
     balancing, its load fractions from the rollout's routes, both summed over every DP rank
     (collective over the training side; None when both coefficients are 0)."""
     a = run.cfg.actor
-    if not (a.moe_aux_loss_coef or a.moe_z_loss_coef):
+    if not (a.moe.aux_loss_coef or a.moe.z_loss_coef):
         return None
     group, arch = run.lay.train.group, run.arch
     fractions = None
-    if a.moe_aux_loss_coef:
+    if a.moe.aux_loss_coef:
         counts = router_loss.load_fractions(seqs[sl].routes or [], arch.num_experts)
         if not counts.numel():
             counts = torch.zeros(arch.num_layers, arch.num_experts, dtype=torch.float64)
@@ -39,7 +39,7 @@ def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | Non
         fractions = (counts / counts.sum(1, keepdim=True).clamp(min=1.0)).float()
     tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group, run.sides.group)["tokens"]
     return route_replay.RouterObjective(
-        a.moe_aux_loss_coef, a.moe_z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp
+        a.moe.aux_loss_coef, a.moe.z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp
     )
 
 
@@ -64,7 +64,7 @@ def objective_inputs(call: StageCall):
     order = length_order(cfg, lay.dp, seqs.attention_mask.sum(1))  # metrics are sums: no need to undo it
     seqs = seqs[order]
     ref, old = (None if t is None else t[order] for t in (ref, old))
-    objective = get_policy_loss(cfg.actor.policy_loss)
+    objective = get_policy_loss(cfg.actor.loss.policy_loss)
     return seqs, PolicyObjective(
         cfg.actor, cfg.algorithm, objective, seqs.mask, adv[order], rollout[order], ref, old, lay.dp
     )
@@ -135,7 +135,7 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
                 f"stream.max_policy_lag={k}"
             )
     final |= route_replay.metrics({k.removeprefix("route_"): v for k, v in g.items() if k.startswith("route_")})
-    if a.moe_aux_loss_coef or a.moe_z_loss_coef:  # each mini-batch's objective is the sum over its ranks and micros
+    if a.moe.aux_loss_coef or a.moe.z_loss_coef:  # each mini-batch's objective is the sum over its ranks and micros
         final |= {"moe_aux_loss": g["route_aux"] / minis, "moe_z_loss": g["route_z"] / minis}
     tokens, mt = max(g["tokens"], 1.0), max(g["mismatch_tokens"], 1.0)
     return final | {
@@ -148,7 +148,7 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
         "logprob_mismatch_mean": g["mismatch_sum"] / mt,
         "logprob_mismatch_max": global_max(acc["mismatch_max"], side),
         "rollout_kl": g["rollout_kl"] / mt,
-        **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.icepop_band else {}),
-        **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.mis_band else {}),
+        **({"icepop_masked_frac": g["icepop_masked"] / mt} if a.correction.icepop_band else {}),
+        **({"mis_rejected_frac": g["mis_rejected"] / max(g["seqs"], 1.0)} if a.correction.mis_band else {}),
         "micro_batches": sum(map(len, plan)) / max(len(plan), 1),
     }

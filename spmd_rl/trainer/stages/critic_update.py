@@ -41,7 +41,7 @@ def critic_update(call: StageCall) -> StageResult:
                     ret,
                     mask,
                     cfg.algorithm.value_clip,
-                    cfg.actor.loss_agg_mode,
+                    cfg.actor.loss.loss_agg_mode,
                     norm,
                 )
                 acc["value_loss"] += float(out.loss.detach())

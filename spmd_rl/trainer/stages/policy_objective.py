@@ -3,7 +3,7 @@ the loop). For micro-batch s of a mini-batch with normaliser ``norm`` (``minibat
 
     L_s = objective(lp, old, A, mask; clip, norm, w)              (``algos.policy_loss``, by name)
           + kl_coef * agg(KL(lp || ref))                           (with ``algorithm.use_kl_loss``)
-          - entropy_coef * agg(H)                                   (with ``actor.entropy_coef``)
+          - entropy_coef * agg(H)                                   (with ``actor.loss.entropy_coef``)
 
 times the training DP size (FSDP averages gradients over dp_shard: undone so the mini-batch's
 objective is one sum over its ranks). ``old`` is the old policy's log-probs when the graph
@@ -91,19 +91,19 @@ class PolicyObjective:
     @cached_property
     def clip(self) -> ClipConfig:
         a = self.actor
-        return ClipConfig(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode)
+        return ClipConfig(a.loss.clip_ratio_low, a.loss.clip_ratio_high, a.loss.clip_ratio_c, a.loss.loss_agg_mode)
 
     def correction(self, old_lp, roll, mask, sums: UpdateSums | None) -> torch.Tensor | None:
         """The rollout-correction weight of each token, None when every one is off; ``sums``
         (the first epoch's) count what IcePop masked and MIS rejected."""
         a = self.actor
-        weights = [tis_weight(old_lp, roll, a.tis_cap)] if a.tis_cap is not None else []
-        if a.icepop_band is not None:  # the config refuses it beside TIS: it is the importance weight itself
-            weights.append(icepop_weight(old_lp, roll, a.icepop_band))
+        weights = [tis_weight(old_lp, roll, a.correction.tis_cap)] if a.correction.tis_cap is not None else []
+        if a.correction.icepop_band is not None:  # the config refuses it beside TIS: it is the importance weight itself
+            weights.append(icepop_weight(old_lp, roll, a.correction.icepop_band))
             if sums is not None:
                 sums["icepop_masked"] += ((weights[-1] == 0) * mask).sum()  # rho > 0: zero weight is a masked token
-        if a.mis_band is not None:
-            weights.append(mis_mask(old_lp, roll, mask, a.mis_band))
+        if a.correction.mis_band is not None:
+            weights.append(mis_mask(old_lp, roll, mask, a.correction.mis_band))
             if sums is not None:
                 sums["mis_rejected"] += ((1 - weights[-1]) * mask).any(-1).sum()
         return math.prod(weights[1:], start=weights[0]) if weights else None
@@ -122,10 +122,10 @@ class PolicyObjective:
             kl = kl_estimate(lp, self.ref[s].to(lp.device), al.kl_estimator)
             sums["kl"] += (kl.detach() * m).sum()
             if al.use_kl_loss:
-                loss = loss + al.kl_coef * aggregate(kl, mask, a.loss_agg_mode, norm)
+                loss = loss + al.kl_coef * aggregate(kl, mask, a.loss.loss_agg_mode, norm)
         sums["entropy"] += (ent.detach() * m).sum()
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg_mode, norm)
+        if a.loss.entropy_coef:
+            loss = loss - a.loss.entropy_coef * aggregate(ent, mask, a.loss.loss_agg_mode, norm)
         sums["loss"] += loss.detach()
         sums["clipped"] += out.clipped_tokens
         sums["tokens"] += m.sum()
