@@ -23,6 +23,7 @@ from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import compute, group_size, is_writer, publish, stage_layout
 from spmd_rl.trainer.stages import StageCall, StageResult
+from spmd_rl.trainer.stages.registry import StageView
 from spmd_rl.trainer.stages.rollout import rollout_columns, rollout_groups, turn_sums
 
 
@@ -69,7 +70,9 @@ def run_fused(
             for s in fused
         ]
         writer = is_writer(run, rollout)
-        for indices, samples in rollout_groups(StageCall(run, it, rollout, batch, writer, expected)):
+        for indices, samples in rollout_groups(
+            StageCall(StageView.of(run, rollout), it, rollout, batch, writer, expected)
+        ):
             results[rollout.name].append(
                 publish(
                     run,

@@ -19,6 +19,7 @@ from spmd_rl.distributed import timeline
 from spmd_rl.trainer.context import Run
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.stages import StageCall, StageResult, stage_fn
+from spmd_rl.trainer.stages.registry import StageView
 from spmd_rl.trainer.stages.minibatch import mini_batch_count
 
 
@@ -60,7 +61,7 @@ def compute(run: Run, it: int, stage: Stage, batch, expected: list[int]) -> Stag
         it,
         stage,
         batch.indices,
-        stage_fn(stage.fn or stage.name)(StageCall(run, it, stage, batch, writer, expected)),
+        stage_fn(stage.fn or stage.name)(StageCall(StageView.of(run, stage), it, stage, batch, writer, expected)),
         writer,
     )
 

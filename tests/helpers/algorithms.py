@@ -42,7 +42,7 @@ def shorter_is_better(call):
 
     from spmd_rl.trainer.stages.registry import StageResult
 
-    cols, n = call.batch.columns, call.run.cfg.rollout.n
+    cols, n = call.batch.columns, call.view.cfg.rollout.n
     if not len(call.batch):  # an empty share: nothing to write, no collective to enter
         return StageResult()
     r = torch.stack(cols["reward"]).double().reshape(-1, n)

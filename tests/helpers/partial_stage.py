@@ -11,7 +11,6 @@ delegate(sets=QUIET_ENV)  # forked past the imports when the suite's preload ser
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from transformers import AutoTokenizer
@@ -23,6 +22,7 @@ from spmd_rl.engines.vllm.engine import VllmRollout
 from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.trainer.stages import StageCall, stage_fn
+from spmd_rl.trainer.stages.registry import StageView
 
 folder, budget, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(
@@ -48,7 +48,7 @@ prompts = [
     )["input_ids"]
     for r in rows
 ]
-run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None, replicas=None)  # single-turn
+view = StageView(cfg=cfg, modes=Modes.of(cfg), rollout=engine)  # single-turn
 
 
 def call(it, pieces):
@@ -61,7 +61,7 @@ def call(it, pieces):
     batch = DockBatch(
         torch.arange(len(pieces)), cols, frozenset({"prompt_ids", "prefix_ids", "prefix_log_prob", "prefix_version"})
     )
-    return stage_fn("actor_rollout")(StageCall(run, it, None, batch, True, list(range(len(pieces)))))
+    return stage_fn("actor_rollout")(StageCall(view, it, None, batch, True, list(range(len(pieces)))))
 
 
 first = call(0, [Piece(k // 2) for k in range(2 * len(prompts))])

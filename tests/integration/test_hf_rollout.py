@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from spmd_rl.engines.rollouts import build_rollout_engine, rollout_class
 from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.stages import StageCall, stage_fn
+from spmd_rl.trainer.stages.registry import StageView
 from tests.conftest import REPO, subprocess_env
 
 T, TOP_K, TOP_P = 0.8, 20, 0.9
@@ -126,7 +126,7 @@ def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, pro
     cfg = load_config(Path(REPO / "configs/quickstart.yaml"), ["rollout.n=2", "rollout.max_response_length=8"])
     hot = RolloutConfig(engine="hf", n=2, max_response_length=8, temperature=2.0, top_k=-1, top_p=1.0)
     engine = build_rollout_engine(RolloutBuild(tiny_model, detect("cpu"), hot, 1, "float32", 64, distributed=False))
-    run = SimpleNamespace(cfg=cfg, modes=Modes.of(cfg), rollout=engine, turns=None, replicas=None)
+    view = StageView(cfg=cfg, modes=Modes.of(cfg), rollout=engine)
 
     def responses(groups: list[int]) -> dict[int, list[int]]:
         idx = torch.tensor([2 * g + k for g in groups for k in range(2)])
@@ -136,7 +136,7 @@ def test_the_rollout_stage_samples_a_group_the_same_in_any_share(tiny_model, pro
         }
         local = idx - 2 * groups[0]  # a dock numbers its share from 0
         out = stage_fn("actor_rollout")(
-            StageCall(run, 3, None, DockBatch(local, cols, frozenset()), True, local.tolist())
+            StageCall(view, 3, None, DockBatch(local, cols, frozenset()), True, local.tolist())
         )
         return {int(i): r.tolist() for i, r in zip(idx, out.columns["response_ids"])}  # by group and sample
 

@@ -83,7 +83,7 @@ def test_the_advantage_stage_runs_the_users_estimator(world_of_one):
     batch = type("Batch", (), {"columns": {"reward": [torch.tensor(r) for r in rewards]}, "__len__": lambda self: 8})()
     algorithm = SimpleNamespace(name=USER, norm_adv_by_std=True, kl_coef=0.0)
     run = SimpleNamespace(cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)))
-    out = advantage(SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("reward",))))
+    out = advantage(SimpleNamespace(view=run, batch=batch, stage=SimpleNamespace(inputs=("reward",))))
     want = [1.0 - 0.25, 0.0 - 0.25, 0.5 - 0.25, 0.0, 1.0, 1.0, -1.0, 0.0]  # lower middles: 0.25 and 1.0
     assert out.columns["seq_advantage"].tolist() == want
 
@@ -111,10 +111,8 @@ def test_the_advantage_stage_runs_the_users_token_estimator(world_of_one):
         name="tests.helpers.algorithms:TOTAL", kl_coef=beta, kl_estimator="k1", gamma=0.5, norm_adv_by_std=True
     )
     cfg = SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=2))
-    run = SimpleNamespace(
-        cfg=cfg, lay=SimpleNamespace(train=SimpleNamespace(group=1)), sides=SimpleNamespace(group=None), replicas=None
-    )
-    out = advantage(SimpleNamespace(run=run, batch=batch))
+    run = SimpleNamespace(cfg=cfg, lay=SimpleNamespace(train=SimpleNamespace(group=1)), group=None, replicas=None)
+    out = advantage(SimpleNamespace(view=run, batch=batch))
     total = [s - beta * float((o.double() - r.double()).sum()) for s, o, r in zip(scores, old, ref)]
     flat = [t for t, n in zip(total, lengths) for _ in range(n)]
     mean = sum(flat) / len(flat)
@@ -207,7 +205,17 @@ def test_a_users_advantage_stage_is_the_graphs_and_the_runner_calls_it(in_repo, 
             "response_length": [torch.tensor(x) for x in (4.0, 2.0, 3.0, 5.0)],
         },
     )
-    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2)))
+    from spmd_rl.distributed.sides import Sides
+    from spmd_rl.trainer.context import Progress
+
+    run = SimpleNamespace(  # what the runner's StageView.of reads of a run
+        cfg=cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"n": 2})}),
+        **dict.fromkeys(("modes", "lay", "rollout", "tokenizer", "prompts", "reward_fn", "turns", "replicas")),
+        sides=Sides("both"),
+        roles={},
+        progress=Progress(),
+        residency=SimpleNamespace(weights_changed=lambda: None),
+    )
     got = runner.compute(run, 0, adv, batch, [0, 1, 2, 3]).columns["seq_advantage"].tolist()
     # groups (1, 0 | lengths 4, 2) and (1, 1 | lengths 3, 5): r - mean(r) - 0.05 L
     # float32 output, r - mean - 0.05 L rounded once or twice (6e-8) vs approx's default rel 1e-6; measured 4e-8

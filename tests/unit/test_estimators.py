@@ -114,10 +114,10 @@ def _advantage_call(rank: int, algo: str, values: bool):
     run = SimpleNamespace(
         cfg=SimpleNamespace(algorithm=algorithm, rollout=SimpleNamespace(n=4)),
         lay=SimpleNamespace(train=SimpleNamespace(group=1)),
-        sides=SimpleNamespace(group=None),
+        group=None,
         replicas=None,
     )
-    return SimpleNamespace(run=run, batch=batch, stage=SimpleNamespace(inputs=("values",) if values else ()))
+    return SimpleNamespace(view=run, batch=batch, stage=SimpleNamespace(inputs=("values",) if values else ()))
 
 
 def _advantage_rank(rank: int, algo: str, values: bool, store: str, out) -> None:

@@ -49,7 +49,6 @@ def _example(section: str) -> str:
 def test_the_reward_example_is_the_tested_function_and_the_reward_stage_scores_with_it(tiny_model):
     """Through the reward stage's own call (two arguments: a rule written to another signature
     raises here, not after a user's first rollout)."""
-    from types import SimpleNamespace
 
     import torch
     from transformers import AutoTokenizer
@@ -57,7 +56,7 @@ def test_the_reward_example_is_the_tested_function_and_the_reward_stage_scores_w
     from spmd_rl.config.loader import load_config
     from spmd_rl.dock.batch import DockBatch
     from spmd_rl.rewards import get_reward
-    from spmd_rl.trainer.stages.registry import StageCall
+    from spmd_rl.trainer.stages.registry import StageCall, StageView
     from spmd_rl.trainer.stages.reward import reward
     from spmd_rl.trainer.stages.samples import encode_text
 
@@ -75,8 +74,8 @@ def test_the_reward_example_is_the_tested_function_and_the_reward_stage_scores_w
         "response_length": [torch.tensor(len(i), dtype=torch.int32) for i in ids],
     }
     batch = DockBatch(torch.arange(3), columns, frozenset({"response_ids", "answer"}))
-    run = SimpleNamespace(cfg=cfg, tokenizer=tok, reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score))
-    got = reward(StageCall(run, 0, None, batch, True, [0, 1, 2]))
+    view = StageView(cfg=cfg, tokenizer=tok, reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score))
+    got = reward(StageCall(view, 0, None, batch, True, [0, 1, 2]))
     assert got.columns["reward"].tolist() == [1.0, 1.0, 0.0] and got.sums["correct"] == 2.0
     assert get_reward("exact_match")("3+4=7", "7") == 0.0  # what the example is for
 

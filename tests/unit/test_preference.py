@@ -196,7 +196,7 @@ def test_the_pairs_stage_reads_the_sampled_position_even_after_skipped_rows(tmp_
     prompts = load_preferences(path, tok, "prompt", "chosen", "rejected", 32, 8)
     assert prompts.rows == [1, 2]
     batch = SimpleNamespace(indices=[2, 3, 0, 1], columns={"prompt_row": torch.tensor([1, 1, 0, 0], dtype=torch.int32)})
-    got = preference_pairs(SimpleNamespace(run=SimpleNamespace(prompts=prompts), batch=batch)).columns["response_ids"]
+    got = preference_pairs(SimpleNamespace(view=SimpleNamespace(prompts=prompts), batch=batch)).columns["response_ids"]
     eos = tok.eos_token_id
     assert [g.tolist() for g in got] == [
         tok.encode("4") + [eos],

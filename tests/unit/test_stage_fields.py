@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from spmd_rl.distributed.sides import Sides
-
 import pytest
 import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.loader import load_config
-from spmd_rl.recipe.graph import stages_for
+from spmd_rl.distributed.sides import Sides
+from spmd_rl.recipe.graph import Modes, stages_for
+from spmd_rl.trainer.context import Progress
 from spmd_rl.dock.batch import DockBatch
 from spmd_rl.trainer.metrics import StageTimer
 from spmd_rl.trainer.runner import run_stage
@@ -115,8 +115,14 @@ def _run(cfg, dock, engine, **roles):
         peer=SimpleNamespace(rank=0, world=1),
         sides=Sides("both"),
         dock=dock,
+        modes=Modes.of(cfg),
         roles={"actor": engine, **roles},
+        rollout=None,
         tokenizer=tok,
+        prompts=None,
+        reward_fn=None,
+        turns=None,
+        progress=Progress(),
         residency=residency,
         replicas=None,
     )
@@ -359,3 +365,31 @@ def test_ref_forward_splits_by_ref_micro_batch_size(ref_micro, actor_micro, want
     ref, actor = InferSizes(), InferSizes()
     run_named(_run(cfg, dock, actor, ref=ref), "ref_logprob")
     assert ref.sizes == want and actor.sizes == []
+
+
+def test_a_stage_sees_only_its_declared_roles_and_no_dock(in_repo):
+    """``StageView.of``: the engines of the roles a stage's graph entry declares and no other (a
+    stage cannot reach the critic or the rollout engine it did not declare), the rollout engine
+    only for a stage declaring it, and none of the dock, the sampler or the residency manager;
+    with LoRA the reference (the actor with adapters off) comes with the actor."""
+    from spmd_rl.trainer.stages.registry import StageCall, StageView
+
+    cfg = _cfg("algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true")
+    engines = {r: SimpleNamespace(name=r) for r in ("actor", "ref", "critic")}
+    run = _run(cfg, FakeDock({}), engines["actor"], ref=engines["ref"], critic=engines["critic"])
+    run.rollout = "the rollout engine"
+    graph = {s.name: s for s in stages_for(cfg)}
+    assert set(StageView.of(run, graph["actor_update"]).roles) == {"actor"}
+    assert set(StageView.of(run, graph["critic_update"]).roles) == {"critic"}
+    assert StageView.of(run, graph["ref_logprob"]).roles == {"ref": engines["ref"]}
+    assert StageView.of(run, graph["actor_rollout"]).rollout == "the rollout engine"
+    assert StageView.of(run, graph["actor_update"]).rollout is None
+    assert not {"dock", "sampler", "ledger", "residency", "peer"} & set(StageView.__dataclass_fields__)
+    lora = _cfg("actor.lora.rank=4", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true")
+    ref = next(s for s in stages_for(lora) if s.name == "ref_logprob")
+    assert ref.roles == ("actor",) and set(StageView.of(_run(lora, FakeDock({}), "a", ref="r"), ref).roles) == {
+        "actor",
+        "ref",
+    }
+    with pytest.raises(AttributeError, match="StageCall.run was removed in 0.2: read call.view"):
+        StageCall(StageView(cfg=cfg), 0, graph["advantage"], None, True, []).run

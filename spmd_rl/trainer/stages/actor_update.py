@@ -22,33 +22,33 @@ from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 from spmd_rl.trainer.stages.samples import padded, seq_batch
 
 
-def router_objective(run, seqs, sl: slice) -> route_replay.RouterObjective | None:
+def router_objective(view, seqs, sl: slice) -> route_replay.RouterObjective | None:
     """The mini-batch's router terms (``algos.router_loss``): its real tokens and, with load
     balancing, its load fractions from the rollout's routes, both summed over every DP rank
     (collective over the training side; None when both coefficients are 0)."""
-    a = run.cfg.actor
+    a = view.cfg.actor
     if not (a.moe.aux_loss_coef or a.moe.z_loss_coef):
         return None
-    group, arch = run.lay.train.group, run.arch
+    group, arch = view.lay.train.group, view.arch
     fractions = None
     if a.moe.aux_loss_coef:
         counts = router_loss.load_fractions(seqs[sl].routes or [], arch.num_experts)
         if not counts.numel():
             counts = torch.zeros(arch.num_layers, arch.num_experts, dtype=torch.float64)
-        dist.all_reduce(counts, group=run.sides.group)
+        dist.all_reduce(counts, group=view.group)
         fractions = (counts / counts.sum(1, keepdim=True).clamp(min=1.0)).float()
-    tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group, run.sides.group)["tokens"]
+    tokens = dp_sums({"tokens": float(seqs.attention_mask[sl].sum())}, group, view.group)["tokens"]
     return route_replay.RouterObjective(
-        a.moe.aux_loss_coef, a.moe.z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), run.lay.train.dp
+        a.moe.aux_loss_coef, a.moe.z_loss_coef, fractions, max(tokens, 1.0), len(arch.sparse_layers), view.lay.train.dp
     )
 
 
 def objective_inputs(call: StageCall):
     """(the sequences, their ``PolicyObjective``) in the loop's order (``length_order``), from the
     columns the stage graph declares (reference / old log-probs when present)."""
-    run, batch = call.run, call.batch
-    cfg, lay = run.cfg, run.lay.train
-    seqs = seq_batch(run, batch)
+    view, batch = call.view, call.batch
+    cfg, lay = view.cfg, view.lay.train
+    seqs = seq_batch(view, batch)
     width = seqs.mask.shape[1]
     if advantage_column(cfg) == "seq_advantage":  # one scalar per sample, the same for every token
         adv = (
@@ -84,36 +84,34 @@ class Steps:
 @register("actor_update")
 def actor_update(call: StageCall) -> StageResult:
     """PPO epochs over mini-batches of this rank's share; one optimizer step per mini-batch."""
-    run, cfg, lay = call.run, call.run.cfg, call.run.lay.train
+    view, cfg, lay = call.view, call.view.cfg, call.view.lay.train
     seqs, objective = objective_inputs(call)
     minis = mini_batches(cfg, lay.dp, len(call.batch))
-    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, run.sides.group)
+    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, view.group)
     sums, steps = UpdateSums(), Steps()
     route_replay.take_sums()  # the router metrics are the first epoch's (as the mismatch's)
     for epoch in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(
-                seqs.mask[sl], lay.group, run.sides.group, run.replicas.sum if run.replicas else None
-            )
+            norm = mini_batch_norm(seqs.mask[sl], lay.group, view.group, view.replicas.sum if view.replicas else None)
 
             def loss_fn(lp, ent, k, micros=micros, norm=norm, first_epoch=epoch == 0):
                 return objective.loss(lp, ent, micros[k], norm, sums, first_epoch)
 
-            router = router_objective(run, seqs, sl)
-            out = run.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True, router=router)
+            router = router_objective(view, seqs, sl)
+            out = view.roles["actor"].train_step([seqs[s] for s in micros], loss_fn, with_entropy=True, router=router)
             steps.grad_norm += out["grad_norm"]
             steps.lr = out["lr"]
             steps.count += 1
         if epoch == 0:
             steps.routing = route_replay.take_sums()
-    run.residency.weights_changed()
+    view.weights_changed()
     consumed = [(int(i), int(r)) for i, r in zip(call.batch.indices, call.batch.columns["prompt_row"])]
     return StageResult(consumed=consumed, final=update_metrics(call, sums.to_host(), steps, len(minis), plan))
 
 
 def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: int, plan: list) -> dict[str, float]:
     """Collective: the update's metrics, per optimizer step, the same on every rank."""
-    cfg, lay, batch, side = call.run.cfg, call.run.lay.train, call.batch, call.run.sides.group
+    cfg, lay, batch, side = call.view.cfg, call.view.lay.train, call.batch, call.view.group
     a = cfg.actor
     final = {}
     if "response_version" in call.stage.inputs:  # partial rollout, separated: how old the trained tokens' policies are
@@ -128,7 +126,7 @@ def update_metrics(call: StageCall, acc: dict[str, float], steps: Steps, minis: 
         final["policy_lag_mean"] = g["lag_sum"] / max(g["lag_tokens"], 1.0)
         k = cfg.stream.max_policy_lag
         if (
-            call.run.modes.separated and final["policy_lag_max"] > k
+            call.view.modes.separated and final["policy_lag_max"] > k
         ):  # the schedule of trainer.async_loop rules this out
             raise RuntimeError(
                 f"iteration {call.it} trained tokens {final['policy_lag_max']:.0f} updates old, above "

@@ -42,54 +42,54 @@ def _kl(call: StageCall, width: int) -> tuple[torch.Tensor | None, torch.Tensor]
     if "ref_log_prob" not in cols:
         return None, mask
     old, ref = padded(cols["old_log_prob"], width, torch.float64), padded(cols["ref_log_prob"], width, torch.float64)
-    return kl_estimate(old, ref, call.run.cfg.algorithm.kl_estimator) * mask, mask
+    return kl_estimate(old, ref, call.view.cfg.algorithm.kl_estimator) * mask, mask
 
 
 @register("advantage")
 def advantage(call: StageCall) -> StageResult:
-    run, batch = call.run, call.batch
-    spec = algorithm(run.cfg)
+    view, batch = call.view, call.batch
+    spec = algorithm(view.cfg)
     if not len(batch):  # every rank enters every collective, even with an empty share: the whitening's sums
         if spec.advantage in ("gae", "token"):
-            batch_moments(run, (0.0, 0.0, 0.0))
+            batch_moments(view, (0.0, 0.0, 0.0))
         return StageResult(sums={"adv_zero_groups": 0.0})
     rewards = torch.stack(batch.columns["reward"]).to(torch.float64)
     if spec.advantage == "gae":
         return _gae(call, rewards)
     if spec.advantage == "token":
         return _reinforce(call, rewards, spec)
-    n, sums = run.cfg.rollout.n, {}
+    n, sums = view.cfg.rollout.n, {}
     if "ref_log_prob" in batch.columns:
         width = int(torch.stack(batch.columns["response_length"]).max())
         kl, mask = _kl(call, width)
-        rewards = rewards - run.cfg.algorithm.kl_coef * kl.sum(-1)
+        rewards = rewards - view.cfg.algorithm.kl_coef * kl.sum(-1)
         sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())}
-    adv = SEQ_ESTIMATORS.lookup(spec.estimator)(rewards, n, run.cfg.algorithm.norm_adv_by_std)
+    adv = SEQ_ESTIMATORS.lookup(spec.estimator)(rewards, n, view.cfg.algorithm.norm_adv_by_std)
     sums["adv_zero_groups"] = float((adv.reshape(-1, n) == 0).all(dim=1).sum())
     return StageResult(columns={"seq_advantage": adv.float()}, sums=sums)
 
 
-def batch_moments(run, moments) -> tuple[float, float, float]:
+def batch_moments(view, moments) -> tuple[float, float, float]:
     """Collective: the whole batch's (count, sum, sum of squares) from this rank's: summed over
     the DP ranks (a DP group's ranks hold the same samples: counted once) and, with elastic
     replicas, over the replicas (each holds its share of the global batch), so the whitening
     is the one job's whatever the split."""
-    g = dp_sums(dict(zip(("n", "s", "q"), (float(m) for m in moments))), run.lay.train.group, run.sides.group)
-    if run.replicas is None:
+    g = dp_sums(dict(zip(("n", "s", "q"), (float(m) for m in moments))), view.lay.train.group, view.group)
+    if view.replicas is None:
         return g["n"], g["s"], g["q"]
-    n, s, q = run.replicas.sum(torch.tensor([g["n"], g["s"], g["q"]], dtype=torch.float64)).tolist()
+    n, s, q = view.replicas.sum(torch.tensor([g["n"], g["s"], g["q"]], dtype=torch.float64)).tolist()
     return n, s, q
 
 
 def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
-    run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
+    view, cols, algo = call.view, call.batch.columns, call.view.cfg.algorithm
     lengths = torch.stack(cols["response_length"]).long()
     width = max(1, int(lengths.max()))
     values = padded(cols["values"], width, torch.float64)
     kl, mask = _kl(call, width)
     rewards = token_rewards(scores, lengths, width, kl, algo.kl_coef, mask)
     adv, returns = gae(rewards, values * mask, mask, algo.gamma, algo.lam)
-    white = whiten(adv, mask, *batch_moments(run, masked_moments(adv, mask)))
+    white = whiten(adv, mask, *batch_moments(view, masked_moments(adv, mask)))
     lens = lengths.tolist()
     resid = (returns - values) * mask
     sums = {
@@ -112,15 +112,15 @@ def _gae(call: StageCall, scores: torch.Tensor) -> StageResult:
 
 
 def _reinforce(call: StageCall, scores: torch.Tensor, spec: AlgorithmSpec) -> StageResult:
-    run, cols, algo = call.run, call.batch.columns, call.run.cfg.algorithm
+    view, cols, algo = call.view, call.batch.columns, call.view.cfg.algorithm
     lengths = torch.stack(cols["response_length"]).long()
     width = max(1, int(lengths.max()))
     if spec.centre_scores:
-        scores = group_centred(scores, run.cfg.rollout.n)
+        scores = group_centred(scores, view.cfg.rollout.n)
     kl, mask = _kl(call, width)
     estimate = TOKEN_ESTIMATORS.lookup(spec.estimator)
     returns = estimate(token_rewards(scores, lengths, width, kl, algo.kl_coef, mask), mask, algo.gamma) * mask
-    white = whiten(returns, mask, *batch_moments(run, masked_moments(returns, mask)))
+    white = whiten(returns, mask, *batch_moments(view, masked_moments(returns, mask)))
     sums = {"kl_reward_sum": float(kl.sum()), "kl_reward_tokens": float(mask.sum())} if kl is not None else {}
     return StageResult(
         columns={"advantages": [white[k, :L].float() for k, L in enumerate(lengths.tolist())]},

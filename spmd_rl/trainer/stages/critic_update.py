@@ -13,23 +13,21 @@ from spmd_rl.trainer.stages.samples import padded, seq_batch
 
 @register("critic_update")
 def critic_update(call: StageCall) -> StageResult:
-    run, batch = call.run, call.batch
-    cfg, lay = run.cfg, run.lay.train
-    seqs = seq_batch(run, batch)
+    view, batch = call.view, call.batch
+    cfg, lay = view.cfg, view.lay.train
+    seqs = seq_batch(view, batch)
     width = seqs.mask.shape[1]
     old_values, returns = padded(batch.columns["values"], width), padded(batch.columns["returns"], width)
     order = length_order(cfg, lay.dp, seqs.attention_mask.sum(1))  # metrics are sums: no need to undo it
     seqs, old_values, returns = seqs[order], old_values[order], returns[order]
     objective = get_value_loss("clipped")
     minis = mini_batches(cfg, lay.dp, len(batch))
-    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, run.sides.group)
+    plan = micro_plan(cfg, seqs.attention_mask.sum(1), minis, cfg.actor.micro_batch_size, view.group)
     acc = {"value_loss": 0.0, "value_clipped": 0.0, "value_tokens": 0.0, "value_err_sq": 0.0}
     steps, grad_norm, lr = 0, 0.0, 0.0
     for _ in range(cfg.actor.ppo_epochs):
         for sl, micros in zip(minis, plan):
-            norm = mini_batch_norm(
-                seqs.mask[sl], lay.group, run.sides.group, run.replicas.sum if run.replicas else None
-            )
+            norm = mini_batch_norm(seqs.mask[sl], lay.group, view.group, view.replicas.sum if view.replicas else None)
 
             def loss_fn(values, _ent, k, micros=micros, norm=norm):
                 s = micros[k]
@@ -50,11 +48,11 @@ def critic_update(call: StageCall) -> StageResult:
                 acc["value_err_sq"] += float(((values.detach() - ret).square() * mask).sum())
                 return out.loss * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
-            out = run.roles["critic"].train_step([seqs[s] for s in micros], loss_fn)
+            out = view.roles["critic"].train_step([seqs[s] for s in micros], loss_fn)
             grad_norm += out["grad_norm"]
             lr = out["lr"]
             steps += 1
-    g = dp_sums(acc, lay.group, run.sides.group)
+    g = dp_sums(acc, lay.group, view.group)
     tokens = max(g["value_tokens"], 1.0)
     return StageResult(
         final={

@@ -17,18 +17,20 @@ ENGINE_OF = {"ref_logprob": "ref", "actor_logprob": "actor", "critic_value": "cr
 
 @register(*ENGINE_OF)
 def forward_stage(call: StageCall) -> StageResult:
-    run, batch = call.run, call.batch
+    view, batch = call.view, call.batch
     if not len(batch):
         return StageResult()
     role = ENGINE_OF[call.stage.name]
-    micro = ref_micro_batch_size(run.cfg) if role == "ref" else run.cfg.actor.micro_batch_size
-    seqs = seq_batch(run, batch)
-    order = length_order(run.cfg, run.lay.train.dp, seqs.attention_mask.sum(1))  # the updates' order and micro-batches
+    micro = ref_micro_batch_size(view.cfg) if role == "ref" else view.cfg.actor.micro_batch_size
+    seqs = seq_batch(view, batch)
+    order = length_order(
+        view.cfg, view.lay.train.dp, seqs.attention_mask.sum(1)
+    )  # the updates' order and micro-batches
     seqs = seqs[order]
     plan = micro_plan(
-        run.cfg, seqs.attention_mask.sum(1), mini_batches(run.cfg, run.lay.train.dp, len(batch)), micro, run.sides.group
+        view.cfg, seqs.attention_mask.sum(1), mini_batches(view.cfg, view.lay.train.dp, len(batch)), micro, view.group
     )
-    got, _ = run.roles[role].infer([seqs[s] for mini in plan for s in mini])
+    got, _ = view.roles[role].infer([seqs[s] for mini in plan for s in mini])
     out = torch.empty_like(got)
     out[order] = got
     (column,) = call.stage.outputs

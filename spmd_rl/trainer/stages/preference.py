@@ -26,7 +26,7 @@ _SUMS = ("loss", "pairs", "chosen_reward", "rejected_reward", "correct")
 def preference_pairs(call: StageCall) -> StageResult:
     """Sample i's response: the chosen (i even) or rejected (i odd) tokens of its pair;
     ``prompt_row`` is the sampler's position in the loaded set (``put_prompts``)."""
-    pairs = call.run.prompts.pairs
+    pairs = call.view.prompts.pairs
     out = [
         torch.tensor(pairs[int(row)][int(i) % 2], dtype=torch.int32)
         for i, row in zip(call.batch.indices, call.batch.columns["prompt_row"])
@@ -48,11 +48,11 @@ def pair_order(indices) -> tuple[torch.Tensor, torch.Tensor]:
 def dpo_update(call: StageCall) -> StageResult:
     """Epochs over mini-batches of ``actor.mini_batch_size`` pairs (over all DP ranks), one
     optimizer step each, in micro-batches of ``actor.micro_batch_size // 2`` pairs (at least 1)."""
-    run, batch = call.run, call.batch
-    cfg, lay, a = run.cfg, run.lay.train, run.cfg.actor
+    view, batch = call.view, call.batch
+    cfg, lay, a = view.cfg, view.lay.train, view.cfg.actor
     chosen, rejected = pair_order(batch.indices)
     interleaved = torch.stack([chosen, rejected], 1).reshape(-1)  # c0 r0 c1 r1 ...
-    seqs = seq_batch(run, batch)[interleaved]
+    seqs = seq_batch(view, batch)[interleaved]
     ref = (
         torch.stack([batch.columns["ref_log_prob"][int(p)].double().sum() for p in interleaved]).float().reshape(-1, 2)
         if len(batch)
@@ -68,7 +68,7 @@ def dpo_update(call: StageCall) -> StageResult:
     for epoch in range(a.ppo_epochs):
         for start in range(0, n, per_rank):
             pairs = range(start, min(start + per_rank, n))
-            total = dp_sums({"pairs": float(len(pairs))}, lay.group, run.sides.group)["pairs"]
+            total = dp_sums({"pairs": float(len(pairs))}, lay.group, view.group)["pairs"]
             micros = [range(s, min(s + micro, pairs.stop)) for s in range(pairs.start, pairs.stop, micro)]
 
             def loss_fn(lp, ent, k, micros=micros, total=total, first=epoch == 0):
@@ -85,10 +85,10 @@ def dpo_update(call: StageCall) -> StageResult:
                     acc["correct"] += (terms.chosen_reward > terms.rejected_reward).sum()
                 return terms.loss.sum() / total * lay.dp  # FSDP averages gradients over dp_shard: undo it
 
-            out = run.roles["actor"].train_step([seqs[2 * s.start : 2 * s.stop] for s in micros], loss_fn)
+            out = view.roles["actor"].train_step([seqs[2 * s.start : 2 * s.stop] for s in micros], loss_fn)
             grad_norm, lr, steps = grad_norm + out["grad_norm"], out["lr"], steps + 1
-    run.residency.weights_changed()
-    g = dp_sums(on_host(acc), lay.group, run.sides.group)
+    view.weights_changed()
+    g = dp_sums(on_host(acc), lay.group, view.group)
     p = max(g["pairs"], 1.0)
     consumed = [(int(i), int(r)) for i, r in zip(batch.indices, batch.columns["prompt_row"])]
     return StageResult(

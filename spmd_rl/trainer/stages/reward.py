@@ -25,7 +25,7 @@ from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 
 @register("reward")
 def reward(call: StageCall) -> StageResult:
-    run, batch, cfg = call.run, call.batch, call.run.cfg
+    view, batch, cfg = call.view, call.batch, call.view.cfg
     if not len(batch):
         return StageResult(
             sums={"generated": 0.0},
@@ -36,12 +36,12 @@ def reward(call: StageCall) -> StageResult:
     responses = [
         r.tolist() if masks is None else last_turn(r, masks[k]) for k, r in enumerate(batch.columns["response_ids"])
     ]
-    texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    texts = view.tokenizer.batch_decode(responses, skip_special_tokens=True)
     answers = [decode_text(a) for a in batch.columns["answer"]]
-    rule = torch.tensor([run.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
+    rule = torch.tensor([view.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     sums: dict[str, float] = {}
     if cfg.reward.kind == "model":
-        model_score, _ = run.roles["reward_model"].infer(split(seq_batch(run, batch), ref_micro_batch_size(cfg)))
+        model_score, _ = view.roles["reward_model"].infer(split(seq_batch(view, batch), ref_micro_batch_size(cfg)))
         scores = model_score.float() + cfg.reward.rule_weight * rule
         sums |= {"reward_model_sum": float(model_score.sum()), "reward_rule_sum": float(rule.sum())}
     else:

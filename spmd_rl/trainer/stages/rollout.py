@@ -32,35 +32,34 @@ from spmd_rl.distributed import timeline
 from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
-from spmd_rl.trainer.context import Run
-from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, StageView, register
 
 
 def _seed(call: StageCall) -> int:
     """The iteration's base seed; a request adds its seed key (``_seed_keys``)."""
-    return call.run.cfg.trainer.seed * 1_000_003 + call.it * 10_007
+    return call.view.cfg.trainer.seed * 1_000_003 + call.it * 10_007
 
 
 def _seed_keys(call: StageCall) -> list[int]:
     """Each sample's seed key: its dataset row x N + its place in its group (groups are N
     consecutive indices), never its place in the share or the dock."""
-    n = call.run.cfg.rollout.n
+    n = call.view.cfg.rollout.n
     return [int(r) * n + int(i) % n for r, i in zip(call.batch.columns["prompt_row"], call.batch.indices)]
 
 
 def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
     """(sample indices, samples) of the prompt groups of this share that each engine step
     finished, in finishing order."""
-    run, batch = call.run, call.batch
-    n = run.cfg.rollout.n
+    view, batch = call.view, call.batch
+    n = view.cfg.rollout.n
     idx = batch.indices.tolist()
     if not idx:
         return
-    if run.turns is not None:  # trajectories finish in any order; the groups are handed over together
+    if view.turns is not None:  # trajectories finish in any order; the groups are handed over together
         yield idx, [_as_sample(t) for t in _trajectories(call)]
         return
     firsts, keys, seed = batch.columns["prompt_ids"][::n], _seed_keys(call)[::n], _seed(call)
-    done = call.run.replicas.finished if call.run.replicas is not None else None
+    done = call.view.replicas.finished if call.view.replicas is not None else None
     todo = list(range(len(keys)))
     if done is not None:  # elastic replicas: the groups this rank generated before a peer's loss
         done.begin(seed)
@@ -71,10 +70,10 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
             yield [i for p in kept for i in idx[p * n : (p + 1) * n]], [s for p in kept for s in done.groups[keys[p]]]
     if not todo:
         return
-    for step in run.rollout.generate_stream(
+    for step in view.rollout.generate_stream(
         [firsts[p].tolist() for p in todo],
         n=n,
-        max_tokens=run.cfg.rollout.max_response_length,
+        max_tokens=view.cfg.rollout.max_response_length,
         seed=seed,
         seed_keys=[keys[p] for p in todo],
     ):
@@ -103,9 +102,9 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
 
 def _trajectories(call: StageCall) -> list[Trajectory]:
     """One multi-turn trajectory per sample of the share, in index order."""
-    run, cols = call.run, call.batch.columns
-    items = [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
-    return run.turns.run(items, seed=_seed(call), seed_keys=_seed_keys(call))
+    view, cols = call.view, call.batch.columns
+    items = [(p.tolist(), view.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
+    return view.turns.run(items, seed=_seed(call), seed_keys=_seed_keys(call))
 
 
 def _as_sample(t: Trajectory) -> Sample:
@@ -119,31 +118,31 @@ def actor_rollout(call: StageCall) -> StageResult:
 
 
 def _rollout(call: StageCall) -> StageResult:
-    partial = call.run.modes.partial_rollout
+    partial = call.view.modes.partial_rollout
     if not len(call.batch):
-        return StageResult(pieces={} if partial else None, sums=turn_sums(call.run, []))
+        return StageResult(pieces={} if partial else None, sums=turn_sums(call.view, []))
     if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
     samples = [by_index[i] for i in call.batch.indices.tolist()]
     out = rollout_columns(samples)
-    if call.run.modes.versioned:  # separated placement: the version of the weights the engine holds
+    if call.view.modes.versioned:  # separated placement: the version of the weights the engine holds
         out["response_version"] = [
-            torch.full((len(s.token_ids),), call.run.progress.policy_version, dtype=torch.int32) for s in samples
+            torch.full((len(s.token_ids),), call.view.policy_version, dtype=torch.int32) for s in samples
         ]
-    return StageResult(columns=out, sums=turn_sums(call.run, samples))
+    return StageResult(columns=out, sums=turn_sums(call.view, samples))
 
 
-def turn_sums(run: Run, samples: list[Sample]) -> dict[str, float]:
+def turn_sums(view: StageView, samples: list[Sample]) -> dict[str, float]:
     """The multi-turn counts of these samples: every key on every rank under
     ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
-    if not run.modes.multi_turn:
+    if not view.modes.multi_turn:
         return {}
     return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
 
 
 def _continue(call: StageCall) -> StageResult:
-    cfg, cols = call.run.cfg, call.batch.columns
+    cfg, cols = call.view.cfg, call.batch.columns
     limit = cfg.rollout.max_response_length
     routes = cols.get("prefix_routes", [None] * len(call.batch))
     pieces = [
@@ -157,10 +156,10 @@ def _continue(call: StageCall) -> StageResult:
             routes,
         )
     ]
-    if call.run.turns is not None:
+    if call.view.turns is not None:
         return _continue_turns(call, pieces)
     todo, keys = [k for k, p in enumerate(pieces) if not p.done], _seed_keys(call)
-    got = call.run.rollout.continue_samples(
+    got = call.view.rollout.continue_samples(
         [
             (
                 cols["prompt_ids"][k].tolist() + pieces[k].token_ids,
@@ -183,9 +182,9 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     dock's tokens and mask (``Trajectory.replay``: a fresh environment, its turns fed again;
     whichever generation group the dock dealt it to) and advanced by at most B sampled tokens.
     A trajectory's counts are summed once, in the iteration it ends."""
-    run, cols, lim = call.run, call.batch.columns, call.run.turns.limits
-    trajs = run.turns.start(
-        [(p.tolist(), run.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
+    view, cols, lim = call.view, call.batch.columns, call.view.turns.limits
+    trajs = view.turns.start(
+        [(p.tolist(), view.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])],
         seed_keys=_seed_keys(call),
     )
     todo = []
@@ -197,7 +196,7 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
                 p.token_ids,
                 p.logprobs,
                 p.mask,
-                run.tokenizer,
+                view.tokenizer,
                 lim.max_tokens,
                 lim.max_turns,
                 p.env_reward,
@@ -205,7 +204,7 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
             )
         ):
             todo.append(t)
-    run.turns.advance(todo, seed=_seed(call), segment=run.cfg.stream.partial_tokens)
+    view.turns.advance(todo, seed=_seed(call), segment=view.cfg.stream.partial_tokens)
     samples, ended = [], []
     for p, t in zip(pieces, trajs):
         ended.append(not p.done and t.done)  # its counts are summed in the iteration it ends
@@ -225,4 +224,6 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
         )
     out = rollout_columns(samples)
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
-    return StageResult(columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(run, samples))
+    return StageResult(
+        columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(view, samples)
+    )

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from spmd_rl.engines.training.logprobs import SeqBatch, build_batch
 from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.stages.registry import StageView
 
 
 def encode_text(text: str) -> torch.Tensor:
@@ -36,16 +37,16 @@ def padded(columns: list[torch.Tensor], width: int, dtype: torch.dtype = torch.f
     return out
 
 
-def seq_batch(run: Run, batch) -> SeqBatch:
+def seq_batch(view: StageView, batch) -> SeqBatch:
     """The stage's samples as a sequence batch, carrying the ``rollout_routes`` column when the
     stage reads it (routing replay and the router metrics) and masking inserted tokens when it
     reads ``response_mask`` (multi-turn rollouts)."""
     routes = batch.columns.get("rollout_routes")
-    shape = None if routes is None else (run.arch.num_layers, run.arch.experts_per_token)
+    shape = None if routes is None else (view.arch.num_layers, view.arch.experts_per_token)
     return build_batch(
         batch.columns["prompt_ids"],
         batch.columns["response_ids"],
-        run.tokenizer.pad_token_id,
+        view.tokenizer.pad_token_id,
         routes,
         shape,
         batch.columns.get("response_mask"),
