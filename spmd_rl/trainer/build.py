@@ -19,6 +19,7 @@ import torch.distributed as dist
 from spmd_rl.catalog import user_function
 from spmd_rl.config.errors import ConfigError, Violation
 from spmd_rl.config.model_arch import ModelArch
+from spmd_rl.config.runtime_schema import ElasticConfig, MetadataConfig
 from spmd_rl.data.sampler import SamplerState
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.accelerator import detect
@@ -84,31 +85,31 @@ def metadata(cfg, peer: Peer) -> tuple[list[str], MetadataStore, str]:
         cfg.dock.token, "SPMD_RL_JOB_TOKEN", "dock.token", "launch with `spmd-rl train` or set dock.token"
     )
     endpoints = endpoint.split(",")
-    meta = store(cfg, endpoints, dock_job(cfg))
+    meta = store(cfg.metadata, endpoints, dock_job(cfg.metadata, cfg.elastic))
     if peer.rank == 0:
         meta.delete_prefix(meta.key() + "/")
     dist.barrier()
     return endpoints, meta, token
 
 
-def store(cfg, endpoints: list[str], job: str) -> MetadataStore:
+def store(metadata: MetadataConfig, endpoints: list[str], job: str) -> MetadataStore:
     """A client of the job's etcd under the namespace ``job``."""
-    return MetadataStore(endpoints, job, cfg.metadata.retry_s, tls=EtcdTLS.of(cfg.metadata))
+    return MetadataStore(endpoints, job, metadata.retry_s, tls=EtcdTLS.of(metadata))
 
 
-def dock_job(cfg) -> str:
+def dock_job(metadata: MetadataConfig, elastic: ElasticConfig) -> str:
     """The job's namespace in etcd for its dock and ledger; each elastic replica has its own."""
-    r = cfg.elastic.replicas
-    return cfg.metadata.job if r is None else f"{cfg.metadata.job}.{r.name}"
+    r = elastic.replicas
+    return metadata.job if r is None else f"{metadata.job}.{r.name}"
 
 
-def replica_local_group(cfg) -> dist.ProcessGroup:
+def replica_local_group(elastic: ElasticConfig) -> dist.ProcessGroup:
     """The replica's own group for its lead's answers and its ranks' votes, with a timeout above
     the longest the lead may take (agreeing on a generation, ``elastic.startup_timeout_s``) plus
     a collective's (``timeout_s``): its other ranks wait in it meanwhile, and a timeout there is
     a crash, not the ``ReplicaLost`` or ``QuorumLost`` the lead's answer carries. Its timeout is
     its own: the phases' ``set_collective_timeout`` leaves it alone."""
-    return group_with_own_timeout(cfg.elastic.startup_timeout_s + cfg.elastic.replicas.timeout_s + 60.0)
+    return group_with_own_timeout(elastic.startup_timeout_s + elastic.replicas.timeout_s + 60.0)
 
 
 def replica_layout(cfg, peer: Peer) -> dict:
@@ -138,14 +139,14 @@ def replicas_of(cfg, endpoints: list[str], lay, roles: dict, peer: Peer, sampler
     if r is None:
         return None, start
     group = ReplicaGroup(
-        store(cfg, endpoints, cfg.metadata.job),
+        store(cfg.metadata, endpoints, cfg.metadata.job),
         r.name,
         cfg.dock.interface,
         r.lease_s,
         r.join_window_s,
         r.min_replicas,
         r.timeout_s,
-        local_pg=replica_local_group(cfg) if peer.world > 1 else None,
+        local_pg=replica_local_group(cfg.elastic) if peer.world > 1 else None,
         quorum_timeout_s=cfg.elastic.startup_timeout_s,
         layout=replica_layout(cfg, peer),
         max_members=cfg.actor.mini_batch_size // deal_unit(lay),  # a unit of each mini-batch each

@@ -119,7 +119,9 @@ class Trainer:
             held_out=HeldOut(prompts_for(cfg, tok, cfg.data.test_path), get_reward(cfg.reward.rule))
             if evaluates
             else None,
-            ledger=PromptLedger(build.store(cfg, endpoints, f"{build.dock_job(cfg)}.ledger")),
+            ledger=PromptLedger(
+                build.store(cfg.metadata, endpoints, f"{build.dock_job(cfg.metadata, cfg.elastic)}.ledger")
+            ),
             # the TP ranks of a generation group run each multi-turn rollout together
             gen_tp_group=replica_group(lay.gen, peer.rank) if modes.multi_turn and lay.gen.tp > 1 else None,
             replicas=replicas,

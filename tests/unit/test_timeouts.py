@@ -74,7 +74,7 @@ def _replica_worker(rank: int, init: str, out: dict) -> None:
     ]
     cfg = load_config(REPO / "configs/quickstart.yaml", over)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    local = _replica_local_group(cfg)
+    local = _replica_local_group(cfg.elastic)
     with generation_phase(cfg):  # every iteration: the steady 1 s is set on every group after it
         dist.barrier(group=local)
     try:
