@@ -119,7 +119,7 @@ def _pause(plan: dict) -> None:
         TrainEngine,
         "save",
         "checkpoint",
-        lambda _, f: int(next(p for p in reversed(Path(f).parts) if p.startswith("iter_"))[5:11]),
+        lambda _, f, *group: int(next(p for p in reversed(Path(f).parts) if p.startswith("iter_"))[5:11]),
     )
     wrap(
         importlib.import_module("spmd_rl.trainer.ledger").PromptLedger, "record", "ledger", lambda _, rec: rec.iteration
