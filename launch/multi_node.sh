@@ -15,6 +15,8 @@
 # For an etcd with TLS and client-certificate auth (launch/etcd.sh with TLS_DIR) also set
 # ETCD_CA, ETCD_CERT and ETCD_KEY: torchrun's rendezvous and the ranks then use TLS.
 #
+# PYTHON picks the interpreter that has spmd-rl installed (default: python3 on PATH).
+#
 # Leave parallel.train.dp_shard and parallel.gen.dp out of the config so both layouts are
 # re-derived from the world size after every (re)start, and put checkpoint.dir on storage all
 # nodes share: each restart resumes from the latest complete checkpoint.
@@ -38,7 +40,7 @@ if [ -n "${ETCD_CA:-}" ]; then
 fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.13 hangs re-forming the group after a restart without it
 export SPMD_RL_ETCD=$ETCD SPMD_RL_JOB_TOKEN=$TOKEN OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m torch.distributed.run \
+exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC" --max-restarts="$RESTARTS" \
     --rdzv-backend=etcd-v2 --rdzv-endpoint="$ETCD" --rdzv-id="$JOB" \
     --rdzv-conf="$RDZV_CONF" \

@@ -111,7 +111,7 @@ _SESSION_ENV = dict(os.environ)  # conftest is imported before any test imports 
 def subprocess_env() -> dict[str, str]:
     """The environment of every process a test starts: this one's (but ``LIBRARY_SET`` as the
     session began), its owner mark, the repository and the fault plans (``FAULTS``) on the path,
-    and the preload servers' sockets (``preload_server``)."""
+    the preload servers' sockets (``preload_server``), and this interpreter as ``PYTHON``."""
     env = dict(os.environ) | {TEST_OWNER: str(os.getpid())}
     for name in LIBRARY_SET:
         if name in _SESSION_ENV:
@@ -119,6 +119,7 @@ def subprocess_env() -> dict[str, str]:
         else:
             env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(FAULTS), env.get("PYTHONPATH", "")])
+    env["PYTHON"] = sys.executable  # what launch/*.sh run (their default is python3 on PATH)
     if _PRELOAD.sockets:
         env[preload.ENV] = _PRELOAD.env_value
     return env

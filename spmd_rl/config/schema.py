@@ -8,7 +8,7 @@ world size or to files on disk live in ``rules.py`` so that all violations can b
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
@@ -42,10 +42,39 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train_path: str = Field(description="Prompt dataset for training: .jsonl or .parquet.")
+    train_path: str | list[str] = Field(
+        description="Prompt dataset for training: a .jsonl or .parquet file, or a list of them read in order as one "
+        "dataset (rows numbered over the files)."
+    )
     test_path: str | None = Field(None, description="Held-out prompts for `spmd-rl eval` and periodic evaluation.")
-    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
-    answer_column: str = Field("answer", description="Column holding the reference answer given to the reward.")
+    prompt_column: str = Field(
+        "prompt",
+        description="Dotted path of the prompt in a row: a string (one user turn) or a list of {role, content} "
+        "messages (system, user, earlier assistant turns), as verl's and HF's chat datasets hold it.",
+    )
+    answer_column: str = Field(
+        "answer",
+        description="Dotted path of the reference answer handed to the reward, e.g. reward_model.ground_truth for "
+        "verl's layout; a string or a number.",
+    )
+    data_source_column: str = Field(
+        "data_source",
+        description="Dotted path of the row's source name, handed to the reward and environment ('' where absent).",
+    )
+    extra_info_column: str = Field(
+        "extra_info",
+        description="Dotted path of the row's extra fields (an object), handed to the reward and environment ({} "
+        "where absent).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system message put first in every prompt that has none of its own; null adds none.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the tokenizer's apply_chat_template for every prompt, e.g. "
+        "{enable_thinking: false} for Qwen3.",
+    )
     chosen_column: str = Field(
         "chosen", description="algorithm.name dpo: the column holding the preferred response text."
     )
@@ -57,7 +86,9 @@ class DataConfig(Section):
         gt=0, description="PL: prompts longer than this (in tokens) are skipped with a warning."
     )
     apply_chat_template: bool = Field(
-        True, description="Wrap each prompt as a user message with the tokenizer's chat template."
+        True,
+        description="Render each prompt's messages with the tokenizer's chat template and its generation prompt; "
+        "false takes a string prompt as bare text (a message list is then refused).",
     )
     shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded by `trainer.seed`).")
 
@@ -338,7 +369,14 @@ class RewardConfig(Section):
     kind: Literal["rule", "model"] = Field("rule", description="Rule-based reward function, or a reward model.")
     rule: str = Field(
         "exact_match",
-        description="Registered rule name (exact_match, math_verify) or a user function as `module:function`.",
+        description="Registered rule name (exact_match, math_verify) or a user function as `module:function` "
+        "called as fn(response, answer, row) -> score, or -> {score, <metric>: value}; row holds the prompt's "
+        "messages, data_source and extra_info (docs/extending.md).",
+    )
+    extract: Literal["strict", "gsm8k", "boxed", "last_number"] = Field(
+        "strict",
+        description="exact_match: where the response's answer is. strict = the whole response; gsm8k = the number "
+        "after the last ####; boxed = the last \\boxed{}; last_number = the last number in the response.",
     )
     model_path: str | None = Field(
         None,

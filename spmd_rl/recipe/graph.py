@@ -248,7 +248,7 @@ def _sampling_stages(cfg: Config, m: Modes, turns: tuple[str, ...], routes: tupl
         Stage(
             "reward",
             (("prompt_ids",) if model_reward else ())
-            + ("response_ids", "response_length", "answer")
+            + ("response_ids", "response_length", "answer", "prompt_row")
             + (turns + ("env_reward",) if turns else ()),
             ("reward",),
             ("reward_model",) if model_reward else (),

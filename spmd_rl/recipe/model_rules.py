@@ -114,7 +114,11 @@ def check_model_files(cfg: Config, arch: ModelArch) -> list[Violation]:
 
 def check_files(cfg: Config) -> list[Violation]:
     out: list[Violation] = []
-    for field, path in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+    train = cfg.data.train_path
+    named = [("data.train_path", p) for p in (train if isinstance(train, list) else [train])]
+    if not named:
+        out.append(Violation("data.train_path", [], "names no file", "give a file or a list of them"))
+    for field, path in [*named, ("data.test_path", cfg.data.test_path)]:
         if path is None:
             continue
         p = Path(path)

@@ -97,10 +97,11 @@ def store(metadata: MetadataConfig, endpoints: list[str], job: str) -> MetadataS
     return MetadataStore(endpoints, job, metadata.retry_s, tls=EtcdTLS.of(metadata))
 
 
-def dock_job(metadata: MetadataConfig, elastic: ElasticConfig) -> str:
-    """The job's namespace in etcd for its dock and ledger; each elastic replica has its own."""
+def dock_job(metadata: MetadataConfig, elastic: ElasticConfig, suffix: str = "") -> str:
+    """The job's namespace in etcd for its dock (and with ``suffix`` ``.ledger``, its ledger);
+    each elastic replica has its own."""
     r = elastic.replicas
-    return metadata.job if r is None else f"{metadata.job}.{r.name}"
+    return (metadata.job if r is None else f"{metadata.job}.{r.name}") + suffix
 
 
 def replica_local_group(elastic: ElasticConfig) -> dist.ProcessGroup:

@@ -39,10 +39,11 @@ class Progress:
 @dataclass(frozen=True)
 class HeldOut:
     """The held-out prompts of ``trainer.eval_interval`` (``data.test_path``) and the reward
-    rule that decides a greedy answer is right (``trainer.evaluate``)."""
+    rule that decides a greedy answer is right (``trainer.evaluate``): ``correct(response,
+    answer, row)``, a score or a dict with one (``rewards.registry``)."""
 
     prompts: PromptSet
-    correct: Callable[[str, str], float]
+    correct: Callable[[str, str, dict], Any]
 
 
 @dataclass(frozen=True, kw_only=True)

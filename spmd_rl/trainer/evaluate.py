@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.rewards.registry import score_of
 from spmd_rl.trainer.context import Run
 
 RECORD = "eval_prompts.jsonl"
@@ -44,7 +45,7 @@ def eval_accuracy(run: Run, iteration: int) -> float:
     hits = torch.zeros(count, dtype=torch.float64)
     if tp_rank == 0:  # a generation group's TP ranks produced the same texts
         for t, i in zip(texts, mine):
-            hits[i] = float(correct_fn(t, test.answers[i]) > 0.5)
+            hits[i] = float(score_of(correct_fn(t, test.answers[i], test.info(i)), run.cfg.reward.rule)[0] > 0.5)
     dist.all_reduce(hits, group=run.sides.group)
     correct = hits.nonzero().flatten().tolist()
     if run.peer.rank == run.sides.leader:

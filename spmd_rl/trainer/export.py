@@ -92,14 +92,15 @@ def greedy_accuracy(  # noqa: PLR0913
     ``environment`` each prompt is a greedy multi-turn trajectory of at most ``max_tokens``
     response tokens (``envs.multi_turn``), scored on its last sampled turn."""
     from spmd_rl.config.schema import RolloutConfig
-    from spmd_rl.data.prompts import load_prompts
+    from spmd_rl.data.prompts import PromptFormat, load_prompts, with_pad_token
     from spmd_rl.distributed.accelerator import detect
     from spmd_rl.engines.base import RolloutBuild
     from spmd_rl.engines.rollouts import build_rollout_engine
     from spmd_rl.rewards import get_reward
+    from spmd_rl.rewards.registry import score_of
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = load_prompts(data, tok, prompt_column, answer_column, max_prompt_length=10**6)
+    tok = with_pad_token(AutoTokenizer.from_pretrained(model_dir))
+    prompts = load_prompts(data, tok, PromptFormat(prompt_column, answer_column), max_prompt_length=10**6)
     ids, answers = prompts.prompt_ids[:limit], prompts.answers[:limit]
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     rollout = build_rollout_engine(
@@ -128,11 +129,7 @@ def greedy_accuracy(  # noqa: PLR0913
         samples = rollout.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
         texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     fn = get_reward(rule)
-    correct = sum(fn(t, a) > 0.5 for t, a in zip(texts, answers))
-    return {
-        "model": str(model_dir),
-        "data": str(data),
-        "prompts": len(ids),
-        "correct": correct,
-        "accuracy": correct / len(ids),
+    correct = sum(score_of(fn(t, a, prompts.info(i)), rule)[0] > 0.5 for i, (t, a) in enumerate(zip(texts, answers)))
+    return {"model": str(model_dir), "data": str(data), "prompts": len(ids), "correct": correct} | {
+        "accuracy": correct / len(ids)
     }

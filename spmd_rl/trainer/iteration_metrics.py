@@ -60,5 +60,11 @@ class IterationMetrics:
             var_e = g["resid_sq"] / t - (g["resid_sum"] / t) ** 2
             out["value_explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
         out |= turn_metrics(g)
+        out |= {f"reward/{k.split('/', 1)[1]}": v / n for k, v in g.items() if k.startswith("reward_extra/")}
+        for k, v in g.items():  # per data_source (stages.reward.source_sums)
+            if k.startswith("source/") and k.endswith("/generated"):
+                source = k[len("source/") : -len("/generated")]
+                out[f"reward/{source}"] = g[f"source/{source}/reward"] / max(v, 1.0)
+                out[f"accuracy/{source}"] = g[f"source/{source}/correct"] / max(v, 1.0)
         out |= global_maxes(self.maxes, self.group)
         return out | self.final

@@ -98,7 +98,6 @@ class Trainer:
         state, start = build.resume(cfg, peer, roles, sampler, sides.group)
         replicas, start = build.replicas_of(cfg, endpoints, lay, roles, peer, sampler, start)
         resharder = Resharder(roles.get("actor"), rollout, cfg.reshard, cfg.model.dtype, acc)
-        evaluates = cfg.trainer.eval_interval and rollout is not None
         self.run = run = Run(
             cfg=cfg,
             lay=lay,
@@ -114,13 +113,11 @@ class Trainer:
             tokenizer=tok,
             prompts=prompts,
             sampler=sampler,
-            reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score),
+            reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract),
             lineage=checkpoint.lineage_id(state, cfg.checkpoint.resume),
-            held_out=HeldOut(prompts_for(cfg, tok, cfg.data.test_path), get_reward(cfg.reward.rule))
-            if evaluates
-            else None,
+            held_out=_held_out(cfg, tok) if cfg.trainer.eval_interval and rollout is not None else None,
             ledger=PromptLedger(
-                build.store(cfg.metadata, endpoints, f"{build.dock_job(cfg.metadata, cfg.elastic)}.ledger")
+                build.store(cfg.metadata, endpoints, build.dock_job(cfg.metadata, cfg.elastic, ".ledger"))
             ),
             # the TP ranks of a generation group run each multi-turn rollout together
             gen_tp_group=replica_group(lay.gen, peer.rank) if modes.multi_turn and lay.gen.tp > 1 else None,
@@ -234,6 +231,11 @@ class Trainer:
         if self.run.replicas is not None:
             self.run.replicas.close()
         self.run.dock.close()
+
+
+def _held_out(cfg: Config, tok) -> HeldOut:
+    """The prompts and the rule of ``trainer.eval_interval``'s evaluation (``data.test_path``)."""
+    return HeldOut(prompts_for(cfg, tok, cfg.data.test_path), get_reward(cfg.reward.rule, extract=cfg.reward.extract))
 
 
 def _never_stepped(it: int, on_stage: OnStage) -> dict[str, float]:

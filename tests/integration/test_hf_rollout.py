@@ -195,7 +195,7 @@ def test_spmd_rl_eval_with_the_hf_engine_scores_what_transformers_generate_score
     """``spmd-rl eval --engine hf`` in a fresh process: its greedy accuracy on 32 held-out prompts
     is the one transformers' own ``generate`` gives on the same prompts (chat template, greedy,
     8 tokens, the run's reward rule); an unknown engine is a user error naming the option."""
-    from spmd_rl.data.prompts import load_prompts
+    from spmd_rl.data.prompts import PromptFormat, load_prompts
     from spmd_rl.rewards import get_reward
 
     res = subprocess.run(
@@ -206,7 +206,7 @@ def test_spmd_rl_eval_with_the_hf_engine_scores_what_transformers_generate_score
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompts = load_prompts(tiny_model / "test.jsonl", tok, "prompt", "answer", max_prompt_length=10**6)
+    prompts = load_prompts(tiny_model / "test.jsonl", tok, PromptFormat(), max_prompt_length=10**6)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rule, right = get_reward("exact_match"), 0
     for ids, answer in zip(prompts.prompt_ids[:32], prompts.answers[:32]):

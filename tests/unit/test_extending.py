@@ -47,13 +47,16 @@ def _example(section: str) -> str:
 
 
 def test_the_reward_example_is_the_tested_function_and_the_reward_stage_scores_with_it(tiny_model):
-    """Through the reward stage's own call (two arguments: a rule written to another signature
-    raises here, not after a user's first rollout)."""
+    """Through the reward stage's own call: three arguments, the row read from the prompt set
+    by each sample's ``prompt_row`` (a rule written to another signature raises here, not
+    after a user's first rollout), the dict's score as the reward and its metric summed, and
+    the per-source sums of a dataset with two sources."""
 
     import torch
     from transformers import AutoTokenizer
 
     from spmd_rl.config.loader import load_config
+    from spmd_rl.data.prompts import PromptSet
     from spmd_rl.dock.batch import DockBatch
     from spmd_rl.rewards import get_reward
     from spmd_rl.trainer.stages.registry import StageCall, StageView
@@ -65,18 +68,23 @@ def test_the_reward_example_is_the_tested_function_and_the_reward_stage_scores_w
         REPO / "configs/quickstart.yaml", [f"model.path={tiny_model}", "reward.rule=tests.helpers.rewards:last_number"]
     )
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    responses = ["3+4=7", "7", "3+4=8"]
+    responses = ["3+4=7", "7", "3+4=8", "3+4=7"]
     ids = [torch.tensor(tok(r, add_special_tokens=False).input_ids) for r in responses]
     assert tok.batch_decode(ids, skip_special_tokens=True) == responses
     columns = {
         "response_ids": ids,
-        "answer": [encode_text("7")] * 3,
+        "answer": [encode_text("7")] * 4,
         "response_length": [torch.tensor(len(i), dtype=torch.int32) for i in ids],
+        "prompt_row": [torch.tensor(r) for r in (0, 0, 0, 1)],  # the last sample's prompt is a "strict" row
     }
-    batch = DockBatch(torch.arange(3), columns, frozenset({"response_ids", "answer"}))
-    view = StageView(cfg=cfg, tokenizer=tok, reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score))
-    got = reward(StageCall(view, 0, None, batch, True, [0, 1, 2]))
-    assert got.columns["reward"].tolist() == [1.0, 1.0, 0.0] and got.sums["correct"] == 2.0
+    batch = DockBatch(torch.arange(4), columns, frozenset({"response_ids", "answer"}))
+    prompts = PromptSet([[1], [2]], ["7", "7"], [0, 1], ["a", "b"], sources=["loose", "strict"], extras=[{}, {}])
+    rule = get_reward(cfg.reward.rule, cfg.reward.format_score)
+    view = StageView(cfg=cfg, tokenizer=tok, reward_fn=rule, prompts=prompts)
+    got = reward(StageCall(view, 0, None, batch, True, [0, 1, 2, 3]))
+    assert got.columns["reward"].tolist() == [1.0, 1.0, 0.0, 0.0] and got.sums["correct"] == 2.0
+    assert got.sums["reward_extra/has_number"] == 3.0  # "3+4=7" under "strict" holds no lone number
+    assert (got.sums["source/loose/correct"], got.sums["source/strict/generated"]) == (2.0, 1.0)
     assert get_reward("exact_match")("3+4=7", "7") == 0.0  # what the example is for
 
 

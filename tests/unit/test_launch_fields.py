@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from spmd_rl.config.loader import load_config
 from spmd_rl.recipe.graph import ref_micro_batch_size
@@ -73,3 +77,26 @@ def test_jsonl_off_writes_no_metrics_file(tmp_path):
     on.write(0, {"loss": 1.0})
     on.close()
     assert json.loads((tmp_path / "on/metrics.jsonl").read_text()) == {"iteration": 0, "loss": 1.0}
+
+
+@pytest.mark.parametrize(
+    "script,env,want",
+    [
+        ("single_node.sh", {}, "-m spmd_rl.cli train cfg.yaml a=1"),
+        ("multi_node.sh", {"ETCD": "h:1", "TOKEN": "t"}, "-m torch.distributed.run --nnodes=1:2"),
+    ],
+)
+def test_the_launch_scripts_run_the_python_they_are_given(tmp_path, script, env, want):
+    """``launch/*.sh`` run ``$PYTHON`` (default python3 on PATH: a venv, conda env or container
+    Python), not a fixed ``.venv``."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "ran: $*"\n')
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    for py in ({"PYTHON": str(fake)}, {"PATH": f"{tmp_path}:{os.environ['PATH']}"}):
+        if "PATH" in py:
+            (tmp_path / "python3").symlink_to(fake)
+        res = subprocess.run(
+            [str(REPO / "launch" / script), "cfg.yaml", "a=1"], env=base | env | py, capture_output=True, text=True
+        )
+        assert res.returncode == 0 and f"ran: {want}" in res.stdout, (py, res.stdout, res.stderr)

@@ -8,22 +8,55 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
-from spmd_rl.data.prompts import load_prompts
+from spmd_rl.data.prompts import PromptFormat, load_prompts
 from spmd_rl.data.sampler import PromptSampler, SamplerState
 from spmd_rl.rewards import get_reward
 
 
 def test_exact_match():
     f = get_reward("exact_match")
-    assert f("67", "67") == 1.0 and f(" 67 ", "67") == 1.0 and f("67.0", "67") == 1.0
-    assert f("68", "67") == 0.0 and f("", "67") == 0.0 and f("6 7", "67") == 0.0
+    assert f("67", "67", {}) == 1.0 and f(" 67 ", "67", {}) == 1.0 and f("67.0", "67", {}) == 1.0
+    assert f("68", "67", {}) == 0.0 and f("", "67", {}) == 0.0 and f("6 7", "67", {}) == 0.0
 
 
-def test_user_reward_by_module_function():
-    f = get_reward("math:isclose")  # any importable callable(response, answer)
-    assert f is __import__("math").isclose
+def test_user_reward_by_module_function(caplog):
+    """A user's (response, answer, row) function is called as it is; 0.1's two-argument form
+    is called without the row, with a warning naming the rule."""
+    from tests.helpers import rewards
+
+    assert get_reward("tests.helpers.rewards:last_number") is rewards.last_number
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        f = get_reward("math:isclose")  # a callable(response, answer)
+    assert f(1.0, 1.0, {"data_source": ""}) is True and f(1.0, 2.0, {}) is False
+    assert "reward.rule=math:isclose takes (response, answer)" in caplog.text
     with pytest.raises(ValueError, match="no function"):
         get_reward("math:nope")
+
+
+@pytest.mark.parametrize(
+    "extract,right,wrong,unformed",
+    [
+        ("strict", " 1,234 ", "1234.5", "it is 1234"),
+        ("gsm8k", "so 1200 + 34\n#### 1,234", "#### 1234 then 12\n#### 12", "1234"),
+        ("boxed", "thus \\boxed{1234}.", "\\boxed{1234} no, \\boxed{12}", "\\boxed{1234"),
+        ("last_number", "1200 + 34 = 1234", "1234 or 1235", "no number here"),
+    ],
+)
+def test_exact_match_finds_the_answer_where_extract_says(extract, right, wrong, unformed):
+    """``reward.extract``: the same reward on the whole response, GSM8K's last ``####``, the last
+    ``\\boxed{}`` (braces balanced; an unclosed one is no answer) or the last number; with a
+    format score, a wrong but found answer scores it and no answer scores 0."""
+    f = get_reward("exact_match", format_score=0.1, extract=extract)
+    assert (f(right, "1234", {}), f(wrong, "1234", {}), f(unformed, "1234", {})) == (1.0, 0.1, 0.0)
+
+
+def test_a_reward_returning_no_score_is_named():
+    from spmd_rl.rewards.registry import score_of
+
+    assert score_of(0.5, "r") == (0.5, {}) and score_of({"score": 1, "len": 3}, "r") == (1.0, {"len": 3.0})
+    for bad in (None, "1", {"len": 3}, {"score": 1, "tag": "x"}):
+        with pytest.raises(TypeError, match="reward.rule=my:fn returned"):
+            score_of(bad, "my:fn")
 
 
 def test_bad_rows_are_skipped_and_named(tmp_path, tiny_model, caplog):
@@ -38,10 +71,10 @@ def test_bad_rows_are_skipped_and_named(tmp_path, tiny_model, caplog):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level(logging.WARNING):
-        ps = load_prompts(path, tok, "prompt", "answer", max_prompt_length=64)
+        ps = load_prompts(path, tok, PromptFormat(), max_prompt_length=64)
     assert ps.rows == [0, 4] and ps.answers == ["2", "4"]
     assert ps.skipped == {
-        "missing column 'prompt'": [1],
+        "missing field 'prompt'": [1],
         "empty prompt": [2],
         "prompt of 219 tokens > data.max_prompt_length=64": [3],
     }
@@ -65,7 +98,7 @@ def test_parquet_prompts(tmp_path, tiny_model):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([{"q": "3+4=", "a": "7"}, {"q": "", "a": "0"}]), str(path))
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    ps = load_prompts(path, tok, "q", "a", max_prompt_length=64)
+    ps = load_prompts(path, tok, PromptFormat("q", "a"), max_prompt_length=64)
     assert ps.answers == ["7"] and ps.skipped == {"empty prompt": [1]}
     assert tok.decode(ps.prompt_ids[0]).endswith("3+4=<|im_end|>\n<|im_start|>assistant\n")
 
@@ -82,7 +115,7 @@ def test_batched_encoding_equals_the_tokenizers_one_prompt_calls(tmp_path, tiny_
     rows.insert(3, {"prompt": "", "answer": "1"})
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ps = load_prompts(path, tok, "prompt", "answer", max_prompt_length=64, chat_template=chat_template)
+    ps = load_prompts(path, tok, PromptFormat(chat_template=chat_template), max_prompt_length=64)
 
     def alone(t: str) -> list[int]:
         if chat_template:
@@ -97,3 +130,19 @@ def test_batched_encoding_equals_the_tokenizers_one_prompt_calls(tmp_path, tiny_
     kept = [(i, ids) for i, ids in want if len(ids) <= 64]
     assert len(kept) < len(want)  # the long prompt was measured in tokens and skipped
     assert list(zip(ps.rows, ps.prompt_ids)) == kept
+
+
+def test_the_run_reads_reward_extract(in_repo, tiny_model):
+    """The run's reward is built from ``reward.rule``, ``reward.format_score`` and
+    ``reward.extract`` (``Trainer``'s construction): a GSM8K answer scores under gsm8k, not
+    under the default strict."""
+    import inspect
+
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.trainer import trainer
+
+    assert "get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract)" in inspect.getsource(trainer)
+    for extract, want in (("gsm8k", 1.0), ("strict", 0.0)):
+        cfg = load_config("configs/quickstart.yaml", [f"reward.extract={extract}"])
+        rule = get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract)
+        assert rule("2 + 5 = 7\n#### 7", "7", {}) == want

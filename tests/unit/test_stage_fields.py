@@ -17,6 +17,7 @@ import torch
 
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.loader import load_config
+from spmd_rl.data.prompts import PromptSet
 from spmd_rl.distributed.sides import Sides
 from spmd_rl.recipe.graph import Modes, stages_for
 from spmd_rl.trainer.context import Progress
@@ -324,11 +325,13 @@ def test_reward_reads_overlong_buffer_and_penalty():
             "response_ids": [torch.arange(n, dtype=torch.int32) for n in lengths],
             "response_length": [torch.tensor(n, dtype=torch.int32) for n in lengths],
             "answer": [encode_text("42" if k < 3 else "7") for k in range(B)],
+            "prompt_row": [torch.tensor(0)] * B,
         }
     )
     run = _run(cfg, dock, None)
+    run.prompts = PromptSet([[1]], ["42"], [0], ["q"])
     run.tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["42"] * len(ids))
-    run.reward_fn = lambda text, answer: float(text == answer)
+    run.reward_fn = lambda text, answer, row: float(text == answer)
     run_named(run, "reward")
     sl = cfg.rollout.max_response_length  # 8: penalty -0.5 * (L - 4) / 4 beyond L = 4
     want = [(1.0 if k < 3 else 0.0) - 0.5 * min(max(n - (sl - 4), 0) / 4, 1.0) for k, n in enumerate(lengths)]

@@ -47,7 +47,7 @@ class StageView:
     """The rollout engine, when the stage declares the ``rollout`` role."""
     tokenizer: Any = None
     prompts: PromptSet | None = None
-    reward_fn: Callable[[str, str], float] | None = None
+    reward_fn: Callable[[str, str, dict], Any] | None = None
     turns: MultiTurnRollout | None = None
     replicas: Replicas | None = None
     """Elastic replicas: the stage sums its normalisers over them (``Replicas.sum``)."""

@@ -20,6 +20,7 @@ from spmd_rl.recipe.graph import algorithm, ref_micro_batch_size
 from spmd_rl.engines.training.logprobs import split
 from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
+from spmd_rl.rewards.registry import score_of
 from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 
 
@@ -38,8 +39,10 @@ def reward(call: StageCall) -> StageResult:
     ]
     texts = view.tokenizer.batch_decode(responses, skip_special_tokens=True)
     answers = [decode_text(a) for a in batch.columns["answer"]]
-    rule = torch.tensor([view.reward_fn(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
-    sums: dict[str, float] = {}
+    infos = [view.prompts.info(int(r)) for r in batch.columns["prompt_row"]]
+    scored = [score_of(view.reward_fn(t, a, i), cfg.reward.rule) for t, a, i in zip(texts, answers, infos)]
+    rule = torch.tensor([s for s, _ in scored], dtype=torch.float32)
+    sums = extra_sums([m for _, m in scored], cfg.reward.rule) | source_sums(view.prompts, infos, rule)
     if cfg.reward.kind == "model":
         model_score, _ = view.roles["reward_model"].infer(split(seq_batch(view, batch), ref_micro_batch_size(cfg)))
         scores = model_score.float() + cfg.reward.rule_weight * rule
@@ -70,6 +73,33 @@ def reward(call: StageCall) -> StageResult:
     return StageResult(
         columns={"reward": scores}, sums=sums, maxes={"response_length_max": float(lengths.max())}, rewards=dense
     )
+
+
+def extra_sums(metrics: list[dict[str, float]], rule: str) -> dict[str, float]:
+    """The sums of a reward's extra metrics (its dict's entries beside ``score``), logged as
+    ``reward/<name>`` means; every call must return the same names (every rank sums them)."""
+    names = set(metrics[0]) if metrics else set()
+    if any(set(m) != names for m in metrics):
+        raise TypeError(
+            f"reward.rule={rule} returned different metric names from one call to the next: keep them fixed"
+        )
+    return {f"reward_extra/{k}": sum(m[k] for m in metrics) for k in sorted(names)}
+
+
+def source_sums(prompts, infos: list[dict], rule: torch.Tensor) -> dict[str, float]:
+    """Per ``data_source`` reward and correct counts, for every source of the dataset (every rank
+    the same keys), when it has more than one; logged as ``reward/<source>`` and
+    ``accuracy/<source>``."""
+    sources = sorted(set(prompts.sources)) if prompts is not None else []
+    if len(sources) < 2:
+        return {}
+    out = {f"source/{s}/{k}": 0.0 for s in sources for k in ("reward", "correct", "generated")}
+    for info, r in zip(infos, rule.tolist()):
+        s = info["data_source"]
+        out[f"source/{s}/reward"] += r
+        out[f"source/{s}/correct"] += float(r > 0.5)
+        out[f"source/{s}/generated"] += 1.0
+    return out
 
 
 def last_turn(response: torch.Tensor, mask: torch.Tensor) -> list[int]:
