@@ -373,6 +373,23 @@ class RewardConfig(Section):
         "called as fn(response, answer, row) -> score, or -> {score, <metric>: value}; row holds the prompt's "
         "messages, data_source and extra_info (docs/extending.md).",
     )
+    workers: int = Field(8, gt=0, description="Reward calls run at once on each rank (threads; rewards.pool).")
+    timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="A reward call still running this long after it started scores failure_score and is counted "
+        "(reward_timeouts); the rank goes on.",
+    )
+    failure_score: float = Field(
+        0.0,
+        description="The score of a reward call that raised, returned no score, or ran past timeout_s (counted as "
+        "reward_failures / reward_timeouts).",
+    )
+    batched: bool = Field(
+        False,
+        description="The rule is called as fn(responses, answers, rows) -> [score], on `workers` chunks of the "
+        "rank's share (for rewards cheaper in batches).",
+    )
     extract: Literal["strict", "gsm8k", "boxed", "last_number"] = Field(
         "strict",
         description="exact_match: where the response's answer is. strict = the whole response; gsm8k = the number "

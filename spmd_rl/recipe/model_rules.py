@@ -223,6 +223,12 @@ def check_reward(cfg: Config) -> list[Violation]:
     if out:
         return out
     if r.rule in RULES:
+        if r.batched:
+            return [
+                Violation(
+                    "reward.batched", True, f"{r.rule} scores one response at a time", "set reward.batched: false"
+                )
+            ]
         return []
     if r.format_score != 0:
         return [

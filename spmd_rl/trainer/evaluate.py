@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.rewards.registry import score_of
+from spmd_rl.rewards.pool import pool_of
 from spmd_rl.trainer.context import Run
 
 RECORD = "eval_prompts.jsonl"
@@ -43,9 +43,12 @@ def eval_accuracy(run: Run, iteration: int) -> float:
         )
         texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     hits = torch.zeros(count, dtype=torch.float64)
-    if tp_rank == 0:  # a generation group's TP ranks produced the same texts
-        for t, i in zip(texts, mine):
-            hits[i] = float(score_of(correct_fn(t, test.answers[i], test.info(i)), run.cfg.reward.rule)[0] > 0.5)
+    if tp_rank == 0 and mine:  # a generation group's TP ranks produced the same texts
+        scored = pool_of(run.cfg.reward, correct_fn).score(
+            texts, [test.answers[i] for i in mine], [test.info(i) for i in mine]
+        )
+        for s, i in zip(scored.scores, mine):
+            hits[i] = float(s > 0.5)
     dist.all_reduce(hits, group=run.sides.group)
     correct = hits.nonzero().flatten().tolist()
     if run.peer.rank == run.sides.leader:

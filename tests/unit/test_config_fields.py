@@ -109,6 +109,10 @@ COVERED = {
     "data.data_source_column": "test_data_fields.py::test_source_and_extra_fields_are_read_where_the_config_says",
     "data.extra_info_column": "test_data_fields.py::test_source_and_extra_fields_are_read_where_the_config_says",
     "reward.extract": "test_rewards_data.py::test_the_run_reads_reward_extract",
+    **dict.fromkeys(
+        ("reward.workers", "reward.timeout_s", "reward.failure_score", "reward.batched"),
+        "test_reward_pool.py::test_the_reward_stage_scores_through_the_pool_the_reward_section_describes",
+    ),
     "data.shuffle": "test_data_fields.py::test_shuffle_and_seed_set_the_prompt_order",
     "trainer.seed": "test_data_fields.py::test_shuffle_and_seed_set_the_prompt_order",
     "trainer.device": "test_data_fields.py::test_device_field",

@@ -20,7 +20,7 @@ from spmd_rl.recipe.graph import algorithm, ref_micro_batch_size
 from spmd_rl.engines.training.logprobs import split
 from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
-from spmd_rl.rewards.registry import score_of
+from spmd_rl.rewards.pool import pool_of
 from spmd_rl.trainer.stages.samples import decode_text, seq_batch
 
 
@@ -40,9 +40,10 @@ def reward(call: StageCall) -> StageResult:
     texts = view.tokenizer.batch_decode(responses, skip_special_tokens=True)
     answers = [decode_text(a) for a in batch.columns["answer"]]
     infos = [view.prompts.info(int(r)) for r in batch.columns["prompt_row"]]
-    scored = [score_of(view.reward_fn(t, a, i), cfg.reward.rule) for t, a, i in zip(texts, answers, infos)]
-    rule = torch.tensor([s for s, _ in scored], dtype=torch.float32)
-    sums = extra_sums([m for _, m in scored], cfg.reward.rule) | source_sums(view.prompts, infos, rule)
+    scored = pool_of(cfg.reward, view.reward_fn).score(texts, answers, infos)
+    rule = torch.tensor(scored.scores, dtype=torch.float32)
+    sums = extra_sums(scored.metrics, cfg.reward.rule) | source_sums(view.prompts, infos, rule)
+    sums |= {"reward_failures": float(scored.failures), "reward_timeouts": float(scored.timeouts)}
     if cfg.reward.kind == "model":
         model_score, _ = view.roles["reward_model"].infer(split(seq_batch(view, batch), ref_micro_batch_size(cfg)))
         scores = model_score.float() + cfg.reward.rule_weight * rule
@@ -77,13 +78,15 @@ def reward(call: StageCall) -> StageResult:
 
 def extra_sums(metrics: list[dict[str, float]], rule: str) -> dict[str, float]:
     """The sums of a reward's extra metrics (its dict's entries beside ``score``), logged as
-    ``reward/<name>`` means; every call must return the same names (every rank sums them)."""
-    names = set(metrics[0]) if metrics else set()
-    if any(set(m) != names for m in metrics):
+    ``reward/<name>`` means; every scored call must return the same names (every rank sums
+    them; a failed call has none and adds 0)."""
+    scored = [m for m in metrics if m]
+    names = set(scored[0]) if scored else set()
+    if any(set(m) != names for m in scored):
         raise TypeError(
             f"reward.rule={rule} returned different metric names from one call to the next: keep them fixed"
         )
-    return {f"reward_extra/{k}": sum(m[k] for m in metrics) for k in sorted(names)}
+    return {f"reward_extra/{k}": sum(m.get(k, 0.0) for m in metrics) for k in sorted(names)}
 
 
 def source_sums(prompts, infos: list[dict], rule: torch.Tensor) -> dict[str, float]:
