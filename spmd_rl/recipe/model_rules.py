@@ -201,25 +201,16 @@ def check_reward(cfg: Config) -> list[Violation]:
     if r.kind == "model":
         out += check_reward_model(cfg)
     else:
-        if r.model_path is not None:
+        model_only = {"model_path"} if r.model_path is not None else set()
+        for field in sorted(model_only | ({"rule_weight", "offload_to_host"} & r.model_fields_set)):
             out.append(
                 Violation(
-                    "reward.model_path",
-                    r.model_path,
+                    f"reward.{field}",
+                    getattr(r, field),
                     "only read with reward.kind: model",
                     "remove it or set reward.kind: model",
                 )
             )
-        for field in ("rule_weight", "offload_to_host"):
-            if field in r.model_fields_set:
-                out.append(
-                    Violation(
-                        f"reward.{field}",
-                        getattr(r, field),
-                        "only read with reward.kind: model",
-                        "remove it or set reward.kind: model",
-                    )
-                )
     if out:
         return out
     if r.rule in RULES:
