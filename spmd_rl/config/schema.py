@@ -366,7 +366,25 @@ class RefConfig(Section):
 
 
 class RewardConfig(Section):
-    kind: Literal["rule", "model"] = Field("rule", description="Rule-based reward function, or a reward model.")
+    kind: Literal["rule", "model", "remote"] = Field(
+        "rule",
+        description="rule = a reward function (`rule`); model = a reward model (`model_path`); remote = a reward "
+        "service at `url` (rewards.remote: a JSON POST of a chunk of responses, answers and rows per call).",
+    )
+    url: str | None = Field(
+        None, description="kind: remote: the reward service's http(s) URL, POSTed {responses, answers, rows}."
+    )
+    token_env: str = Field(
+        "SPMD_RL_REWARD_TOKEN",
+        description="kind: remote: the environment variable holding the service's bearer token (never the config); "
+        "unset = no Authorization header.",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        description="kind: remote: retries of a request that failed to connect, timed out, got a 5xx or 429, or "
+        "a reply that is not {scores: [...]}, with backoff 0.5 s, 1 s, ...; a 4xx is not retried.",
+    )
     rule: str = Field(
         "exact_match",
         description="Registered rule name (exact_match, math_verify) or a user function as `module:function` "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlparse
 
 from spmd_rl.catalog import findable
 from spmd_rl.config.errors import Violation
@@ -196,8 +197,27 @@ def check_reward_model(cfg: Config) -> list[Violation]:
     return []
 
 
+def check_remote(cfg: Config) -> list[Violation]:
+    """``reward.url``: an http(s) URL exactly when ``reward.kind: remote``."""
+    r = cfg.reward
+    if r.kind != "remote":
+        fix = "remove it or set reward.kind: remote"
+        return [] if r.url is None else [Violation("reward.url", r.url, "only read with reward.kind: remote", fix)]
+    parsed = urlparse(r.url or "")
+    if parsed.scheme in ("http", "https") and parsed.netloc:
+        return []
+    return [
+        Violation(
+            "reward.url", r.url, "reward.kind: remote needs the service's http(s) URL", "e.g. http://judge:8000/score"
+        )
+    ]
+
+
 def check_reward(cfg: Config) -> list[Violation]:
     r, out = cfg.reward, []
+    if r.kind == "remote":
+        return check_remote(cfg)
+    out += check_remote(cfg)
     if r.kind == "model":
         out += check_reward_model(cfg)
     else:

@@ -157,5 +157,7 @@ class RewardPool:
 
 
 def pool_of(reward, fn: Callable) -> RewardPool:
-    """The pool the ``reward`` section describes, around ``fn`` (the run's rule)."""
-    return RewardPool(fn, reward.rule, reward.workers, reward.timeout_s, reward.failure_score, reward.batched)
+    """The pool the ``reward`` section describes, around ``fn`` (the run's rule or service)."""
+    name = reward.url if reward.kind == "remote" else reward.rule
+    batched = reward.batched or reward.kind == "remote"
+    return RewardPool(fn, name, reward.workers, reward.timeout_s, reward.failure_score, batched)

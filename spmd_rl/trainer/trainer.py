@@ -56,7 +56,7 @@ from spmd_rl.recipe.columns import column_decls
 from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
-from spmd_rl.rewards import get_reward
+from spmd_rl.rewards import get_reward, reward_for
 from spmd_rl.trainer import async_loop, build, checkpoint
 from spmd_rl.trainer.context import HeldOut, Run
 from spmd_rl.trainer.evaluate import eval_accuracy
@@ -113,7 +113,7 @@ class Trainer:
             tokenizer=tok,
             prompts=prompts,
             sampler=sampler,
-            reward_fn=get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract),
+            reward_fn=reward_for(cfg.reward),
             lineage=checkpoint.lineage_id(state, cfg.checkpoint.resume),
             held_out=_held_out(cfg, tok) if cfg.trainer.eval_interval and rollout is not None else None,
             ledger=PromptLedger(
@@ -235,7 +235,12 @@ class Trainer:
 
 def _held_out(cfg: Config, tok) -> HeldOut:
     """The prompts and the rule of ``trainer.eval_interval``'s evaluation (``data.test_path``)."""
-    return HeldOut(prompts_for(cfg, tok, cfg.data.test_path), get_reward(cfg.reward.rule, extract=cfg.reward.extract))
+    rule = (
+        reward_for(cfg.reward)
+        if cfg.reward.kind == "remote"
+        else get_reward(cfg.reward.rule, extract=cfg.reward.extract)
+    )
+    return HeldOut(prompts_for(cfg, tok, cfg.data.test_path), rule)
 
 
 def _never_stepped(it: int, on_stage: OnStage) -> dict[str, float]:

@@ -110,6 +110,10 @@ COVERED = {
     "data.extra_info_column": "test_data_fields.py::test_source_and_extra_fields_are_read_where_the_config_says",
     "reward.extract": "test_rewards_data.py::test_the_run_reads_reward_extract",
     **dict.fromkeys(
+        ("reward.url", "reward.token_env", "reward.retries"),
+        "test_reward_remote.py::test_the_run_builds_the_service_from_the_reward_section",
+    ),
+    **dict.fromkeys(
         ("reward.workers", "reward.timeout_s", "reward.failure_score", "reward.batched"),
         "test_reward_pool.py::test_the_reward_stage_scores_through_the_pool_the_reward_section_describes",
     ),

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from spmd_rl.data.prompts import PromptFormat, load_prompts
 from spmd_rl.data.sampler import PromptSampler, SamplerState
-from spmd_rl.rewards import get_reward
+from spmd_rl.rewards import get_reward, reward_for
 
 
 def test_exact_match():
@@ -141,8 +141,8 @@ def test_the_run_reads_reward_extract(in_repo, tiny_model):
     from spmd_rl.config.loader import load_config
     from spmd_rl.trainer import trainer
 
-    assert "get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract)" in inspect.getsource(trainer)
+    assert "reward_fn=reward_for(cfg.reward)" in inspect.getsource(trainer)
     for extract, want in (("gsm8k", 1.0), ("strict", 0.0)):
         cfg = load_config("configs/quickstart.yaml", [f"reward.extract={extract}"])
-        rule = get_reward(cfg.reward.rule, cfg.reward.format_score, cfg.reward.extract)
+        rule = reward_for(cfg.reward)
         assert rule("2 + 5 = 7\n#### 7", "7", {}) == want
