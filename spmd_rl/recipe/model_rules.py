@@ -213,6 +213,17 @@ def check_remote(cfg: Config) -> list[Violation]:
     ]
 
 
+def _registered_rule(r) -> list[Violation]:
+    """A registered rule's needs: math_verify its package; none of them takes a batch."""
+    if r.rule == "math_verify" and not findable("math_verify:parse"):
+        return [Violation("reward.rule", r.rule, "the math-verify package is not installed", "pip install math-verify")]
+    if r.batched:
+        return [
+            Violation("reward.batched", True, f"{r.rule} scores one response at a time", "set reward.batched: false")
+        ]
+    return []
+
+
 def check_reward(cfg: Config) -> list[Violation]:
     r, out = cfg.reward, []
     if r.kind == "remote":
@@ -234,13 +245,7 @@ def check_reward(cfg: Config) -> list[Violation]:
     if out:
         return out
     if r.rule in RULES:
-        if r.batched:
-            return [
-                Violation(
-                    "reward.batched", True, f"{r.rule} scores one response at a time", "set reward.batched: false"
-                )
-            ]
-        return []
+        return _registered_rule(r)
     if r.format_score != 0:
         return [
             Violation(

@@ -146,3 +146,19 @@ def test_the_run_reads_reward_extract(in_repo, tiny_model):
         cfg = load_config("configs/quickstart.yaml", [f"reward.extract={extract}"])
         rule = reward_for(cfg.reward)
         assert rule("2 + 5 = 7\n#### 7", "7", {}) == want
+
+
+def test_validate_checks_that_math_verify_imports(in_repo, monkeypatch):
+    """``reward.rule: math_verify`` without the package fails at ``validate``, not at the first
+    reward (the cpu, cuda and npu extras install it)."""
+    from spmd_rl.config.loader import load_config
+    from spmd_rl.recipe import model_rules
+    from spmd_rl.recipe.rules import check
+
+    cfg = load_config("configs/quickstart.yaml", ["reward.rule=math_verify"])
+    assert not [v for v in check(cfg)[1] if v.field == "reward.rule"]  # installed here
+    real = model_rules.findable
+    monkeypatch.setattr(model_rules, "findable", lambda p: False if p.startswith("math_verify") else real(p))
+    assert [str(v) for v in check(cfg)[1] if v.field == "reward.rule"] == [
+        "reward.rule='math_verify': the math-verify package is not installed -> pip install math-verify"
+    ]
