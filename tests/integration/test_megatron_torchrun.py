@@ -97,8 +97,10 @@ def test_megatron_checkpoint_resumes_in_another_layout(layouts):
             r = json.loads((layouts / reader / f"rank{rank}.json").read_text())
             assert r["resumed_diff"] == 0.0 and r["steps"] == 2, (reader, r)
             assert r["second_step_moved"] > 5e-4, (reader, r)  # the second update is lr-sized (1e-3)
-            # float32: the resumed update vs the writer's from another layout; a lost moment or step is ~lr 1e-3
-            assert r["second_step_diff"] < 1e-4, (reader, r)
+            # float32: the resumed update vs the writer's from another layout; a lost moment or step is
+            # ~lr 1e-3. Adam's step amplifies near-eps gradients' rounding (2.4e-4 on an Intel AMX
+            # machine in the first-step check above): 5e-4 holds that and still catches a lost step
+            assert r["second_step_diff"] < 5e-4, (reader, r)
         assert json.loads((layouts / reader / "rank0.json").read_text())["exported_diff"] == 0.0
 
 
@@ -127,8 +129,9 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # routing replay of random routes (far from either router's own choice): the same
         # log-probs, statistics and gradient from mcore's sequence-first layout as from HF's
-        # float32: HF vs mcore forwards of the same routes (each ~1e-5 from float64, see test_megatron_equals_fsdp)
-        assert r["replay_moved_logprobs"] > 0.1 and r["replay_logprob_diff"] < 1e-5, r
+        # float32: HF vs mcore forwards of the same routes, each within 2.1e-5 of float64 (dense, measured in
+        # test_megatron_equals_fsdp): their difference within 4e-5; replay moves them by > 0.1
+        assert r["replay_moved_logprobs"] > 0.1 and r["replay_logprob_diff"] < 4e-5, r
         # float32: the same gradient's norm from two backends' reduction orders (eps 6e-8 x ~100)
         assert abs(r["replay_grad_norms"][0] - r["replay_grad_norms"][1]) <= 1e-5 * r["replay_grad_norms"][0], r
         # the router terms alone (actor.moe.aux_loss_coef 0.5, actor.moe.z_loss_coef 0.05) with
@@ -143,8 +146,9 @@ def test_megatron_moe_with_expert_parallelism_equals_fsdp(tiny_moe, tmp_path):
         assert sf["load_ratio"] == pytest.approx(sm["load_ratio"]), r
         # after the update, the rarely chosen experts' near-eps Adam steps (below) move the
         # log-probs a little (1.7e-5 on an Intel AMX machine). Before it: two float32 forwards, each ~1e-5 from
-        # float64; no margin known (the dense test's direct 1e-5 bound saw 1.14e-5 on an AVX2-only EPYC)
-        assert r["logprob_diff_before"] < 1e-5 and r["logprob_diff_after"] < 1e-4, r
+        # float64 (2.1e-5 measured for the dense model): their difference within 4e-5 (a direct 1e-5
+        # bound saw 1.14e-5 on an AVX2-only EPYC for the dense pair)
+        assert r["logprob_diff_before"] < 4e-5 and r["logprob_diff_after"] < 1e-4, r
         # float32 grad norms of two backends (eps 6e-8 x ~100 orders); weights as in the dense test (docstring: ~1e-5 of
         # elements past 1e-4)
         assert abs(r["grad_norm_fsdp"] - r["grad_norm_megatron"]) <= 1e-5 * r["grad_norm_fsdp"], r
@@ -181,6 +185,7 @@ def test_megatron_moe_checkpoint_resumes_in_another_expert_layout(tiny_moe, tmp_
     for rank in range(2):
         r = json.loads((tmp_path / "ep1" / f"rank{rank}.json").read_text())
         assert r["resumed_diff"] == 0.0 and r["steps"] == 2, r
-        # float32: the resumed update vs the writer's with other expert layouts; a lost moment or step is ~lr (1e-3)
-        assert r["second_step_moved"] > 5e-4 and r["second_step_diff"] < 1e-4, r
+        # float32: the resumed update vs the writer's with other expert layouts; a lost moment or step is ~lr
+        # (1e-3); Adam amplifies near-eps gradients' rounding (2.4e-4 on Intel AMX, first-step check)
+        assert r["second_step_moved"] > 5e-4 and r["second_step_diff"] < 5e-4, r
     assert json.loads((tmp_path / "ep1" / "rank0.json").read_text())["exported_diff"] == 0.0

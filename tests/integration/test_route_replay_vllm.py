@@ -50,8 +50,9 @@ def test_in_float32_vllm_and_the_trainer_agree_and_replay_changes_nothing(fp32):
     assert fp32["metrics"]["router_agreement"] == 1.0 and fp32["metrics"]["routes_differ_tokens"] == 0.0
     # float32 HF vs vLLM, the mean |diff| over tokens (not the max), ~1e-6
     assert fp32["mismatch_own"] < 1e-5 and fp32["mismatch_replay"] < 1e-5
-    # float32 HF forwards: block-by-block replay / packed layout vs padded, max |diff| (test_packing sees 8.6e-6)
-    assert fp32["replay_vs_reference_max"] < 1e-5 and fp32["packed_vs_padded_max"] < 1e-5
+    # float32 HF forwards: block-by-block replay / packed layout vs padded, max |diff|: test_packing sees 8.6e-6
+    # here, 0.86 of a 1e-5 bound; 3e-5 leaves other CPUs' kernels room (a wrong route or mask is off by > 1e-2)
+    assert fp32["replay_vs_reference_max"] < 3e-5 and fp32["packed_vs_padded_max"] < 3e-5
 
 
 @pytest.mark.slow
@@ -63,4 +64,4 @@ def test_replaying_bf16_routes_brings_the_trainer_closer_to_vllm(bf16):
     assert m["router_agreement"] == pytest.approx(s["agree"] / s["decisions"])
     assert bf16["mismatch_replay"] < bf16["mismatch_own"]
     # the trainer side is float32 in the bf16 run too (only vLLM is bf16): as the float32 check above
-    assert bf16["replay_vs_reference_max"] < 1e-5 and bf16["packed_vs_padded_max"] < 1e-5
+    assert bf16["replay_vs_reference_max"] < 3e-5 and bf16["packed_vs_padded_max"] < 3e-5
