@@ -64,13 +64,17 @@ def _math_verify_api():
 
 
 def math_verify(response: str, answer: str, row: dict | None = None) -> float:
+    """math-verify's own timeouts use ``signal.alarm``, which only the main thread may set: they
+    are off here, and the reward pool's deadline (``reward.timeout_s``) bounds each call."""
     parse, verify = _math_verify_api()
-    return float(verify(parse(answer), parse(response)))
+    return float(
+        verify(parse(answer, parsing_timeout=None), parse(response, parsing_timeout=None), timeout_seconds=None)
+    )
 
 
 def parses_as_math(response: str) -> bool:
     parse, _ = _math_verify_api()
-    return len(parse(response)) > 0
+    return len(parse(response, parsing_timeout=None)) > 0
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,13 @@ def test_the_reward_stage_scores_through_the_pool_the_reward_section_describes(i
     assert (got.sums["reward_timeouts"], got.sums["reward_failures"]) == (1.0, 0.0)
     batched = load_config("configs/quickstart.yaml", [*over, "reward.batched=true"])
     assert pool_of(batched.reward, len).batched and pool_of(cfg.reward, len).workers == 2
+
+
+def test_math_verify_scores_on_the_pools_threads():
+    """math-verify's own timeouts need the main thread (``signal.alarm``); on the pool's threads
+    the rule runs without them, under the pool's deadline, and still judges."""
+    from spmd_rl.rewards import get_reward
+
+    pool = RewardPool(get_reward("math_verify", format_score=0.2), "math_verify", 2, 30.0, failure_score=-1.0)
+    got = pool.score(["$\\frac{4}{2}$", "$3$", "no answer"], ["$2$"] * 3, [{}] * 3)
+    assert got.scores == [1.0, 0.2, 0.0] and got.failures == 0
