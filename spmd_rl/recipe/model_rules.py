@@ -14,6 +14,7 @@ from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.data.files import check_safetensors, sniff_dataset
+from spmd_rl.data.prompts import paths_of
 from spmd_rl.rewards.registry import RULES
 
 
@@ -115,8 +116,7 @@ def check_model_files(cfg: Config, arch: ModelArch) -> list[Violation]:
 
 def check_files(cfg: Config) -> list[Violation]:
     out: list[Violation] = []
-    train = cfg.data.train_path
-    named = [("data.train_path", p) for p in (train if isinstance(train, list) else [train])]
+    named = [("data.train_path", p) for p in paths_of(cfg.data.train_path)]
     if not named:
         out.append(Violation("data.train_path", [], "names no file", "give a file or a list of them"))
     for field, path in [*named, ("data.test_path", cfg.data.test_path)]:

@@ -79,7 +79,7 @@ def run_fused(
                     it,
                     rollout,
                     indices,
-                    StageResult(columns=rollout_columns(samples), sums=turn_sums(run, samples)),
+                    StageResult(columns=rollout_columns(samples), sums=turn_sums(run.modes, samples)),
                     writer,
                 )
             )
@@ -96,7 +96,7 @@ def run_fused(
         "fused_waves_early": float(early),
         "fused_waves_late": float(sum(map(len, results.values())) - early - len(results[rollout.name])),
     }
-    merged[0].sums = turn_sums(run, []) | merged[0].sums  # every key on every rank, groups or not
+    merged[0].sums = turn_sums(run.modes, []) | merged[0].sums  # every key on every rank, groups or not
     return merged
 
 

@@ -32,7 +32,8 @@ from spmd_rl.distributed import timeline
 from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
 from spmd_rl.trainer.carry import Piece
-from spmd_rl.trainer.stages.registry import StageCall, StageResult, StageView, register
+from spmd_rl.recipe.graph import Modes
+from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
 
 
 def _seed(call: StageCall) -> int:
@@ -120,7 +121,7 @@ def actor_rollout(call: StageCall) -> StageResult:
 def _rollout(call: StageCall) -> StageResult:
     partial = call.view.modes.partial_rollout
     if not len(call.batch):
-        return StageResult(pieces={} if partial else None, sums=turn_sums(call.view, []))
+        return StageResult(pieces={} if partial else None, sums=turn_sums(call.view.modes, []))
     if partial:
         return _continue(call)
     by_index = {i: s for indices, samples in rollout_groups(call) for i, s in zip(indices, samples)}
@@ -130,13 +131,13 @@ def _rollout(call: StageCall) -> StageResult:
         out["response_version"] = [
             torch.full((len(s.token_ids),), call.view.policy_version, dtype=torch.int32) for s in samples
         ]
-    return StageResult(columns=out, sums=turn_sums(call.view, samples))
+    return StageResult(columns=out, sums=turn_sums(call.view.modes, samples))
 
 
-def turn_sums(view: StageView, samples: list[Sample]) -> dict[str, float]:
+def turn_sums(modes: Modes, samples: list[Sample]) -> dict[str, float]:
     """The multi-turn counts of these samples: every key on every rank under
     ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
-    if not view.modes.multi_turn:
+    if not modes.multi_turn:
         return {}
     return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
 
@@ -225,5 +226,5 @@ def _continue_turns(call: StageCall, pieces: list[Piece]) -> StageResult:
     out = rollout_columns(samples)
     out["response_version"] = [torch.tensor(p.versions, dtype=torch.int32) for p in pieces]
     return StageResult(
-        columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(view, samples)
+        columns=out, pieces=dict(zip(call.batch.indices.tolist(), pieces)), sums=turn_sums(view.modes, samples)
     )
