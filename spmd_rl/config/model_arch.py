@@ -51,6 +51,8 @@ class ModelArch:
     sparse_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     """The top-k gate weights are renormalised to sum to 1 (Qwen3-MoE's default)."""
+    rope_type: str = "default"
+    """The rotary embedding's scaling (``rope_parameters`` / ``rope_scaling``): ``llama3``, ``yarn``, ..."""
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelArch":
@@ -70,6 +72,7 @@ class ModelArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rope_type=str((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type") or "default"),
             **(cls._moe(cfg) if model_type == "qwen3_moe" else {}),
         )
 

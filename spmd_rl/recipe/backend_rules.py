@@ -127,6 +127,7 @@ def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) ->
                 f"use a {'/'.join(MEGATRON_TYPES)} model, {_OR_FSDP}",
             )
         )
+    out += _megatron_mapping_rules(arch)
     if arch is not None and arch.num_layers % pp:
         out.append(
             Violation(
@@ -153,6 +154,39 @@ def _megatron_model_rules(cfg: Config, arch: ModelArch | None, train: Layout) ->
                 train_tp,
                 f"megatron splits the vocabulary over TP; vocab_size={arch.vocab_size} is not a multiple",
                 f"use a TP size dividing {arch.vocab_size}, {_OR_FSDP}",
+            )
+        )
+    return out
+
+
+def _megatron_mapping_rules(arch: ModelArch | None) -> list[Violation]:
+    """What ``engines.megatron.model`` cannot map of a supported model type (it raises the same
+    at build; ``tests/unit/test_backend_rules.py`` holds the two to each other)."""
+    if arch is None:
+        return []
+    out = []
+    if arch.rope_type != "default":
+        out.append(
+            Violation(
+                _BACKEND,
+                "megatron",
+                f"megatron maps only default rotary embeddings; the model's rope_type is {arch.rope_type!r}",
+                "use actor.backend: fsdp",
+            )
+        )
+    if arch.model_type == "llama" and arch.qkv_bias:
+        out.append(
+            Violation(
+                _BACKEND, "megatron", "Llama's attention_bias is not mapped to megatron", "use actor.backend: fsdp"
+            )
+        )
+    if arch.is_moe and arch.sparse_layers != tuple(range(arch.num_layers)):
+        out.append(
+            Violation(
+                _BACKEND,
+                "megatron",
+                "megatron maps Qwen3-MoE models only when every layer is sparse (decoder_sparse_step 1)",
+                "use actor.backend: fsdp",
             )
         )
     return out

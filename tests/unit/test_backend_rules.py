@@ -4,6 +4,7 @@ layout or role it does not run yet exits 2 naming the field and the fix."""
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from spmd_rl.cli import app
@@ -144,3 +145,54 @@ def test_generation_expert_parallelism_is_a_device_option(in_repo, tiny_model, t
     plan = CliRunner().invoke(app, ["plan", "configs/paper_qwen3_moe_30b.yaml", "parallel.gen.expert_parallel=true"])
     split = CliRunner().invoke(app, ["plan", "configs/paper_qwen3_moe_30b.yaml"])
     assert plan.exit_code == 0 and "EW/4) =" in plan.output and "EW/1) =" in split.output, plan.output
+
+
+def _variant(tmp_path, name: str, change: dict):
+    """The tiny model's folder with ``change`` made to its config.json."""
+    import json
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree("assets/tiny-qwen2", folder)
+    cfg = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+MAPPING_REFUSED = {
+    "llama3-rope": LLAMA | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "llama-attention-bias": LLAMA | {"attention_bias": True},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MAPPING_REFUSED))
+def test_what_megatrons_builder_refuses_validate_refuses_first(in_repo, tmp_path, name):
+    """Each model the megatron builder cannot map (it raises at build, minutes into a run) is
+    refused by ``validate`` naming actor.backend; FSDP takes the same model."""
+    from transformers import AutoConfig
+
+    from spmd_rl.engines.megatron.model import rope_base, transformer_config
+
+    folder = _variant(tmp_path, name, MAPPING_REFUSED[name])
+    hc = AutoConfig.from_pretrained(folder)
+    with pytest.raises(ValueError, match="megatron"):
+        transformer_config(hc, torch.float32, torch.float32, 1, False, False)
+        rope_base(hc)
+    res = validate(*MEGA, f"model.path={folder}")
+    assert res.exit_code == 2 and "actor.backend='megatron'" in res.output and "fsdp" in res.output, res.output
+    assert validate(f"model.path={folder}").exit_code == 0
+
+
+def test_a_partly_dense_moe_is_refused_for_megatron_at_validate(in_repo, tiny_moe, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "partly-dense"
+    shutil.copytree(tiny_moe, folder)
+    cfg = json.loads((folder / "config.json").read_text()) | {"mlp_only_layers": [0]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    res = validate(*MEGA, f"model.path={folder}")
+    assert res.exit_code == 2 and "every layer is sparse" in res.output, res.output
