@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +37,11 @@ def _past_the_imports() -> None:
     from spmd_rl.launcher.preload import delegate
 
     delegate("spmd_rl.cli", sets=QUIET_ENV)
-    quiet_vllm(None, 0)
+    # this process runs by itself (a preload copy has the server's torch): torch's C++ notes
+    # (vLLM CPU's NUMA binding) off the one-line result's terminal unless the user asks for them
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_vllm(None, 0)  # its filter sits on the handler above
 
 
 def _fail(exc: ConfigError) -> None:
@@ -190,20 +196,24 @@ def export(
         "--merged",
         help="LoRA checkpoint: write the base model with the adapters merged instead of the adapter folder.",
     ),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or float16; default: the run's model.dtype."
+    ),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="Largest safetensors file, in GB (10^9 bytes)."),
 ) -> None:
     """Write a checkpoint's actor as a Hugging Face folder (safetensors + tokenizer); a LoRA
     checkpoint as a PEFT adapter folder, or with --merged as the merged model."""
     _past_the_imports()
-    from spmd_rl.trainer.export import export as export_ckpt, is_checkpoint
+    from spmd_rl.trainer.export import DTYPES, export as export_ckpt, is_checkpoint
 
     if not is_checkpoint(checkpoint_dir):
         typer.echo(f"INVALID {checkpoint_dir}: not a complete checkpoint (no trainer_state.json)", err=True)
         raise typer.Exit(code=2)
-    from spmd_rl.engines.training.safe_dcp import BadCheckpoint
-
     try:
-        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out, merged=merged)}")
-    except BadCheckpoint as exc:
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"--dtype={dtype}: not one of {', '.join(DTYPES)}")
+        typer.echo(f"wrote {export_ckpt(checkpoint_dir, out, merged, dtype, int(max_shard_gb * 10**9))}")
+    except ValueError as exc:  # BadCheckpoint is one; so is a checkpoint of another model
         typer.echo(f"INVALID {exc}", err=True)
         raise typer.Exit(code=2) from None
 
@@ -211,16 +221,23 @@ def export(
 @app.command(name="eval")
 def evaluate(  # noqa: PLR0913
     model: Path = typer.Argument(..., help="HF model folder or checkpoint folder."),
-    data: Path = typer.Option(..., "--data", help="Prompt file (.jsonl/.parquet) with prompt and answer columns."),
-    rule: str = typer.Option("exact_match", "--rule", help="Reward rule deciding correctness."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts."),
-    max_tokens: int = typer.Option(
-        8, "--max-tokens", help="Greedy response length limit (a trajectory's, with --environment)."
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides of the evaluation's config."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="The run's config: its data fields, chat template, reward and eval section apply."
     ),
+    data: Optional[Path] = typer.Option(None, "--data", help="A prompt file to evaluate instead of data.test_path."),
+    rule: Optional[str] = typer.Option(None, "--rule", help="Reward rule deciding correctness (reward.rule)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N prompts of each set."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Response length limit (eval.max_tokens)."),
+    n: Optional[int] = typer.Option(None, "--n", help="Sampled answers per prompt (eval.n): mean@n, pass@k, maj@n."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="eval.temperature of sampled answers."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="eval.top_p of sampled answers."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="The engine's dtype (model.dtype)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the engine (vLLM's own workers)."),
     environment: Optional[str] = typer.Option(
         None, "--environment", help="Multi-turn: a registered environment or module:function (as rollout.environment)."
     ),
-    max_turns: int = typer.Option(4, "--max-turns", help="With --environment: the most sampled turns per trajectory."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="With --environment: rollout.max_turns."),
     pairs: bool = typer.Option(
         False,
         "--pairs",
@@ -230,36 +247,66 @@ def evaluate(  # noqa: PLR0913
     reference: Optional[Path] = typer.Option(
         None, "--reference", help="With --pairs: the reference HF folder; default: a checkpoint's base model."
     ),
-    engine: str = typer.Option("vllm", "--engine", help="The rollout engine that generates (as rollout.engine)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="The rollout engine that generates (rollout.engine)."),
 ) -> None:
-    """Greedy accuracy through a rollout engine (in-process vLLM by default), or with --pairs
-    the preference margin of the model against its reference (HF forwards); prints one JSON line."""
+    """Held-out scores through a rollout engine (in-process vLLM by default) with the run's config
+    (--config, or the one a checkpoint records): greedy accuracy and, with eval.n, mean@n, pass@k
+    and maj@n per set and data_source. With --pairs the preference margin of the model against
+    its reference (HF forwards). Prints one JSON line."""
     _past_the_imports()
     import json
     import tempfile
 
-    from spmd_rl.config.schema import check_rollout_engine
-    from spmd_rl.trainer.export import greedy_accuracy
-
-    if not data.is_file():
-        typer.echo(f"INVALID --data={data}: file not found", err=True)
-        raise typer.Exit(code=2)
+    _files_exist(data, config)
+    given = {"data.test_path": data, "reward.rule": rule, "eval.limit": limit, "eval.max_tokens": max_tokens}
+    given |= {"eval.n": n, "eval.temperature": temperature, "eval.top_p": top_p, "model.dtype": dtype}
+    given |= {"rollout.environment": environment, "rollout.max_turns": max_turns, "rollout.engine": engine}
+    asked = _as_overrides(given) + list(overrides or [])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _hf_folder(model, Path(tmp))
         if pairs:
             from spmd_rl.trainer.pair_eval import preference_eval
 
+            if data is None:
+                typer.echo("INVALID --pairs needs --data (a preference file)", err=True)
+                raise typer.Exit(code=2)
             result = preference_eval(model_dir, _pairs_reference(model, reference), data, limit)
         else:
-            try:
-                check_rollout_engine(engine)
-            except ValueError as exc:
-                typer.echo(f"INVALID --engine={engine}: {exc}", err=True)
-                raise typer.Exit(code=2) from None
-            result = greedy_accuracy(
-                model_dir, data, rule, limit, max_tokens, environment=environment, max_turns=max_turns, engine=engine
-            )
+            result = _offline_scores(model, model_dir, config, asked, tp)
     typer.echo(json.dumps(result | {"model": str(model)}))
+
+
+def _files_exist(*paths: Path | None) -> None:
+    for given in paths:
+        if given is not None and not given.is_file():
+            typer.echo(f"INVALID {given}: file not found", err=True)
+            raise typer.Exit(code=2)
+
+
+def _as_overrides(options: dict) -> list[str]:
+    """The options given, as the overrides they stand for."""
+    return [f"{k}={v}" for k, v in options.items() if v is not None]
+
+
+def _offline_scores(model: Path, model_dir: Path, config: Path | None, overrides: list[str], tp: int) -> dict:
+    """``eval``'s scores (``trainer.offline_eval``); exit 2 on a bad config or option."""
+    from spmd_rl.trainer.checkpoint import read_state
+    from spmd_rl.trainer.export import is_checkpoint
+    from spmd_rl.trainer.offline_eval import evaluate_offline, offline_config
+
+    recorded = read_state(model).get("config") if is_checkpoint(model) else None
+    if is_checkpoint(model):
+        overrides = [*overrides, "model.tokenizer_path=null"]  # the exported folder holds the tokenizer
+    try:
+        cfg = offline_config(config, recorded, model_dir, overrides)
+        if not cfg.data.test_path:
+            raise ValueError("nothing to evaluate: give --data, or a config whose data.test_path names the sets")
+    except ConfigError as exc:
+        _fail(exc)
+    except ValueError as exc:
+        typer.echo(f"INVALID {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    return evaluate_offline(cfg, tp)
 
 
 def _hf_folder(model: Path, tmp: Path) -> Path:

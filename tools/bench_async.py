@@ -56,7 +56,7 @@ MODES = {  # mode: (speed overrides, quickstart overrides)
 def train(
     config: str, overrides: list[str], iterations: int, name: str, tmp: str, eval_limit: int | None = None
 ) -> list[dict]:
-    extra = [f"trainer.eval_interval={iterations}", f"trainer.eval_limit={eval_limit}"] if eval_limit else []
+    extra = [f"eval.interval={iterations}", f"eval.limit={eval_limit}"] if eval_limit else []
     cmd = [
         sys.executable,
         "-m",

@@ -42,7 +42,7 @@ def run(args, mode: str) -> list[dict]:
             "checkpoint.resume=never",
             f"logging.dir={tmp}/logs",
             "logging.progress=false",
-            f"trainer.eval_interval={args.eval_interval or args.iterations + 1}",
+            f"eval.interval={args.eval_interval or args.iterations + 1}",
         ]
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if res.returncode:

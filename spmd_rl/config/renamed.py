@@ -30,6 +30,8 @@ RENAMED: dict[str, str] = {
     "actor.router_replay": "actor.moe.router_replay",
     "actor.moe_aux_loss_coef": "actor.moe.aux_loss_coef",
     "actor.moe_z_loss_coef": "actor.moe.z_loss_coef",
+    "trainer.eval_interval": "eval.interval",
+    "trainer.eval_limit": "eval.limit",
 }
 """old dotted path -> new dotted path."""
 

@@ -249,22 +249,47 @@ class ElasticConfig(Section):
     )
 
 
+class EvalConfig(Section):
+    """Held-out evaluation inside a run (``trainer.evaluate``) and by ``spmd-rl eval``."""
+
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every set of `data.test_path` (through the rollout engine) before iterations k, 2k, ... "
+        "(the policy after that many updates), before iteration 0 with `before_train`, and the final policy (the "
+        "last checkpoint's) after the last iteration, on its row with the prefix final_; which prompts the greedy "
+        "answers got right goes to `<logging.dir>/eval_prompts.jsonl` (for paired comparisons); 0 disables. "
+        "Offline: `spmd-rl eval` on a checkpoint.",
+    )
+    before_train: bool = Field(
+        True, description="With `interval`: also evaluate the policy before its first update (iteration 0)."
+    )
+    limit: int | None = Field(
+        None, gt=0, description="Evaluate at most this many prompts of each set (its first ones); null = all."
+    )
+    greedy: bool = Field(
+        True,
+        description="Score one greedy answer per prompt: eval/<set>/greedy, and eval_accuracy for the first set.",
+    )
+    n: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Sampled evaluation: n answers per prompt at `temperature` and `top_p`, scored as mean@n, pass@k "
+        "(the unbiased estimator, k = 1, 2, 4, ... up to n) and maj@n (the majority of the extracted answers); "
+        "0 disables.",
+    )
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampled evaluation's temperature (`n` > 0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Sampled evaluation's nucleus (`n` > 0).")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Response length limit of an evaluated answer; null = rollout.max_response_length."
+    )
+
+
 class TrainerConfig(Section):
     iterations: int = Field(gt=0, description="RL iterations to run.")
     seed: int = Field(0, ge=0, lt=2**31, description="Seed of data order, sampling and init.")
     deterministic: bool = Field(False, description="Deterministic algorithms and sampling (for resume-equality tests).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="Accelerator; auto picks npu, then cuda, then cpu."
-    )
-    eval_interval: int = Field(
-        0,
-        ge=0,
-        description="Greedy accuracy on `data.test_path` (through the rollout engine) before iterations 0, k, 2k, ... "
-        "(the policy after that many updates), logged as eval_accuracy, and of the final policy (the last "
-        "checkpoint's) after the last iteration, logged as final_eval_accuracy on its row; which prompts each "
-        "evaluation got right goes to `<logging.dir>/eval_prompts.jsonl` (for paired comparisons); 0 disables. "
-        "Offline: `spmd-rl eval` on a checkpoint.",
-    )
-    eval_limit: int | None = Field(
-        None, gt=0, description="Evaluate on at most this many test prompts (the first ones); null = all."
     )

@@ -16,6 +16,7 @@ from spmd_rl.config.runtime_schema import (
     CheckpointConfig,
     DockConfig,
     ElasticConfig,
+    EvalConfig,
     LoggingConfig,
     MetadataConfig,
     ReshardConfig,
@@ -46,7 +47,12 @@ class DataConfig(Section):
         description="Prompt dataset for training: a .jsonl or .parquet file, or a list of them read in order as one "
         "dataset (rows numbered over the files)."
     )
-    test_path: str | None = Field(None, description="Held-out prompts for `spmd-rl eval` and periodic evaluation.")
+    test_path: str | list[str] | dict[str, str | list[str]] | None = Field(
+        None,
+        description="Held-out prompts for periodic evaluation (`eval`) and `spmd-rl eval`: a file, a list of files "
+        "read as one set named test, or named sets {name: file or files}, each reported on its own and per "
+        "data_source.",
+    )
     prompt_column: str = Field(
         "prompt",
         description="Dotted path of the prompt in a row: a string (one user turn) or a list of {role, content} "
@@ -623,4 +629,5 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     trainer: TrainerConfig

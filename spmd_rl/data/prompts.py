@@ -100,6 +100,16 @@ def paths_of(paths: str | Path | list) -> list[str]:
     return [str(p) for p in paths] if isinstance(paths, (list, tuple)) else [str(paths)]
 
 
+def test_sets(test_path) -> dict[str, list[str]]:
+    """``data.test_path`` as named sets: a file or a list of files is the set ``test``; a mapping
+    names its sets (in its order)."""
+    if not test_path:
+        return {}
+    if isinstance(test_path, dict):
+        return {str(name): paths_of(p) for name, p in test_path.items()}
+    return {"test": paths_of(test_path)}
+
+
 def render_prompts(tokenizer, conversations: list[list[dict[str, str]]], fmt: PromptFormat) -> list[str]:
     """Each conversation rendered by the chat template with the generation prompt
     (``fmt.template_kwargs`` passed through), or with ``chat_template: false`` its one user

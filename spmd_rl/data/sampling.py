@@ -33,10 +33,12 @@ class Sample:
 @dataclass(frozen=True)
 class SamplingSpec:
     """One request's sampling, engine-neutral: ``n`` samples of at most ``max_tokens`` tokens at
-    ``temperature`` (0: greedy), the request seeded ``seed`` (None: unseeded); top-p and top-k
-    come from the engine's rollout config."""
+    ``temperature`` (0: greedy), the request seeded ``seed`` (None: unseeded); top-k comes from
+    the engine's rollout config, and top-p too unless ``top_p`` is given (held-out evaluation's
+    own, ``eval.top_p``)."""
 
     max_tokens: int
     temperature: float
     seed: int | None = None
     n: int = 1
+    top_p: float | None = None

@@ -174,12 +174,14 @@ class Rollout(ABC):
         temperature: float | None = None,
         seed: int | None = None,
         seed_keys: list[int] | None = None,
+        top_p: float | None = None,
     ) -> Iterator[list[tuple[int, list[Sample]]]]:
         """As each prompt group finishes: [(prompt index, its n samples)]. Prompt p is one request
         of n samples seeded seed + key_p; at temperature 0 (greedy: one sample per request) it is
         n requests of one, the j-th seeded seed + key_p + j. ``seed_keys``: key_p, the global
         index of prompt p's first sample (default p * n), so a prompt samples the same tokens
-        whichever share of a batch it is dealt into."""
+        whichever share of a batch it is dealt into. ``top_p``: the nucleus of these requests (None:
+        the engine's ``rollout.top_p``)."""
         self._begin_batch()
         temp = self.temperature if temperature is None else temperature
         per_request = 1 if temp == 0 else n
@@ -189,7 +191,11 @@ class Rollout(ABC):
         owners = [p for p in range(len(prompts)) for _ in range(n // per_request)]
         specs = [
             SamplingSpec(
-                max_tokens, temp, None if seed is None else seed + keys[p] + k % (n // per_request), per_request
+                max_tokens,
+                temp,
+                None if seed is None else seed + keys[p] + k % (n // per_request),
+                per_request,
+                top_p,
             )
             for k, p in enumerate(owners)
         ]
@@ -210,10 +216,13 @@ class Rollout(ABC):
         temperature: float | None = None,
         seed: int | None = None,
         seed_keys: list[int] | None = None,
+        top_p: float | None = None,
     ) -> list[Sample]:
         """n samples per prompt, prompt-major (sample i = prompt * n + k); seeded as ``generate_stream``."""
         done = dict(
-            g for step in self.generate_stream(prompts, n, max_tokens, temperature, seed, seed_keys) for g in step
+            g
+            for step in self.generate_stream(prompts, n, max_tokens, temperature, seed, seed_keys, top_p)
+            for g in step
         )
         return [s for p in range(len(prompts)) for s in done[p]]
 

@@ -79,9 +79,10 @@ class MultiTurnRollout:
         seed: int | None = None,
         temperature: float | None = None,
         seed_keys: list[int] | None = None,
+        top_p: float | None = None,
     ) -> list[Trajectory]:
-        """New trajectories run to their end."""
-        return self.advance(self.start(items, seed_keys), seed, temperature)
+        """New trajectories run to their end; ``top_p``: their nucleus (None: the engine's)."""
+        return self.advance(self.start(items, seed_keys), seed, temperature, top_p=top_p)
 
     def advance(
         self,
@@ -89,6 +90,7 @@ class MultiTurnRollout:
         seed: int | None = None,
         temperature: float | None = None,
         segment: int | None = None,
+        top_p: float | None = None,
     ) -> list[Trajectory]:
         """Run every unfinished trajectory until it ends or, with ``segment``, has sampled that
         many more tokens (then it is paused: not done). Trajectory k of the list is keyed k."""
@@ -102,7 +104,7 @@ class MultiTurnRollout:
         try:
             while ready or pending or self.engine.busy():
                 if ready and (not self.lockstep or not (pending or self.engine.busy())):
-                    self._submit(ready, seed, temperature)
+                    self._submit(ready, seed, temperature, top_p)
                     ready = []
                 if self.engine.busy():
                     for key, (sample,) in self.engine.step():
@@ -125,11 +127,16 @@ class MultiTurnRollout:
         left = self.limits.max_tokens - len(t.ids)
         return left if self._segment is None else min(left, self._segment - self._spent[t.key])
 
-    def _submit(self, trajs: list[Trajectory], seed: int | None, temperature: float | None) -> None:
+    def _submit(
+        self, trajs: list[Trajectory], seed: int | None, temperature: float | None, top_p: float | None
+    ) -> None:
         temp = self.engine.temperature if temperature is None else temperature
         specs = [
             SamplingSpec(
-                self._left(t), temp, None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"])
+                self._left(t),
+                temp,
+                None if seed is None else request_seed(seed, t.seed_key, t.stats["turns"]),
+                top_p=top_p,
             )
             for t in trajs
         ]

@@ -33,13 +33,13 @@ def check_dpo(cfg: Config) -> list[Violation]:
                 "set rollout.n: 2",
             )
         )
-    if cfg.trainer.eval_interval:
+    if cfg.eval.interval:
         out.append(
             Violation(
-                "trainer.eval_interval",
-                cfg.trainer.eval_interval,
+                "eval.interval",
+                cfg.eval.interval,
                 "the in-run eval samples greedily through vLLM, and DPO builds no rollout engine",
-                "set trainer.eval_interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint "
+                "set eval.interval: 0 (each iteration logs dpo_margin and dpo_accuracy; export the checkpoint "
                 "to evaluate it)",
             )
         )

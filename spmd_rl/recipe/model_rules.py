@@ -5,6 +5,7 @@ the current directory."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,8 +15,11 @@ from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import SUPPORTED_TYPES, ModelArch
 from spmd_rl.config.schema import Config
 from spmd_rl.data.files import check_safetensors, sniff_dataset
-from spmd_rl.data.prompts import paths_of
+from spmd_rl.data.prompts import paths_of, test_sets
 from spmd_rl.rewards.registry import RULES
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""A held-out set's name: it is part of its metric keys (``eval/<set>/...``)."""
 
 
 def check_model(cfg: Config, lay: Layouts) -> list[Violation]:
@@ -119,9 +123,14 @@ def check_files(cfg: Config) -> list[Violation]:
     named = [("data.train_path", p) for p in paths_of(cfg.data.train_path)]
     if not named:
         out.append(Violation("data.train_path", [], "names no file", "give a file or a list of them"))
-    for field, path in [*named, ("data.test_path", cfg.data.test_path)]:
-        if path is None:
-            continue
+    sets = test_sets(cfg.data.test_path)
+    held_out = [
+        (f"data.test_path.{name}" if len(sets) > 1 else "data.test_path", p) for name, ps in sets.items() for p in ps
+    ]
+    for name in sets:
+        if not _SET_NAME.fullmatch(name):
+            out.append(Violation(f"data.test_path.{name}", name, "not a usable set name", "use letters, digits, _ . -"))
+    for field, path in [*named, *held_out]:
         p = Path(path)
         if p.suffix not in (".jsonl", ".parquet"):
             out.append(Violation(field, path, "unsupported file type", "use a .jsonl or .parquet file"))

@@ -20,7 +20,7 @@ _ENDPOINT = re.compile(r"^(https?://)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 def check_runtime(cfg: Config) -> list[Violation]:
     """Logging, launch and rendezvous, the dock's wire, evaluation, fusion and resume."""
-    return check_logging(cfg) + check_launch(cfg) + check_services(cfg)
+    return check_logging(cfg) + check_launch(cfg) + check_services(cfg) + check_eval(cfg)
 
 
 def check_logging(cfg: Config) -> list[Violation]:
@@ -106,15 +106,6 @@ def check_services(cfg: Config) -> list[Violation]:
                 "<hidden>",
                 "shorter than 16 characters",
                 "use a random token, e.g. `python -c 'import secrets;print(secrets.token_hex(16))'`",
-            )
-        )
-    if cfg.trainer.eval_interval and not cfg.data.test_path:
-        out.append(
-            Violation(
-                "trainer.eval_interval",
-                cfg.trainer.eval_interval,
-                "periodic evaluation needs held-out prompts",
-                "set data.test_path or eval_interval: 0",
             )
         )
     if cfg.stream.fuse and not fused_stages(cfg, stages_for(cfg)):
@@ -246,3 +237,27 @@ def check_rollout_engine(cfg: Config, lay: Layouts) -> list[Violation]:
         Violation("rollout.engine", cfg.rollout.engine, f"the engine lacks {name}, which this run needs", note)
         for name, note in missing(caps, needs)
     ]
+
+
+def check_eval(cfg: Config) -> list[Violation]:
+    """Held-out evaluation needs sets to evaluate and something to answer."""
+    out: list[Violation] = []
+    if cfg.eval.interval and not cfg.data.test_path:
+        out.append(
+            Violation(
+                "eval.interval",
+                cfg.eval.interval,
+                "periodic evaluation needs held-out prompts",
+                "set data.test_path or eval.interval: 0",
+            )
+        )
+    if cfg.eval.interval and not cfg.eval.greedy and not cfg.eval.n:
+        out.append(
+            Violation(
+                "eval.greedy",
+                False,
+                "with eval.n 0 the evaluation answers nothing",
+                "set eval.greedy: true, or eval.n to the sampled answers per prompt",
+            )
+        )
+    return out

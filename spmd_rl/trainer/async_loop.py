@@ -13,7 +13,7 @@ So iteration i is generated with version max(s, i - k) and trained by update i: 
 most k (checked on every update, ``stages.actor_update``), and generation of iterations
 i + 1 .. i + k runs while iteration i trains. Both sides derive the same published set
 {s + 1 .. iterations - 1 - k}, plus the final version ``iterations`` when
-``trainer.eval_interval`` asks for held-out evaluation (the generators evaluate it and the
+``eval.interval`` asks for held-out evaluation (the generators evaluate it and the
 trainers log it as ``final_eval_accuracy``), so every broadcast has its receiver. The sides
 share no other collective until the final barrier; each iteration's generator metrics (held-out accuracy,
 generation time, version) reach the training leader through etcd next to the iteration's
@@ -35,7 +35,7 @@ from spmd_rl.distributed import timeline
 from spmd_rl.distributed.timeouts import generation_phase, long_phase
 from spmd_rl.reshard import broadcast
 from spmd_rl.trainer.context import Run
-from spmd_rl.trainer.evaluate import eval_accuracy
+from spmd_rl.trainer.evaluate import eval_due, evaluate
 from spmd_rl.trainer.iteration_metrics import IterationMetrics, turn_metrics
 from spmd_rl.trainer.ledger import StepRecord
 from spmd_rl.trainer.metrics import StageTimer, global_maxes, global_sums, throughput
@@ -118,9 +118,9 @@ def generate(run: Run, start: int) -> None:
                 receive(run)
         timer, out = StageTimer(), {"gen_version": float(run.progress.policy_version)}
         run.dock.begin_iteration(it, G * N)
-        if run.held_out is not None and it % cfg.trainer.eval_interval == 0:
+        if eval_due(run, it):
             with timer.stage("eval"), generation_phase(cfg):  # its sum waits for the slowest generator
-                out["eval_accuracy"] = eval_accuracy(run, it)
+                out |= evaluate(run, it)
         with timer.stage("prompts"):
             put = put_prompts(run, it, run.sampler.next_batch(G))
         res = run_stage(run, it, run.graph[0], list(range(G * N)), timer)
@@ -134,7 +134,7 @@ def generate(run: Run, start: int) -> None:
     if run.held_out is not None:  # the final policy (module docstring)
         receive(run)
         with generation_phase(cfg):
-            final = {"final_eval_accuracy": eval_accuracy(run, cfg.trainer.iterations)}
+            final = evaluate(run, cfg.trainer.iterations, prefix="final_eval")
         if leader:
             run.dock.meta.put(
                 _generator_key(run, cfg.trainer.iterations), json.dumps(final | {"put_rows": []}).encode()
@@ -191,10 +191,10 @@ def train_half(run: Run, start: int, it: int, on_stage: Callable[[str], None]) -
                 )
         else:
             run.dock.release(it)
-    if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.trainer.eval_interval)):
+    if it + 1 in published(start, cfg.trainer.iterations, k, final=bool(cfg.eval.interval)):
         with timer.stage("publish"):
             publish(run, it + 1)
-    if it + 1 == cfg.trainer.iterations and cfg.trainer.eval_interval and leader:
+    if it + 1 == cfg.trainer.iterations and cfg.eval.interval and leader:
         gen |= _generator_report(run, it + 1)[0]  # the generators' final_eval_accuracy
     seconds = time.perf_counter() - t0
     out |= gen | {"world": run.lay.world, "samples": G * N, "iteration_s": seconds}

@@ -38,12 +38,14 @@ class Progress:
 
 @dataclass(frozen=True)
 class HeldOut:
-    """The held-out prompts of ``trainer.eval_interval`` (``data.test_path``) and the reward
-    rule that decides a greedy answer is right (``trainer.evaluate``): ``correct(response,
-    answer, row)``, a score or a dict with one (``rewards.registry``)."""
+    """The held-out sets of ``eval.interval`` (``data.test_path``, by name), the reward rule
+    that decides an answer is right (``trainer.evaluate``): ``correct(response, answer, row)``,
+    a score or a dict with one (``rewards.registry``), and ``extract(response)``: the answer
+    that maj@n votes on (``reward.extract``; None where it finds none)."""
 
-    prompts: PromptSet
+    sets: dict[str, PromptSet]
     correct: Callable[[str, str, dict], Any]
+    extract: Callable[[str], str | None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +77,7 @@ class Run:
     """The id of the checkpoint lineage this run writes (``trainer.checkpoint.lineage_id``);
     the leader's names the W&B run."""
     held_out: HeldOut | None = None
-    """What the periodic greedy evaluation scores (``trainer.eval_interval``), else None."""
+    """What the periodic evaluation scores (``eval.interval``), else None."""
     ledger: PromptLedger | None = None
     """Exactly-once prompt accounting in etcd (``trainer.ledger``); rank 0 writes it."""
     gen_tp_group: Any = None

@@ -1,47 +1,152 @@
-"""Checkpoint -> HF folder (or a LoRA checkpoint -> PEFT adapter folder), and greedy evaluation
-of an HF folder through vLLM."""
+"""Checkpoint -> HF folder, or a LoRA checkpoint -> PEFT adapter folder.
+
+A full model is written shard by shard (``stream_shards``): its tensors are grouped, in the
+checkpoint's order, into files of at most ``max_shard_bytes`` in the output dtype
+(``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``, HF's layout; one
+file ``model.safetensors`` when it fits). Each file's header is written first
+(``trainer.safetensors_file``), then its tensors are read from the DCP checkpoint a chunk at a
+time, cast and appended. Peak host memory is one read chunk (a quarter shard in the stored
+dtype, or the largest tensor alone) twice over, as DCP's reader buffers a tensor's bytes before
+copying them into it, plus its cast: not the model, its optimizer state or a shard
+(``tools/bench_export.py``: 275 MB against 1.5 GB for a 0.5 GB float32 model whose embedding
+is 131 MB). Names are
+HF's on-disk names: an MoE layer fused in memory (``engines.training.fused_experts``) is split
+into its experts, and a tied LM head is left out, as ``save_pretrained`` does. The output dtype
+is the run's ``model.dtype`` unless asked otherwise: a bfloat16 run's float32 master weights
+export at half the bytes.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rl.engines.training import fused_experts, lora
+from spmd_rl.engines.training.safe_dcp import read_tensors, tensor_shapes, verify
 from spmd_rl.trainer.checkpoint import model_weights, read_state
+from spmd_rl.trainer.safetensors_file import SafetensorsWriter
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARD_BYTES = 5 * 10**9
+"""Default file size limit: HF's ``max_shard_size="5GB"``."""
+INDEX = "model.safetensors.index.json"
 
 
-def export(checkpoint_dir: str | Path, out: str | Path, merged: bool = False) -> Path:
-    """Write the actor of a DCP checkpoint as a standard HF folder (safetensors + tokenizer),
-    using the base model's config. A LoRA checkpoint (adapters only) becomes its adapter folder
-    in PEFT's layout, or with ``merged`` the HF model with W + (alpha / r) B A."""
+def export(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    merged: bool = False,
+    dtype: str | None = None,
+    max_shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Write the actor of a DCP checkpoint as an HF folder (module docstring) with the base
+    model's config and tokenizer, in ``dtype`` (default: the run's ``model.dtype``). A LoRA
+    checkpoint (adapters only) becomes its adapter folder in PEFT's layout, or with ``merged``
+    the HF model with W + (alpha / r) B A."""
     state = read_state(checkpoint_dir)
-    weights = model_weights(checkpoint_dir)
+    verify(checkpoint_dir)  # a tampered checkpoint is refused before anything of it is read
     out = Path(out)
+    target = DTYPES[dtype or state.get("config", {}).get("model", {}).get("dtype", "float32")]
     if "lora" in state and not merged:
-        return write_adapter(weights, state, out)
-    model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
+        return write_adapter(model_weights(checkpoint_dir), state, out)
+    config = AutoConfig.from_pretrained(state["model_path"])
     if "lora" in state:
-        merge_adapters(model, weights, state["lora"])
-        weights = {}
-    for name, p in model.named_parameters():  # a megatron checkpoint names MoE experts one by one, as HF files do
-        parts = fused_experts.checkpoint_names(name, p.shape[0])
-        if fused_experts.is_fused(name) and name not in weights and all(n in weights for n in parts):
-            weights[name] = fused_experts.read(weights.__getitem__, name, p.shape[0])
-            for n in parts:
-                del weights[n]
-    if weights:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if unexpected or [m for m in missing if m != "lm_head.weight"]:
-            raise ValueError(
-                f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-    model.tie_weights()
-    model.save_pretrained(out, safe_serialization=True)
+        model = AutoModelForCausalLM.from_pretrained(state["model_path"], dtype=torch.float32)
+        merge_adapters(model, model_weights(checkpoint_dir), state["lora"])
+        model.to(target).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_bytes)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        names = on_disk_names(checkpoint_dir, config)
+        stream_shards(checkpoint_dir, names, target, out, max_shard_bytes)
+        config.dtype = target
+        config.save_pretrained(out)
+        if (Path(state["model_path"]) / "generation_config.json").is_file():
+            shutil.copy(Path(state["model_path"]) / "generation_config.json", out)
     AutoTokenizer.from_pretrained(state["tokenizer_path"]).save_pretrained(out)
     return out
+
+
+def on_disk_names(checkpoint_dir: str | Path, config) -> dict[str, tuple[str, int | None, list[int]]]:
+    """HF name -> (checkpoint name, expert index or None, shape), checked against the base
+    model's parameters (built on the meta device: no memory); ValueError naming what does not match."""
+    stored = tensor_shapes(checkpoint_dir, "model.")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    out: dict[str, tuple[str, int | None, list[int]]] = {}
+    for name, (shape, _) in stored.items():
+        if tied and name == "lm_head.weight":
+            continue  # the embedding's storage (save_pretrained leaves it out too)
+        pieces = fused_experts.split_shape(name, shape)
+        for k, (disk, piece) in enumerate(pieces):
+            per = len(pieces) // shape[0] if fused_experts.is_fused(name) else 1
+            out[disk] = (name, k // per if fused_experts.is_fused(name) else None, piece)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {d for n, p in model.named_parameters() for d, _ in fused_experts.split_shape(n, list(p.shape))}
+    expected -= {"lm_head.weight"} if tied else set()
+    if set(out) != expected:
+        missing, unexpected = sorted(expected - set(out)), sorted(set(out) - expected)
+        raise ValueError(
+            f"checkpoint does not match the base model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return out
+
+
+def stream_shards(
+    checkpoint_dir: str | Path, names: dict, dtype: torch.dtype, out: Path, max_shard_bytes: int
+) -> list[Path]:
+    """Write ``names`` (``on_disk_names``) shard by shard (module docstring); returns the files."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    used = 0
+    for disk, (_, _, shape) in names.items():
+        nbytes = size * int(torch.Size(shape).numel())
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(disk)
+        used += nbytes
+    files = [
+        out / ("model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+        for k in range(len(shards))
+    ]
+    weight_map: dict[str, str] = {}
+    for shard, path in zip(shards, files):
+        writer = SafetensorsWriter(path, [(d, names[d][2]) for d in shard], dtype, {"format": "pt"})
+        for disk, tensor in _read(checkpoint_dir, [(d, names[d]) for d in shard], dtype, max_shard_bytes // 4):
+            writer.write(disk, tensor)
+        writer.close()
+        weight_map |= dict.fromkeys(shard, path.name)
+    if len(files) > 1:
+        total = sum(size * int(torch.Size(names[d][2]).numel()) for d in names)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def _read(checkpoint_dir, items: list[tuple[str, tuple]], dtype: torch.dtype, chunk_bytes: int):
+    """(name, tensor in ``dtype``) of ``items`` in order: read from the checkpoint in chunks of
+    at most ``chunk_bytes`` stored bytes (a tensor larger than that alone), each handed on
+    before the next chunk is read."""
+    sources = list(dict.fromkeys(src for _, (src, _, _) in items))
+    shapes = tensor_shapes(checkpoint_dir, "model.")
+    chunk: list[str] = []
+    for k, src in enumerate(sources):
+        chunk.append(src)
+        if (
+            k + 1 == len(sources)
+            or sum(torch.Size(shapes[c][0]).numel() * shapes[c][1].itemsize for c in chunk) >= chunk_bytes
+        ):
+            read = read_tensors(checkpoint_dir, "model", chunk)
+            for disk, (name, expert, _) in items:
+                if name in read:
+                    whole = read[name]
+                    yield disk, (whole if expert is None else dict(fused_experts.split(name, whole))[disk]).to(dtype)
+            chunk = []
+            del read
 
 
 @torch.no_grad()
@@ -74,62 +179,3 @@ def write_adapter(adapters: dict[str, torch.Tensor], state: dict, out: Path) -> 
 
 def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / "trainer_state.json").is_file()
-
-
-def greedy_accuracy(  # noqa: PLR0913
-    model_dir: str | Path,
-    data: str | Path,
-    rule: str = "exact_match",
-    limit: int | None = None,
-    max_tokens: int = 8,
-    prompt_column: str = "prompt",
-    answer_column: str = "answer",
-    environment: str | None = None,
-    max_turns: int = 4,
-    engine: str = "vllm",
-) -> dict:
-    """Greedy accuracy on a prompt file through a rollout engine (``rollout.engine``, single process). With an
-    ``environment`` each prompt is a greedy multi-turn trajectory of at most ``max_tokens``
-    response tokens (``envs.multi_turn``), scored on its last sampled turn."""
-    from spmd_rl.config.schema import RolloutConfig
-    from spmd_rl.data.prompts import PromptFormat, load_prompts, with_pad_token
-    from spmd_rl.distributed.accelerator import detect
-    from spmd_rl.engines.base import RolloutBuild
-    from spmd_rl.engines.rollouts import build_rollout_engine
-    from spmd_rl.rewards import get_reward
-    from spmd_rl.rewards.registry import score_of
-
-    tok = with_pad_token(AutoTokenizer.from_pretrained(model_dir))
-    prompts = load_prompts(data, tok, PromptFormat(prompt_column, answer_column), max_prompt_length=10**6)
-    ids, answers = prompts.prompt_ids[:limit], prompts.answers[:limit]
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    rollout = build_rollout_engine(
-        RolloutBuild(
-            model_dir,
-            detect("auto"),
-            RolloutConfig(engine=engine, n=1, max_response_length=max_tokens),
-            tp=1,
-            dtype="float32",
-            max_model_len=min(cfg.get("max_position_embeddings", 4096), 4096),
-            distributed=False,
-        )
-    )
-    if environment is not None:
-        from spmd_rl.envs.factory import environment_factory
-        from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
-
-        turns = MultiTurnRollout(
-            rollout, tok, environment_factory(environment), TurnLimits(max_turns, max_tokens, 10.0)
-        )
-        texts = [
-            t.last_text
-            for t in turns.run([(p, prompts.environment_row(i)) for i, p in enumerate(ids)], temperature=0.0)
-        ]
-    else:
-        samples = rollout.generate(ids, n=1, max_tokens=max_tokens, temperature=0.0)
-        texts = tok.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    fn = get_reward(rule)
-    correct = sum(score_of(fn(t, a, prompts.info(i)), rule)[0] > 0.5 for i, (t, a) in enumerate(zip(texts, answers)))
-    return {"model": str(model_dir), "data": str(data), "prompts": len(ids), "correct": correct} | {
-        "accuracy": correct / len(ids)
-    }

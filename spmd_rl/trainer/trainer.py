@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from spmd_rl.config.schema import Config
 from spmd_rl.data.preferences import preferences_for
-from spmd_rl.data.prompts import load_tokenizer, prompts_for
+from spmd_rl.data.prompts import load_tokenizer, prompts_for, test_sets
 from spmd_rl.data.sampler import sampler_for
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.mesh import replica_group, train_mesh
@@ -57,9 +57,11 @@ from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
 from spmd_rl.rewards import get_reward, reward_for
+from spmd_rl.rewards.extract import EXTRACTORS
 from spmd_rl.trainer import async_loop, build, checkpoint
 from spmd_rl.trainer.context import HeldOut, Run
-from spmd_rl.trainer.evaluate import eval_accuracy
+from spmd_rl.trainer.evaluate import eval_due, evaluate
+from spmd_rl.trainer.offline_eval import recorded_config
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import PromptLedger
 from spmd_rl.trainer.metrics import MetricsLog, StageTimer, global_maxes, throughput, truncate_from
@@ -115,7 +117,7 @@ class Trainer:
             sampler=sampler,
             reward_fn=reward_for(cfg.reward),
             lineage=checkpoint.lineage_id(state, cfg.checkpoint.resume),
-            held_out=_held_out(cfg, tok) if cfg.trainer.eval_interval and rollout is not None else None,
+            held_out=_held_out(cfg, tok) if cfg.eval.interval and rollout is not None else None,
             ledger=PromptLedger(
                 build.store(cfg.metadata, endpoints, build.dock_job(cfg.metadata, cfg.elastic, ".ledger"))
             ),
@@ -206,6 +208,7 @@ class Trainer:
             "rng": checkpoint.rng_state(),
             "model_path": cfg.model.path,
             "tokenizer_path": cfg.model.tokenizer_path or cfg.model.path,
+            "config": recorded_config(cfg),  # what `spmd-rl eval` of this checkpoint applies
         }
         if cfg.actor.lora is not None:  # the actor's state is its adapters (export merges or writes them)
             state["lora"] = cfg.actor.lora.model_dump()
@@ -234,13 +237,14 @@ class Trainer:
 
 
 def _held_out(cfg: Config, tok) -> HeldOut:
-    """The prompts and the rule of ``trainer.eval_interval``'s evaluation (``data.test_path``)."""
+    """The sets and the rule of ``eval.interval``'s evaluation (``data.test_path``)."""
     rule = (
         reward_for(cfg.reward)
         if cfg.reward.kind == "remote"
         else get_reward(cfg.reward.rule, extract=cfg.reward.extract)
     )
-    return HeldOut(prompts_for(cfg, tok, cfg.data.test_path), rule)
+    sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
+    return HeldOut(sets, rule, EXTRACTORS[cfg.reward.extract])
 
 
 def _never_stepped(it: int, on_stage: OnStage) -> dict[str, float]:
@@ -263,7 +267,7 @@ def colocated_iteration(run: Run, it: int, on_stage: OnStage, rounds: Rounds) ->
         with timeline.span("eval", "stage"), generation_phase(run.cfg):
             # the weights the last checkpoint holds, logged on the last iteration's row
             run.residency.enter("eval", ("rollout",))  # syncs the updated weights into the engine
-            m["final_eval_accuracy"] = eval_accuracy(run, run.cfg.trainer.iterations)
+            m |= evaluate(run, run.cfg.trainer.iterations, prefix="final_eval")
     return m
 
 
@@ -275,10 +279,10 @@ def run_iteration(run: Run, it: int, on_stage: OnStage | None, rounds: Rounds) -
     with timeline.span("begin", "stage"):
         run.dock.begin_iteration(it, size)
     with generation_phase(cfg):  # the collectives after generation wait for the slowest DP group
-        if run.held_out is not None and it % cfg.trainer.eval_interval == 0:
+        if eval_due(run, it):
             with timer.stage("eval"):
                 run.residency.enter("eval", ("rollout",))
-                m.final["eval_accuracy"] = eval_accuracy(run, it)
+                m.final |= evaluate(run, it)
         train_idx, record = rounds(run, it, timer, m)
     if not train_idx and run.peer.rank == 0:
         log.warning("iteration %d: no prompt group finished within stream.partial_tokens; no update", it)

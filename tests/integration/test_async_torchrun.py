@@ -23,7 +23,7 @@ SEPARATED = (
     "parallel.train.dp_shard=1",
     "actor.correction.tis_cap=2.0",
     "trainer.iterations=4",
-    "trainer.eval_interval=2",
+    "eval.interval=2",
     "checkpoint.interval=2",
     "rollout.temperature=1.0",
 )

@@ -24,7 +24,7 @@ from tests.trainer_util import train
 DPO = (
     "algorithm.name=dpo",
     "rollout.n=2",
-    "trainer.eval_interval=0",
+    "eval.interval=0",
     "data.train_path=assets/tiny-qwen2/preferences_train.jsonl",
     "checkpoint.interval=0",
 )

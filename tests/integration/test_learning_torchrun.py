@@ -1,5 +1,5 @@
 """The trainer learns in every synchronous and streaming mode, judged on greedy accuracy (vLLM
-greedy, the run's own evaluator, ``trainer.eval_interval``):
+greedy, the run's own evaluator, ``eval.interval``):
 
 - **every other mode** trains on a fixed set of ``TRAINED`` prompts of the quickstart task and is
   evaluated on those same prompts: the RL objective is the expected reward on the prompts it
@@ -202,7 +202,7 @@ def test_the_policy_learns_the_prompts_it_trains_on(request, record_property, tr
         *MODES[mode],
         f"trainer.iterations={iters}",
         "checkpoint.interval=0",
-        f"trainer.eval_interval={EVERY}",
+        f"eval.interval={EVERY}",
         f"data.train_path={trained_prompts}",
         f"data.test_path={trained_prompts}",
     )
@@ -256,7 +256,7 @@ def test_grpo_raises_held_out_accuracy(tiny_model, record_property, tmp_path, et
         *QUICKSTART,
         f"trainer.iterations={HELD_OUT_ITERS}",
         "checkpoint.interval=0",
-        f"trainer.eval_interval={EVERY}",
+        f"eval.interval={EVERY}",
     )
     mean, se, accs = paired_gain(tmp_path / "grpo/logs/eval_prompts.jsonl", 500)
     for upto in (30, 40, 50):

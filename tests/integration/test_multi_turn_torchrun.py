@@ -50,8 +50,8 @@ def test_the_calculator_raises_held_out_accuracy_where_the_model_alone_cannot(ti
         "actor.micro_batch_size=32",
         f"trainer.iterations={ITERS}",
         "checkpoint.interval=0",
-        f"trainer.eval_interval={ITERS}",
-        f"trainer.eval_limit={HELD_OUT}",
+        f"eval.interval={ITERS}",
+        f"eval.limit={HELD_OUT}",
     )
     tool = train(tmp_path, "tool", etcd.endpoint, *full, config=TOOLS)
     no_tool = tmp_path / "no_tool.yaml"  # the same config without the environment and its fields

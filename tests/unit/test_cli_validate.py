@@ -83,7 +83,7 @@ BROKEN = [
     (["algorithm.critic_lr=1e-5"], None, "algorithm.critic_lr"),
     (["algorithm.value_clip=0.2"], None, "algorithm.value_clip"),
     (["reshard.prefetch=true"], None, "reshard.prefetch"),
-    (["trainer.eval_interval=5", "data.test_path=null"], None, "trainer.eval_interval"),
+    (["eval.interval=5", "data.test_path=null"], None, "eval.interval"),
     (["reward.rule=math:isclose", "reward.format_score=0.1"], None, "reward.format_score"),
     (["reward.format_score=0.7"], None, "reward.format_score"),
     (["algorithm.dynamic_sampling=true"], None, "algorithm.dynamic_sampling"),

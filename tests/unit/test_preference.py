@@ -133,7 +133,7 @@ def test_dpo_graph_has_no_rollout_and_reads_what_it_writes(tiny_model):
     "override,field",
     [
         ("rollout.n=4", "rollout.n"),
-        ("trainer.eval_interval=10", "trainer.eval_interval"),
+        ("eval.interval=10", "eval.interval"),
         ("stream.fuse=true", "stream.fuse"),
         ("algorithm.kl_coef=0.1", "algorithm.kl_coef"),
         ("actor.backend=megatron", "actor.backend"),

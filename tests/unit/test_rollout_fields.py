@@ -138,6 +138,9 @@ def test_sampling_options_apply_top_p_top_k_when_sampling():
     greedy = sampling_options(cfg, 0.0, n=1, max_tokens=4, seed=None)
     assert (greedy["top_p"], greedy["top_k"]) == (1.0, -1)
     assert SamplingParams(**greedy).detokenize is False  # the trainer decodes what it needs
+    # a request's own nucleus (eval.top_p) wins over the config's, and greedy still drops it
+    assert sampling_options(cfg, 0.7, 1, 4, None, top_p=0.5)["top_p"] == 0.5
+    assert sampling_options(cfg, 0.0, 1, 4, None, top_p=0.5)["top_p"] == 1.0
 
 
 def test_kv_cache_size_reaches_vllm(monkeypatch):

@@ -91,7 +91,7 @@ def test_every_broadcast_has_its_receiver_and_the_lag_is_bounded(in_repo, start,
     """The generator's loop against the trainer's published versions (both as in
     ``trainer.async_loop``, with k = stream.max_policy_lag): it receives exactly those, in
     order, and iteration i is trained (update i) at most k updates after the policy that
-    generated it. With the final eval (``trainer.eval_interval``) its one receive after the
+    generated it. With the final eval (``eval.interval``) its one receive after the
     loop is the final policy, version ``iterations``."""
     k = load_config(REPO / "configs/quickstart.yaml", [*SEP, f"stream.max_policy_lag={k}"]).stream.max_policy_lag
     sent = published(start, iterations, k, final)

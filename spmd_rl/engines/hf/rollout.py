@@ -49,6 +49,7 @@ class _Row:
     max_tokens: int
     temperature: float
     generator: torch.Generator | None
+    top_p: float
 
 
 def truncate(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -108,7 +109,8 @@ class HfRollout(Rollout):
                 if spec.temperature > 0:
                     seed = spec.seed * SEED_STRIDE + i if spec.seed is not None else self._next_seed()
                     gen = torch.Generator(self.acc.device).manual_seed(seed)
-                self._queue.append(_Row(key, i, list(context), spec.max_tokens, spec.temperature, gen))
+                top_p = self.cfg.top_p if spec.top_p is None else spec.top_p
+                self._queue.append(_Row(key, i, list(context), spec.max_tokens, spec.temperature, gen, top_p))
 
     def _next_seed(self) -> int:
         return int(torch.randint(0, 2**62, (), generator=self._unseeded))
@@ -173,9 +175,10 @@ class HfRollout(Rollout):
         raw = logits.float()
         temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=raw.device)
         x = raw / temps[:, None]
-        sampled = [b for b, r in enumerate(rows) if r.temperature > 0 and alive[b]]
-        if sampled:
-            x[sampled] = truncate(x[sampled], self.cfg.top_k, self.cfg.top_p)
+        for top_p in {r.top_p for r in rows}:  # rows of one nucleus truncated together
+            sampled = [b for b, r in enumerate(rows) if r.temperature > 0 and alive[b] and r.top_p == top_p]
+            if sampled:
+                x[sampled] = truncate(x[sampled], self.cfg.top_k, top_p)
         logp = torch.log_softmax(x, dim=-1)
         greedy = raw.argmax(dim=-1)
         chosen = []

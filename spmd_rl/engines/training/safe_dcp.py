@@ -128,3 +128,28 @@ def read_full_state(folder: str | Path) -> dict:
     state: dict = {}
     _load_state_dict(state, storage_reader=SafeReader(str(folder)), planner=SafeEmptyLoadPlanner(), no_dist=True)
     return state
+
+
+def tensor_shapes(folder: str | Path, prefix: str) -> dict[str, tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of every tensor of a checkpoint whose flattened key starts with ``prefix``
+    (``"model."``: the actor's weights), the prefix cut off, in the checkpoint's order; from
+    the metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = verify(folder)
+    return {
+        key[len(prefix) :]: (list(m.size), m.properties.dtype)
+        for key, m in meta.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def read_tensors(folder: str | Path, section: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Only the tensors ``section.<name>`` of a checkpoint (one process, no process group), each
+    in its stored dtype: a reader's memory is what it asks for, not the checkpoint's."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    shapes = tensor_shapes(folder, f"{section}.")
+    wanted = {n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
+    _load_state_dict({section: wanted}, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
+    return wanted

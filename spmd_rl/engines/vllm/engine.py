@@ -212,7 +212,9 @@ class VllmRollout(Rollout):
         """vLLM's sampling params of one request under the rollout config."""
         from vllm import SamplingParams
 
-        return SamplingParams(**sampling_options(self.cfg, spec.temperature, spec.n, spec.max_tokens, spec.seed))
+        return SamplingParams(
+            **sampling_options(self.cfg, spec.temperature, spec.n, spec.max_tokens, spec.seed, spec.top_p)
+        )
 
     def _routes(self, context: list[int], outputs: list, rid: str, n: int) -> list[torch.Tensor]:
         """The recorded routes of a finished request's samples, checked to cover every position

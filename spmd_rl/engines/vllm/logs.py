@@ -66,6 +66,15 @@ EXPECTED: tuple[tuple[str, str, str], ...] = (
 )
 """(logger, message start, why it is expected): vLLM warnings every CPU run prints."""
 
+EXPECTED_TORCH: tuple[tuple[str, str, str], ...] = (
+    (
+        "torch._library.triton",
+        "Triton not available",
+        "vLLM CPU has no Triton; torch says so once on its own handler when vLLM asks for kernels",
+    ),
+)
+"""(logger, message start, why): torch's records of the same kind, dropped from torch's own handler."""
+
 EXPECTED_PY_WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
     (
         r"`torch\.distributed\.reduce_op` is deprecated",
@@ -81,6 +90,9 @@ class TerminalFilter(logging.Filter):
     """Keeps a record on the terminal unless it is vLLM chatter (module docstring)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("torch"):
+            text = record.getMessage()
+            return not any(record.name == name and text.startswith(start) for name, start, _ in EXPECTED_TORCH)
         if not record.name.startswith("vllm"):
             return True
         if record.levelno < logging.WARNING:
@@ -106,7 +118,9 @@ def quiet_vllm(log_dir: str | Path | None, rank: int) -> None:
         handler = logging.FileHandler(Path(log_dir) / f"vllm-rank{rank}.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         vllm.addHandler(handler)
-    for handler in logging.getLogger().handlers:
+    import torch  # noqa: F401  (its import gives the "torch" logger its own handler, which does not propagate)
+
+    for handler in logging.getLogger().handlers + logging.getLogger("torch").handlers:
         handler.addFilter(TerminalFilter())
     for message, category, module, _ in EXPECTED_PY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)

@@ -111,13 +111,16 @@ def engine_options(
     return kw
 
 
-def sampling_options(cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None) -> dict:
-    """``SamplingParams`` of one prompt: top-p / top-k only when sampling (temperature > 0)."""
+def sampling_options(  # noqa: PLR0913
+    cfg: RolloutConfig, temperature: float, n: int, max_tokens: int, seed: int | None, top_p: float | None = None
+) -> dict:
+    """``SamplingParams`` of one prompt: top-p (``top_p``, else the config's) and top-k only
+    when sampling (temperature > 0)."""
     return {
         "n": n,
         "max_tokens": max_tokens,
         "temperature": temperature,
-        "top_p": cfg.top_p if temperature > 0 else 1.0,
+        "top_p": (cfg.top_p if top_p is None else top_p) if temperature > 0 else 1.0,
         "top_k": cfg.top_k if temperature > 0 else -1,
         "logprobs": 0,
         "seed": seed,

@@ -1,0 +1,108 @@
+"""``spmd-rl eval``: held-out evaluation of an HF folder or a checkpoint in one process, with the
+run's own data fields, chat template, reward and ``eval`` section (``trainer.evaluate``'s
+``Evaluation``), so an offline score means what the run's own evaluation means.
+
+The config comes from ``--config``, else from the checkpoint (which records the run's config,
+``dock.token`` left out), else from the command's options alone (the layout of
+``assets/tiny-qwen2/test.jsonl``: ``prompt`` and ``answer`` columns, ``exact_match``). The
+command's options are overrides on top of it (``offline_overrides``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spmd_rl.config.loader import apply_overrides, build_config, load_config
+from spmd_rl.config.schema import Config
+
+
+def recorded_config(cfg: Config) -> dict:
+    """What a checkpoint records of its run's config: everything but the dock's secret."""
+    tree = cfg.model_dump(mode="json")
+    tree["dock"]["token"] = None
+    return tree
+
+
+def offline_config(config: Path | None, recorded: dict | None, model_dir: Path, overrides: list[str]) -> Config:
+    """The evaluation's config (module docstring) with ``overrides`` applied and the engine
+    pointed at ``model_dir`` (a checkpoint's weights exported there). ConfigError names a bad
+    field."""
+    bare = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"train_path": "unused.jsonl", "global_batch_size": 1, "max_prompt_length": 4096},
+        "rollout": {"n": 1, "max_response_length": 8},
+        "actor": {"mini_batch_size": 1, "micro_batch_size": 1},
+        "trainer": {"iterations": 1, "device": "auto"},
+    }
+    overrides = [*overrides, f"model.path={model_dir}"]
+    if config is not None:
+        return load_config(config, overrides)
+    return build_config(apply_overrides(recorded or bare, overrides), "the checkpoint's config" if recorded else "eval")
+
+
+def evaluate_offline(cfg: Config, tp: int) -> dict:
+    """Every set of ``data.test_path`` scored as the run scores it (``trainer.evaluate``); the
+    first set's greedy results also as ``prompts``, ``correct`` and ``accuracy``."""
+    from spmd_rl.data.prompts import load_tokenizer, prompts_for, test_sets
+    from spmd_rl.distributed.accelerator import detect
+    from spmd_rl.engines.base import RolloutBuild
+    from spmd_rl.engines.rollouts import build_rollout_engine
+    from spmd_rl.envs.factory import environment_factory
+    from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
+    from spmd_rl.recipe.graph import Modes
+    from spmd_rl.rewards import get_reward, reward_for
+    from spmd_rl.rewards.extract import EXTRACTORS
+    from spmd_rl.trainer.context import HeldOut
+    from spmd_rl.trainer.evaluate import Evaluation
+
+    tok, r = load_tokenizer(cfg), cfg.rollout
+    rule = (
+        reward_for(cfg.reward)
+        if cfg.reward.kind == "remote"
+        else get_reward(cfg.reward.rule, extract=cfg.reward.extract)
+    )
+    sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
+    max_tokens = cfg.eval.max_tokens or r.max_response_length
+    rollout = build_rollout_engine(
+        RolloutBuild(
+            cfg.model.path,
+            detect(cfg.trainer.device),
+            r,
+            tp=tp,
+            dtype=cfg.model.dtype,
+            max_model_len=_context(cfg, max_tokens),
+            seed=cfg.trainer.seed,
+            distributed=False,
+        )
+    )
+    turns = None
+    if Modes.of(cfg).multi_turn:
+        env = environment_factory(r.environment, r.unsafe_python_without_jail)
+        turns = MultiTurnRollout(rollout, tok, env, TurnLimits(r.max_turns, max_tokens, r.tool_timeout_s))
+    ev = Evaluation(
+        cfg.eval,
+        cfg.reward,
+        HeldOut(sets, rule, EXTRACTORS[cfg.reward.extract]),
+        rollout,
+        tok,
+        turns,
+        cfg.trainer.seed,
+        max_tokens,
+    )
+    out: dict = {}
+    for name, test in sets.items():
+        count = ev.count(test)
+        table = ev.table(test, list(range(count)), count)
+        out |= ev.scores(name, test, table, "eval")
+        if "prompts" not in out and cfg.eval.greedy:
+            correct = int(table[:, 0].sum())
+            out |= {"data": name, "prompts": count, "correct": correct, "accuracy": correct / max(count, 1)}
+    return out
+
+
+def _context(cfg: Config, max_tokens: int) -> int:
+    """The engine's context: the longest prompt plus answer the config allows, within the model's positions."""
+    from spmd_rl.config.model_arch import ModelArch
+
+    wanted = cfg.data.max_prompt_length + max(max_tokens, cfg.rollout.max_response_length)
+    return min(wanted, ModelArch.from_folder(cfg.model.path).max_positions or wanted)
