@@ -22,3 +22,9 @@ def last_number(response: str, answer: str, row: dict) -> dict:
         numbers = []
     right = bool(numbers) and float(numbers[-1]) == float(answer)
     return {"score": float(right), "has_number": float(bool(numbers))}
+
+
+def digit_share(response: str, answer: str, row: dict) -> float:
+    """The share of the response's characters that are digits: graded, so even a random model's
+    samples differ in reward and GRPO's update is not zero (tests.arch_models)."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
