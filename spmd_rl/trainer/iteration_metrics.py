@@ -54,6 +54,7 @@ class IterationMetrics:
         if "reward_sq" in g:  # absent when no group was rewarded (partial rollout with none finished)
             out["reward_std"] = max(0.0, g["reward_sq"] / n - out["reward_mean"] ** 2) ** 0.5
         out |= {"generated_samples": n, "adv_zero_groups": g.get("adv_zero_groups", 0.0)}
+        out |= {k: g[k] for k in ("reward_failures", "reward_timeouts") if k in g}  # counts over the side
         if "resid_sq" in g:  # verl's vf_explained_var: 1 - Var(R - V) / Var(R) over every response token
             t = max(1.0, g["value_tokens"])
             var_r = g["returns_sq"] / t - (g["returns_sum"] / t) ** 2

@@ -127,3 +127,21 @@ def test_math_verify_scores_on_the_pools_threads():
     pool = RewardPool(get_reward("math_verify", format_score=0.2), "math_verify", 2, 30.0, failure_score=-1.0)
     got = pool.score(["$\\frac{4}{2}$", "$3$", "no answer"], ["$2$"] * 3, [{}] * 3)
     assert got.scores == [1.0, 0.2, 0.0] and got.failures == 0
+
+
+def test_the_failure_counts_reach_the_iterations_metrics_row():
+    """The reward stage's counts are summed over the side into the row ``metrics.jsonl`` gets
+    (a one-rank gloo group here): counted but never logged, no user would see them."""
+    import torch.distributed as dist
+
+    from spmd_rl.trainer.iteration_metrics import IterationMetrics
+    from spmd_rl.trainer.stages.registry import StageResult
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = IterationMetrics(None)
+        m.add(StageResult(sums={"generated": 4.0, "reward_timeouts": 2.0, "reward_failures": 1.0}))
+        row = m.finish()
+    finally:
+        dist.destroy_process_group()
+    assert (row["reward_timeouts"], row["reward_failures"]) == (2.0, 1.0)
