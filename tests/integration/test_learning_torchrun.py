@@ -74,7 +74,7 @@ MODES = {
         "algorithm.dynamic_sampling=true",
         "algorithm.max_extra_rounds=2",
     ],
-    "megatron-pp2": ["actor.backend=megatron", "parallel.train.pp=2", "parallel.train.dp_shard=1"],
+    # megatron's pipeline (pp 2) learns the chain-of-thought task in test_cot_learning.py
     # the Qwen3-MoE sibling (same task and test set): FSDP over the fused experts recording the
     # rollout's routes (router metrics), megatron with EP 2 replaying them (R3)
     "moe": ["model.path=assets/tiny-qwen3-moe", "actor.moe.router_replay=record"],
@@ -113,7 +113,6 @@ MODES = {
 placement, adapters) share a run, which learns only if every part of it does."""
 MATCHING = (
     "megatron-dapo",
-    "megatron-pp2",
     "moe",
     "megatron-moe-ep2",
     "rloo-cispo-hf",
@@ -236,7 +235,6 @@ def test_the_policy_learns_the_prompts_it_trains_on(request, record_property, tr
     ):  # the fields acted: mcore built the layout asked for, and wrote its own checkpoint keys
         layout = {
             "megatron-dapo": "tp=2 sequence_parallel=True pp=1 dp=1",
-            "megatron-pp2": "tp=1 sequence_parallel=False pp=2 dp=1",
             "megatron-moe-ep2": "tp=1 sequence_parallel=False pp=1 dp=2 ep=2 (4 experts)",
         }[mode]
         assert f"actor: megatron-core GPTModel {layout}" in (tmp_path / mode / "stderr.log").read_text()
