@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from spmd_rl.config.loader import load_config
@@ -66,9 +67,10 @@ def test_a_row_without_a_final_answer_is_named(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_the_gsm8k_recipe_validates_on_converted_data(in_repo, tmp_path):
-    """configs/gsm8k_grpo_qwen25_7b.yaml (one 8-GPU node, verl's GSM8K settings) passes
-    ``validate`` once its data exist, converted by the tool."""
+@pytest.mark.parametrize("recipe", ["gsm8k_grpo_qwen25_7b", "gsm8k_grpo_qwen25_1_5b"])
+def test_the_gsm8k_recipes_validate_on_converted_data(in_repo, tmp_path, recipe):
+    """configs/gsm8k_grpo_qwen25_{7b,1_5b}.yaml (one 8-GPU node, verl's GSM8K settings) pass
+    ``validate`` once their data exist, converted by the tool."""
     from typer.testing import CliRunner
 
     from spmd_rl.cli import app
@@ -79,5 +81,5 @@ def test_the_gsm8k_recipe_validates_on_converted_data(in_repo, tmp_path):
             _run("gsm8k", tmp_path / "gsm8k.parquet", tmp_path / f"{split}.parquet", "--split", split).returncode == 0
         )
     over = [f"data.train_path=[{tmp_path}/train.parquet]", f"data.test_path={tmp_path}/test.parquet"]
-    res = CliRunner().invoke(app, ["validate", "configs/gsm8k_grpo_qwen25_7b.yaml", *over])
+    res = CliRunner().invoke(app, ["validate", f"configs/{recipe}.yaml", *over])
     assert res.exit_code == 0 and "grpo G=1024 N=5" in res.output, res.output
