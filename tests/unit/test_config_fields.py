@@ -140,7 +140,7 @@ COVERED = {
     "actor.compile": "test_train_engine_fields.py::test_compile_compiles_every_layer_and_changes_no_result",
     "actor.backend": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
     "parallel.train.sequence_parallel": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
-    "parallel.train.pp": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
+    "parallel.train.pp": "test_cot_learning.py::test_grpo_learns_the_cot_task_in_verls_layout",
     "parallel.train.ep": "test_learning_torchrun.py::test_the_policy_learns_the_prompts_it_trains_on",
     "actor.pack_sequences": "test_packing.py::test_pack_sequences_changes_what_the_model_sees_and_not_the_step",
     "actor.loss.clip_ratio_low": "test_stage_fields.py::test_update_reads_its_fields",
