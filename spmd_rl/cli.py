@@ -301,12 +301,12 @@ def _offline_scores(model: Path, model_dir: Path, config: Path | None, overrides
         cfg = offline_config(config, recorded, model_dir, overrides)
         if not cfg.data.test_path:
             raise ValueError("nothing to evaluate: give --data, or a config whose data.test_path names the sets")
+        return evaluate_offline(cfg, tp)
     except ConfigError as exc:
         _fail(exc)
-    except ValueError as exc:
+    except ValueError as exc:  # also a row that does not fit (data.rows.BadRow), --tp past the cores
         typer.echo(f"INVALID {exc}", err=True)
         raise typer.Exit(code=2) from None
-    return evaluate_offline(cfg, tp)
 
 
 def _hf_folder(model: Path, tmp: Path) -> Path:

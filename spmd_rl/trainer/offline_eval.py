@@ -55,6 +55,9 @@ def evaluate_offline(cfg: Config, tp: int) -> dict:
     from spmd_rl.trainer.context import HeldOut
     from spmd_rl.trainer.evaluate import Evaluation
 
+    acc = detect(cfg.trainer.device)
+    if acc.kind == "cpu" and tp > 1:
+        bind_cpu_workers(tp)
     tok, r = load_tokenizer(cfg), cfg.rollout
     rule = (
         reward_for(cfg.reward)
@@ -66,7 +69,7 @@ def evaluate_offline(cfg: Config, tp: int) -> dict:
     rollout = build_rollout_engine(
         RolloutBuild(
             cfg.model.path,
-            detect(cfg.trainer.device),
+            acc,
             r,
             tp=tp,
             dtype=cfg.model.dtype,
@@ -106,3 +109,21 @@ def _context(cfg: Config, max_tokens: int) -> int:
 
     wanted = cfg.data.max_prompt_length + max(max_tokens, cfg.rollout.max_response_length)
     return min(wanted, ModelArch.from_folder(cfg.model.path).max_positions or wanted)
+
+
+def bind_cpu_workers(tp: int) -> None:
+    """vLLM CPU's ``tp`` worker processes each bind their OpenMP threads to a NUMA node and refuse
+    more workers than nodes; unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, give each an
+    equal share of this process's CPUs instead ("0|1" on two cores). ValueError with fewer CPUs
+    than workers."""
+    import os
+
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"--tp {tp}: vLLM CPU runs one worker per core at least; this process has {len(cpus)} CPUs")
+    per = len(cpus) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cpus[k * per : (k + 1) * per])) for k in range(tp)
+    )

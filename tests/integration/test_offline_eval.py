@@ -73,3 +73,21 @@ def test_eval_refuses_what_it_cannot_evaluate(tiny_model, tmp_path):
     ):
         res = subprocess.run(base + extra, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and says in res.stderr, (extra, res.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_eval_with_tp_2_scores_what_tp_1_scores(tiny_model):
+    """``--tp 2``: vLLM's own two CPU workers, each bound to its share of the cores (vLLM refuses
+    more workers than NUMA nodes unless told where to bind), give the greedy answers of one
+    engine; more TP workers than cores is a user error."""
+    runs = {}
+    for tp in (1, 2, 64):
+        cmd = [sys.executable, "-m", "spmd_rl.cli", "eval", str(tiny_model), "--data", str(tiny_model / "test.jsonl")]
+        cmd += ["--limit", str(PROMPTS), "--tp", str(tp)]
+        env = {k: v for k, v in subprocess_env().items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+        runs[tp] = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert runs[1].returncode == runs[2].returncode == 0, runs[2].stderr[-3000:]
+    one, two = (json.loads(runs[tp].stdout.splitlines()[-1]) for tp in (1, 2))
+    # float32 with the projections split over 2 workers: a greedy near-tie may flip, one of 12 at most
+    assert abs(one["correct"] - two["correct"]) <= 1 and two["prompts"] == PROMPTS, (one, two)
+    assert runs[64].returncode == 2 and "--tp 64" in runs[64].stderr, runs[64].stderr[-2000:]
