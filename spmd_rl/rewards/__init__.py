@@ -12,3 +12,11 @@ def reward_for(reward):
     if reward.kind == "remote":
         return RemoteReward(reward.url, reward.timeout_s, reward.retries, reward.token_env)
     return get_reward(reward.rule, reward.format_score, reward.extract)
+
+
+def correctness_for(reward):
+    """What decides a held-out answer is right (score > 0.5): the run's rule without its format
+    score (partial credit is not a right answer), or its service."""
+    if reward.kind == "remote":
+        return reward_for(reward)
+    return get_reward(reward.rule, extract=reward.extract)

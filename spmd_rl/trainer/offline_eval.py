@@ -44,40 +44,18 @@ def evaluate_offline(cfg: Config, tp: int) -> dict:
     """Every set of ``data.test_path`` scored as the run scores it (``trainer.evaluate``); the
     first set's greedy results also as ``prompts``, ``correct`` and ``accuracy``."""
     from spmd_rl.data.prompts import load_tokenizer, prompts_for, test_sets
-    from spmd_rl.distributed.accelerator import detect
-    from spmd_rl.engines.base import RolloutBuild
-    from spmd_rl.engines.rollouts import build_rollout_engine
     from spmd_rl.envs.factory import environment_factory
     from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
     from spmd_rl.recipe.graph import Modes
-    from spmd_rl.rewards import get_reward, reward_for
+    from spmd_rl.rewards import correctness_for
     from spmd_rl.rewards.extract import EXTRACTORS
     from spmd_rl.trainer.context import HeldOut
     from spmd_rl.trainer.evaluate import Evaluation
 
-    acc = detect(cfg.trainer.device)
-    if acc.kind == "cpu" and tp > 1:
-        bind_cpu_workers(tp)
     tok, r = load_tokenizer(cfg), cfg.rollout
-    rule = (
-        reward_for(cfg.reward)
-        if cfg.reward.kind == "remote"
-        else get_reward(cfg.reward.rule, extract=cfg.reward.extract)
-    )
     sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
     max_tokens = cfg.eval.max_tokens or r.max_response_length
-    rollout = build_rollout_engine(
-        RolloutBuild(
-            cfg.model.path,
-            acc,
-            r,
-            tp=tp,
-            dtype=cfg.model.dtype,
-            max_model_len=_context(cfg, max_tokens),
-            seed=cfg.trainer.seed,
-            distributed=False,
-        )
-    )
+    rollout = _engine(cfg, tp, max_tokens)
     turns = None
     if Modes.of(cfg).multi_turn:
         env = environment_factory(r.environment, r.unsafe_python_without_jail)
@@ -85,7 +63,7 @@ def evaluate_offline(cfg: Config, tp: int) -> dict:
     ev = Evaluation(
         cfg.eval,
         cfg.reward,
-        HeldOut(sets, rule, EXTRACTORS[cfg.reward.extract]),
+        HeldOut(sets, correctness_for(cfg.reward), EXTRACTORS[cfg.reward.extract]),
         rollout,
         tok,
         turns,
@@ -101,6 +79,28 @@ def evaluate_offline(cfg: Config, tp: int) -> dict:
             correct = int(table[:, 0].sum())
             out |= {"data": name, "prompts": count, "correct": correct, "accuracy": correct / max(count, 1)}
     return out
+
+
+def _engine(cfg: Config, tp: int, max_tokens: int):
+    """The rollout engine of ``rollout.engine`` in this process, with ``tp`` workers of its own."""
+    from spmd_rl.distributed.accelerator import detect
+    from spmd_rl.engines.base import RolloutBuild
+    from spmd_rl.engines.rollouts import build_rollout_engine
+
+    acc = detect(cfg.trainer.device)
+    if acc.kind == "cpu" and tp > 1:
+        bind_cpu_workers(tp)
+    build = RolloutBuild(
+        cfg.model.path,
+        acc,
+        cfg.rollout,
+        tp=tp,
+        dtype=cfg.model.dtype,
+        max_model_len=_context(cfg, max_tokens),
+        seed=cfg.trainer.seed,
+        distributed=False,
+    )
+    return build_rollout_engine(build)
 
 
 def _context(cfg: Config, max_tokens: int) -> int:

@@ -56,7 +56,7 @@ from spmd_rl.recipe.columns import column_decls
 from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
-from spmd_rl.rewards import get_reward, reward_for
+from spmd_rl.rewards import correctness_for, reward_for
 from spmd_rl.rewards.extract import EXTRACTORS
 from spmd_rl.trainer import async_loop, build, checkpoint
 from spmd_rl.trainer.context import HeldOut, Run
@@ -238,13 +238,8 @@ class Trainer:
 
 def _held_out(cfg: Config, tok) -> HeldOut:
     """The sets and the rule of ``eval.interval``'s evaluation (``data.test_path``)."""
-    rule = (
-        reward_for(cfg.reward)
-        if cfg.reward.kind == "remote"
-        else get_reward(cfg.reward.rule, extract=cfg.reward.extract)
-    )
     sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
-    return HeldOut(sets, rule, EXTRACTORS[cfg.reward.extract])
+    return HeldOut(sets, correctness_for(cfg.reward), EXTRACTORS[cfg.reward.extract])
 
 
 def _never_stepped(it: int, on_stage: OnStage) -> dict[str, float]:
