@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rl.engines.training import fused_experts, lora
-from spmd_rl.engines.training.safe_dcp import read_tensors, tensor_shapes, verify
+from spmd_rl.engines.training.safe_dcp import read_tensors, tensor_shapes
 from spmd_rl.trainer.checkpoint import model_weights, read_state
 from spmd_rl.trainer.safetensors_file import SafetensorsWriter
 
@@ -48,7 +48,7 @@ def export(
     checkpoint (adapters only) becomes its adapter folder in PEFT's layout, or with ``merged``
     the HF model with W + (alpha / r) B A."""
     state = read_state(checkpoint_dir)
-    verify(checkpoint_dir)  # a tampered checkpoint is refused before anything of it is read
+    stored = tensor_shapes(checkpoint_dir, "model.")  # verified: a tampered checkpoint is refused before anything else
     out = Path(out)
     target = DTYPES[dtype or state.get("config", {}).get("model", {}).get("dtype", "float32")]
     if "lora" in state and not merged:
@@ -60,8 +60,7 @@ def export(
         model.to(target).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_bytes)
     else:
         out.mkdir(parents=True, exist_ok=True)
-        names = on_disk_names(checkpoint_dir, config)
-        stream_shards(checkpoint_dir, names, target, out, max_shard_bytes)
+        stream_shards(checkpoint_dir, stored, on_disk_names(stored, config), target, out, max_shard_bytes)
         config.dtype = target
         config.save_pretrained(out)
         if (Path(state["model_path"]) / "generation_config.json").is_file():
@@ -70,19 +69,17 @@ def export(
     return out
 
 
-def on_disk_names(checkpoint_dir: str | Path, config) -> dict[str, tuple[str, int | None, list[int]]]:
-    """HF name -> (checkpoint name, expert index or None, shape), checked against the base
-    model's parameters (built on the meta device: no memory); ValueError naming what does not match."""
-    stored = tensor_shapes(checkpoint_dir, "model.")
+def on_disk_names(stored: dict[str, tuple[list[int], torch.dtype]], config) -> dict[str, tuple[str, list[int]]]:
+    """HF name -> (checkpoint name, shape) of the checkpoint's weights ``stored`` (their
+    ``tensor_shapes``), checked against the base model's parameters (built on the meta device: no
+    memory); ValueError naming what does not match."""
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    out: dict[str, tuple[str, int | None, list[int]]] = {}
-    for name, (shape, _) in stored.items():
-        if tied and name == "lm_head.weight":
-            continue  # the embedding's storage (save_pretrained leaves it out too)
-        pieces = fused_experts.split_shape(name, shape)
-        for k, (disk, piece) in enumerate(pieces):
-            per = len(pieces) // shape[0] if fused_experts.is_fused(name) else 1
-            out[disk] = (name, k // per if fused_experts.is_fused(name) else None, piece)
+    out = {
+        disk: (name, piece)
+        for name, (shape, _) in stored.items()
+        if not (tied and name == "lm_head.weight")  # the embedding's storage (save_pretrained leaves it out too)
+        for disk, piece in fused_experts.split_shape(name, shape)
+    }
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {d for n, p in model.named_parameters() for d, _ in fused_experts.split_shape(n, list(p.shape))}
@@ -96,13 +93,14 @@ def on_disk_names(checkpoint_dir: str | Path, config) -> dict[str, tuple[str, in
 
 
 def stream_shards(
-    checkpoint_dir: str | Path, names: dict, dtype: torch.dtype, out: Path, max_shard_bytes: int
+    checkpoint_dir: str | Path, stored: dict, names: dict, dtype: torch.dtype, out: Path, max_shard_bytes: int
 ) -> list[Path]:
-    """Write ``names`` (``on_disk_names``) shard by shard (module docstring); returns the files."""
+    """Write ``names`` (``on_disk_names`` of the checkpoint's ``stored`` weights) shard by shard
+    (module docstring); returns the files."""
     size = torch.tensor([], dtype=dtype).element_size()
     shards: list[list[str]] = [[]]
     used = 0
-    for disk, (_, _, shape) in names.items():
+    for disk, (_, shape) in names.items():
         nbytes = size * int(torch.Size(shape).numel())
         if shards[-1] and used + nbytes > max_shard_bytes:
             shards.append([])
@@ -115,38 +113,41 @@ def stream_shards(
     ]
     weight_map: dict[str, str] = {}
     for shard, path in zip(shards, files):
-        writer = SafetensorsWriter(path, [(d, names[d][2]) for d in shard], dtype, {"format": "pt"})
-        for disk, tensor in _read(checkpoint_dir, [(d, names[d]) for d in shard], dtype, max_shard_bytes // 4):
+        writer = SafetensorsWriter(path, [(d, names[d][1]) for d in shard], dtype, {"format": "pt"})
+        for disk, tensor in _read(
+            checkpoint_dir, stored, [(d, names[d][0]) for d in shard], dtype, max_shard_bytes // 4
+        ):
             writer.write(disk, tensor)
         writer.close()
         weight_map |= dict.fromkeys(shard, path.name)
     if len(files) > 1:
-        total = sum(size * int(torch.Size(names[d][2]).numel()) for d in names)
+        total = sum(size * int(torch.Size(shape).numel()) for _, shape in names.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return files
 
 
-def _read(checkpoint_dir, items: list[tuple[str, tuple]], dtype: torch.dtype, chunk_bytes: int):
-    """(name, tensor in ``dtype``) of ``items`` in order: read from the checkpoint in chunks of
-    at most ``chunk_bytes`` stored bytes (a tensor larger than that alone), each handed on
-    before the next chunk is read."""
-    sources = list(dict.fromkeys(src for _, (src, _, _) in items))
-    shapes = tensor_shapes(checkpoint_dir, "model.")
-    chunk: list[str] = []
-    for k, src in enumerate(sources):
-        chunk.append(src)
-        if (
-            k + 1 == len(sources)
-            or sum(torch.Size(shapes[c][0]).numel() * shapes[c][1].itemsize for c in chunk) >= chunk_bytes
-        ):
-            read = read_tensors(checkpoint_dir, "model", chunk)
-            for disk, (name, expert, _) in items:
-                if name in read:
-                    whole = read[name]
-                    yield disk, (whole if expert is None else dict(fused_experts.split(name, whole))[disk]).to(dtype)
-            chunk = []
-            del read
+def _read(checkpoint_dir, stored: dict, items: list[tuple[str, str]], dtype: torch.dtype, chunk_bytes: int):
+    """(HF name, tensor in ``dtype``) of ``items`` ((HF name, checkpoint name), in order): read
+    from the checkpoint in chunks of at most ``chunk_bytes`` stored bytes (a tensor larger than
+    that alone), each handed on before the next chunk is read; a fused tensor is split once."""
+    wanted: dict[str, list[str]] = {}
+    for disk, name in items:
+        wanted.setdefault(name, []).append(disk)
+    sources = list(wanted)
+    chunk: dict[str, tuple[list[int], torch.dtype]] = {}
+    held = 0
+    for k, name in enumerate(sources):
+        shape, stored_dtype = chunk[name] = stored[name]
+        held += int(torch.Size(shape).numel()) * stored_dtype.itemsize
+        if k + 1 < len(sources) and held < chunk_bytes:
+            continue
+        read = read_tensors(checkpoint_dir, "model", chunk)
+        for src in chunk:
+            pieces = dict(fused_experts.split(src, read.pop(src)))
+            for disk in wanted[src]:
+                yield disk, pieces[disk].to(dtype)
+        chunk, held = {}, 0
 
 
 @torch.no_grad()

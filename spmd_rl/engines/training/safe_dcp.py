@@ -144,12 +144,14 @@ def tensor_shapes(folder: str | Path, prefix: str) -> dict[str, tuple[list[int],
     }
 
 
-def read_tensors(folder: str | Path, section: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Only the tensors ``section.<name>`` of a checkpoint (one process, no process group), each
-    in its stored dtype: a reader's memory is what it asks for, not the checkpoint's."""
+def read_tensors(
+    folder: str | Path, section: str, shapes: dict[str, tuple[list[int], torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """Only the tensors ``section.<name>`` of a checkpoint for each name of ``shapes`` (their
+    ``tensor_shapes``), one process, no process group, each in its stored dtype: a reader's
+    memory is what it asks for, not the checkpoint's."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    shapes = tensor_shapes(folder, f"{section}.")
-    wanted = {n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
+    wanted = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()}
     _load_state_dict({section: wanted}, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
     return wanted
