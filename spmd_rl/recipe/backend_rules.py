@@ -164,32 +164,14 @@ def _megatron_mapping_rules(arch: ModelArch | None) -> list[Violation]:
     at build; ``tests/unit/test_backend_rules.py`` holds the two to each other)."""
     if arch is None:
         return []
-    out = []
+    problems = []
     if arch.rope_type != "default":
-        out.append(
-            Violation(
-                _BACKEND,
-                "megatron",
-                f"megatron maps only default rotary embeddings; the model's rope_type is {arch.rope_type!r}",
-                "use actor.backend: fsdp",
-            )
-        )
+        problems.append(f"megatron maps only default rotary embeddings; the model's rope_type is {arch.rope_type!r}")
     if arch.model_type == "llama" and arch.qkv_bias:
-        out.append(
-            Violation(
-                _BACKEND, "megatron", "Llama's attention_bias is not mapped to megatron", "use actor.backend: fsdp"
-            )
-        )
+        problems.append("Llama's attention_bias is not mapped to megatron")
     if arch.is_moe and arch.sparse_layers != tuple(range(arch.num_layers)):
-        out.append(
-            Violation(
-                _BACKEND,
-                "megatron",
-                "megatron maps Qwen3-MoE models only when every layer is sparse (decoder_sparse_step 1)",
-                "use actor.backend: fsdp",
-            )
-        )
-    return out
+        problems.append("megatron maps Qwen3-MoE models only when every layer is sparse (decoder_sparse_step 1)")
+    return [Violation(_BACKEND, "megatron", p, "use actor.backend: fsdp") for p in problems]
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
