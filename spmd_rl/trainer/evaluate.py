@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.config.runtime_schema import EvalConfig
-from spmd_rl.config.schema import RewardConfig
-from spmd_rl.data.prompts import PromptSet
+from spmd_rl.config.schema import Config, RewardConfig
+from spmd_rl.data.prompts import PromptSet, prompts_for, test_sets
 from spmd_rl.engines.base import Rollout
+from spmd_rl.rewards import correctness_for
+from spmd_rl.rewards.extract import EXTRACTORS
 from spmd_rl.rewards.pool import pool_of
 from spmd_rl.trainer.context import HeldOut, Run
 from spmd_rl.trainer.eval_scores import majority_right, set_scores
@@ -57,9 +59,14 @@ class Evaluation:
 
     @classmethod
     def of(cls, run: Run) -> "Evaluation":
-        c = run.cfg
+        return cls.of_config(run.cfg, run.held_out, run.rollout, run.tokenizer, run.turns)
+
+    @classmethod
+    def of_config(cls, c: Config, held_out: HeldOut, rollout: Rollout, tokenizer, turns) -> "Evaluation":
+        """The evaluation a config describes: its ``eval`` and ``reward`` sections, its seed, and
+        ``eval.max_tokens`` (else ``rollout.max_response_length``)."""
         max_tokens = c.eval.max_tokens or c.rollout.max_response_length
-        return cls(c.eval, c.reward, run.held_out, run.rollout, run.tokenizer, run.turns, c.trainer.seed, max_tokens)
+        return cls(c.eval, c.reward, held_out, rollout, tokenizer, turns, c.trainer.seed, max_tokens)
 
     def table(self, test: PromptSet, mine: list[int], count: int, score: bool = True) -> torch.Tensor:
         """A set's table over its first ``count`` prompts (module docstring) with the rows
@@ -117,12 +124,18 @@ class Evaluation:
             for i, r in zip(mine, right):
                 table[i, GREEDY] = float(r)
             right = right[len(mine) :]
-        for p, i in enumerate(mine):
-            if n:
-                mine_right = right[p * n : (p + 1) * n]
-                table[i, SAMPLED:] = torch.tensor(mine_right, dtype=torch.float64)
-                answers = [self.held_out.extract(t) for t in sampled[p * n : (p + 1) * n]]
-                table[i, MAJORITY] = float(majority_right(answers, mine_right))
+        for p, i in enumerate(mine if n else []):
+            mine_right = right[p * n : (p + 1) * n]
+            table[i, SAMPLED:] = torch.tensor(mine_right, dtype=torch.float64)
+            answers = [self.held_out.extract(t) for t in sampled[p * n : (p + 1) * n]]
+            table[i, MAJORITY] = float(majority_right(answers, mine_right))
+
+
+def held_out_for(cfg: Config, tokenizer) -> HeldOut:
+    """The sets of ``data.test_path`` read with the run's ``data`` fields, the rule that decides
+    an answer is right (``rewards.correctness_for``), and what maj@n votes on (``reward.extract``)."""
+    sets = {name: prompts_for(cfg, tokenizer, paths) for name, paths in test_sets(cfg.data.test_path).items()}
+    return HeldOut(sets, correctness_for(cfg.reward), EXTRACTORS[cfg.reward.extract])
 
 
 def eval_due(run: Run, it: int) -> bool:

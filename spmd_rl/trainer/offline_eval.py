@@ -43,40 +43,28 @@ def offline_config(config: Path | None, recorded: dict | None, model_dir: Path, 
 def evaluate_offline(cfg: Config, tp: int) -> dict:
     """Every set of ``data.test_path`` scored as the run scores it (``trainer.evaluate``); the
     first set's greedy results also as ``prompts``, ``correct`` and ``accuracy``."""
-    from spmd_rl.data.prompts import load_tokenizer, prompts_for, test_sets
+    from spmd_rl.data.prompts import load_tokenizer
     from spmd_rl.envs.factory import environment_factory
     from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
     from spmd_rl.recipe.graph import Modes
-    from spmd_rl.rewards import correctness_for
-    from spmd_rl.rewards.extract import EXTRACTORS
-    from spmd_rl.trainer.context import HeldOut
-    from spmd_rl.trainer.evaluate import Evaluation
+    from spmd_rl.trainer.evaluate import GREEDY, Evaluation, held_out_for
 
     tok, r = load_tokenizer(cfg), cfg.rollout
-    sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
+    held_out = held_out_for(cfg, tok)
     max_tokens = cfg.eval.max_tokens or r.max_response_length
     rollout = _engine(cfg, tp, max_tokens)
     turns = None
     if Modes.of(cfg).multi_turn:
         env = environment_factory(r.environment, r.unsafe_python_without_jail)
         turns = MultiTurnRollout(rollout, tok, env, TurnLimits(r.max_turns, max_tokens, r.tool_timeout_s))
-    ev = Evaluation(
-        cfg.eval,
-        cfg.reward,
-        HeldOut(sets, correctness_for(cfg.reward), EXTRACTORS[cfg.reward.extract]),
-        rollout,
-        tok,
-        turns,
-        cfg.trainer.seed,
-        max_tokens,
-    )
+    ev = Evaluation.of_config(cfg, held_out, rollout, tok, turns)
     out: dict = {}
-    for name, test in sets.items():
+    for name, test in held_out.sets.items():
         count = ev.count(test)
         table = ev.table(test, list(range(count)), count)
         out |= ev.scores(name, test, table, "eval")
         if "prompts" not in out and cfg.eval.greedy:
-            correct = int(table[:, 0].sum())
+            correct = int(table[:, GREEDY].sum())
             out |= {"data": name, "prompts": count, "correct": correct, "accuracy": correct / max(count, 1)}
     return out
 

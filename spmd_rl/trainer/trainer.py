@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from spmd_rl.config.schema import Config
 from spmd_rl.data.preferences import preferences_for
-from spmd_rl.data.prompts import load_tokenizer, prompts_for, test_sets
+from spmd_rl.data.prompts import load_tokenizer, prompts_for
 from spmd_rl.data.sampler import sampler_for
 from spmd_rl.distributed import timeline
 from spmd_rl.distributed.mesh import replica_group, train_mesh
@@ -56,11 +56,10 @@ from spmd_rl.recipe.columns import column_decls
 from spmd_rl.recipe.graph import Modes, pinned_roles, stages_for
 from spmd_rl.reshard.allgather_swap import Resharder
 from spmd_rl.reshard.residency import Residency
-from spmd_rl.rewards import correctness_for, reward_for
-from spmd_rl.rewards.extract import EXTRACTORS
+from spmd_rl.rewards import reward_for
 from spmd_rl.trainer import async_loop, build, checkpoint
-from spmd_rl.trainer.context import HeldOut, Run
-from spmd_rl.trainer.evaluate import eval_due, evaluate
+from spmd_rl.trainer.context import Run
+from spmd_rl.trainer.evaluate import eval_due, evaluate, held_out_for
 from spmd_rl.trainer.offline_eval import recorded_config
 from spmd_rl.trainer.iteration_metrics import IterationMetrics
 from spmd_rl.trainer.ledger import PromptLedger
@@ -117,7 +116,7 @@ class Trainer:
             sampler=sampler,
             reward_fn=reward_for(cfg.reward),
             lineage=checkpoint.lineage_id(state, cfg.checkpoint.resume),
-            held_out=_held_out(cfg, tok) if cfg.eval.interval and rollout is not None else None,
+            held_out=held_out_for(cfg, tok) if cfg.eval.interval and rollout is not None else None,
             ledger=PromptLedger(
                 build.store(cfg.metadata, endpoints, build.dock_job(cfg.metadata, cfg.elastic, ".ledger"))
             ),
@@ -234,12 +233,6 @@ class Trainer:
         if self.run.replicas is not None:
             self.run.replicas.close()
         self.run.dock.close()
-
-
-def _held_out(cfg: Config, tok) -> HeldOut:
-    """The sets and the rule of ``eval.interval``'s evaluation (``data.test_path``)."""
-    sets = {name: prompts_for(cfg, tok, paths) for name, paths in test_sets(cfg.data.test_path).items()}
-    return HeldOut(sets, correctness_for(cfg.reward), EXTRACTORS[cfg.reward.extract])
 
 
 def _never_stepped(it: int, on_stage: OnStage) -> dict[str, float]:
