@@ -35,15 +35,15 @@ def messages(prompt: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
-def verl_rows(rows: list[dict]) -> list[dict]:
-    """verl's layout of the tiny task's rows."""
+def verl_rows(rows: list[dict], split: str) -> list[dict]:
+    """verl's layout of the tiny task's rows of ``split``."""
     return [
         {
             "data_source": SOURCE,
             "prompt": messages(r["prompt"]),
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": r["answer"]},
-            "extra_info": {"index": k, "split": "train"},
+            "extra_info": {"index": k, "split": split},
         }
         for k, r in enumerate(rows)
     ]
@@ -117,7 +117,7 @@ def main() -> None:
     tok.padding_side = "left"
     tok.save_pretrained(out)
     for name, part in (("train", train), ("test", test)):
-        pq.write_table(pa.Table.from_pylist(verl_rows(part)), out / f"{name}.parquet")
+        pq.write_table(pa.Table.from_pylist(verl_rows(part, name)), out / f"{name}.parquet")
     report = {"steps": args.steps, "format_share": len(formatted) / len(test), "test_accuracy": right / len(test)}
     (out / "warmstart.json").write_text(json.dumps(report | {"seconds": round(time.time() - t0, 1)}) + "\n")
     print(json.dumps(report))
