@@ -83,6 +83,11 @@ def user_function(path: str, what: str) -> Callable:
     return fn
 
 
+def is_command_line(spec: str) -> bool:
+    """A user's command line (white space or a path) rather than a ``module:function`` (neither)."""
+    return any(c.isspace() for c in spec) or "/" in spec
+
+
 def findable(path: str) -> bool:
     """``module:attribute`` whose module can be found on the path, without importing it (the
     torch-free config check of a user's function: the ranks import it)."""

@@ -17,6 +17,7 @@ from tests.preload_servers import PreloadServers
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-qwen2"
 TINY_TOOLS = REPO / "assets" / "tiny-tools"
+TINY_AGENT = REPO / "assets" / "tiny-agent"
 TINY_MOE = REPO / "assets" / "tiny-qwen3-moe"
 FILE_SECONDS = REPO / "tests" / "file_seconds.json"
 FAULTS = REPO / "tests" / "helpers" / "faults"
@@ -73,6 +74,13 @@ def tiny_tools() -> Path:
     """The tiny tool-using model and its "a*b=" task (configs/quickstart_tools.yaml)."""
     _materialized("tiny-tools")
     return TINY_TOOLS
+
+
+@pytest.fixture(scope="session")
+def tiny_agent() -> Path:
+    """The tiny tool model whose calls are Hermes tool calls (configs/quickstart_agent.yaml)."""
+    _materialized("tiny-agent")
+    return TINY_AGENT
 
 
 @pytest.fixture(scope="session")

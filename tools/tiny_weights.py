@@ -20,6 +20,7 @@ materialized folder does.
     python tools/tiny_weights.py materialize          # what is missing or stale under assets/
     python tools/tiny_weights.py rebuild              # train every model again, then pack
     python tools/tiny_weights.py pack --root DIR      # float16 weights + records from built folders
+    python tools/tiny_weights.py pack --root DIR tiny-agent   # only the one named
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ REWARD = Asset(
     done="train_report.json",
 )
 TOOL = Asset("tiny-tools", "tiny-tools", "make_tool_model.py", ("--out", "{root}/tiny-tools"))
+AGENT = Asset("tiny-agent", "tiny-agent", "make_tool_model.py", ("--format", "hermes", "--out", "{root}/tiny-agent"))
+"""The tool model whose calls are Hermes tool calls (configs/quickstart_agent.yaml)."""
 MOE = Asset(
     "tiny-qwen3-moe",
     "tiny-qwen3-moe",
@@ -82,12 +85,12 @@ MOE = Asset(
     ("--arch", "qwen3_moe", "--out", "{root}/tiny-qwen3-moe"),
     threads=2,  # its expert dispatch sums in thread order: trained with two, as it always was
 )
-FLOORS = {TOOL.name: {"copy_accuracy": 0.9}}
+FLOORS = {TOOL.name: {"copy_accuracy": 0.9}, AGENT.name: {"copy_accuracy": 0.9}}
 """What a warm start must measure before it is packed. The training is chaotic in float rounding,
 so another CPU trains other weights: the tool model trained on a 2-core AVX2-only EPYC copied the
 tool's answer in 0.325 of tool conversations (an AVX512-BF16 EPYC's: 0.99), and the tool quickstart
 went from 3.5 % to 40 % held-out accuracy in 60 iterations instead of 13.5 % to 94.5 % in 10."""
-LANES = ((POLICY, REWARD), (TOOL, MOE))
+LANES = ((POLICY, REWARD, AGENT), (TOOL, MOE))
 """Built side by side; the reward model starts from the policy's folder, so it follows it."""
 ASSETS = {a.name: a for lane in LANES for a in lane}
 
@@ -176,10 +179,10 @@ def _first_losses(asset: Asset, root: Path, steps: int, args: argparse.Namespace
         tok, model = m.initial_model(POLICY.path(root), args.seed)
         rows = [json.loads(line) for line in (POLICY.path(root) / "train.jsonl").read_text().splitlines()]
         gen = m.reward_steps(model, tok, rows, args.seed, args.batch_size, args.lr)
-    elif asset is TOOL:
+    elif asset in (TOOL, AGENT):
         import make_tool_model as m
 
-        tok = m.build_tokenizer()
+        tok = m.tokenizer_for(args.format)
         model, (train, _) = m.build_model(tok, args.seed), m.make_task(args.seed, args.n_train, args.n_test)
         gen = m.sft_steps(model, tok, train, args)
     else:
@@ -191,16 +194,16 @@ def _first_losses(asset: Asset, root: Path, steps: int, args: argparse.Namespace
     return [next(gen) for _ in range(steps)]
 
 
-def pack(root: Path) -> None:
-    """Write each built folder's weights in float16 with its record to ``tools/tiny_weights/``.
-    The reward model's first losses start from the packed policy (materialized into a scratch
-    folder first), as the test's do."""
+def pack(root: Path, names: list[str] | None = None) -> None:
+    """Write each built folder's weights (or only those named) in float16 with its record to
+    ``tools/tiny_weights/``. The reward model's first losses start from the packed policy
+    (materialized into a scratch folder first), as the test's do."""
     import torch
     from safetensors.torch import load_file, save_file
 
     WEIGHTS.mkdir(exist_ok=True)
-    meta = {}
-    for a in ASSETS.values():
+    meta, chosen = {}, [a for a in ASSETS.values() if not names or a.name in names]
+    for a in chosen:
         state = load_file(a.path(root) / "model.safetensors")
         big = max(float(t.abs().max()) for t in state.values())
         if big > 6e4:
@@ -218,7 +221,7 @@ def pack(root: Path) -> None:
         save_file(half, a.weights, metadata={k: json.dumps(v) for k, v in meta[a.name].items()})
     with tempfile.TemporaryDirectory() as scratch:
         materialize(Path(scratch), [POLICY.name])
-        for a in ASSETS.values():
+        for a in chosen:
             meta[a.name]["first_losses"] = first_losses(a, Path(scratch))
             state = load_file(a.weights)
             save_file(state, a.weights, metadata={k: json.dumps(v) for k, v in meta[a.name].items()})
@@ -241,6 +244,7 @@ def main() -> None:
     m.add_argument("names", nargs="*", help=f"only these assets, of {', '.join(ASSETS)}")
     m.add_argument("--root", type=Path, default=REPO / "assets")
     p = sub.add_parser("pack", help="commit the weights of the folders built under --root")
+    p.add_argument("names", nargs="*", help=f"only these assets, of {', '.join(ASSETS)}")
     p.add_argument("--root", type=Path, default=REPO / "assets")
     sub.add_parser("rebuild", help="train every model from scratch, then pack")
     args = ap.parse_args()
@@ -250,7 +254,7 @@ def main() -> None:
             ap.error(f"unknown asset(s) {sorted(unknown)}: choose from {', '.join(ASSETS)}")
         materialize(args.root, args.names)
     elif args.command == "pack":
-        pack(args.root)
+        pack(args.root, args.names)
     else:
         rebuild()
 

@@ -109,6 +109,32 @@ def check_rollout_engine(name: str) -> str:
     return name
 
 
+class GatewayConfig(Section):
+    """The OpenAI-compatible gateway each generation rank serves to ``rollout.agent``
+    (spmd_rl.gateway, docs/agents.md)."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the gateway binds: loopback, so only the rank's own agents reach it. Another address "
+        "exposes the policy to whoever can reach it (every call still needs a key issued for one trajectory).",
+    )
+    port: int = Field(0, ge=0, le=65535, description="Port of the gateway; 0 = a free one (agents get the URL).")
+    concurrency: int = Field(32, gt=0, description="Agents run at once per generation rank (threads or processes).")
+    agent_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="Seconds one generation phase waits for its agents; a straggler's key then dies, its trajectory "
+        "keeps what was sampled and counts in `agent_failures` (a command agent is killed).",
+    )
+    tool_parser: Literal["hermes", "llama3", "none"] = Field(
+        "hermes",
+        description="How tool calls are read from the policy's text into OpenAI `tool_calls`: `hermes` "
+        "(<tool_call>{json}</tool_call>: Qwen, Hermes), `llama3` (a JSON object per call), `none` (text only).",
+    )
+    max_request_kib: int = Field(1024, gt=0, description="Largest request body in KiB (413 past it).")
+    max_messages: int = Field(256, gt=0, description="Most messages in one chat request (400 past it).")
+
+
 class VllmConfig(Section):
     """``rollout.vllm``: what only the vLLM rollout engine reads (``engines.vllm.options``); the
     catalog entry of ``rollout.engine: vllm`` names this section (``config.rollout_engines``)."""
@@ -151,6 +177,16 @@ class RolloutConfig(Section):
         "`module:function` factory taking the dataset row (spmd_rl.envs). Each response is then the policy's sampled "
         "turns with the tool turns inserted between them (`response_mask` marks the sampled tokens; only they are "
         "trained). null = one prompt, one response.",
+    )
+    agent: str | None = Field(
+        None,
+        description="Agent rollouts: a user's `module:function` called as agent(base_url, api_key, row), or a command "
+        "line run with OPENAI_BASE_URL and OPENAI_API_KEY and the row on stdin, once per sample, against this rank's "
+        "OpenAI-compatible gateway (`rollout.gateway`, docs/agents.md). The tokens the gateway served are trained, "
+        "never retokenized. It returns its reward contribution or nothing (the rule scores the last turn). null: none.",
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig, description="With `agent`: the gateway the agents call (spmd_rl.gateway)."
     )
     max_turns: int = Field(
         4,

@@ -28,6 +28,8 @@ class Sample:
     """A multi-turn trajectory's summed environment reward."""
     stats: dict[str, int] | None = None
     """A multi-turn trajectory's turn and tool counts (``envs.trajectory.STATS``)."""
+    prompt_ids: list[int] | None = None
+    """An agent trajectory's own prompt (``gateway.rollout``): the one its tokens follow."""
 
 
 @dataclass(frozen=True)

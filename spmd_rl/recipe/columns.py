@@ -26,6 +26,7 @@ DTYPES = {
     "prefix_routes": "uint8",
     "response_mask": "uint8",
     "prefix_mask": "uint8",
+    "agent_prompt_ids": "int32",
 }
 """Element types other than float32, by column."""
 

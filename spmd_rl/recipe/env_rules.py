@@ -3,7 +3,7 @@ rest of the config, and the combinations this version refuses with the reason.""
 
 from __future__ import annotations
 
-from spmd_rl.catalog import findable
+from spmd_rl.catalog import findable, is_command_line
 from spmd_rl.config.errors import Violation
 from spmd_rl.config.layout import Layout
 from spmd_rl.config.schema import Config, RolloutConfig
@@ -16,6 +16,8 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
     """Turn fields set without an environment; else the environment's name and jail, and what
     tool turns need of the chat template, route replay and partial rollouts."""
     r, m = cfg.rollout, Modes.of(cfg)
+    if m.agent:
+        return check_agent(cfg, gen)
     if not m.multi_turn:
         return [
             Violation(
@@ -27,7 +29,7 @@ def check_environment(cfg: Config, gen: Layout) -> list[Violation]:
             for f in _TURN_FIELDS
             if f in r.model_fields_set
         ]
-    out = _check_name(r.environment) + _check_jail(r)
+    out = _unread_gateway(r) + _check_name(r.environment) + _check_jail(r)
     if not cfg.data.apply_chat_template:
         out.append(
             Violation(
@@ -110,3 +112,68 @@ def _check_name(name: str) -> list[Violation]:
             )
         ]
     return []
+
+
+_GATEWAY_FIELDS = ("host", "port", "concurrency", "agent_timeout_s", "tool_parser", "max_request_kib", "max_messages")
+
+
+def _unread_gateway(r: RolloutConfig) -> list[Violation]:
+    return [
+        Violation(f"rollout.gateway.{f}", getattr(r.gateway, f), "only read with rollout.agent", "remove it")
+        for f in _GATEWAY_FIELDS
+        if f in r.gateway.model_fields_set
+    ]
+
+
+def check_agent(cfg: Config, gen: Layout) -> list[Violation]:
+    """``rollout.agent``: a findable function or a command, and what this version refuses beside
+    it, with the reason (``gateway``)."""
+    r, m, out = cfg.rollout, Modes.of(cfg), []
+    if not is_command_line(r.agent) and not findable(r.agent):
+        module, _, func = r.agent.partition(":")
+        out.append(
+            Violation(
+                "rollout.agent",
+                r.agent,
+                f"module {module!r} not importable or {func!r} not a name (and not a command line)",
+                "put the module on PYTHONPATH and give module:function, or a command such as 'python my_agent.py'",
+            )
+        )
+    refused = [
+        ("rollout.environment", r.environment, bool(r.environment), "the agent is the environment", "remove one"),
+        (
+            "stream.partial_tokens",
+            cfg.stream.partial_tokens,
+            m.partial_rollout,
+            "a running agent cannot be carried to the next iteration yet",
+            "set stream.partial_tokens: 0 with rollout.agent",
+        ),
+        (
+            "parallel.gen.tp",
+            gen.tp,
+            gen.tp > 1,
+            "the gateway serves one engine per rank, and TP ranks must submit the same requests together",
+            "set parallel.gen.tp: 1 with rollout.agent (raise parallel.gen.dp instead)",
+        ),
+        (
+            "reward.kind",
+            cfg.reward.kind,
+            cfg.reward.kind == "model",
+            "a reward model scores the data loader's prompt, and an agent's samples carry their own",
+            "use a rule, or return the reward from the agent",
+        ),
+        (
+            "actor.moe.router_replay",
+            cfg.actor.moe.router_replay,
+            m.records_routes,
+            "routes are recorded per request, and a trajectory is several requests",
+            "set actor.moe.router_replay: none with rollout.agent",
+        ),
+    ]
+    out += [Violation(f, v, why, fix) for f, v, bad, why, fix in refused if bad]
+    out += [
+        Violation(f"rollout.{f}", getattr(r, f), "only read with rollout.environment", "remove it")
+        for f in _TURN_FIELDS
+        if f in r.model_fields_set
+    ]
+    return out

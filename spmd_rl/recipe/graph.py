@@ -42,6 +42,7 @@ COLUMNS: dict[str, ColumnKind] = {
     "rollout_routes": "routes",
     "response_mask": "response",
     "env_reward": "scalar",
+    "agent_prompt_ids": "prompt",
 }
 """Every column a stage may write, by length class. The sample index is implicit (one scalar).
 ``advantages`` are per token (PPO's GAE); ``seq_advantage`` is one scalar per sample (GRPO and
@@ -51,7 +52,9 @@ rollout adds ``response_version`` (the policy version, i.e. the number of update
 generated each token) and the data loader's ``prefix_*`` (the response so far of a continued sample, empty for a new
 one, and whether it already finished). Multi-turn rollouts (``rollout.environment``) add ``response_mask`` (1 on
 sampled tokens, 0 on inserted ones: every stage that computes per-token terms reads it) and
-``env_reward`` (the environment's summed reward contributions)."""
+``env_reward`` (the environment's summed reward contributions). Agent rollouts (``rollout.agent``) also
+write ``agent_prompt_ids``: the prompt the agent's first call of the trained segment rendered
+(its own system message and tools), which the training stages read in place of ``prompt_ids``."""
 
 DATA_COLUMNS = ("prompt_ids", "answer", "prompt_row")
 """Written by the data loader (``put_prompts``), before the first stage. ``prompt_row`` is the
@@ -131,7 +134,11 @@ class Modes:
     records_routes: bool
     """The rollout writes ``rollout_routes``: ``actor.moe.router_replay`` record or rollout."""
     multi_turn: bool
-    """Rollouts are multi-turn trajectories: ``rollout.environment`` is set (``envs.multi_turn``)."""
+    """Rollouts are multi-turn trajectories: ``rollout.environment`` (``envs.multi_turn``) or
+    ``rollout.agent`` (``gateway``) is set."""
+    agent: bool
+    """The trajectories are an agent's calls to the gateway (``rollout.agent``): each sample
+    carries its own prompt, ``agent_prompt_ids``."""
     off_policy: bool
     """The policy moves before the last mini-batch is consumed: ``actor.ppo_epochs > 1`` or
     ``actor.mini_batch_size < data.global_batch_size``."""
@@ -154,7 +161,8 @@ class Modes:
             partial_rollout=cfg.stream.partial_tokens > 0,
             separated=cfg.parallel.placement == "separated",
             records_routes=cfg.actor.moe.router_replay != "none",
-            multi_turn=cfg.rollout.environment is not None,
+            multi_turn=cfg.rollout.environment is not None or cfg.rollout.agent is not None,
+            agent=cfg.rollout.agent is not None,
             off_policy=cfg.actor.ppo_epochs > 1 or cfg.actor.mini_batch_size < cfg.data.global_batch_size,
             kl_in_reward=reference and not cfg.algorithm.use_kl_loss,
             generation_rounds=1 + (cfg.algorithm.max_extra_rounds if dynamic else 0),
@@ -171,6 +179,12 @@ class Modes:
         """The actor's own log-probs before the update: the off-policy ratio's denominator, or
         the policy side of KL-in-reward."""
         return self.off_policy or self.kl_in_reward
+
+
+def prompt_column(m: Modes) -> str:
+    """The column holding each sample's prompt for the training stages: the agent's own under
+    ``rollout.agent``, else the data loader's."""
+    return "agent_prompt_ids" if m.agent else "prompt_ids"
 
 
 def reference_roles(cfg: Config) -> tuple[str, ...]:
@@ -205,7 +219,7 @@ def stages_for(cfg: Config) -> list[Stage]:
     if spec.advantage == "preference":
         return dpo_stages(cfg)
     turns: tuple[str, ...] = ("response_mask",) if m.multi_turn else ()
-    seq = ("prompt_ids", "response_ids") + turns
+    seq = (prompt_column(m), "response_ids") + turns
     routes: tuple[str, ...] = ("rollout_routes",) if m.records_routes else ()
     out = _sampling_stages(cfg, m, turns, routes)
     update_extra: tuple[str, ...] = ("rollout_log_prob",) + (("response_version",) if m.versioned else ()) + routes
@@ -239,7 +253,8 @@ def _sampling_stages(cfg: Config, m: Modes, turns: tuple[str, ...], routes: tupl
             ("response_ids", "rollout_log_prob", "response_length")
             + (("response_version",) if m.versioned else ())
             + routes
-            + (turns + ("env_reward",) if turns else ()),
+            + (turns + ("env_reward",) if turns else ())
+            + (("agent_prompt_ids",) if m.agent else ()),
             ("rollout",),
             group_granular=True,
             layout="gen",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from spmd_rl.config.layout import Layouts
@@ -22,6 +23,7 @@ from spmd_rl.recipe.graph import Modes, Stage, fused_stages
 from spmd_rl.engines.base import Engine
 from spmd_rl.envs.factory import environment_factory
 from spmd_rl.envs.multi_turn import MultiTurnRollout, TurnLimits
+from spmd_rl.gateway.rollout import AgentRollout, agent_rollout
 from spmd_rl.reshard.residency import Residency
 from spmd_rl.trainer.ledger import PromptLedger
 
@@ -98,11 +100,14 @@ class Run:
         return ModelArch.from_folder(self.cfg.model.path)
 
     @cached_property
-    def turns(self) -> MultiTurnRollout | None:
-        """Multi-turn rollouts through this rank's engine (``rollout.environment``), else None."""
+    def turns(self) -> MultiTurnRollout | AgentRollout | None:
+        """Multi-turn rollouts through this rank's engine: an environment's (``rollout.environment``)
+        or an agent's through this rank's gateway (``rollout.agent``); else None."""
         r = self.cfg.rollout
         if not self.modes.multi_turn or self.rollout is None:
             return None
+        if self.modes.agent:
+            return agent_rollout(self.cfg, self.rollout, self.tokenizer, Path(self.cfg.model.path).name)
         return MultiTurnRollout(
             self.rollout,
             self.tokenizer,

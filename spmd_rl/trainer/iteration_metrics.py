@@ -5,6 +5,7 @@ values taken as they are. ``finish`` derives the per-sample and per-token means.
 from __future__ import annotations
 
 from spmd_rl.envs.trajectory import STATS
+from spmd_rl.gateway.records import AGENT_STATS
 from spmd_rl.trainer.metrics import global_maxes, global_sums
 from spmd_rl.trainer.stages import StageResult
 
@@ -28,7 +29,8 @@ def turn_metrics(g: dict[str, float]) -> dict[str, float]:
     """Multi-turn metrics from the summed counts of the trajectories that ended (none single-turn)."""
     if "turns" not in g:
         return {}
-    return {"turns_mean": g["turns"] / max(g["trajectories"], 1.0)} | {k: g[k] for k in _COUNTS + ("trajectories",)}
+    counts = _COUNTS + ("trajectories",) + tuple(k for k in AGENT_STATS if k in g)
+    return {"turns_mean": g["turns"] / max(g["trajectories"], 1.0)} | {k: g[k] for k in counts}
 
 
 class IterationMetrics:

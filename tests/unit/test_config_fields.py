@@ -26,6 +26,19 @@ COVERED = {
     "rollout.environment": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.max_turns": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
     "rollout.tool_timeout_s": "test_multi_turn_torchrun.py::test_turn_fields_act_and_only_sampled_tokens_are_trained",
+    "rollout.agent": "test_agent_torchrun.py::test_agent_modes_train_what_the_gateway_served",
+    "rollout.gateway.host": "test_gateway_http.py::test_outside_the_phase_a_call_gets_503_and_a_dead_key_401",
+    "rollout.gateway.port": "test_gateway_records.py::"
+    "test_the_agent_config_validates_and_what_it_cannot_serve_is_refused_by_field",
+    "rollout.gateway.concurrency": "test_gateway_http.py::"
+    "test_256_agents_at_once_are_served_recorded_exactly_and_scored_by_the_trainer",
+    "rollout.gateway.agent_timeout_s": "test_gateway_http.py::"
+    "test_a_straggling_agent_is_cut_at_its_timeout_and_keeps_what_was_sampled",
+    "rollout.gateway.tool_parser": "test_gateway_http.py::"
+    "test_the_calculator_agent_gets_tool_calls_and_its_tool_results_are_inserted",
+    "rollout.gateway.max_request_kib": "test_gateway_http.py::"
+    "test_hostile_requests_get_a_4xx_and_the_rank_keeps_serving",
+    "rollout.gateway.max_messages": "test_gateway_http.py::test_hostile_requests_get_a_4xx_and_the_rank_keeps_serving",
     "rollout.unsafe_python_without_jail": "test_env_rules.py::"
     "test_the_python_environment_runs_its_code_in_the_jail_unless_told_otherwise",
     "actor.optim.lr": "test_learning_torchrun.py",

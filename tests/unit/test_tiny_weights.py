@@ -21,6 +21,7 @@ FIXTURE = {
     "tiny-qwen2": "tiny_model",
     "tiny-qwen2-reward": "tiny_reward_model",
     "tiny-tools": "tiny_tools",
+    "tiny-agent": "tiny_agent",
     "tiny-qwen3-moe": "tiny_moe",
 }
 

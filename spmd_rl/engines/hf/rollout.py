@@ -38,7 +38,9 @@ from spmd_rl.engines.base import DTYPES, Rollout, RolloutBuild, Sample, Sampling
 log = logging.getLogger("spmd_rl")
 
 SEED_STRIDE = 1_000_003
-"""Sample i of a request seeded s uses generator seed s * SEED_STRIDE + i (n < SEED_STRIDE)."""
+"""Sample i of a request seeded s uses generator seed (s * SEED_STRIDE + i) mod 2^63 (n <
+SEED_STRIDE): a torch generator takes a 64-bit seed, and a multi-turn request's seed is a
+62-bit hash (``envs.multi_turn.request_seed``)."""
 
 
 @dataclass
@@ -107,7 +109,7 @@ class HfRollout(Rollout):
             for i in range(spec.n):
                 gen = None
                 if spec.temperature > 0:
-                    seed = spec.seed * SEED_STRIDE + i if spec.seed is not None else self._next_seed()
+                    seed = (spec.seed * SEED_STRIDE + i) % 2**63 if spec.seed is not None else self._next_seed()
                     gen = torch.Generator(self.acc.device).manual_seed(seed)
                 top_p = self.cfg.top_p if spec.top_p is None else spec.top_p
                 self._queue.append(_Row(key, i, list(context), spec.max_tokens, spec.temperature, gen, top_p))

@@ -31,6 +31,7 @@ import torch
 from spmd_rl.distributed import timeline
 from spmd_rl.engines.base import Sample
 from spmd_rl.envs.trajectory import STATS, Trajectory
+from spmd_rl.gateway.records import AGENT_STATS
 from spmd_rl.trainer.carry import Piece
 from spmd_rl.recipe.graph import Modes
 from spmd_rl.trainer.stages.registry import StageCall, StageResult, register
@@ -57,7 +58,7 @@ def rollout_groups(call: StageCall) -> Iterator[tuple[list[int], list[Sample]]]:
     if not idx:
         return
     if view.turns is not None:  # trajectories finish in any order; the groups are handed over together
-        yield idx, [_as_sample(t) for t in _trajectories(call)]
+        yield idx, [_as_sample(t, view.modes.agent) for t in _trajectories(call)]
         return
     firsts, keys, seed = batch.columns["prompt_ids"][::n], _seed_keys(call)[::n], _seed(call)
     done = call.view.replicas.finished if call.view.replicas is not None else None
@@ -98,6 +99,8 @@ def rollout_columns(samples: list[Sample]) -> dict[str, object]:
     if samples and samples[0].mask is not None:
         out["response_mask"] = [torch.tensor(s.mask, dtype=torch.uint8) for s in samples]
         out["env_reward"] = torch.tensor([s.env_reward for s in samples], dtype=torch.float32)
+    if samples and samples[0].prompt_ids is not None:
+        out["agent_prompt_ids"] = [torch.tensor(s.prompt_ids, dtype=torch.int32) for s in samples]
     return out
 
 
@@ -105,11 +108,17 @@ def _trajectories(call: StageCall) -> list[Trajectory]:
     """One multi-turn trajectory per sample of the share, in index order."""
     view, cols = call.view, call.batch.columns
     items = [(p.tolist(), view.prompts.environment_row(int(r))) for p, r in zip(cols["prompt_ids"], cols["prompt_row"])]
+    if view.modes.agent:  # the calls record the weight version the engine holds
+        version = view.policy_version if view.modes.versioned else call.it
+        return view.turns.run(items, seed=_seed(call), seed_keys=_seed_keys(call), version=version)
     return view.turns.run(items, seed=_seed(call), seed_keys=_seed_keys(call))
 
 
-def _as_sample(t: Trajectory) -> Sample:
-    return Sample(t.ids, t.logprobs, t.stopped, mask=t.mask, env_reward=t.reward, stats=dict(t.stats))
+def _as_sample(t: Trajectory, agent: bool) -> Sample:
+    prompt = t.prompt if agent else None
+    return Sample(
+        t.ids, t.logprobs, t.stopped, mask=t.mask, env_reward=t.reward, stats=dict(t.stats), prompt_ids=prompt
+    )
 
 
 @register("actor_rollout")
@@ -139,7 +148,8 @@ def turn_sums(modes: Modes, samples: list[Sample]) -> dict[str, float]:
     ``rollout.environment`` (the sums are all-reduced by key), none otherwise."""
     if not modes.multi_turn:
         return {}
-    return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in STATS}
+    keys = STATS + (AGENT_STATS if modes.agent else ())
+    return {k: float(sum(s.stats.get(k, 0) for s in samples)) for k in keys}
 
 
 def _continue(call: StageCall) -> StageResult:

@@ -40,11 +40,12 @@ def padded(columns: list[torch.Tensor], width: int, dtype: torch.dtype = torch.f
 def seq_batch(view: StageView, batch) -> SeqBatch:
     """The stage's samples as a sequence batch, carrying the ``rollout_routes`` column when the
     stage reads it (routing replay and the router metrics) and masking inserted tokens when it
-    reads ``response_mask`` (multi-turn rollouts)."""
+    reads ``response_mask`` (multi-turn rollouts); an agent's samples start from their own
+    prompts (``agent_prompt_ids``)."""
     routes = batch.columns.get("rollout_routes")
     shape = None if routes is None else (view.arch.num_layers, view.arch.experts_per_token)
     return build_batch(
-        batch.columns["prompt_ids"],
+        batch.columns["agent_prompt_ids"] if "agent_prompt_ids" in batch.columns else batch.columns["prompt_ids"],
         batch.columns["response_ids"],
         view.tokenizer.pad_token_id,
         routes,
