@@ -1,19 +1,40 @@
 """Agents the gateway's tests run (``tests/integration/test_gateway_http.py``): ordinary code
-against an OpenAI endpoint, with the ``openai`` client or plain ``httpx``."""
+against an OpenAI endpoint, with the ``openai`` client or plain ``httpx``. They run in the agent
+host's process, so what they saw goes to the JSON-lines file ``$SPMD_RL_TEST_SEEN`` (``seen``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
 import httpx
 from openai import OpenAI
 
-SEEN: dict[str, list] = {}
-"""What each agent saw, by its API key: the tests compare it with the gateway's record."""
-PEAK, _ACTIVE, _LOCK = [0], [0], threading.Lock()
-"""The most ``echo`` agents that ran at once."""
+_ACTIVE, _LOCK = [0], threading.Lock()
 STRAGGLE_S = 8.0
+
+
+def _keep(key: str, value) -> None:
+    """Append to ``$SPMD_RL_TEST_SEEN`` (nothing where it is unset: the trainer's runs)."""
+    if "SPMD_RL_TEST_SEEN" not in os.environ:
+        return
+    with _LOCK, open(os.environ["SPMD_RL_TEST_SEEN"], "a") as f:
+        f.write(json.dumps({"key": key, "value": value}) + "\n")
+
+
+def seen(path) -> dict[str, list]:
+    """What each agent saw, by its API key (the tests compare it with the gateway's record);
+    ``"active"``: how many ``echo`` agents were running as each started."""
+    out: dict[str, list] = {"active": []}
+    for line in open(path):
+        got = json.loads(line)
+        if got["key"] == "active":
+            out["active"].append(got["value"])
+        else:
+            out[got["key"]] = got["value"]
+    return out
 
 
 def straggler(base_url: str, api_key: str, row: dict) -> None:
@@ -28,7 +49,8 @@ def echo(base_url: str, api_key: str, row: dict) -> float:
     """Two calls: an answer, then (after a tool message) another; keeps each reply's tokens' log-probs."""
     with _LOCK:
         _ACTIVE[0] += 1
-        PEAK[0] = max(PEAK[0], _ACTIVE[0])
+        now = _ACTIVE[0]
+    _keep("active", now)
     try:
         return _echo(base_url, api_key, row)
     finally:
@@ -46,7 +68,7 @@ def _echo(base_url: str, api_key: str, row: dict) -> float:
         choice = reply.choices[0]
         got.append([t.logprob for t in choice.logprobs.content])
         messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "content": "ok"}]
-    SEEN[api_key] = got
+    _keep(api_key, got)
     return 0.5
 
 
@@ -58,7 +80,7 @@ def streams(base_url: str, api_key: str, row: dict) -> None:
     parts = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
     chunks = list(parts)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    SEEN[api_key] = [whole, streamed, chunks[-1].usage.completion_tokens]
+    _keep(api_key, [whole, streamed, chunks[-1].usage.completion_tokens])
 
 
 def _hostile(url: str, key: str) -> list[tuple[str, int]]:
@@ -136,4 +158,12 @@ def hostile(base_url: str, api_key: str, row: dict) -> None:
     good = OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
         model="tiny-agent", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
     )
-    SEEN[api_key] = [answered, good.choices[0].finish_reason]
+    _keep(api_key, [answered, good.choices[0].finish_reason])
+
+
+def crasher(base_url: str, api_key: str, row: dict) -> None:
+    """One call, then the agent's whole process exits (as a segfault in a native library would)."""
+    OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model="tiny-agent", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
+    )
+    os._exit(3)

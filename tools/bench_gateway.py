@@ -3,12 +3,16 @@
 (``rollout.environment: calculator``) against the same conversation as an agent calling the
 gateway over HTTP (``spmd_rl.gateway.examples.calc_tags_agent``), on one in-process vLLM engine.
 
-Same model (``assets/tiny-tools``), prompts, seeds and temperature, so both paths sample the same
-tokens (the script counts the trajectories whose tokens differ). Rounds alternate between the
-paths; prints the median seconds per rollout, sampled tokens per second of each and the gateway's
-ratio to the in-process path (issue 69's goal: at least 0.9).
+Same model, prompts, seeds and temperature, so both paths sample the same tokens (the script
+counts the trajectories whose tokens differ). Rounds alternate between the paths; prints the
+median seconds per rollout, sampled tokens per second of each, the gateway's ratio to the
+in-process path (issue 69's goal: at least 0.9) and the time it adds per call. The tiny tool model
+(``assets/tiny-tools``) generates a call in about a millisecond, so it measures the HTTP hop
+itself; the benchmark model (``assets/bench-qwen2``, random: every call runs to its limit) is a
+call whose generation costs something.
 
     python tools/bench_gateway.py --prompts 128 --repeats 5
+    python tools/bench_gateway.py --model assets/bench-qwen2 --max-tokens 256 --repeats 3
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def main() -> None:
         path.run(items[:8], seed=0)  # warm-up
     times: dict[str, list[float]] = {p: [] for p in paths}
     tokens: dict[str, list[int]] = {p: [] for p in paths}
-    differ = 0
+    differ, calls = 0, 0
     for r in range(args.repeats):
         got = {}
         for name, path in paths.items():
@@ -82,16 +86,21 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             tokens[name].append(sum(t.stats["sampled_tokens"] for t in got[name]))
         differ += sum(a.ids != b.ids for a, b in zip(got["in-process"], got["gateway"]))
+        calls = sum(t.stats["turns"] for t in got["gateway"])
     paths["gateway"].close()
     print(
-        f"{platform.processor() or platform.machine()}: {args.prompts} calculator trajectories, at most 2 turns, "
-        f"median of {args.repeats} rounds, paths alternating; trajectories whose tokens differ: {differ}"
+        f"{platform.processor() or platform.machine()}, {args.model}: {args.prompts} trajectories of the calculator's "
+        f"conversation ({calls} calls), at most {args.max_tokens} response tokens, median of {args.repeats} rounds, "
+        f"paths alternating; trajectories whose tokens differ: {differ}"
     )
-    print(f"{'path':12s} {'s/rollout':>10s} {'sampled tok/s':>14s} {'vs in-process':>14s}")
-    base = statistics.median(tokens["in-process"]) / statistics.median(times["in-process"])
+    print(f"{'path':12s} {'s/rollout':>10s} {'sampled tok/s':>14s} {'vs in-process':>14s} {'added ms/call':>14s}")
+    base_s = statistics.median(times["in-process"])
+    base = statistics.median(tokens["in-process"]) / base_s
     for name in paths:
-        rate = statistics.median(tokens[name]) / statistics.median(times[name])
-        print(f"{name:12s} {statistics.median(times[name]):10.3f} {rate:14.1f} {rate / base:13.3f}x")
+        med = statistics.median(times[name])
+        rate = statistics.median(tokens[name]) / med
+        added = 1000 * (med - base_s) / max(calls, 1)
+        print(f"{name:12s} {med:10.3f} {rate:14.1f} {rate / base:13.3f}x {added:14.2f}")
 
 
 if __name__ == "__main__":

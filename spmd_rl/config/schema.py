@@ -119,7 +119,9 @@ class GatewayConfig(Section):
         "exposes the policy to whoever can reach it (every call still needs a key issued for one trajectory).",
     )
     port: int = Field(0, ge=0, le=65535, description="Port of the gateway; 0 = a free one (agents get the URL).")
-    concurrency: int = Field(32, gt=0, description="Agents run at once per generation rank (threads or processes).")
+    concurrency: int = Field(
+        32, gt=0, description="Agents run at once per generation rank (threads of its agent process)."
+    )
     agent_timeout_s: float = Field(
         600.0,
         gt=0.0,

@@ -1,7 +1,7 @@
 """The agent of ``rollout.agent``: a user's ``module:function``, or a command line.
 
-A function is called as ``agent(base_url, api_key, row)`` in a thread of the rank (as a user's
-``module:function`` environment is), where ``row`` is the dataset row (``prompt``, ``messages``,
+A function is called as ``agent(base_url, api_key, row)`` in a thread of the rank's agent process
+(``agent_host``), where ``row`` is the dataset row (``prompt``, ``messages``,
 ``answer``, ``data_source``, ``extra_info``). A command is started once per trajectory with
 ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` in its environment (what the ``openai`` client reads)
 and the row as one JSON line on its standard input; it is killed past

@@ -3,7 +3,8 @@ against this rank's gateway, bounded by ``rollout.gateway.concurrency``.
 
 ``run`` has the shape of ``envs.multi_turn.MultiTurnRollout.run``, so the rollout stage and the
 held-out evaluation call either: it opens a generation phase on the gateway with one fresh key per
-trajectory, runs the agents in threads while ``EnginePump`` serves their calls on this thread,
+trajectory, runs the agents in their own process (``agent_host``) while ``EnginePump`` serves their
+calls on this thread,
 then closes the phase (every key dies with it) and returns each trajectory's trained segment
 (``gateway.records``) as an ``envs.trajectory.Trajectory``: its own prompt (the agent's first
 call in that segment, ``agent_prompt_ids``), the response with its mask and log-probs, the
@@ -15,11 +16,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spmd_rl.envs.trajectory import Trajectory
-from spmd_rl.gateway.agents import load_agent, reward_of
+from spmd_rl.gateway.agent_host import AgentHost
 from spmd_rl.gateway.app import serve
 from spmd_rl.gateway.pump import EnginePump
 from spmd_rl.gateway.records import AgentRecord
@@ -40,9 +41,16 @@ class AgentSettings:
 class AgentRollout:
     def __init__(self, engine, tokenizer, settings: AgentSettings, limits: Limits, end_ids: frozenset[int]):
         self.engine, self.tokenizer, self.settings, self.end_ids = engine, tokenizer, settings, end_ids
-        self.agent = load_agent(settings.agent, settings.timeout_s)
+        self.host: AgentHost | None = None
+        self.use(settings.agent)
         self.gateway = Gateway(tokenizer, EnginePump(engine), limits)
         serve(self.gateway, settings.host, settings.port)
+
+    def use(self, agent: str) -> None:
+        """Run this agent (``rollout.agent``'s form) from the next phase on."""
+        if self.host is not None:
+            self.host.close()
+        self.host = AgentHost(agent, self.settings.timeout_s, self.settings.concurrency)
 
     def run(
         self,
@@ -59,23 +67,18 @@ class AgentRollout:
         tokens = [secrets.token_urlsafe(24) for _ in items]
         temp = self.engine.temperature if temperature is None else temperature
         self.gateway.open(Phase(temp, top_p, seed, version), {t: Lease(r, k) for t, r, k in zip(tokens, records, keys)})
-        pool = ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="spmd-rl-agent")
         try:
-            runs = [pool.submit(self._one, t, row) for t, (_, row) in zip(tokens, items)]
+            runs = [self.host.submit(self.gateway.base_url, t, row) for t, (_, row) in zip(tokens, items)]
             deadline = _Deadline(runs, self.settings.timeout_s)
             self.gateway.pump.run_until(deadline.passed)
         finally:
             self.gateway.close()
-            pool.shutdown(wait=False, cancel_futures=True)
         return [self._trajectory(k, ids, rec, run) for k, ((ids, _), rec, run) in enumerate(zip(items, records, runs))]
-
-    def _one(self, token: str, row: dict) -> float:
-        return reward_of(self.agent(self.gateway.base_url, token, row))
 
     def _trajectory(self, key: int, dataset_prompt: list[int], rec: AgentRecord, run: Future) -> Trajectory:
         reward = 0.0
-        if run.done() and not run.cancelled() and run.exception() is None:
-            reward = run.result()
+        if run.done() and run.exception() is None:
+            reward = float(run.result() or 0.0)
         else:
             problem = "timed out" if not run.done() else repr(run.exception())
             log.warning("agent of trajectory %d failed (%s): it contributes 0", key, problem)
@@ -103,6 +106,7 @@ class AgentRollout:
         )
 
     def close(self) -> None:
+        self.host.close()
         self.gateway.stop()
 
 

@@ -7,8 +7,11 @@ phase. The trainer's side (two ranks, vLLM, the dock) is ``test_agent_torchrun.p
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +24,6 @@ from spmd_rl.engines.base import RolloutBuild
 from spmd_rl.engines.rollouts import build_rollout_engine
 from spmd_rl.engines.training.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.training.token_logprob import SamplingPolicy
-from spmd_rl.gateway.agents import load_agent
 from spmd_rl.gateway.records import AgentRecord
 from spmd_rl.gateway.rollout import AgentRollout, agent_rollout
 from spmd_rl.gateway.server import Lease, Phase
@@ -29,6 +31,8 @@ from tests import gateway_agents
 from tests.conftest import REPO
 
 PROMPT_LEN, RESPONSE = 48, 112
+SEEN_FILE = Path(tempfile.mkdtemp(prefix="spmd-rl-seen-")) / "seen.jsonl"
+os.environ["SPMD_RL_TEST_SEEN"] = str(SEEN_FILE)  # the agent host inherits it
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +74,12 @@ def gateway(tiny_agent, tok, engine):
 
 
 def _run(gw: AgentRollout, agent: str, rows: list[str], tok, **kw):
-    gw.agent = load_agent(agent, 300)
+    """The agents' trajectories, and what each agent saw (``tests.gateway_agents.seen``)."""
+    gw.use(agent)
     items = [([1, 2], {"prompt": p}) for p in rows]
-    gateway_agents.SEEN.clear()
-    keys_before = set(gateway_agents.SEEN)
+    SEEN_FILE.write_text("")
     trajs = gw.run(items, seed=5, **kw)
-    return trajs, [k for k in gateway_agents.SEEN if k not in keys_before]
+    return trajs, gateway_agents.seen(SEEN_FILE)
 
 
 def trainer_logprobs(model_path, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
@@ -89,9 +93,10 @@ def trainer_logprobs(model_path, prompt: list[int], ids: list[int], temperature:
 @pytest.mark.slow
 def test_256_agents_at_once_are_served_recorded_exactly_and_scored_by_the_trainer(gateway, tok, tiny_agent):
     rows = [f"{100 + k}*{10 + k % 90}=" for k in range(256)]
-    trajs, keys = _run(gateway, "tests.gateway_agents:echo", rows, tok)
-    assert len(trajs) == 256 and len(gateway_agents.SEEN) == 256  # no agent lost
-    assert gateway_agents.PEAK[0] > 128  # rollout.gateway.concurrency: 256 ran at once (the default is 32)
+    trajs, seen = _run(gateway, "tests.gateway_agents:echo", rows, tok)
+    active = seen.pop("active")
+    assert len(trajs) == 256 and len(seen) == 256  # no agent lost
+    assert max(active) > 128  # rollout.gateway.concurrency: 256 ran at once (the default is 32)
     assert all(t.stats["turns"] == 2 and t.stats.get("agent_splits", 0) == 0 and t.reward == 0.5 for t in trajs)
     by_prompt = {}
     for t in trajs:
@@ -99,8 +104,8 @@ def test_256_agents_at_once_are_served_recorded_exactly_and_scored_by_the_traine
         by_prompt[text] = t
         # the two sampled turns are what was served: the same tokens' log-probs, in order
         assert len([r for r in _runs(t.mask) if r[2]]) == 2
-    for key, seen in gateway_agents.SEEN.items():
-        served = [lp for turn in seen for lp in turn]
+    for key, got in seen.items():
+        served = [lp for turn in got for lp in turn]
         match = [t for t in trajs if [lp for lp, m in zip(t.logprobs, t.mask) if m] == served]
         assert len(match) == 1, key
     # the trainer's log-probs of the recorded tokens are the sampler's (HF forward, same temperature)
@@ -124,15 +129,18 @@ def _runs(mask):
 
 @pytest.mark.slow
 def test_a_streamed_reply_is_the_plain_one(gateway, tok):
-    _run(gateway, "tests.gateway_agents:streams", ["123*45=", "600*70="], tok, temperature=0.0)
-    for whole, streamed, tokens in gateway_agents.SEEN.values():
+    _, seen = _run(gateway, "tests.gateway_agents:streams", ["123*45=", "600*70="], tok, temperature=0.0)
+    seen.pop("active")
+    assert len(seen) == 2
+    for whole, streamed, tokens in seen.values():
         assert whole == streamed and tokens > 0
 
 
 @pytest.mark.slow
 def test_hostile_requests_get_a_4xx_and_the_rank_keeps_serving(gateway, tok):
-    _run(gateway, "tests.gateway_agents:hostile", ["123*45="], tok)
-    ((answered, finish),) = gateway_agents.SEEN.values()
+    _, seen = _run(gateway, "tests.gateway_agents:hostile", ["123*45="], tok)
+    seen.pop("active")
+    ((answered, finish),) = seen.values()
     codes = dict(answered)
     assert len(answered) >= 30, answered
     bad = {k: v for k, v in codes.items() if not 400 <= v < 500 and k != "left mid-stream"}
@@ -243,3 +251,11 @@ def test_the_gateway_path_samples_what_the_in_process_environment_samples(tiny_t
     for e, a in zip(env, agent):
         assert a.prompt == e.prompt and a.ids == e.ids and a.mask == e.mask, (tok.decode(e.ids), tok.decode(a.ids))
         assert a.logprobs == pytest.approx(e.logprobs, abs=1e-4)  # float32 forwards of other batch compositions
+
+
+@pytest.mark.slow
+def test_an_agent_that_kills_its_process_fails_its_phase_and_the_rank_serves_the_next(gateway, tok):
+    trajs, _ = _run(gateway, "tests.gateway_agents:crasher", ["123*45=", "7*8="], tok)
+    assert all(t.stats["agent_failures"] == 1 for t in trajs), [dict(t.stats) for t in trajs]
+    again, seen = _run(gateway, "tests.gateway_agents:echo", ["123*45="], tok)
+    assert again[0].stats["turns"] == 2 and again[0].stats.get("agent_failures", 0) == 0

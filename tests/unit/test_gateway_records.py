@@ -202,3 +202,11 @@ def test_the_agent_config_validates_and_what_it_cannot_serve_is_refused_by_field
     assert "rollout.max_turns" in _problems(**{"rollout.max_turns": 3})
     plain = load_config(REPO / "configs/quickstart_tools.yaml", ["rollout.gateway.port=9000"])
     assert "rollout.gateway.port" in [v.field for v in check(plain)[1]]
+
+
+def test_the_agent_in_docs_is_the_example_the_quickstart_trains():
+    doc = (REPO / "docs/agents.md").read_text()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    source = (REPO / "spmd_rl/gateway/examples/calculator_agent.py").read_text()
+    assert block.startswith("def run(") and block in source
+    assert "spmd_rl.gateway.examples.calculator_agent:run" in (REPO / "configs/quickstart_agent.yaml").read_text()

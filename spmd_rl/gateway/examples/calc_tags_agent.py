@@ -7,16 +7,17 @@ use to compare them."""
 
 from __future__ import annotations
 
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
+from spmd_rl.gateway import examples
 from spmd_rl.envs.calculator import CALL, evaluate
 
 MAX_TURNS = 2
 
 
 def run(base_url: str, api_key: str, row: dict) -> None:
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
-    model = client.models.list().data[0].id
+    client = examples.client(base_url, api_key)
+    model = examples.served_model(client)
     messages = [{"role": "user", "content": row["prompt"]}]
     for turn in range(MAX_TURNS):
         try:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import sys
 
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
+from spmd_rl.gateway import examples
 from spmd_rl.envs.calculator import evaluate
 
 CALC = {
@@ -39,8 +40,8 @@ def tool_result(call) -> str:
 
 
 def run(base_url: str, api_key: str, row: dict) -> None:
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
-    model = client.models.list().data[0].id
+    client = examples.client(base_url, api_key)
+    model = examples.served_model(client)
     messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
     for turn in range(MAX_CALLS + 1):
         try:

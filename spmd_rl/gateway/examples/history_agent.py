@@ -5,12 +5,12 @@ trajectory (``agent_splits``) and trains the last segment (docs/agents.md)."""
 
 from __future__ import annotations
 
-from openai import OpenAI
+from spmd_rl.gateway import examples
 
 
 def run(base_url: str, api_key: str, row: dict) -> None:
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
-    model = client.models.list().data[0].id
+    client = examples.client(base_url, api_key)
+    model = examples.served_model(client)
     question = {"role": "user", "content": row["prompt"]}
     first = client.chat.completions.create(model=model, messages=[question], max_tokens=8)
     said = first.choices[0].message.content or ""
