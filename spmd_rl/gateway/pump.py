@@ -19,28 +19,37 @@ from concurrent.futures import Future
 from spmd_rl.data.sampling import Sample, SamplingSpec
 
 
+class PhaseClosed(RuntimeError):
+    """A request queued after its generation phase ended."""
+
+
 class EnginePump:
     def __init__(self, engine):
         self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[Future, list[int], SamplingSpec]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Future, list[int], SamplingSpec, object]] = queue.SimpleQueue()
+        self.phase: object = None
+        """The open phase (``server.Phase``): a request asked for in another is failed, never run."""
         self._waiting: dict[int, Future] = {}
         self._keys = itertools.count()
 
-    def ask(self, context: list[int], spec: SamplingSpec) -> Future:
-        """Queue a request (any thread); the future resolves to its ``spec.n`` samples."""
+    def ask(self, context: list[int], spec: SamplingSpec, phase: object) -> Future:
+        """Queue a request of ``phase`` (any thread); the future resolves to its ``spec.n`` samples."""
         fut: Future = Future()
-        self._inbox.put((fut, context, spec))
+        self._inbox.put((fut, context, spec, phase))
         return fut
 
     def _submit_queued(self, wait_s: float = 0.0) -> None:
         """Submit every queued request; with ``wait_s``, first wait that long for one."""
         while True:
             try:
-                fut, context, spec = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
+                fut, context, spec, phase = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             except queue.Empty:
                 return
             wait_s = 0.0
             if not fut.set_running_or_notify_cancel():
+                continue
+            if phase is not self.phase:
+                fut.set_exception(PhaseClosed("the request's generation phase is over"))
                 continue
             key = next(self._keys)
             try:
@@ -61,6 +70,19 @@ class EnginePump:
                 return
             else:
                 self._submit_queued(idle_wait_s)
+
+    def drain(self) -> int:
+        """Fail every request still queued (its phase closed before it reached the engine: its
+        handler answers 503); returns how many."""
+        failed = 0
+        while True:
+            try:
+                fut, _, _, _ = self._inbox.get_nowait()
+            except queue.Empty:
+                return failed
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(PhaseClosed("the generation phase closed before this request reached the engine"))
+                failed += 1
 
     def _resolve(self, key: int, samples: list[Sample]) -> None:
         fut = self._waiting.pop(key, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ class AgentRollout:
             log.warning("agent of trajectory %d failed (%s): it contributes 0", key, problem)
             rec.stats["agent_failures"] += 1
         tip = rec.trained()
-        stats = rec.stats
+        stats = Counter(rec.stats)  # a copy: a straggler's late call cannot change what was returned
         stats.pop("calls", None)
         if tip is None:
             return Trajectory(key, list(dataset_prompt), [], None, reward=reward, stats=stats, done=True)

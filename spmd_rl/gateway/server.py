@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from spmd_rl.data.sampling import Sample, SamplingSpec
 from spmd_rl.envs.multi_turn import request_seed
 from spmd_rl.gateway import protocol, toolcalls
-from spmd_rl.gateway.pump import EnginePump
+from spmd_rl.gateway.pump import EnginePump, PhaseClosed
 from spmd_rl.gateway.records import AgentRecord, Plan
 
 log = logging.getLogger("spmd_rl")
@@ -84,10 +84,14 @@ class Gateway:
     # -- the trainer's side ------------------------------------------------------------------
     def open(self, phase: Phase, leases: dict[str, Lease]) -> None:
         self.leases, self.phase = dict(leases), phase
+        self.pump.phase = phase
 
     def close(self) -> None:
-        """End the phase: every key issued for it is dead."""
+        """End the phase: every key issued for it is dead, and a request that passed its key
+        check but had not reached the engine is answered 503."""
         self.phase, self.leases = None, {}
+        self.pump.phase = None
+        self.pump.drain()
 
     def stop(self) -> None:
         if self.server is not None:
@@ -130,7 +134,10 @@ class Gateway:
         call = lease.record.call_number()
         seed = None if phase.seed is None else request_seed(phase.seed, lease.seed_key, call)
         spec = SamplingSpec(max_tokens, phase.temperature, seed, n, phase.top_p)
-        return await asyncio.wrap_future(self.pump.ask(prompt, spec))
+        try:
+            return await asyncio.wrap_future(self.pump.ask(prompt, spec, phase))
+        except PhaseClosed:
+            raise Refused(503, "the generation phase closed: retry after the update", "unavailable") from None
 
     def cut_at_stop(self, sample: Sample, stops: list[str] | None) -> tuple[Sample, str]:
         """The sample cut after the token that completes its first stop string (the tokens past

@@ -210,3 +210,40 @@ def test_the_agent_in_docs_is_the_example_the_quickstart_trains():
     source = (REPO / "spmd_rl/gateway/examples/calculator_agent.py").read_text()
     assert block.startswith("def run(") and block in source
     assert "spmd_rl.gateway.examples.calculator_agent:run" in (REPO / "configs/quickstart_agent.yaml").read_text()
+
+
+class _Instant:
+    """An engine that finishes every request at its next step with two tokens."""
+
+    def __init__(self):
+        self.queued, self.submitted = [], 0
+
+    def submit(self, requests, specs):
+        self.queued += [k for k, _ in requests]
+        self.submitted += len(requests)
+
+    def busy(self):
+        return bool(self.queued)
+
+    def step(self):
+        done, self.queued = self.queued, []
+        return [(k, [Sample([5, 6], [-0.1, -0.2], True)]) for k in done]
+
+
+def test_a_request_of_a_closed_phase_never_reaches_the_engine():
+    from spmd_rl.data.sampling import SamplingSpec
+    from spmd_rl.gateway.pump import EnginePump, PhaseClosed
+
+    engine = _Instant()
+    pump, old, new = EnginePump(engine), object(), object()
+    pump.phase = new
+    stale, fresh = pump.ask([1], SamplingSpec(2, 1.0), old), pump.ask([1], SamplingSpec(2, 1.0), new)
+    pump.run_until(lambda: True)
+    assert fresh.result()[0].token_ids == [5, 6] and engine.submitted == 1
+    with pytest.raises(PhaseClosed):
+        stale.result()
+    late = pump.ask([1], SamplingSpec(2, 1.0), new)
+    pump.phase = None  # the phase closes with the request still queued
+    assert pump.drain() == 1 and engine.submitted == 1
+    with pytest.raises(PhaseClosed):
+        late.result()
