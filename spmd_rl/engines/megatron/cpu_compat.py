@@ -1,7 +1,7 @@
 """megatron-core 0.16.1 on a CPU-only torch (gloo): the few places where mcore assumes CUDA.
 
-Applied once per process by :func:`apply`, and only when the device is CPU; nothing here runs
-on cuda or npu. Each patch names what it replaces and why:
+Applied once per process by :func:`apply`, and only when the device is CPU; nothing here but
+patch 5 runs on cuda or npu. Each patch names what it replaces and why:
 
 1. ``get_default_causal_mask`` (``transformer/utils.py``, imported by name into
    ``fusions/fused_softmax.py``) builds its mask with ``device="cuda"``: rebuilt on the CPU.
@@ -14,7 +14,10 @@ on cuda or npu. Each patch names what it replaces and why:
    saves and restores the CPU generator's state instead of a CUDA one.
 5. ``WrappedTorchNorm`` (the local spec's RMSNorm) refuses sequence parallel: it is built with
    the flag off and its parameters are tagged ``sequence_parallel``, so that
-   ``finalize_model_grads`` sums their gradients over TP as it does for TE's norms.
+   ``finalize_model_grads`` sums their gradients over TP as it does for TE's norms. This one is
+   not about the CPU: the local spec uses that norm wherever TransformerEngine is absent, so
+   :func:`apply_norm_sequence_parallel` applies it on every device (when it was part of
+   :func:`apply`, every TP + SP build on a GPU failed at that assert).
 6. The pipeline schedules count tokens in ``torch.zeros([], device="cuda")``: their module's
    ``torch`` is a proxy whose ``zeros`` puts a "cuda" tensor on the CPU (a mode around every
    forward and backward, as below, costs a Python call per torch function).
@@ -47,6 +50,7 @@ _CUDA_TYPE = {
     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
 }
 _applied = False
+_norm_applied = False
 
 
 def _is_cuda(device) -> bool:
@@ -81,25 +85,14 @@ def apply_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def apply(device: torch.device) -> None:
-    """Apply patches 1-7 (module docstring) once, on the CPU only."""
-    global _applied
-    if device.type != "cpu" or _applied:
+def apply_norm_sequence_parallel() -> None:
+    """Patch 5 (module docstring), once, on every device."""
+    global _norm_applied
+    if _norm_applied:
         return
-    _applied = True
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.pipeline_parallel.schedules as schedules
-    from megatron.core.tensor_parallel import random as tp_random
+    _norm_applied = True
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     build = WrappedTorchNorm.__new__
 
     def norm_with_sp(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
@@ -113,6 +106,26 @@ def apply(device: torch.device) -> None:
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(norm_with_sp)
+
+
+def apply(device: torch.device) -> None:
+    """Apply patches 1-4, 6 and 7 (module docstring) once, on the CPU only."""
+    global _applied
+    if device.type != "cpu" or _applied:
+        return
+    _applied = True
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.tensor_parallel import random as tp_random
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     schedules.torch = _CpuZeros()
     token_dispatcher.torch = _CpuStreams()
     to_host = moe_utils.maybe_move_tensor_to_cpu

@@ -62,11 +62,19 @@ def _prepare_megatron(device: torch.device, tp: int, pp: int, ep: int) -> None:
     groups (``parallel_state``) for this TP x PP x EP layout."""
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines print every config it builds
     warnings.filterwarnings("ignore", module=r"megatron\.")
+    patch_megatron(device)
+    init_groups(tp, pp, device, ep)
+
+
+def patch_megatron(device: torch.device) -> None:
+    """What megatron-core needs before a build on ``device``: the CPU patches there, on every device
+    the norm's sequence parallel and the TransformerEngine-less gating (``cpu_compat``), MindSpeed
+    on NPU."""
     cpu_compat.apply(device)
+    cpu_compat.apply_norm_sequence_parallel()
     cpu_compat.apply_without_te()
     if device.type == "npu":
         _mindspeed_adaptor()
-    init_groups(tp, pp, device, ep)
 
 
 class MegatronEngine(Engine):
