@@ -8,8 +8,9 @@ device. The engine's use of vLLM
 (``LLM(...)`` options, ``SamplingParams``, ``LLM.enqueue``/``collective_rpc``, sleep and wake-up,
 the worker extension, ``reload_weights``, request ids) was read in the sources of every release
 from 0.26.0 to 0.33.0 and is the same in all, but for what this module handles and three
-differences that only a device can judge, left as they are: 0.26's ``Worker.reload_weights``
-does not enter vLLM's config context (0.27 and later do); 0.26-0.28 run MoE architectures
+differences that only a device can judge: 0.26's ``Worker.reload_weights`` does not enter vLLM's
+config context (0.27 and later do), so the engine reloads through its worker extension's
+``reload_in_config``, which enters it on every release; 0.26-0.28 run MoE architectures
 outside a short list (Qwen3-MoE among them) and route recording on the V1 model runner, later
 releases on V2; 0.26 keeps the CUDA-graph pool on the device while asleep (memory, not
 behaviour). What this module handles:

