@@ -17,6 +17,9 @@ saw, and a failing one says the fix; the command exits 0 when nothing failed, 2 
 - free space in ``/dev/shm`` against ``SHM_NEED``: NCCL / HCCL keep their intra-node buffers
   there (containers default to 64 MiB, which stops NCCL), vLLM's CPU communicators one segment
   per TP rank;
+- on a GPU node, what would end the first run early (``launcher.device_checks``): expandable
+  segments beside vLLM's sleep mode, no C compiler where Triton builds its launcher, a driver
+  older than torch's CUDA;
 - with ``rollout.environment: python``, how this node limits a tool call (``envs.jail``): a
   cgroup per call holding the memory and tasks of all its processes together, or, where none
   can be made, each process's own limits only (a warning: a call's memory is then up to its
@@ -29,10 +32,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from spmd_rl.engines.vllm import compat
+from spmd_rl.launcher.check import Check
+from spmd_rl.launcher.device_checks import device_checks
 from spmd_rl.recipe.estimates import tcv_per_warehouse
 from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
@@ -49,19 +53,6 @@ CPU TP segments are a few MiB each."""
 SHM_DIR = Path("/dev/shm")
 ADAPTER_PREFIX = "spmd-rl-lora-"
 """``engines.vllm.adapter_sync.ROOT_PREFIX`` (not imported: doctor stays free of torch)."""
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    warn: bool = False
-
-    def line(self) -> str:
-        tag = "FAIL" if not self.ok else "warn" if self.warn else "ok"
-        return f"{tag:4s}  {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
 
 
 def _version(package: str) -> str | None:
@@ -258,5 +249,9 @@ def tool_jail(cfg: Config) -> Check:
 
 
 def diagnose(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Check]:
+    from spmd_rl.distributed.accelerator import detect
+
     jail = [tool_jail(cfg)] if cfg.rollout.environment == "python" else []
-    return [*versions(), devices(cfg), etcd(cfg), dock_ports(cfg, lay), host_memory(cfg, arch, lay), shm(cfg), *jail]
+    kind = detect(cfg.trainer.device).kind
+    base = [*versions(), devices(cfg), etcd(cfg), dock_ports(cfg, lay), host_memory(cfg, arch, lay), shm(cfg, kind)]
+    return [*base, *jail, *device_checks(cfg, arch, kind)]
