@@ -19,8 +19,8 @@ generation when there are two ranks or more):
 Checks: every run exits 0; ``logprob_mismatch_mean`` (vLLM's log-probs against the trainer's,
 per token) is below ``--mismatch`` at iteration 0 and after an update (catches wrong TP slices
 and stale weights); as generation starts, allgather-swap holds less than naive by at least
-0.9 x the actor's training state that ``plan`` predicts (device bytes in use from the driver
-off CPU, the residency ledger on CPU); the resumed run starts at iteration 2 and trains.
+0.9 x the actor's training state that ``plan`` predicts (bytes torch's allocator holds in the
+rank's process off CPU, the residency ledger on CPU); the resumed run starts at iteration 2 and trains.
 Extra ``key=value`` arguments go to every run's config.
 """
 
@@ -108,7 +108,11 @@ def train_state_bytes(args: argparse.Namespace, n: int) -> int:
 
 
 def memory(row: dict, phase: str) -> float:
-    return row.get(f"mem_{phase}_device_bytes", row[f"mem_{phase}_bytes"])
+    """Bytes held at a phase's entry as the swap check compares them: off CPU, what torch's
+    allocator holds in tensors in the rank's process (``mem_<phase>_allocated_bytes``); the
+    driver's total - free of two runs differs by their pools and contexts, more than the tiny
+    model's whole training state (issue 70, finding 2). On CPU, the residency ledger."""
+    return row.get(f"mem_{phase}_allocated_bytes", row[f"mem_{phase}_bytes"])
 
 
 def check_mismatch(name: str, rows: list[dict], limit: float) -> None:
@@ -175,8 +179,8 @@ def main() -> int:
         print(f"FAILED {exc}", file=sys.stderr)
         return 1
     source = (
-        "device bytes in use (mem_get_info)"
-        if "mem_actor_rollout_device_bytes" in table["naive"][-1]
+        "bytes torch's allocator holds (memory_allocated)"
+        if "mem_actor_rollout_allocated_bytes" in table["naive"][-1]
         else "ledger bytes (CPU)"
     )
     print(f"device {args.device}, {n} rank(s), bf16; memory per stage entry: {source}, max over ranks (MiB)")

@@ -71,6 +71,12 @@ class Accelerator:
         free, total = getattr(torch, self.kind).mem_get_info(self.device)
         return int(total - free)
 
+    def allocated_bytes(self) -> int | None:
+        """Bytes this process's torch allocator holds in tensors now (``memory_allocated``): the
+        training state, not vLLM's cumem pool nor the pools and contexts that make the driver's
+        count differ from process to process. None on CPU."""
+        return None if self.kind == "cpu" else int(getattr(torch, self.kind).memory_allocated(self.device))
+
     def device_free_bytes(self) -> int | None:
         """Free device bytes from the driver; None on CPU."""
         return None if self.kind == "cpu" else int(getattr(torch, self.kind).mem_get_info(self.device)[0])

@@ -52,6 +52,7 @@ class Residency:
         self.actor_version, self.rollout_version = 0, -1 if resharder.train is not None else 0
         self.ledger = Ledger()
         self.device_bytes: dict[str, int] = {}
+        self.allocated_bytes: dict[str, int] = {}
 
     # -- moves ----------------------------------------------------------------------------------
     def _tensors(self, role: str) -> list:
@@ -124,19 +125,25 @@ class Residency:
         if self.rollout is not None and self.rollout.resident():
             row["rollout_weights"], row["kv_cache"] = self.rollout.weight_bytes(), self.rollout.kv_cache_bytes()
         self.ledger.record(phase, **row)
-        used = self.acc.device_used_bytes()
+        used, allocated = self.acc.device_used_bytes(), self.acc.allocated_bytes()
         if used is not None:
             self.device_bytes[phase] = used
+        if allocated is not None:
+            self.allocated_bytes[phase] = allocated
 
     def iteration_memory(self, phases: list[str]) -> dict[str, float]:
         """Metrics of this rank: the ledger total at each phase's entry (``mem_<phase>_bytes``),
         off CPU the device bytes in use then (``mem_<phase>_device_bytes``, from the driver: vLLM's
-        memory included), and the reference's resident bytes at the last phase (0 when it went back to host)."""
+        memory included) and the bytes torch's allocator holds in tensors (``mem_<phase>_allocated_bytes``:
+        the training state without vLLM's pool), and the reference's resident bytes at the last phase (0 when it
+        went back to host)."""
         out = {}
         for p in phases:
             out[f"mem_{p}_bytes"] = float(self.ledger.total(p))
             if p in self.device_bytes:
                 out[f"mem_{p}_device_bytes"] = float(self.device_bytes[p])
+            if p in self.allocated_bytes:
+                out[f"mem_{p}_allocated_bytes"] = float(self.allocated_bytes[p])
         if "ref" in self.engines:
             out["ref_resident_bytes"] = float(self.ledger.last(phases[-1])["ref_params"])
         return out

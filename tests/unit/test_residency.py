@@ -113,3 +113,30 @@ def test_pinned_roles_stay_resident():
     for phase, roles in [("actor_rollout", ("rollout",)), ("advantage", ()), ("actor_update", ("actor",))]:
         res.enter(phase, roles)
         assert res.ledger.resident_roles(phase) == (set(roles) or {"rollout"}) | {"ref"}
+
+
+def test_off_cpu_each_phase_records_what_the_allocator_holds_beside_the_drivers_count():
+    """The swap check of tools/gpu_smoke.py compares ``mem_<phase>_allocated_bytes`` (this
+    process's allocator) between runs, not the driver's total - free (issue 70, finding 2)."""
+    import tools.gpu_smoke as smoke
+
+    res, _, _, _ = _setup()
+    counts = iter([(1000, 40), (1500, 90)])
+
+    class Device(type(res.acc)):
+        def device_used_bytes(self):
+            return self.now[0]
+
+        def allocated_bytes(self):
+            return self.now[1]
+
+    res.acc.__class__ = Device
+    for phase in ("actor_rollout", "actor_update"):
+        res.acc.now = next(counts)
+        res.enter(phase, ("rollout",) if phase == "actor_rollout" else ("actor",))
+    got = res.iteration_memory(["actor_rollout", "actor_update"])
+    assert got["mem_actor_rollout_allocated_bytes"] == 40 and got["mem_actor_update_allocated_bytes"] == 90
+    assert got["mem_actor_update_device_bytes"] == 1500
+    assert smoke.memory(got, "actor_update") == 90  # the allocator's count, not the driver's
+    del got["mem_actor_update_allocated_bytes"]
+    assert smoke.memory(got, "actor_update") == got["mem_actor_update_bytes"]  # CPU: the ledger
