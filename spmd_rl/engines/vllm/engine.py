@@ -9,17 +9,17 @@ in vLLM's config context on every release), followed by ``reset_prefix_cache``.
 
 Under separated placement (``own_process=True``) only the generators host an engine, so it
 cannot share the torch world (vLLM would form its groups over every rank): it runs in its own
-engine-core process with a one-rank world of its own, and new weights reach it as a file
-(``engines.vllm.weight_receiver``).
+engine-core process with a one-rank world of its own, and new weights reach it as a file in
+shared memory (``engines.vllm.handoff``, read by ``engines.vllm.weight_receiver``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import os
-import tempfile
 from collections.abc import Iterable
 
 import torch
@@ -29,7 +29,7 @@ from spmd_rl.config.rollout_engines import ROLLOUTS
 from spmd_rl.distributed import teardown
 from spmd_rl.engines.base import Rollout, RolloutBuild, Sample, SamplingSpec
 from spmd_rl.distributed import orphan_watch
-from spmd_rl.engines.vllm import weight_file
+from spmd_rl.engines.vllm import handoff, weight_file
 from spmd_rl.engines.vllm import shm as vllm_shm
 from spmd_rl.engines.vllm.adapter_sync import AdapterSync
 from spmd_rl.engines.vllm import compat, cpu_kernels
@@ -159,6 +159,8 @@ class VllmRollout(Rollout):
         if record_routes and acc.kind == "cpu":  # on a device vLLM returns them itself (engines.vllm.options)
             self.llm.collective_rpc("start_routes")
         if own_process:  # the engine core must not outlive this rank (distributed.orphan_watch)
+            self.handoff = handoff.Handoff()
+            atexit.register(self.handoff.close)
             self._watch = orphan_watch.OrphanWatch()
             self._watch.watch(orphan_watch.children() - before - {self._watch.proc.pid})
         else:  # every rank has mapped its communicators' segments: their names must not outlive it
@@ -256,10 +258,12 @@ class VllmRollout(Rollout):
                     "an engine in its own process loads weights from a file whose header needs meta=[(name, dtype, "
                     "shape)]"
                 )
-            with tempfile.TemporaryDirectory(prefix="spmd-rl-weights-") as folder:  # mode 0700
-                path = os.path.join(folder, "weights.safetensors")
-                weight_file.write(path, meta, iter(weights))
-                self.llm.collective_rpc("load_weights_file", args=(path, is_cpu))
+            path = self.handoff.path_for(handoff.update_bytes(meta))
+            try:
+                weight_file.write(str(path), meta, iter(weights))
+                self.llm.collective_rpc("load_weights_file", args=(str(path), is_cpu))
+            finally:
+                path.unlink(missing_ok=True)
         else:
             self.llm.collective_rpc(
                 "reload_in_config", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
