@@ -25,6 +25,7 @@ from spmd_rl.engines.rollouts import build_rollout_engine
 from spmd_rl.engines.training.logprobs import build_batch, response_logprobs
 from spmd_rl.engines.training.token_logprob import SamplingPolicy
 from spmd_rl.gateway.records import AgentRecord
+from spmd_rl.envs.trajectory import mask_runs
 from spmd_rl.gateway.rollout import AgentRollout, agent_rollout
 from spmd_rl.gateway.server import Lease, Phase
 from tests import gateway_agents
@@ -103,7 +104,7 @@ def test_256_agents_at_once_are_served_recorded_exactly_and_scored_by_the_traine
         text = tok.decode(t.prompt)
         by_prompt[text] = t
         # the two sampled turns are what was served: the same tokens' log-probs, in order
-        assert len([r for r in _runs(t.mask) if r[2]]) == 2
+        assert len([r for r in mask_runs(t.mask) if r[2]]) == 2
     for key, got in seen.items():
         served = [lp for turn in got for lp in turn]
         match = [t for t in trajs if [lp for lp, m in zip(t.logprobs, t.mask) if m] == served]
@@ -114,17 +115,6 @@ def test_256_agents_at_once_are_served_recorded_exactly_and_scored_by_the_traine
         sampled = torch.tensor(t.mask, dtype=torch.bool)
         assert torch.allclose(ours[sampled], torch.tensor(t.logprobs)[sampled], atol=1e-4)
         assert tok.decode(t.prompt + t.ids).count("<|im_start|>tool\nok<|im_end|>") == 1
-
-
-def _runs(mask):
-    out, j = [], 0
-    while j < len(mask):
-        k = j
-        while k < len(mask) and mask[k] == mask[j]:
-            k += 1
-        out.append((j, k, mask[j]))
-        j = k
-    return out
 
 
 @pytest.mark.slow
